@@ -1,0 +1,33 @@
+# make demo  — set up .venv from the project's own files, then run the main job (shapes GRPO on the tiny SD3)
+# make test  — set up .venv, then run the whole test suite
+# make bench — set up .venv, then run the quick benchmarks
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.grove-installed
+export MUJOCO_GL ?= egl
+export PYOPENGL_PLATFORM ?= egl
+export HF_HUB_OFFLINE ?= 1
+export TOKENIZERS_PARALLELISM ?= false
+
+.PHONY: setup demo test bench clean
+
+$(STAMP): pyproject.toml constraints.txt
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade "pip>=24"
+	$(PY) -m pip install -q -c constraints.txt -e ".[dev,robotics]"
+	@touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: setup
+	$(VENV)/bin/grove train
+
+test: setup
+	$(PY) -m pytest -q
+
+bench: setup
+	$(VENV)/bin/grove bench core --quick --out runs/bench-core
+
+clean:
+	rm -rf runs .pytest_cache

@@ -1,0 +1,141 @@
+"""Checkpoints: atomic, checksummed, keep-last-N, safetensors for weights.
+
+Layout of ``RUN/checkpoints/step_000010/``::
+
+    model.safetensors   the domain's trainable weights (``Domain.state_dict``)
+    optimizer.pt        optimizer state (tensors + numbers only; loaded with ``weights_only=True``)
+    state.json          iteration, LR schedule, selector/VADE state, domain extra state, RNG states
+    manifest.json       sha256 of every file above — written last: a checkpoint without a valid manifest is
+                        partial or corrupt and is skipped (loudly) in favour of the previous one
+
+A checkpoint is written into ``.tmp-step_xxx`` and renamed into place, so a kill at any moment leaves either
+the old set or the new one, never half a checkpoint under a final name.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+def rng_state() -> dict[str, Any]:
+    """Python, NumPy and torch RNG states as JSON-serialisable values."""
+    py = random.getstate()
+    np_state = np.random.get_state()
+    return {
+        "python": [py[0], list(py[1]), py[2]],
+        "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+        "torch": torch.get_rng_state().tolist(),
+    }
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    py = state["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    n = state["numpy"]
+    np.random.set_state((n[0], np.array(n[1], dtype=np.uint32), n[2], n[3], n[4]))
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+
+
+def save_checkpoint(
+    ckpt_root: Path,
+    iteration: int,
+    model_state: dict[str, torch.Tensor],
+    optimizer_state: dict[str, Any] | None,
+    state: dict[str, Any],
+    keep_last: int = 2,
+) -> Path:
+    """Write checkpoint ``step_{iteration:06d}`` atomically; prune to the newest ``keep_last``."""
+    ckpt_root.mkdir(parents=True, exist_ok=True)
+    final = ckpt_root / f"step_{iteration:06d}"
+    tmp = ckpt_root / f".tmp-step_{iteration:06d}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    tensors = {k: v.detach().cpu().contiguous() for k, v in model_state.items()}
+    save_file(tensors, str(tmp / "model.safetensors"))
+    if optimizer_state is not None:
+        torch.save(optimizer_state, tmp / "optimizer.pt")
+    (tmp / "state.json").write_text(json.dumps(state))
+    manifest = {p.name: _sha256(p) for p in sorted(tmp.iterdir())}
+    (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    for p in tmp.iterdir():
+        with open(p, "rb") as f:
+            os.fsync(f.fileno())
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync_dir(ckpt_root)
+    for old in list_checkpoints(ckpt_root)[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def list_checkpoints(ckpt_root: Path) -> list[Path]:
+    """Final-named checkpoint dirs, oldest first."""
+    if not ckpt_root.is_dir():
+        return []
+    return sorted(p for p in ckpt_root.iterdir() if p.is_dir() and p.name.startswith("step_"))
+
+
+def verify_checkpoint(path: Path) -> str | None:
+    """None when every file matches the manifest, else what is wrong."""
+    manifest_path = path / "manifest.json"
+    if not manifest_path.is_file():
+        return "no manifest.json (partial write)"
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except json.JSONDecodeError:
+        return "manifest.json is not valid JSON"
+    for name, digest in manifest.items():
+        f = path / name
+        if not f.is_file():
+            return f"{name} is missing"
+        if _sha256(f) != digest:
+            return f"{name} fails its checksum"
+    return None
+
+
+def load_latest_checkpoint(ckpt_root: Path, log=print) -> tuple[Path, dict[str, torch.Tensor], dict | None, dict] | None:
+    """Newest valid checkpoint as (path, model_state, optimizer_state, state); corrupt ones are skipped loudly."""
+    for path in reversed(list_checkpoints(ckpt_root)):
+        problem = verify_checkpoint(path)
+        if problem:
+            msg = f"checkpoint {path} is unusable ({problem}); falling back to the previous one"
+            warnings.warn(msg)
+            log(f"WARNING: {msg}")
+            continue
+        model_state = load_file(str(path / "model.safetensors"))
+        opt_path = path / "optimizer.pt"
+        optimizer_state = torch.load(opt_path, weights_only=True) if opt_path.is_file() else None
+        state = json.loads((path / "state.json").read_text())
+        return path, model_state, optimizer_state, state
+    return None

@@ -1,0 +1,213 @@
+"""The ``grove`` command line.
+
+    grove train [CONFIG] [--out DIR] [--resume DIR] [key=value ...]   RL (or supervised, by the config's kind)
+    grove pretrain CONFIG [--out DIR] [key=value ...]                  supervised pretraining (kind: supervised)
+    grove eval RUN_DIR [key=value ...]                                 evaluate a run's latest checkpoint
+    grove bench NAME [--out DIR] [--quick]                             a benchmark -> DIR/results.json
+    grove robotics collect ...                                         robotics tools (demonstrations)
+
+Bad input exits with code 2 and one line ``grove: error: ...``; nothing half-written is left behind.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from .config import ConfigError, apply_overrides, dump_train_config, load_train_config, load_yaml
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_CONFIG = REPO_ROOT / "configs" / "visgen" / "shapes_grpo.yaml"
+FALLBACK_CONFIG = REPO_ROOT / "configs" / "toy.yaml"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # argparse's own errors: same one-line form, exit 2
+        raise ConfigError(message)
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _default_run_dir(config_path: Path) -> Path:
+    return Path("runs") / f"{config_path.stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+class _RunDir:
+    """Create the run directory lazily; remove it again if setup fails before anything useful is written."""
+
+    def __init__(self, path: Path, resume: bool) -> None:
+        self.path = path
+        self.created = False
+        if not resume and path.exists() and any(path.iterdir()):
+            raise ConfigError(f"run directory {str(path)!r} is not empty; pass --resume {path} to continue it or choose another --out")
+        if resume and not (path / "config.yaml").is_file():
+            raise ConfigError(f"--resume {str(path)!r}: no config.yaml there (not a grove run directory)")
+
+    def create(self) -> Path:
+        if not self.path.exists():
+            self.path.mkdir(parents=True)
+            self.created = True
+        return self.path
+
+    def discard(self) -> None:
+        if self.created:
+            shutil.rmtree(self.path, ignore_errors=True)
+
+
+def _load_config(args) -> tuple[dict, Path]:
+    if args.resume:
+        config_path = Path(args.resume) / "config.yaml"
+    elif args.config:
+        config_path = Path(args.config)
+    else:
+        config_path = DEFAULT_CONFIG if DEFAULT_CONFIG.is_file() else FALLBACK_CONFIG
+        _log(f"grove: no config given; running the default {config_path.relative_to(REPO_ROOT)}")
+    data = apply_overrides(load_yaml(config_path), args.overrides)
+    return data, config_path
+
+
+def cmd_train(args, force_supervised: bool = False) -> int:
+    import yaml
+
+    data, config_path = _load_config(args)
+    kind = "supervised" if force_supervised else data.get("kind", "rl")
+    run = _RunDir(Path(args.resume or args.out or _default_run_dir(config_path)), bool(args.resume))
+    if kind == "supervised":
+        from .registry import resolve_supervised
+
+        domain = data.get("domain")
+        if not isinstance(domain, str):
+            raise ConfigError(f"{config_path}: a supervised config needs 'domain: NAME'")
+        fn = resolve_supervised(domain)
+        body = {k: v for k, v in data.items() if k not in ("kind", "domain")}
+        try:
+            run_dir = run.create()
+            (run_dir / "config.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
+            result = fn(body, run_dir, _log)
+        except ConfigError:
+            run.discard()
+            raise
+        _log(f"grove: done: {result}")
+        return 0
+
+    from .trainer import Trainer
+
+    cfg = load_train_config(data)
+    try:
+        trainer = Trainer(cfg, run.path, log=_log)  # builds the domain (loads models) before writing anything
+        run_dir = run.create()
+        if not args.resume:
+            (run_dir / "config.yaml").write_text(yaml.safe_dump(dump_train_config(cfg), sort_keys=False))
+    except ConfigError:
+        run.discard()
+        raise
+    trainer.fit(resume=bool(args.resume))
+    return 0
+
+
+def cmd_eval(args) -> int:
+    import json
+
+    from .trainer import Trainer
+
+    run_dir = Path(args.run_dir)
+    if not (run_dir / "config.yaml").is_file():
+        raise ConfigError(f"{str(run_dir)!r} is not a grove run directory (no config.yaml)")
+    cfg = load_train_config(apply_overrides(load_yaml(run_dir / "config.yaml"), args.overrides))
+    trainer = Trainer(cfg, run_dir, log=_log)
+    if not trainer.resume():
+        raise ConfigError(f"{str(run_dir)!r} has no usable checkpoint")
+    print(json.dumps(trainer._evaluate(trainer.start_iteration), indent=1))
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from .bench import markdown_table
+    from .registry import resolve_benchmark
+
+    fn = resolve_benchmark(args.name)
+    out = Path(args.out or Path("runs") / f"bench-{args.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    result = fn(out, args.quick)
+    print(markdown_table(result["rows"]))
+    _log(f"grove: results in {out / 'results.json'}")
+    return 0
+
+
+def cmd_robotics(argv: list[str]) -> int:
+    try:
+        from robotics.cli import main as robotics_main
+    except ModuleNotFoundError as e:
+        raise ConfigError(f"the robotics tools need the robotics package and its extra ({e})") from None
+    return int(robotics_main(argv) or 0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="grove", description="Group-relative RL post-training for image generators, robot policies and LLMs.")
+    sub = p.add_subparsers(dest="command", parser_class=_Parser)
+    for name, help_ in (("train", "train with a YAML config (RL by default; supervised when kind: supervised)"),
+                        ("pretrain", "supervised pretraining of an embedded model")):
+        t = sub.add_parser(name, help=help_)
+        t.add_argument("config", nargs="?", help="YAML config (default: the embedded shapes GRPO recipe)")
+        t.add_argument("--out", help="run directory (default runs/<config>-<time>)")
+        if name == "train":
+            t.add_argument("--resume", help="continue the run in this directory from its newest valid checkpoint")
+        t.add_argument("overrides", nargs="*", help="dotted overrides such as optim.lr=1e-4")
+    e = sub.add_parser("eval", help="evaluate the newest checkpoint of a run directory")
+    e.add_argument("run_dir")
+    e.add_argument("overrides", nargs="*")
+    b = sub.add_parser("bench", help="run a benchmark; writes DIR/results.json, plots and a Markdown table")
+    b.add_argument("name", help="benchmark name")
+    b.add_argument("--out")
+    b.add_argument("--quick", action="store_true", help="tiny settings that only check the plumbing")
+    sub.add_parser("robotics", help="robotics tools: collect demonstrations, ... (grove robotics --help)", add_help=False)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    os.environ.setdefault("MUJOCO_GL", "egl")
+    try:
+        if argv[:1] == ["robotics"]:
+            return cmd_robotics(argv[1:])
+        parser = build_parser()
+        if not argv:
+            parser.print_help()
+            return 0
+        args, unknown = parser.parse_known_args(argv)
+        if unknown:
+            # overrides after options land in unknown; anything not key=value is an error
+            bad = [u for u in unknown if "=" not in u or u.startswith("-")]
+            if bad:
+                raise ConfigError(f"unrecognized arguments: {' '.join(bad)}")
+            args.overrides = list(getattr(args, "overrides", []) or []) + unknown
+        if args.command == "train":
+            if args.config and "=" in args.config and not Path(args.config).exists():
+                args.overrides = [args.config] + list(args.overrides)
+                args.config = None
+            return cmd_train(args)
+        if args.command == "pretrain":
+            args.resume = None
+            if not args.config:
+                raise ConfigError("pretrain needs a config, e.g. grove pretrain configs/visgen/shapes_pretrain.yaml")
+            return cmd_train(args, force_supervised=True)
+        if args.command == "eval":
+            return cmd_eval(args)
+        if args.command == "bench":
+            return cmd_bench(args)
+        parser.print_help()
+        return 2
+    except ConfigError as e:
+        print(f"grove: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("grove: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

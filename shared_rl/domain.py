@@ -1,0 +1,113 @@
+"""The contract between the domain-agnostic trainer and a domain (visgen, robotics, llm, toy).
+
+A domain is found by name through ``shared_rl.registry`` (a string -> "module:Class" table plus the
+``grove.domains`` entry point group), so ``shared_rl`` never imports ``visgen`` or ``robotics``.
+
+One training iteration, as the trainer runs it (see ``shared_rl/trainer.py``)::
+
+    keys    = selector.select(train_keys, groups_per_iteration)      # prompts / reset states
+    rollout = domain.rollout(keys, group_size, generator, iteration)  # no grad; rewards included
+    adv     = advantages(rollout.rewards, rollout.group_ids | rollout.parent)
+    rollout = selection filter (+ refill by calling domain.rollout again)
+    for epoch, minibatch, micro-batch:
+        out  = domain.log_probs(rollout, idx, need_kl)                # with grad, [n, T]
+        loss = policy_loss(out.logp, rollout.logp_old[idx], adv[idx], rollout.mask[idx]) + kl
+    optimizer step -> domain.after_optimizer_step() -> metrics -> domain.evaluate() -> checkpoint
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol, Sequence, runtime_checkable
+
+import torch
+
+from .rollout import Rollout
+
+
+@dataclass
+class StepLogProbs:
+    """What ``Domain.log_probs`` returns for a micro-batch of n sequences of T steps.
+
+    logp: ``[n, T]`` log-probs under the current parameters (with grad), same layout as ``Rollout.logp_old``.
+    kl: ``[n, T]`` per-step KL to the reference policy (with grad) when the domain computes it itself (e.g.
+        Flow-GRPO's Gaussian-mean KL), else None.
+    ref_logp: ``[n, T]`` reference-policy log-probs (no grad) when asked for KL and ``kl`` is None; the trainer
+        then applies the configured estimator (k1/k3).
+    entropy: ``[n, T]`` per-step entropy (for logging), or None.
+    """
+
+    logp: torch.Tensor
+    kl: torch.Tensor | None = None
+    ref_logp: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+    nfe: int = 0  # model forward evaluations spent on this call (per sample; CFG counts 2)
+
+
+@dataclass
+class RunContext:
+    """What the trainer hands a domain: where to write, which device, the seed, and the process layout."""
+
+    run_dir: Path | None
+    device: torch.device
+    seed: int
+    process_index: int = 0
+    num_processes: int = 1
+    log: Any = print  # a callable taking one string, for human-readable progress lines
+
+
+@runtime_checkable
+class Domain(Protocol):
+    """A policy plus its environment/reward, as the trainer needs it.
+
+    Implementations also define a class attribute ``config_class``: a dataclass of domain settings, filled from
+    the YAML section named after the domain (validated by ``shared_rl.config``).
+    """
+
+    def train_keys(self) -> Sequence[int]:
+        """The pool of group keys the selector draws from (prompt ids, training reset-state ids)."""
+
+    def rollout(self, keys: list[int], group_size: int, generator: torch.Generator, iteration: int) -> Rollout:
+        """Sample ``group_size`` outcomes (or a tree) per key, score them, return a ``Rollout`` (no grad)."""
+
+    def log_probs(self, rollout: Rollout, idx: torch.Tensor, need_kl: bool) -> StepLogProbs:
+        """Recompute the log-probs of sequences ``idx`` of ``rollout`` under the current parameters, with grad.
+
+        Must reproduce ``rollout.logp_old[idx]`` exactly (ratio 1) before any update for the same batch layout.
+        """
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        """The trainable parameters (LoRA adapters, or the whole model)."""
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Trainable weights (plus EMA or other tensors the domain needs to resume exactly)."""
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None: ...
+
+    def evaluate(self, iteration: int) -> dict[str, float]:
+        """Held-out evaluation; keys start with ``eval/``. Called before the first update and at the end."""
+
+
+class DomainBase:
+    """Convenient defaults for the optional hooks; domains may subclass it."""
+
+    config_class: type | None = None
+
+    def after_optimizer_step(self) -> None:
+        """Called after each optimizer step (EMA updates, schedule moves)."""
+
+    def extra_state(self) -> dict[str, Any]:
+        """JSON-serialisable state to resume exactly (besides ``state_dict``)."""
+        return {}
+
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        pass
+
+    def on_train_end(self, run_dir: Path | None, history: list[dict[str, float]]) -> None:
+        """Write plots, sample grids, a summary."""
+
+    def save_pretrained(self, out_dir: Path) -> None:
+        """Export the trained policy in its native format (PEFT/diffusers layout, transformers...)."""
+
+    def evaluate(self, iteration: int) -> dict[str, float]:
+        return {}

@@ -1,0 +1,98 @@
+"""Building and loading causal LMs: the tiny Llama the embedded recipe starts from, any ``AutoModelForCausalLM``
+from a path or hub id, and optional LoRA through peft (the reference policy is then the base model with the
+adapter disabled, as DESIGN §4 asks: no second model copy)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoraSettings:
+    """LoRA adapter settings (Hu et al., "LoRA: Low-Rank Adaptation of Large Language Models")."""
+
+    enabled: bool = False
+    r: int = 8
+    alpha: int = 16
+    dropout: float = 0.0
+    target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+
+
+def build_tiny_llama(
+    tokenizer: PreTrainedTokenizerBase,
+    hidden_size: int = 64,
+    num_layers: int = 4,
+    num_heads: int = 4,
+    intermediate_size: int | None = None,
+    max_position_embeddings: int = 64,
+    seed: int = 0,
+) -> LlamaForCausalLM:
+    """A small ``LlamaForCausalLM`` whose special ids match ``tokenizer`` (bos/eos/pad), built offline."""
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size or 4 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_heads,
+        max_position_embeddings=max_position_embeddings,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=True,
+        attention_dropout=0.0,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+def resolve_model_path(path: str) -> str:
+    """A local path relative to the repository root (where assets/ lives) or the working directory, else a hub id."""
+    p = Path(path)
+    if p.exists():
+        return str(p)
+    repo_root = Path(__file__).resolve().parents[2]
+    if (repo_root / p).exists():
+        return str(repo_root / p)
+    return path
+
+
+def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
+    tok = AutoTokenizer.from_pretrained(resolve_model_path(path))
+    if tok.pad_token_id is None:
+        # Some hub tokenizers have no pad token; EOS as pad is safe here because attention masks, not ids,
+        # decide what is padding in every forward this package runs.
+        tok.pad_token = tok.eos_token
+    tok.padding_side = "left"
+    return tok
+
+
+def load_causal_lm(path: str, dtype: str = "float32", device: torch.device | str = "cpu", lora: LoraSettings | None = None,
+                   gradient_checkpointing: bool = False) -> torch.nn.Module:
+    """Load any ``AutoModelForCausalLM``; wrap it with a peft LoRA adapter when ``lora.enabled``."""
+    model = AutoModelForCausalLM.from_pretrained(resolve_model_path(path), dtype=DTYPES[dtype])
+    model.to(device)
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+        model.config.use_cache = False
+    if lora is not None and lora.enabled:
+        from peft import LoraConfig, get_peft_model
+
+        available = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+        targets = [t for t in lora.target_modules if t in available]
+        if not targets:
+            raise ValueError(f"lora.target_modules {lora.target_modules} match no module of {path}; "
+                             f"available leaf names include {sorted(available)[:20]}")
+        cfg = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets,
+                         task_type="CAUSAL_LM")
+        model = get_peft_model(model, cfg)
+    return model

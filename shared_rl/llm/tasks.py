@@ -1,0 +1,177 @@
+"""Text tasks: the embedded arithmetic task and datasets loaded from JSONL / CSV files or ``datasets``.
+
+An example is a dict with a ``prompt`` (a string, or a list of chat messages as in TRL's conversational format)
+and any other columns (``answer``, ...), which reward functions receive as keyword arguments, exactly as TRL's
+``GRPOTrainer`` passes dataset columns.
+"""
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class DatasetSettings:
+    """Where prompts come from.
+
+    source: ``arith`` (embedded: ``a+b=`` with operands below ``10**digits``), ``jsonl``, ``csv``, ``json`` or
+        ``hf`` (``datasets``: a directory saved with ``save_to_disk``, or a name for ``load_dataset``).
+    path / name / split / eval_split / eval_path: where the rows are; without an eval split, a deterministic
+        ``eval_fraction`` of rows (chosen by a hash of the row index and ``seed``) is held out.
+    prompt_column / answer_column: renamed to ``prompt`` / ``answer`` (what the built-in rewards read).
+    prompt_template: ``str.format`` template applied to string prompts (``{prompt}`` and any column).
+    system_prompt: prepended as a system message when a chat template is used.
+    num_train / num_eval: caps (0 = all); for ``arith`` the number of problems drawn.
+    """
+
+    source: str = "arith"
+    digits: int = 3
+    path: str = ""
+    name: str | None = None
+    split: str = "train"
+    eval_split: str | None = None
+    eval_path: str = ""
+    prompt_column: str = "prompt"
+    answer_column: str = "answer"
+    prompt_template: str = "{prompt}"
+    system_prompt: str | None = None
+    eval_fraction: float = 0.05
+    num_train: int = 20000
+    num_eval: int = 500
+    seed: int = 0
+
+
+@dataclass
+class TaskData:
+    train: list[dict[str, Any]] = field(default_factory=list)
+    eval: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _stable_hash(*parts: Any) -> int:
+    return int.from_bytes(hashlib.blake2b(repr(parts).encode(), digest_size=8).digest(), "little")
+
+
+def is_eval_pair(a: int, b: int) -> bool:
+    """The arithmetic eval partition: 5% of all (a, b) pairs, fixed forever (independent of seeds and sizes), so
+    no SFT or RL run ever trains on an eval problem."""
+    return _stable_hash("arith", a, b) % 20 == 0
+
+
+def arith_example(a: int, b: int) -> dict[str, Any]:
+    return {"prompt": f"{a}+{b}=", "answer": str(a + b)}
+
+
+def arith_problems(split: str, count: int, digits: int = 3, seed: int = 0) -> list[dict[str, Any]]:
+    """``count`` distinct addition problems from the ``train`` or ``eval`` partition, deterministic in ``seed``."""
+    if split not in ("train", "eval"):
+        raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+    limit = 10 ** digits
+    want_eval = split == "eval"
+    capacity = limit * limit * (0.05 if want_eval else 0.95)
+    if count > 0.5 * capacity:
+        raise ValueError(f"asked for {count} {split} problems with {digits} digits; at most {int(0.5 * capacity)}")
+    rng = random.Random(_stable_hash("arith-draw", split, seed, digits))
+    seen: set[tuple[int, int]] = set()
+    out = []
+    while len(out) < count:
+        a, b = rng.randrange(limit), rng.randrange(limit)
+        if (a, b) in seen or is_eval_pair(a, b) != want_eval:
+            continue
+        seen.add((a, b))
+        out.append(arith_example(a, b))
+    return out
+
+
+def _read_rows(path: str, fmt: str) -> list[dict[str, Any]]:
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"dataset file {path!r} not found")
+    if fmt == "jsonl":
+        return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+    if fmt == "json":
+        data = json.loads(p.read_text())
+        return data if isinstance(data, list) else data["data"]
+    if fmt == "csv":
+        with p.open(newline="") as f:
+            return list(csv.DictReader(f))
+    raise ValueError(f"unknown file format {fmt!r}")
+
+
+def _read_hf(settings: DatasetSettings, split: str) -> list[dict[str, Any]]:
+    import datasets
+
+    if Path(settings.path).exists():
+        ds = datasets.load_from_disk(settings.path)
+        if isinstance(ds, datasets.DatasetDict):
+            ds = ds[split]
+    else:
+        ds = datasets.load_dataset(settings.path, settings.name, split=split)
+    return [dict(row) for row in ds]
+
+
+def _normalise(rows: list[dict[str, Any]], s: DatasetSettings, where: str) -> list[dict[str, Any]]:
+    out = []
+    for i, row in enumerate(rows):
+        row = dict(row)
+        if s.prompt_column not in row:
+            raise KeyError(f"{where}: row {i} has no prompt column {s.prompt_column!r} (columns: {sorted(row)}); "
+                           f"set llm.dataset.prompt_column")
+        prompt = row.pop(s.prompt_column)
+        if isinstance(prompt, str):
+            prompt = s.prompt_template.format(prompt=prompt, **row)
+        row["prompt"] = prompt
+        if s.answer_column != "answer" and s.answer_column in row:
+            row["answer"] = row.pop(s.answer_column)
+        out.append(row)
+    return out
+
+
+def load_task(s: DatasetSettings) -> TaskData:
+    """Deterministic, disjoint train / eval example lists."""
+    if s.source == "arith":
+        return TaskData(arith_problems("train", s.num_train, s.digits, s.seed),
+                        arith_problems("eval", s.num_eval, s.digits, s.seed))
+    if s.source in ("jsonl", "csv", "json"):
+        rows = _read_rows(s.path, s.source)
+        eval_rows = _read_rows(s.eval_path, s.source) if s.eval_path else None
+    elif s.source == "hf":
+        rows = _read_hf(s, s.split)
+        eval_rows = _read_hf(s, s.eval_split) if s.eval_split else None
+    else:
+        raise ValueError(f"llm.dataset.source must be arith, jsonl, csv, json or hf; got {s.source!r}")
+    if eval_rows is None:
+        held = [_stable_hash("holdout", s.seed, i) % 10_000 < s.eval_fraction * 10_000 for i in range(len(rows))]
+        eval_rows = [r for r, h in zip(rows, held) if h]
+        rows = [r for r, h in zip(rows, held) if not h]
+    train = _normalise(rows, s, "train")
+    evaluation = _normalise(eval_rows, s, "eval")
+    if s.num_train:
+        train = train[:s.num_train]
+    if s.num_eval:
+        evaluation = evaluation[:s.num_eval]
+    if not train:
+        raise ValueError(f"dataset {s.path!r} gave no training rows")
+    return TaskData(train, evaluation)
+
+
+def format_prompt(tokenizer, prompt: Any, system_prompt: str | None = None, use_chat_template: str = "auto") -> list[int]:
+    """Token ids of a prompt: through the tokenizer's chat template when it has one (``auto``) or ``always``,
+    else the raw string with the tokenizer's own special tokens (BOS from the post-processor)."""
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+    conversational = isinstance(prompt, list)
+    if use_chat_template == "always" and not has_template:
+        raise ValueError("llm.chat_template is 'always' but the tokenizer has no chat template")
+    if conversational or (has_template and use_chat_template != "never"):
+        if not has_template:
+            raise ValueError("conversational prompts (lists of messages) need a tokenizer with a chat template")
+        messages = list(prompt) if conversational else [{"role": "user", "content": prompt}]
+        if system_prompt and messages[0].get("role") != "system":
+            messages = [{"role": "system", "content": system_prompt}] + messages
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return tokenizer(text, add_special_tokens=False).input_ids
+    return tokenizer(prompt).input_ids

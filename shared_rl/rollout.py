@@ -1,0 +1,154 @@
+"""The data one iteration produces: N sequences of T steps, grouped by key, optionally arranged as a tree.
+
+A *sequence* is the unit that carries one advantage: a denoising trajectory (visgen, flat GRPO), one tree edge
+(visgen BranchGRPO/TreeGRPO: a segment of denoising steps), a completion (LLM: steps are tokens) or an episode
+(robotics: steps are action-chunk denoising steps). Every step has a behaviour log-prob ``logp_old[n, t]`` and
+``mask[n, t]`` says whether that step is trained. Rewards live on the sequences that end in an outcome
+(leaves); internal tree edges carry NaN rewards and get their value from the leaves below (``tree_values``).
+
+``payload`` holds whatever the domain needs to recompute log-probs (latents, token ids, observations): a dict of
+tensors / lists / numpy arrays whose first dimension is N. The trainer only ever indexes it and concatenates it,
+so refilling groups (dynamic sampling) and minibatching work for every domain without domain code.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def _index(value: Any, idx: torch.Tensor) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value[idx.to(value.device)]
+    if isinstance(value, np.ndarray):
+        return value[idx.cpu().numpy()]
+    if isinstance(value, (list, tuple)):
+        return [value[i] for i in idx.tolist()]
+    if isinstance(value, dict):
+        return {k: _index(v, idx) for k, v in value.items()}
+    raise TypeError(f"payload entries must be tensors, arrays, lists or dicts of those, got {type(value).__name__}")
+
+
+def _cat(values: list[Any]) -> Any:
+    first = values[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(values, 0)
+    if isinstance(first, np.ndarray):
+        return np.concatenate(values, 0)
+    if isinstance(first, (list, tuple)):
+        return [x for v in values for x in v]
+    if isinstance(first, dict):
+        return {k: _cat([v[k] for v in values]) for k in first}
+    raise TypeError(f"cannot concatenate payload entries of type {type(first).__name__}")
+
+
+@dataclass
+class Rollout:
+    """Sequences sampled in one call of ``Domain.rollout``.
+
+    Attributes:
+        keys: the group key of each group (prompt id, reset-state id); ``group_ids`` index into it.
+        group_ids: ``[N]`` long, which group each sequence belongs to (0..len(keys)-1).
+        rewards: name -> ``[N]`` float rewards; NaN where a sequence has no outcome (internal tree edge) or the
+            reward failed (the trainer masks and counts those).
+        logp_old: ``[N, T]`` float32 behaviour log-probs of each step (0 where not stochastic).
+        mask: ``[N, T]`` bool, steps that are trained.
+        parent: ``[N]`` long parent sequence index (-1 for roots) when the sequences form trees, else None.
+            For a tree rollout, sequence i is the edge into node i; a root node has an all-False mask.
+        payload: domain data indexed along dim 0.
+        nfe: model forward evaluations spent producing this rollout (one per sample per model call).
+        info: extra scalar metrics (summed on concatenation when numeric counts, else last wins).
+    """
+
+    keys: list[int]
+    group_ids: torch.Tensor
+    rewards: dict[str, torch.Tensor]
+    logp_old: torch.Tensor
+    mask: torch.Tensor
+    parent: torch.Tensor | None = None
+    payload: dict[str, Any] = field(default_factory=dict)
+    nfe: int = 0
+    info: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        n = self.group_ids.shape[0]
+        if self.logp_old.shape[0] != n or self.mask.shape != self.logp_old.shape:
+            raise ValueError(
+                f"rollout shapes disagree: group_ids {tuple(self.group_ids.shape)}, logp_old "
+                f"{tuple(self.logp_old.shape)}, mask {tuple(self.mask.shape)}"
+            )
+        for name, r in self.rewards.items():
+            if r.shape != (n,):
+                raise ValueError(f"reward {name!r} has shape {tuple(r.shape)}, expected ({n},)")
+        if self.parent is not None and self.parent.shape != (n,):
+            raise ValueError(f"parent has shape {tuple(self.parent.shape)}, expected ({n},)")
+
+    def __len__(self) -> int:
+        return int(self.group_ids.shape[0])
+
+    @property
+    def num_steps(self) -> int:
+        return int(self.logp_old.shape[1])
+
+    def select_groups(self, keep: torch.Tensor) -> "Rollout":
+        """Keep the groups where ``keep[g]`` is True (whole trees stay whole); group ids are renumbered."""
+        keep = keep.bool()
+        seq_keep = keep[self.group_ids]
+        idx = torch.nonzero(seq_keep).flatten()
+        new_gid = torch.cumsum(keep.long(), 0) - 1
+        parent = None
+        if self.parent is not None:
+            remap = torch.full((len(self),), -1, dtype=torch.long)
+            remap[idx] = torch.arange(idx.numel())
+            old_parent = self.parent[idx]
+            parent = torch.where(old_parent >= 0, remap[old_parent.clamp(min=0)], old_parent)
+        return Rollout(
+            keys=[k for k, kp in zip(self.keys, keep.tolist()) if kp],
+            group_ids=new_gid[self.group_ids[idx]],
+            rewards={k: v[idx] for k, v in self.rewards.items()},
+            logp_old=self.logp_old[idx],
+            mask=self.mask[idx],
+            parent=parent,
+            payload=_index(self.payload, idx),
+            nfe=self.nfe,
+            info=dict(self.info),
+        )
+
+    def index_payload(self, idx: torch.Tensor) -> dict[str, Any]:
+        """The payload rows ``idx`` (what ``Domain.log_probs`` reads for a micro-batch)."""
+        return _index(self.payload, idx)
+
+    @staticmethod
+    def cat(parts: list["Rollout"]) -> "Rollout":
+        """Concatenate rollouts (refill rounds); group ids and parents are offset, nfe and counts summed."""
+        if len(parts) == 1:
+            return parts[0]
+        steps = {p.num_steps for p in parts}
+        if len(steps) != 1:
+            raise ValueError(f"cannot concatenate rollouts with different step counts {sorted(steps)}")
+        keys, gids, parents, info = [], [], [], {}
+        g_off = n_off = 0
+        for p in parts:
+            keys += list(p.keys)
+            gids.append(p.group_ids + g_off)
+            if p.parent is not None:
+                parents.append(torch.where(p.parent >= 0, p.parent + n_off, p.parent))
+            g_off += len(p.keys)
+            n_off += len(p)
+            for k, v in p.info.items():
+                info[k] = info.get(k, 0) + v if isinstance(v, (int, float)) else v
+        if parents and len(parents) != len(parts):
+            raise ValueError("cannot concatenate tree and flat rollouts")
+        return Rollout(
+            keys=keys,
+            group_ids=torch.cat(gids),
+            rewards={k: torch.cat([p.rewards[k] for p in parts]) for k in parts[0].rewards},
+            logp_old=torch.cat([p.logp_old for p in parts]),
+            mask=torch.cat([p.mask for p in parts]),
+            parent=torch.cat(parents) if parents else None,
+            payload=_cat([p.payload for p in parts]),
+            nfe=sum(p.nfe for p in parts),
+            info=info,
+        )

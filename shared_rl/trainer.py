@@ -1,0 +1,415 @@
+"""The domain-agnostic GRPO-family training loop.
+
+Read ``Trainer.iteration`` top to bottom: select keys → rollout → advantages → filter/refill groups → inner
+epochs of minibatches (micro-batched, globally normalised) → optimizer step → metrics. ``Trainer.fit`` adds
+evaluation, checkpoints, exact resume, SIGTERM handling and the end-of-run plot/summary.
+
+Determinism: every iteration draws its randomness from a generator seeded by (seed, iteration), so a resumed
+run replays exactly the iterations an uninterrupted run would (tested bitwise on CPU).
+"""
+from __future__ import annotations
+
+import math
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .advantages import combine_rewards
+from .checkpoint import load_latest_checkpoint, rng_state, save_checkpoint, set_rng_state
+from .config import ConfigError, TrainConfig, dump_train_config
+from .domain import RunContext
+from .losses import KL_ESTIMATORS, Normalizer, aggregate, clipped_surrogate
+from .metrics import MetricsLogger, plot_metrics
+from .registry import resolve_domain
+from .rollout import Rollout
+from .selection import group_keep_mask, group_success, make_sampler
+
+
+class NonFiniteError(RuntimeError):
+    """Too many consecutive optimizer steps had NaN/Inf losses or gradients."""
+
+
+def iteration_seed(seed: int, iteration: int) -> int:
+    return (seed * 1_000_003 + iteration * 7_919 + 17) % (2**63 - 1)
+
+
+def make_scheduler(optimizer: torch.optim.Optimizer, cfg, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    warm, kind = cfg.warmup_steps, cfg.schedule
+
+    def factor(step: int) -> float:
+        if warm and step < warm:
+            return (step + 1) / warm
+        if kind == "constant" or total_steps <= warm:
+            return 1.0
+        frac = min(1.0, (step - warm) / max(1, total_steps - warm))
+        return 0.5 * (1 + math.cos(math.pi * frac)) if kind == "cosine" else 1.0 - frac
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+@dataclass
+class _StepStats:
+    """Accumulates per-step statistics over one iteration's optimizer steps."""
+
+    sums: dict[str, float] = field(default_factory=dict)
+    counts: dict[str, float] = field(default_factory=dict)
+    maxes: dict[str, float] = field(default_factory=dict)
+
+    def add(self, name: str, total: float, count: float = 1.0) -> None:
+        self.sums[name] = self.sums.get(name, 0.0) + float(total)
+        self.counts[name] = self.counts.get(name, 0.0) + float(count)
+
+    def max(self, name: str, value: float) -> None:
+        self.maxes[name] = max(self.maxes.get(name, -math.inf), float(value))
+
+    def result(self) -> dict[str, float]:
+        out = {k: self.sums[k] / self.counts[k] for k in self.sums if self.counts[k] > 0}
+        out.update(self.maxes)
+        return out
+
+
+class Trainer:
+    """Builds the domain from a validated ``TrainConfig`` and runs it."""
+
+    def __init__(self, cfg: TrainConfig, run_dir: Path | None = None, log=print) -> None:
+        self.cfg = cfg
+        self.run_dir = Path(run_dir) if run_dir else None
+        self.log = log
+        device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        self.device = torch.device(device)
+        torch.manual_seed(cfg.seed)
+        ctx = RunContext(run_dir=self.run_dir, device=self.device, seed=cfg.seed, log=log)
+        self.domain = resolve_domain(cfg.domain)(cfg.domain_config, ctx)
+        params = [p for p in self.domain.parameters() if p.requires_grad]
+        if not params:
+            raise ConfigError(f"domain {cfg.domain!r} exposes no trainable parameters")
+        o = cfg.optim
+        self.optimizer = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+        self.steps_per_iteration = o.inner_epochs * o.minibatches_per_epoch
+        self.scheduler = make_scheduler(self.optimizer, o, cfg.iterations * self.steps_per_iteration)
+        self.sampler = make_sampler(cfg.selection)
+        self.start_iteration = 0
+        self.nonfinite_steps = 0
+        self.nonfinite_total = 0
+        self.history: list[dict[str, Any]] = []
+        self._stop_requested = False
+
+    # ------------------------------------------------------------------------------------------------------------
+    def iteration(self, it: int) -> dict[str, float]:
+        """One GRPO iteration; returns its metrics."""
+        cfg, dom = self.cfg, self.domain
+        gen = torch.Generator().manual_seed(iteration_seed(cfg.seed, it))
+        torch.manual_seed(iteration_seed(cfg.seed, it))
+        n_groups, group_size = cfg.rollout.groups_per_iteration, cfg.rollout.group_size
+        pool = list(dom.train_keys())
+
+        # 1. rollout (rewards included), then drop groups without signal and refill (dynamic sampling)
+        t0 = time.perf_counter()
+        keys = self.sampler.select(pool, n_groups, gen)
+        with torch.no_grad():
+            first = dom.rollout(keys, group_size, gen, it)
+        metrics = self._reward_metrics(first)
+        drawn_parts = [first]
+        rollout = first
+        if cfg.selection.filter != "none":
+            rollout = self._filtered(first)
+            rounds = 0
+            while len(rollout.keys) < n_groups and rounds < cfg.selection.max_refill_rounds:
+                more_keys = self.sampler.select(pool, n_groups - len(rollout.keys), gen)
+                with torch.no_grad():
+                    more = dom.rollout(more_keys, group_size, gen, it)
+                drawn_parts.append(more)
+                rollout = Rollout.cat([rollout, self._filtered(more)])
+                rounds += 1
+            if len(rollout.keys) > n_groups:
+                rollout = rollout.select_groups(torch.arange(len(rollout.keys)) < n_groups)
+        drawn = sum(len(p.keys) for p in drawn_parts)
+        for part in drawn_parts:
+            succ, cnt = group_success(self._filter_reward(part), part.group_ids, len(part.keys))
+            self.sampler.update(part.keys, succ, cnt, it)
+        metrics.update({
+            "groups/drawn": drawn, "groups/kept": len(rollout.keys),
+            "nfe/rollout": sum(p.nfe for p in drawn_parts),
+            "time/rollout": time.perf_counter() - t0,
+        })
+        for part in drawn_parts:
+            for k, v in part.info.items():
+                if isinstance(v, (int, float)):
+                    metrics[k] = metrics.get(k, 0.0) + v
+
+        # 2. advantages: one per sequence (tree estimators read the parent array)
+        if len(rollout) == 0:
+            self.log(f"iteration {it}: every group was filtered out; no update")
+            metrics.update({"time/train": 0.0, "lr": self.scheduler.get_last_lr()[0], "nfe/train": 0})
+            return metrics
+        a = cfg.advantage
+        adv = combine_rewards(rollout.rewards, rollout.group_ids, a.estimator, a.weights, a.multi_reward,
+                              rollout.parent, a.clip, a.eps)
+        metrics["advantage/abs_mean"] = float(adv.abs().mean())
+
+        # 3. inner epochs of minibatches; each minibatch is one optimizer step, split into micro-batches
+        t1 = time.perf_counter()
+        stats = _StepStats()
+        trainable = torch.nonzero(rollout.mask.any(dim=1)).flatten()
+        nfe_train = 0
+        for _epoch in range(cfg.optim.inner_epochs):
+            order = trainable[torch.randperm(trainable.numel(), generator=gen)]
+            for mb in torch.tensor_split(order, cfg.optim.minibatches_per_epoch):
+                if mb.numel():
+                    nfe_train += self._optimizer_step(rollout, adv, mb, stats)
+        metrics.update(stats.result())
+        metrics.update({"nfe/train": nfe_train, "time/train": time.perf_counter() - t1,
+                        "lr": self.scheduler.get_last_lr()[0]})
+        total_time = metrics["time/rollout"] + metrics["time/train"]
+        leaves = int(torch.isfinite(next(iter(first.rewards.values()))).sum()) if first.rewards else len(first)
+        metrics["samples_per_s"] = leaves / max(total_time, 1e-9)
+        return metrics
+
+    def _filter_reward(self, rollout: Rollout) -> torch.Tensor:
+        name = self.cfg.selection.band_reward or next(iter(rollout.rewards))
+        if name not in rollout.rewards:
+            raise ConfigError(f"selection.band_reward {name!r} is not a reward; rewards are {sorted(rollout.rewards)}")
+        return rollout.rewards[name]
+
+    def _filtered(self, rollout: Rollout) -> Rollout:
+        s = self.cfg.selection
+        if len(rollout.rewards) > 1 and s.filter == "zero_std":
+            w = self.cfg.advantage.weights
+            r = sum(w.get(k, 1.0) * v for k, v in rollout.rewards.items())
+        else:
+            r = self._filter_reward(rollout)
+        keep = group_keep_mask(r, rollout.group_ids, len(rollout.keys), s.filter, s.band)
+        return rollout.select_groups(keep)
+
+    def _reward_metrics(self, rollout: Rollout) -> dict[str, float]:
+        m: dict[str, float] = {}
+        total = None
+        w = self.cfg.advantage.weights
+        for name, r in rollout.rewards.items():
+            ok = torch.isfinite(r)
+            m[f"reward/{name}/mean"] = float(r[ok].mean()) if ok.any() else float("nan")
+            total = w.get(name, 1.0) * r if total is None else total + w.get(name, 1.0) * r
+        if total is not None:
+            leaf = torch.isfinite(total)
+            m["reward/mean"] = float(total[leaf].mean()) if leaf.any() else float("nan")
+            m["reward/std"] = float(total[leaf].std()) if leaf.sum() > 1 else 0.0
+            keep = group_keep_mask(total, rollout.group_ids, len(rollout.keys), "zero_std")
+            m["frac_zero_std"] = float((~keep).float().mean()) if keep.numel() else 0.0
+            # a reward that failed is NaN on a leaf; count leaves whose reward is missing
+            leaves = torch.ones(len(rollout), dtype=torch.bool)
+            if rollout.parent is not None:
+                leaves[rollout.parent[rollout.parent >= 0]] = False
+            m["reward/nan_count"] = float((leaves & ~leaf).sum())
+        return m
+
+    def _optimizer_step(self, rollout: Rollout, adv: torch.Tensor, mb: torch.Tensor, stats: _StepStats) -> int:
+        cfg, lc = self.cfg, self.cfg.loss
+        norm = Normalizer.from_mask(rollout.mask[mb], lc.max_steps_norm)
+        micro = cfg.optim.micro_batch_size or mb.numel()
+        need_kl = lc.kl_coef > 0
+        self.optimizer.zero_grad(set_to_none=True)
+        nfe = 0
+        for idx in torch.split(mb, micro):
+            out = self.domain.log_probs(rollout, idx, need_kl)
+            nfe += out.nfe
+            mask = rollout.mask[idx].to(out.logp.device)
+            logp_old = rollout.logp_old[idx].to(out.logp)
+            pg, st = clipped_surrogate(out.logp, logp_old, adv[idx].to(out.logp), mask, lc.clip_low, lc.clip_high,
+                                       lc.dual_clip, lc.ratio_level)
+            loss = aggregate(pg, mask, lc.aggregation, norm)
+            stats.add("loss/policy", float(loss.detach()), 0.0)
+            if need_kl:
+                if out.kl is not None:
+                    kl = out.kl
+                elif out.ref_logp is not None:
+                    kl = KL_ESTIMATORS["k3" if lc.kl_estimator == "domain" else lc.kl_estimator](out.logp, out.ref_logp)
+                else:
+                    raise ConfigError(f"loss.kl_coef > 0 but domain {cfg.domain!r} returned neither kl nor ref_logp")
+                kl_loss = aggregate(kl, mask, lc.aggregation, norm)
+                loss = loss + lc.kl_coef * kl_loss
+                stats.add("loss/kl", float(kl_loss.detach()), 0.0)
+            loss.backward()
+            m = mask.bool()
+            n_steps = float(m.sum())
+            stats.add("ratio/mean", float(st["ratio"][m].sum()), n_steps)
+            stats.add("clip_frac", float(st["clipped"][m].sum()), n_steps)
+            stats.add("approx_kl", float((0.5 * st["log_ratio"][m] ** 2).sum()), n_steps)
+            if m.any():
+                stats.max("ratio/max", float(st["ratio"][m].max()))
+            if out.entropy is not None:
+                stats.add("entropy", float(out.entropy.detach()[m].sum()), n_steps)
+        # the micro-batch losses summed are the minibatch loss: count one per optimizer step
+        for k in ("loss/policy", "loss/kl"):
+            if k in stats.counts:
+                stats.counts[k] += 1.0
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        clip = cfg.optim.grad_clip if cfg.optim.grad_clip is not None else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, clip)
+        if not torch.isfinite(grad_norm):
+            self.nonfinite_steps += 1
+            self.nonfinite_total += 1
+            stats.add("nonfinite_steps", 1.0, 0.0)
+            self.optimizer.zero_grad(set_to_none=True)
+            self.log(f"WARNING: non-finite loss/gradient; optimizer step skipped ({self.nonfinite_steps} in a row)")
+            if self.nonfinite_steps >= cfg.max_nonfinite_steps:
+                raise NonFiniteError(
+                    f"{self.nonfinite_steps} optimizer steps in a row had NaN/Inf gradients; lower optim.lr, set "
+                    f"optim.grad_clip, or raise max_nonfinite_steps (now {cfg.max_nonfinite_steps})"
+                )
+            return nfe
+        self.nonfinite_steps = 0
+        stats.add("grad_norm", float(grad_norm), 1.0)
+        self.optimizer.step()
+        self.scheduler.step()
+        after = getattr(self.domain, "after_optimizer_step", None)
+        if after:
+            after()
+        return nfe
+
+    # ------------------------------------------------------------------------------------------------------------
+    def state(self, iteration: int) -> dict[str, Any]:
+        extra = getattr(self.domain, "extra_state", None)
+        return {
+            "iteration": iteration,
+            "scheduler": self.scheduler.state_dict(),
+            "sampler": self.sampler.state_dict(),
+            "domain": extra() if extra else {},
+            "rng": rng_state(),
+            "nonfinite_total": self.nonfinite_total,
+        }
+
+    def save(self, iteration: int) -> Path | None:
+        if not self.run_dir:
+            return None
+        return save_checkpoint(self.run_dir / "checkpoints", iteration, self.domain.state_dict(),
+                               self.optimizer.state_dict(), self.state(iteration), self.cfg.checkpoint.keep_last)
+
+    def resume(self) -> bool:
+        """Restore the newest valid checkpoint of ``run_dir``; False when there is none."""
+        found = load_latest_checkpoint(self.run_dir / "checkpoints", self.log) if self.run_dir else None
+        if found is None:
+            return False
+        path, model_state, opt_state, state = found
+        self.domain.load_state_dict(model_state)
+        if opt_state is not None:
+            self.optimizer.load_state_dict(opt_state)
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.sampler.load_state_dict(state["sampler"])
+        load_extra = getattr(self.domain, "load_extra_state", None)
+        if load_extra:
+            load_extra(state.get("domain", {}))
+        set_rng_state(state["rng"])
+        self.nonfinite_total = int(state.get("nonfinite_total", 0))
+        self.start_iteration = int(state["iteration"])
+        self.log(f"resumed from {path} at iteration {self.start_iteration}")
+        return True
+
+    def _evaluate(self, it: int) -> dict[str, float]:
+        t = time.perf_counter()
+        with torch.no_grad():
+            out = dict(self.domain.evaluate(it))
+        out["time/eval"] = time.perf_counter() - t
+        return out
+
+    def fit(self, resume: bool = False) -> list[dict[str, Any]]:
+        """Run all iterations with evaluation, checkpoints and metrics; returns the metric records."""
+        cfg = self.cfg
+        logger = MetricsLogger(self.run_dir, cfg.logging.tensorboard, cfg.logging.wandb, cfg.logging.wandb_project,
+                               dump_train_config(cfg))
+        if resume and self.resume():
+            logger.truncate_after(self.start_iteration)
+        elif self.run_dir:
+            logger.truncate_after(-1)
+        old_handler = signal.getsignal(signal.SIGTERM)
+
+        def on_sigterm(signum, frame):  # finish the current iteration, checkpoint, exit cleanly
+            self._stop_requested = True
+
+        try:
+            signal.signal(signal.SIGTERM, on_sigterm)
+        except ValueError:  # not in the main thread
+            pass
+        n = sum(p.numel() for p in self.domain.parameters() if p.requires_grad)
+        g, gs = cfg.rollout.groups_per_iteration, cfg.rollout.group_size
+        self.log(f"grove: domain={cfg.domain} trainable params={n:,} | {g} groups x {gs} per iteration | "
+                 f"{self.steps_per_iteration} optimizer steps per iteration | iterations {self.start_iteration}->{cfg.iterations}")
+        if self.start_iteration == 0 and cfg.eval.at_start:
+            rec = self._evaluate(0)
+            logger.log(0, rec)
+            self.history.append({"step": 0, **rec})
+            self.log("eval before training: " + _fmt(rec))
+        bar = _progress(cfg.logging.progress, self.start_iteration, cfg.iterations)
+        try:
+            for it in range(self.start_iteration, cfg.iterations):
+                metrics = self.iteration(it)
+                step = it + 1
+                last = step == cfg.iterations
+                if last or (cfg.eval.every and step % cfg.eval.every == 0):
+                    metrics.update(self._evaluate(step))
+                metrics["nonfinite_total"] = self.nonfinite_total
+                logger.log(step, metrics)
+                self.history.append({"step": step, **metrics})
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(reward=f"{metrics.get('reward/mean', float('nan')):.3f}",
+                                    sps=f"{metrics.get('samples_per_s', 0):.1f}")
+                else:
+                    self.log(f"[{step}/{cfg.iterations}] " + _fmt(metrics, short=True))
+                if last or self._stop_requested or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
+                    self.save(step)
+                if self._stop_requested:
+                    self.log(f"SIGTERM: checkpoint saved at iteration {step}; resume with --resume {self.run_dir}")
+                    break
+        finally:
+            if bar is not None:
+                bar.close()
+            logger.close()
+            try:
+                signal.signal(signal.SIGTERM, old_handler)
+            except (ValueError, TypeError):
+                pass
+        if not self._stop_requested:
+            self._finish()
+        return self.history
+
+    def _finish(self) -> None:
+        if not self.run_dir:
+            return
+        from .metrics import read_metrics
+
+        records = read_metrics(self.run_dir / "metrics.jsonl") if (self.run_dir / "metrics.jsonl").is_file() else self.history
+        plot_metrics(records, self.run_dir / "curves.png", f"{self.cfg.domain}")
+        save_pretrained = getattr(self.domain, "save_pretrained", None)
+        if save_pretrained:
+            save_pretrained(self.run_dir / "final")
+        on_end = getattr(self.domain, "on_train_end", None)
+        if on_end:
+            on_end(self.run_dir, records)
+        evals = [r for r in records if any(k.startswith("eval/") for k in r)]
+        if len(evals) >= 2:
+            first, last = evals[0], evals[-1]
+            lines = [f"{k}: {first[k]:.4g} -> {last[k]:.4g}" for k in sorted(last)
+                     if k.startswith("eval/") and isinstance(first.get(k), (int, float)) and isinstance(last.get(k), (int, float))]
+            summary = "summary (step %d -> %d)\n  " % (first["step"], last["step"]) + "\n  ".join(lines)
+            (self.run_dir / "summary.txt").write_text(summary + "\n")
+            self.log(summary)
+        self.log(f"run directory: {self.run_dir}")
+
+
+def _fmt(m: dict[str, Any], short: bool = False) -> str:
+    keys = [k for k in m if k.startswith("eval/")] + (["reward/mean", "loss/policy", "clip_frac", "samples_per_s"] if short else [])
+    return " ".join(f"{k}={m[k]:.4g}" for k in keys if isinstance(m.get(k), (int, float)))
+
+
+def _progress(enabled: bool, start: int, total: int):
+    if not enabled:
+        return None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, initial=start, desc="grove", unit="it", dynamic_ncols=True)
