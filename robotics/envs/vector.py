@@ -1,0 +1,312 @@
+"""Batched Meta-World execution: in-process (one renderer per task, shared) or over worker processes.
+
+Both classes have the same API and the same results for the same calls (the physics is deterministic), so the
+domain picks one by ``num_workers`` alone:
+
+- ``reset(keys)``: slot i is reset to reset state ``keys[i]`` (the batch size is ``len(keys)``).
+- ``step_chunk(actions[B, K, 4], active[B])``: every active, unfinished slot executes its K actions (stopping
+  early when its episode ends) and is rendered once at the end — rendering only when a new chunk is planned.
+- ``get_states(idx)`` / ``set_states(idx, states)``: branch an episode at a chunk boundary.
+
+An episode ends at the horizon, or (``success_mode="once"``) at the first success step. "Success once" = any
+step succeeded; "success at end" = the last executed step succeeded (the episode then always runs the whole
+horizon, as success can be lost again).
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Literal
+
+os.environ.setdefault("MUJOCO_GL", "egl")
+
+import numpy as np  # noqa: E402
+
+from .metaworld_env import (  # noqa: E402
+    EnvState,
+    MetaWorldTaskEnv,
+    RenderSettings,
+    TaskRenderer,
+    decode_key,
+    proprio_dim,
+    proprio_from_obs,
+)
+
+DEFAULT_TASKS = ["reach-v3", "push-v3", "door-open-v3", "button-press-topdown-v3", "drawer-close-v3"]
+
+
+@dataclass
+class EnvConfig:
+    """Simulator settings (the ``env`` section of a robotics config)."""
+
+    tasks: list[str] = field(default_factory=lambda: list(DEFAULT_TASKS))
+    horizon: int = 150
+    success_mode: Literal["once", "end"] = "once"
+    image_size: int = 64
+    cameras: list[str] = field(default_factory=lambda: ["corner"])
+    render_tuned: bool = True
+    include_goal: bool = False  # append goal xyz to proprio (the reach goal is ~1 pixel at 64x64)
+    num_workers: int = 0  # 0 = in-process batched execution; >= 1 = that many worker processes
+
+    def check(self, where: str = "env") -> None:
+        from shared_rl.config import ConfigError
+
+        if not self.tasks:
+            raise ConfigError(f"{where}.tasks must list at least one Meta-World task, e.g. [reach-v3]")
+        if self.horizon < 1:
+            raise ConfigError(f"{where}.horizon must be >= 1, got {self.horizon}")
+        if not self.cameras:
+            raise ConfigError(f"{where}.cameras must name at least one camera, e.g. [corner]")
+        if self.num_workers < 0:
+            raise ConfigError(f"{where}.num_workers must be >= 0, got {self.num_workers}")
+
+    @property
+    def image_channels(self) -> int:
+        return 3 * len(self.cameras)
+
+    @property
+    def proprio_dim(self) -> int:
+        return proprio_dim(self.include_goal)
+
+    def render_settings(self) -> RenderSettings:
+        return RenderSettings(size=self.image_size, cameras=list(self.cameras), tuned=self.render_tuned)
+
+
+@dataclass
+class ChunkResult:
+    """What ``step_chunk`` returns for a batch of B slots and chunk length K."""
+
+    image: np.ndarray  # [B, H, W, C] uint8, the frame after the chunk (zeros where not rendered)
+    proprio: np.ndarray  # [B, P] float32
+    state: np.ndarray  # [B, 39] Meta-World state after the chunk
+    reward: np.ndarray  # [B, K] float32 dense Meta-World reward of each executed step (0 if not executed)
+    success: np.ndarray  # [B, K] bool, per-step success flag
+    executed: np.ndarray  # [B, K] bool, which actions were executed
+    done: np.ndarray  # [B] bool, the episode has ended (now or before)
+    success_once: np.ndarray  # [B] bool
+    success_end: np.ndarray  # [B] bool, success flag of the last executed step
+
+    @staticmethod
+    def cat(parts: list["ChunkResult"]) -> "ChunkResult":
+        return ChunkResult(**{k: np.concatenate([getattr(p, k) for p in parts], 0) for k in ChunkResult.__dataclass_fields__})
+
+
+class BatchedMetaWorld:
+    """In-process batch of Meta-World envs (envs are kept alive and re-used: building one costs ~0.15 s)."""
+
+    def __init__(self, cfg: EnvConfig):
+        self.cfg = cfg
+        self.settings = cfg.render_settings()
+        self._pool: dict[str, list[MetaWorldTaskEnv]] = {}
+        self._renderers: dict[str, TaskRenderer] = {}
+        self.slots: list[MetaWorldTaskEnv] = []
+        self._last_success: list[bool] = []
+        self._done: list[bool] = []
+
+    # -- env bookkeeping
+    def _acquire(self, task: str) -> MetaWorldTaskEnv:
+        free = self._pool.setdefault(task, [])
+        return free.pop() if free else MetaWorldTaskEnv(task)
+
+    def _release_all(self) -> None:
+        for env in self.slots:
+            self._pool.setdefault(env.task, []).append(env)
+        self.slots = []
+
+    def _renderer(self, env: MetaWorldTaskEnv) -> TaskRenderer:
+        if env.task not in self._renderers:
+            self._renderers[env.task] = TaskRenderer(env.model, self.settings)
+        return self._renderers[env.task]
+
+    def task_of_key(self, key: int) -> str:
+        return self.cfg.tasks[decode_key(key)[0]]
+
+    # -- observations
+    def _observe(self, i: int, render: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        env = self.slots[i]
+        s = self.settings
+        img = self._renderer(env).render(env.data) if render else np.zeros((s.size, s.size, 3 * len(s.cameras)), np.uint8)
+        return img, proprio_from_obs(env.last_obs, self.cfg.include_goal), env.last_obs.astype(np.float32)
+
+    def render(self, idx: list[int]) -> np.ndarray:
+        return np.stack([self._observe(i, True)[0] for i in idx])
+
+    # -- API
+    def reset(self, keys: list[int]) -> dict[str, np.ndarray]:
+        self._release_all()
+        for key in keys:
+            env = self._acquire(self.task_of_key(key))
+            env.reset(key)
+            self.slots.append(env)
+        self._last_success = [False] * len(keys)
+        self._done = [False] * len(keys)
+        obs = [self._observe(i, True) for i in range(len(keys))]
+        return {"image": np.stack([o[0] for o in obs]), "proprio": np.stack([o[1] for o in obs]),
+                "state": np.stack([o[2] for o in obs])}
+
+    def step_chunk(self, actions: np.ndarray, active: np.ndarray | None = None) -> ChunkResult:
+        b, k = actions.shape[:2]
+        if b != len(self.slots):
+            raise ValueError(f"step_chunk got actions for {b} envs, the batch has {len(self.slots)}")
+        active = np.ones(b, bool) if active is None else np.asarray(active, bool)
+        reward = np.zeros((b, k), np.float32)
+        success = np.zeros((b, k), bool)
+        executed = np.zeros((b, k), bool)
+        images, proprios, states = [], [], []
+        for i, env in enumerate(self.slots):
+            if active[i] and not self._done[i]:
+                for j in range(k):
+                    _, r, ok = env.step(actions[i, j])
+                    reward[i, j], success[i, j], executed[i, j] = r, ok, True
+                    self._last_success[i] = ok
+                    if env.steps >= self.cfg.horizon or (ok and self.cfg.success_mode == "once"):
+                        self._done[i] = True
+                        break
+                img, pro, st = self._observe(i, render=not self._done[i])
+            else:
+                img, pro, st = self._observe(i, render=False)
+            images.append(img), proprios.append(pro), states.append(st)
+        return ChunkResult(
+            image=np.stack(images), proprio=np.stack(proprios), state=np.stack(states), reward=reward,
+            success=success, executed=executed, done=np.array(self._done), 
+            success_once=np.array([e.success_once for e in self.slots]), success_end=np.array(self._last_success),
+        )
+
+    def get_states(self, idx: list[int]) -> list[tuple[EnvState, bool, bool]]:
+        return [(self.slots[i].get_state(), self._last_success[i], self._done[i]) for i in idx]
+
+    def set_states(self, idx: list[int], states: list[tuple[EnvState, bool, bool]]) -> None:
+        for i, (state, last_success, done) in zip(idx, states):
+            if self.slots[i].task != state.task:
+                self._pool.setdefault(self.slots[i].task, []).append(self.slots[i])
+                self.slots[i] = self._acquire(state.task)
+            self.slots[i].set_state(state)
+            self._last_success[i] = last_success
+            self._done[i] = done
+
+    def close(self) -> None:
+        for r in self._renderers.values():
+            r.close()
+        self._renderers = {}
+
+    def __del__(self):  # an un-closed EGL context raises noisily at interpreter exit
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+# -------------------------------------------------------------------------------------------------------------
+# Worker processes
+
+
+def _worker(conn, cfg_dict: dict) -> None:
+    env = BatchedMetaWorld(EnvConfig(**cfg_dict))
+    try:
+        while True:
+            cmd, args = conn.recv()
+            if cmd == "close":
+                break
+            try:
+                conn.send(("ok", getattr(env, cmd)(*args)))
+            except Exception as e:  # report, keep serving
+                conn.send(("error", f"{type(e).__name__}: {e}"))
+    finally:
+        env.close()
+        conn.close()
+
+
+class SubprocMetaWorld:
+    """The batch split in contiguous slices over ``num_workers`` processes (spawned: safe with EGL and torch)."""
+
+    def __init__(self, cfg: EnvConfig):
+        self.cfg = cfg
+        ctx = mp.get_context("spawn")
+        self._conns, self._procs = [], []
+        for _ in range(cfg.num_workers):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_worker, args=(child, asdict(cfg)), daemon=True)
+            proc.start()
+            child.close()
+            self._conns.append(parent)
+            self._procs.append(proc)
+        self._slices: list[tuple[int, int]] = []
+
+    def _call(self, per_worker: list[tuple[int, str, tuple]]) -> list:
+        for w, cmd, args in per_worker:
+            self._conns[w].send((cmd, args))
+        out = []
+        for w, cmd, _ in per_worker:
+            status, value = self._conns[w].recv()
+            if status != "ok":
+                raise RuntimeError(f"Meta-World worker {w} failed in {cmd}: {value}")
+            out.append(value)
+        return out
+
+    def _split(self, n: int) -> list[tuple[int, int]]:
+        w = min(len(self._conns), n)
+        bounds = np.linspace(0, n, w + 1).round().astype(int)
+        return [(int(bounds[i]), int(bounds[i + 1])) for i in range(w)]
+
+    def reset(self, keys: list[int]) -> dict[str, np.ndarray]:
+        self._slices = self._split(len(keys))
+        parts = self._call([(w, "reset", (list(keys[a:b]),)) for w, (a, b) in enumerate(self._slices)])
+        return {k: np.concatenate([p[k] for p in parts], 0) for k in parts[0]}
+
+    def step_chunk(self, actions: np.ndarray, active: np.ndarray | None = None) -> ChunkResult:
+        active = np.ones(len(actions), bool) if active is None else np.asarray(active, bool)
+        parts = self._call([(w, "step_chunk", (actions[a:b], active[a:b])) for w, (a, b) in enumerate(self._slices)])
+        return ChunkResult.cat(parts)
+
+    def _route(self, idx: list[int]) -> dict[int, list[tuple[int, int]]]:
+        routes: dict[int, list[tuple[int, int]]] = {}
+        for pos, i in enumerate(idx):
+            for w, (a, b) in enumerate(self._slices):
+                if a <= i < b:
+                    routes.setdefault(w, []).append((pos, i - a))
+        return routes
+
+    def get_states(self, idx: list[int]) -> list:
+        routes = self._route(idx)
+        parts = self._call([(w, "get_states", ([j for _, j in r],)) for w, r in routes.items()])
+        out: list = [None] * len(idx)
+        for (w, r), states in zip(routes.items(), parts):
+            for (pos, _), s in zip(r, states):
+                out[pos] = s
+        return out
+
+    def set_states(self, idx: list[int], states: list) -> None:
+        routes = self._route(idx)
+        self._call([(w, "set_states", ([j for _, j in r], [states[pos] for pos, _ in r])) for w, r in routes.items()])
+
+    def render(self, idx: list[int]) -> np.ndarray:
+        routes = self._route(idx)
+        parts = self._call([(w, "render", ([j for _, j in r],)) for w, r in routes.items()])
+        out = [None] * len(idx)
+        for (w, r), imgs in zip(routes.items(), parts):
+            for (pos, _), im in zip(r, imgs):
+                out[pos] = im
+        return np.stack(out)
+
+    def close(self) -> None:
+        for c in self._conns:
+            try:
+                c.send(("close", ()))
+            except (BrokenPipeError, OSError):
+                pass
+        for p in self._procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.terminate()
+        self._conns, self._procs = [], []
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def make_vector_env(cfg: EnvConfig) -> BatchedMetaWorld | SubprocMetaWorld:
+    return SubprocMetaWorld(cfg) if cfg.num_workers > 0 else BatchedMetaWorld(cfg)
