@@ -318,6 +318,8 @@ class Trainer:
     def fit(self, resume: bool = False) -> list[dict[str, Any]]:
         """Run all iterations with evaluation, checkpoints and metrics; returns the metric records."""
         cfg = self.cfg
+        if self.run_dir:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
         logger = MetricsLogger(self.run_dir, cfg.logging.tensorboard, cfg.logging.wandb, cfg.logging.wandb_project,
                                dump_train_config(cfg))
         if resume and self.resume():

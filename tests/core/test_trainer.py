@@ -1,0 +1,136 @@
+import json
+
+import pytest
+import torch
+
+from shared_rl.checkpoint import list_checkpoints
+from shared_rl.config import load_train_config
+from shared_rl.trainer import NonFiniteError, Trainer
+
+
+def toy_cfg(**over):
+    data = {
+        "domain": "toy", "seed": 3, "iterations": 12,
+        "rollout": {"groups_per_iteration": 4, "group_size": 6},
+        "loss": {"clip_low": 0.2},
+        "optim": {"lr": 0.2, "minibatches_per_epoch": 2, "inner_epochs": 2},
+        "logging": {"progress": False},
+        "toy": {"num_contexts": 6, "num_actions": 4, "horizon": 3},
+    }
+    for k, v in over.items():
+        sec, _, key = k.partition(".")
+        if key:
+            data.setdefault(sec, {})[key] = v
+        else:
+            data[sec] = v
+    return load_train_config(data)
+
+
+def quiet(*_):
+    pass
+
+
+def test_toy_policy_learns():
+    tr = Trainer(toy_cfg(iterations=25), None, log=quiet)
+    hist = tr.fit()
+    assert hist[0]["eval/expected_reward"] == pytest.approx(0.25)
+    assert hist[-1]["eval/expected_reward"] > 0.7
+    assert hist[-1]["reward/mean"] > hist[1]["reward/mean"] + 0.3
+
+
+def test_first_inner_step_ratio_is_one():
+    tr = Trainer(toy_cfg(**{"optim.minibatches_per_epoch": 1, "optim.inner_epochs": 1}), None, log=quiet)
+    m = tr.iteration(0)
+    assert m["ratio/mean"] == pytest.approx(1.0, abs=1e-7) and m["ratio/max"] == pytest.approx(1.0, abs=1e-7)
+    assert m["clip_frac"] == 0.0
+
+
+def test_micro_batching_does_not_change_the_update():
+    states = []
+    for micro in (0, 5, 1):
+        tr = Trainer(toy_cfg(**{"optim.micro_batch_size": micro, "iterations": 3}), None, log=quiet)
+        for it in range(3):
+            tr.iteration(it)
+        states.append(tr.domain.state_dict()["logits"])
+    assert torch.allclose(states[0], states[1], atol=1e-6) and torch.allclose(states[0], states[2], atol=1e-6)
+
+
+def test_resume_equals_uninterrupted_bitwise(tmp_path):
+    cfg = toy_cfg(**{"checkpoint.every": 4, "checkpoint.keep_last": 5, "selection.sampler": "vade"})
+    full = Trainer(cfg, tmp_path / "full", log=quiet)
+    full.fit()
+    part = Trainer(cfg, tmp_path / "part", log=quiet)
+    real_iteration = part.iteration
+
+    def dies_at_10(it):  # as if killed during iteration 10, after the checkpoint at 8 and the record of 9
+        if it == 9:
+            raise KeyboardInterrupt
+        return real_iteration(it)
+
+    part.iteration = dies_at_10
+    with pytest.raises(KeyboardInterrupt):
+        part.fit()
+    resumed = Trainer(toy_cfg(**{"checkpoint.every": 4, "checkpoint.keep_last": 5, "selection.sampler": "vade"}),
+                      tmp_path / "part", log=quiet)
+    resumed.fit(resume=True)
+    assert resumed.start_iteration == 8
+    assert torch.equal(full.domain.state_dict()["logits"], resumed.domain.state_dict()["logits"])
+    a = [json.loads(l) for l in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
+    b = [json.loads(l) for l in (tmp_path / "part" / "metrics.jsonl").read_text().splitlines()]
+    drop = lambda r: {k: v for k, v in r.items() if not k.startswith("time/") and k != "samples_per_s"}
+    assert [drop(r) for r in a] == [drop(r) for r in b]
+
+
+def test_corrupt_checkpoint_falls_back_to_previous(tmp_path):
+    cfg = toy_cfg(**{"checkpoint.every": 4, "checkpoint.keep_last": 3, "iterations": 8})
+    Trainer(cfg, tmp_path, log=quiet).fit()
+    ckpts = list_checkpoints(tmp_path / "checkpoints")
+    assert [p.name for p in ckpts] == ["step_000004", "step_000008"]
+    with open(ckpts[-1] / "model.safetensors", "r+b") as f:
+        f.seek(100)
+        f.write(b"\x00garbage\x00")
+    logs = []
+    tr = Trainer(cfg, tmp_path, log=logs.append)
+    with pytest.warns(UserWarning, match="checksum"):
+        assert tr.resume()
+    assert tr.start_iteration == 4 and any("unusable" in l for l in logs)
+
+
+def test_tree_rollouts_train_with_tree_estimator():
+    cfg = toy_cfg(**{"toy.tree_branch": 2, "toy.tree_depth": 3, "advantage.estimator": "depth_zscore",
+                     "iterations": 20})
+    tr = Trainer(cfg, None, log=quiet)
+    m = tr.iteration(0)
+    assert m["nfe/rollout"] == 4 * (2 + 4 + 8)  # unique nodes: each prefix computed once
+    hist = tr.fit()
+    assert hist[-1]["eval/expected_reward"] > 0.6
+
+
+def test_dynamic_sampling_refills_groups():
+    cfg = toy_cfg(**{"selection.filter": "zero_std", "selection.max_refill_rounds": 3,
+                     "toy.horizon": 1, "rollout": {"groups_per_iteration": 4, "group_size": 2}})
+    tr = Trainer(cfg, None, log=quiet)
+    m = tr.iteration(0)
+    assert m["groups/drawn"] > 4 and m["groups/kept"] <= 4
+
+
+def test_nonfinite_gradients_skip_then_stop(monkeypatch):
+    tr = Trainer(toy_cfg(**{"max_nonfinite_steps": 2}), None, log=quiet)
+    real = tr.domain.log_probs
+
+    def poisoned(rollout, idx, need_kl):
+        out = real(rollout, idx, need_kl)
+        out.logp = out.logp * float("nan")
+        return out
+
+    monkeypatch.setattr(tr.domain, "log_probs", poisoned)
+    before = tr.domain.state_dict()["logits"].clone()
+    with pytest.raises(NonFiniteError, match="max_nonfinite_steps"):
+        tr.iteration(0)
+    assert torch.equal(before, tr.domain.state_dict()["logits"])  # skipped steps change nothing
+
+
+def test_kl_term_is_logged_and_pulls_toward_reference():
+    cfg = toy_cfg(**{"loss.kl_coef": 1.0, "loss.kl_estimator": "k3", "optim.minibatches_per_epoch": 1, "optim.inner_epochs": 1})
+    m = Trainer(cfg, None, log=quiet).iteration(0)
+    assert "loss/kl" in m and m["loss/kl"] == pytest.approx(0.0, abs=1e-7)  # policy == reference at start
