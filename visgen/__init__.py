@@ -1,0 +1,32 @@
+"""visgen: group-relative RL post-training of flow-matching image generators over stock diffusers pipelines.
+
+Public sampling API (imported lazily so ``import visgen.tasks`` stays light):
+
+- ``visgen.sample(pipe, prompt, num_inference_steps, guidance_scale, generator, sampler="sde", noise_level=None,
+  plan=None, ...) -> Trajectory``
+- ``visgen.recompute_log_probs(pipe_or_adapter, traj, step_indices, return_means=False) -> RecomputedSteps``
+- ``visgen.as_adapter(pipe)``; kernels in ``visgen.sampling``; step plans in ``visgen.plans``.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_LAZY = {
+    "sample": "visgen.trajectory",
+    "recompute_log_probs": "visgen.trajectory",
+    "Trajectory": "visgen.trajectory",
+    "RecomputedSteps": "visgen.trajectory",
+    "as_adapter": "visgen.pipelines",
+    "Conditioning": "visgen.pipelines",
+    "StepPlan": "visgen.plans",
+    "plan_from_config": "visgen.plans",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'visgen' has no attribute {name!r}")

@@ -1,0 +1,171 @@
+"""What the sampler needs from a stock diffusers flow-matching pipeline, behind one small interface.
+
+An adapter wraps an *unmodified* pipeline object (``StableDiffusion3Pipeline``, ``FluxPipeline``, ``SanaPipeline``)
+and re-does, step by step, exactly what that pipeline's ``__call__`` does: prompt encoding, latent preparation for
+the same generator, the scheduler's sigmas/timesteps, the transformer call with the pipeline's timestep scaling and
+guidance, and decoding. It calls the pipeline's own methods wherever they exist (``encode_prompt``,
+``prepare_latents``, ``retrieve_timesteps``, ``image_processor.postprocess``) so a deterministic Euler chain over an
+adapter reproduces ``pipe(..., output_type="latent")`` bit for bit in float32.
+
+Differences from the pipelines, by design: latents are kept in float32 between steps (the step math must be float32;
+a bf16 pipeline rounds its latents to bf16 after every step, so there it matches only to bf16 tolerance), and
+pipeline extras outside the sampling core (IP-adapters, SD3 skip-layer guidance, SANA resolution binning, callbacks,
+cache contexts) are not reproduced.
+"""
+from __future__ import annotations
+
+import copy
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+__all__ = ["Conditioning", "FlowPipelineAdapter"]
+
+
+@dataclass
+class Conditioning:
+    """Encoded prompts for a batch of samples (one row per sample, num_images_per_prompt already expanded).
+
+    tensors: per-sample tensors (first dim = batch), e.g. ``prompt_embeds``, ``pooled_prompt_embeds`` and their
+        ``negative_`` counterparts when CFG is on. Indexing a Conditioning indexes these.
+    shared: batch-independent tensors (FLUX ``txt_ids``/``img_ids``).
+    guidance_scale: CFG scale (SD3, SANA; FLUX true-CFG scale is ``true_cfg_scale``) or the FLUX guidance embedding.
+    do_cfg: whether the velocity call runs the unconditional branch (counts as a second forward).
+    height, width: image size in pixels (decoding and FLUX latent packing need it).
+    options: small model-specific scalars (e.g. ``true_cfg_scale``).
+    """
+
+    tensors: dict[str, torch.Tensor]
+    guidance_scale: float
+    do_cfg: bool
+    height: int
+    width: int
+    shared: dict[str, torch.Tensor] = field(default_factory=dict)
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return int(next(iter(self.tensors.values())).shape[0])
+
+    def __getitem__(self, idx: Any) -> "Conditioning":
+        if isinstance(idx, torch.Tensor):
+            idx = idx.to(next(iter(self.tensors.values())).device)
+        return Conditioning(
+            tensors={k: v[idx] for k, v in self.tensors.items()},
+            guidance_scale=self.guidance_scale,
+            do_cfg=self.do_cfg,
+            height=self.height,
+            width=self.width,
+            shared=self.shared,
+            options=self.options,
+        )
+
+    @staticmethod
+    def cat(parts: list["Conditioning"]) -> "Conditioning":
+        first = parts[0]
+        return Conditioning(
+            tensors={k: torch.cat([p.tensors[k] for p in parts]) for k in first.tensors},
+            guidance_scale=first.guidance_scale,
+            do_cfg=first.do_cfg,
+            height=first.height,
+            width=first.width,
+            shared=first.shared,
+            options=first.options,
+        )
+
+
+class FlowPipelineAdapter:
+    """Base class; subclasses implement the model-specific pieces. All inputs/outputs are batched."""
+
+    family: ClassVar[str] = ""
+    pipeline_class_names: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, pipe: Any) -> None:
+        self.pipe = pipe
+
+    # ---------------------------------------------------------------- generic helpers
+
+    @property
+    def transformer(self) -> torch.nn.Module:
+        return self.pipe.transformer
+
+    @property
+    def device(self) -> torch.device:
+        return self.pipe._execution_device
+
+    def call_default(self, name: str) -> Any:
+        """The default of an argument of the pipeline's ``__call__`` (so the adapter's defaults follow diffusers)."""
+        return inspect.signature(type(self.pipe).__call__).parameters[name].default
+
+    def default_size(self) -> tuple[int, int]:
+        size = self.pipe.default_sample_size * self.pipe.vae_scale_factor
+        return size, size
+
+    def forwards_per_step(self, cond: Conditioning) -> int:
+        """Model evaluations per sample per denoising step (CFG counts 2)."""
+        return 2 if cond.do_cfg else 1
+
+    def scheduler_copy(self):
+        """A private copy of the pipeline's own scheduler (setting timesteps must not disturb the pipeline)."""
+        scheduler = copy.deepcopy(self.pipe.scheduler)
+        is_flow = type(scheduler).__name__ == "FlowMatchEulerDiscreteScheduler" or getattr(
+            scheduler.config, "use_flow_sigmas", False
+        )
+        if not is_flow:
+            raise ValueError(
+                f"{type(scheduler).__name__} is not a flow-matching scheduler; the flow kernels need "
+                "FlowMatchEulerDiscreteScheduler (or a scheduler with use_flow_sigmas=True)"
+            )
+        if getattr(scheduler.config, "invert_sigmas", False):
+            raise ValueError("schedulers with invert_sigmas=True are not supported (sigma must run from 1 to 0)")
+        return scheduler
+
+    @staticmethod
+    def _finish_schedule(scheduler, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        sigmas = scheduler.sigmas.to(device=device, dtype=torch.float32)
+        timesteps = scheduler.timesteps.to(device=device)
+        if not torch.is_floating_point(timesteps):
+            # DPM-Solver style flow schedulers hand the model integer timesteps; the values are kept as they are
+            timesteps = timesteps.to(torch.float32)
+        if sigmas.shape[0] != timesteps.shape[0] + 1:
+            raise ValueError(f"scheduler gave {sigmas.shape[0]} sigmas for {timesteps.shape[0]} timesteps")
+        return sigmas, timesteps
+
+    # ---------------------------------------------------------------- model-specific interface
+
+    def encode_prompts(
+        self,
+        prompts: list[str],
+        num_images_per_prompt: int = 1,
+        guidance_scale: float | None = None,
+        negative_prompt: str | list[str] | None = None,
+        max_sequence_length: int | None = None,
+        height: int | None = None,
+        width: int | None = None,
+        **kwargs: Any,
+    ) -> Conditioning:
+        """Encode prompts (no grad) as the pipeline does; row order matches the pipeline's batch order."""
+        raise NotImplementedError
+
+    def prepare_latents(self, batch_size: int, cond: Conditioning, generator: Any) -> torch.Tensor:
+        """Initial noise in the model's latent layout, drawn exactly as the pipeline draws it; float32."""
+        raise NotImplementedError
+
+    def schedule(
+        self, num_steps: int, cond: Conditioning, sigmas: list[float] | None = None, mu: float | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(sigmas [T+1] float32 ending in 0, timesteps [T])`` from the pipeline's own scheduler."""
+        raise NotImplementedError
+
+    def velocity(self, latents: torch.Tensor, timesteps: torch.Tensor, cond: Conditioning) -> torch.Tensor:
+        """Guided velocity ``v`` (float32, shape of ``latents``) for per-sample scheduler ``timesteps`` ``[B]``.
+
+        Runs with grad when grad is enabled (training recomputation); CFG runs both branches in one batch like the
+        pipeline does.
+        """
+        raise NotImplementedError
+
+    def decode(self, latents: torch.Tensor, cond: Conditioning) -> torch.Tensor:
+        """Images ``[B, 3, H, W]`` in [0, 1] (float32), decoded like the pipeline (no grad)."""
+        raise NotImplementedError
