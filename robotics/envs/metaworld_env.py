@@ -54,6 +54,7 @@ TASK_INSTRUCTIONS: dict[str, str] = {
     "lever-pull-v3": "pull the lever up",
     "dial-turn-v3": "turn the dial",
     "sweep-into-v3": "sweep the puck into the hole",
+    "point-reach": "move the white point to the red goal",  # the synthetic env in point.py
 }
 
 SPLITS = {"train": 0, "eval": 1}

@@ -40,6 +40,7 @@ DEFAULT_TASKS = ["reach-v3", "push-v3", "door-open-v3", "button-press-topdown-v3
 class EnvConfig:
     """Simulator settings (the ``env`` section of a robotics config)."""
 
+    kind: Literal["metaworld", "point"] = "metaworld"  # point = the synthetic reaching env (tests, templates)
     tasks: list[str] = field(default_factory=lambda: list(DEFAULT_TASKS))
     horizon: int = 150
     success_mode: Literal["once", "end"] = "once"
@@ -52,6 +53,8 @@ class EnvConfig:
     def check(self, where: str = "env") -> None:
         from shared_rl.config import ConfigError
 
+        if self.kind == "point" and self.tasks != ["point-reach"]:
+            raise ConfigError(f"{where}.tasks must be [point-reach] when {where}.kind is point, got {self.tasks}")
         if not self.tasks:
             raise ConfigError(f"{where}.tasks must list at least one Meta-World task, e.g. [reach-v3]")
         if self.horizon < 1:
@@ -308,5 +311,10 @@ class SubprocMetaWorld:
             pass
 
 
-def make_vector_env(cfg: EnvConfig) -> BatchedMetaWorld | SubprocMetaWorld:
+def make_vector_env(cfg: EnvConfig):
+    """The batched env for ``cfg``: Meta-World in-process or over workers, or the synthetic point env."""
+    if cfg.kind == "point":
+        from .point import PointReachVec
+
+        return PointReachVec(cfg)
     return SubprocMetaWorld(cfg) if cfg.num_workers > 0 else BatchedMetaWorld(cfg)

@@ -1,0 +1,252 @@
+"""Behaviour cloning of the tiny VLA on noisy scripted-expert demos (``grove train`` with ``kind: supervised``).
+
+``run(cfg, run_dir, log)`` collects demonstrations if the data file does not exist, trains the VLA (flow-matching
+loss for the flow head, cross-entropy over 256 bins for the discrete head) on (frame, proprio, instruction) ->
+next K actions with random-shift augmentation (DrQ, Kostrikov et al. 2021), evaluates the deterministic policy
+(ODE / arg-max) on held-out evaluation reset states, writes ``metrics.jsonl``, ``bc_curve.png`` and the model
+(``model.safetensors`` + ``config.json``) into ``run_dir/model`` and, if ``export_dir`` is set, there too
+(``assets/metaworld-vla-tiny`` is made this way). The run stops at ``train_steps`` or ``time_budget_s``.
+"""
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .collect import collect_demos
+from .data import Episode, load_episodes, save_episodes
+from .envs.metaworld_env import instruction_for, make_key
+from .envs.vector import EnvConfig, make_vector_env
+from .episodes import SamplingSettings, run_episodes, success_by_task, write_gif
+from .policies.vla import TinyVLA, VLAConfig
+
+
+@dataclass
+class CollectConfig:
+    demos_per_task: int = 40
+    noise_std: float = 0.3
+    seed: int = 0
+
+
+@dataclass
+class BCConfig:
+    data: str = "runs/robotics-demos/demos40.npz"  # collected here first if missing
+    collect: CollectConfig = field(default_factory=CollectConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    model: VLAConfig = field(default_factory=VLAConfig)
+    train_steps: int = 6000
+    time_budget_s: float = 0.0  # > 0: stop training after this many seconds
+    batch_size: int = 64
+    lr: float = 3e-4
+    weight_decay: float = 1e-4
+    augment_shift: int = 4  # pixels of random shift (0 = off)
+    log_every: int = 200
+    eval_states_per_task: int = 20
+    eval_every: int = 0  # steps between evaluations; 0 = only at the end
+    gifs: bool = True
+    seed: int = 0
+    threads: int = 1
+    export_dir: str = ""  # also write the final model here (e.g. assets/metaworld-vla-tiny)
+
+    def check(self, where: str = "bc") -> None:
+        from shared_rl.config import ConfigError
+
+        if self.batch_size < 1 or self.train_steps < 0:
+            raise ConfigError(f"{where}: batch_size must be >= 1 and train_steps >= 0")
+        if self.env.image_size != self.model.image_size:
+            raise ConfigError(f"{where}.model.image_size ({self.model.image_size}) must equal env.image_size ({self.env.image_size})")
+
+
+class ChunkDataset:
+    """(frame, proprio, instruction ids, next-K-action chunk) samples from every step of every episode."""
+
+    def __init__(self, episodes: list[Episode], chunk: int, policy: TinyVLA):
+        self.images = np.concatenate([e.images for e in episodes])
+        self.proprio = np.concatenate([e.proprio for e in episodes]).astype(np.float32)
+        chunks, tids = [], []
+        for e in episodes:
+            a = e.actions
+            # after the last action the episode is over (success): pad with "stay" (zero) actions
+            padded = np.concatenate([a, np.zeros((chunk - 1, a.shape[1]), a.dtype)])
+            chunks.append(np.stack([padded[t : t + chunk] for t in range(len(e))]))
+            ids = policy.text.token_ids([e.instruction])[0]
+            tids += [ids] * len(e)
+        self.chunks = np.concatenate(chunks).astype(np.float32)
+        self.text_ids = tids
+
+    def __len__(self) -> int:
+        return len(self.chunks)
+
+    def batch(self, idx: np.ndarray, shift: int, rng: np.random.Generator):
+        imgs = torch.from_numpy(self.images[idx]).permute(0, 3, 1, 2).float() / 255.0 - 0.5
+        if shift:
+            imgs = random_shift(imgs, shift, rng)
+        return imgs, torch.from_numpy(self.proprio[idx]), [self.text_ids[i] for i in idx], torch.from_numpy(self.chunks[idx])
+
+
+def random_shift(imgs: torch.Tensor, pad: int, rng: np.random.Generator) -> torch.Tensor:
+    """Pad by replication and crop back at a random offset per image (DrQ's augmentation)."""
+    n, _, h, w = imgs.shape
+    padded = torch.nn.functional.pad(imgs, (pad, pad, pad, pad), mode="replicate")
+    out = torch.empty_like(imgs)
+    offs = rng.integers(0, 2 * pad + 1, size=(n, 2))
+    for i, (dy, dx) in enumerate(offs):
+        out[i] = padded[i, :, dy : dy + h, dx : dx + w]
+    return out
+
+
+def eval_keys(env_cfg: EnvConfig, per_task: int) -> tuple[list[int], list[str]]:
+    keys, tasks = [], []
+    for t, task in enumerate(env_cfg.tasks):
+        for i in range(per_task):
+            keys.append(make_key(t, "eval", i))
+            tasks.append(task)
+    return keys, tasks
+
+
+def evaluate_policy(policy: TinyVLA, env_cfg: EnvConfig, per_task: int, venv=None, gif_dir: Path | None = None,
+                    tag: str = "") -> dict[str, float]:
+    """Deterministic (ODE / arg-max) success on the held-out evaluation reset states."""
+    keys, tasks = eval_keys(env_cfg, per_task)
+    own = venv is None
+    venv = venv or make_vector_env(env_cfg)
+    mode = "ode" if policy.cfg.head == "flow" else "greedy"
+    was_training = policy.training
+    policy.eval()
+    try:
+        batch = run_episodes(policy, venv, keys, tasks, SamplingSettings(mode=mode), env_cfg.horizon,
+                             record_frames=gif_dir is not None)
+    finally:
+        policy.train(was_training)
+        if own:
+            venv.close()
+    if gif_dir is not None:
+        gif_dir.mkdir(parents=True, exist_ok=True)
+        for task in env_cfg.tasks:
+            i = tasks.index(task)
+            ok = "ok" if batch.success_once[i] else "fail"
+            write_gif(batch.frames[i], gif_dir / f"{tag}{task}-{ok}.gif")
+    return success_by_task(batch, env_cfg.success_mode)
+
+
+def run(cfg: dict, run_dir: Path, log=print) -> dict[str, float]:
+    from shared_rl.config import from_dict
+
+    c: BCConfig = from_dict(BCConfig, cfg, "robotics-bc")
+    torch.set_num_threads(max(1, c.threads))
+    torch.manual_seed(c.seed)
+    rng = np.random.default_rng(c.seed)
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    data_path = Path(c.data)
+    if data_path.is_file():
+        episodes = load_episodes(data_path)
+        log(f"bc: {len(episodes)} demos from {data_path}")
+    else:
+        log(f"bc: {data_path} missing; collecting {c.collect.demos_per_task} demos/task (noise {c.collect.noise_std})")
+        episodes = collect_demos(c.env, c.collect.demos_per_task, c.collect.noise_std, c.collect.seed, log=log)
+        save_episodes(episodes, data_path)
+    episodes = [e for e in episodes if e.task in c.env.tasks]
+    if not episodes:
+        from shared_rl.config import ConfigError
+
+        raise ConfigError(f"{data_path} has no demos for env.tasks {c.env.tasks}")
+    mcfg = c.model
+    mcfg.image_channels = episodes[0].images.shape[-1]
+    mcfg.proprio_dim = episodes[0].proprio.shape[-1]
+    allp = np.concatenate([e.proprio for e in episodes])
+    mcfg.proprio_mean = allp.mean(0).tolist()
+    mcfg.proprio_std = (allp.std(0) + 1e-3).tolist()
+    policy = TinyVLA(mcfg)
+    data = ChunkDataset(episodes, mcfg.chunk, policy)
+    n_params = sum(p.numel() for p in policy.parameters())
+    log(f"bc: {len(data)} samples, model {n_params:,} params, head {mcfg.head}")
+    # the ReinFlow noise head is trained by RL only
+    params = [p for n, p in policy.named_parameters() if not n.startswith("flow.noise_std")]
+    opt = torch.optim.AdamW(params, lr=c.lr, weight_decay=c.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(1.0, s / max(1, c.train_steps)))))
+    gen = torch.Generator().manual_seed(c.seed)
+    metrics_f = open(run_dir / "metrics.jsonl", "w")
+    history, t0, running = [], time.perf_counter(), None
+    step = 0
+    venv = make_vector_env(c.env)
+    result: dict[str, float] = {}
+    try:
+        for step in range(1, c.train_steps + 1):
+            idx = rng.integers(0, len(data), size=c.batch_size)
+            imgs, pro, tids, chunks = data.batch(idx, c.augment_shift, rng)
+            h = policy.encode(imgs, pro, tids)
+            loss = policy.bc_loss(h, chunks, gen)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            sched.step()
+            running = float(loss) if running is None else 0.98 * running + 0.02 * float(loss)
+            elapsed = time.perf_counter() - t0
+            out_of_time = c.time_budget_s > 0 and elapsed > c.time_budget_s
+            rec = None
+            if step % c.log_every == 0 or step == c.train_steps or out_of_time:
+                rec = {"step": step, "loss/bc": running, "lr": sched.get_last_lr()[0], "time/train": elapsed}
+                log(f"bc step {step}: loss {running:.4f} ({elapsed:.0f}s)")
+            if c.eval_every and step % c.eval_every == 0 and not out_of_time and step != c.train_steps:
+                rec = rec or {"step": step}
+                rec.update(evaluate_policy(policy, c.env, c.eval_states_per_task, venv))
+                log(f"bc eval @ {step}: success {rec['eval/success']:.2f}")
+            if rec:
+                history.append(rec)
+                metrics_f.write(json.dumps(rec) + "\n")
+                metrics_f.flush()
+            if out_of_time:
+                log(f"bc: time budget {c.time_budget_s:.0f}s reached at step {step}")
+                break
+        te = time.perf_counter()
+        result = evaluate_policy(policy, c.env, c.eval_states_per_task, venv,
+                                 gif_dir=run_dir / "gifs" if c.gifs else None, tag="bc-")
+        result["time/eval"] = time.perf_counter() - te
+        result["time/train"] = te - t0
+        result["train_steps"] = step
+        rec = {"step": step, **result}
+        history.append(rec)
+        metrics_f.write(json.dumps(rec) + "\n")
+    finally:
+        metrics_f.close()
+        venv.close()
+    policy.save_pretrained(run_dir / "model")
+    if c.export_dir:
+        dst = Path(c.export_dir)
+        dst.mkdir(parents=True, exist_ok=True)
+        for f in ("model.safetensors", "config.json"):
+            shutil.copy2(run_dir / "model" / f, dst / f)
+        (dst / "eval.json").write_text(json.dumps({k: round(v, 4) for k, v in result.items()}, indent=1))
+        log(f"bc: exported the model to {dst}")
+    _plot(history, run_dir / "bc_curve.png")
+    log("bc: " + " ".join(f"{k}={v:.3g}" for k, v in result.items() if k.startswith("eval/")))
+    return result
+
+
+def _plot(history: list[dict], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    pts = [(r["step"], r["loss/bc"]) for r in history if "loss/bc" in r]
+    if not pts:
+        return
+    fig, ax = plt.subplots(figsize=(5, 3))
+    ax.plot(*zip(*pts))
+    ax.set_xlabel("step")
+    ax.set_ylabel("BC loss (EMA)")
+    ax.set_yscale("log")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,114 @@
+"""Demonstrations from Meta-World's scripted experts (``metaworld.policies``) with Gaussian action noise.
+
+``collect_demos`` runs the expert of each task from training reset states reserved for demonstrations (train
+split, indices from ``DEMO_INDEX_OFFSET`` on, so RL training states and evaluation states are never demos),
+adds N(0, noise_std²) to every action (then clips to [-1, 1]) and records frames, proprio, state, action and
+success. With noise σ=0.3 the experts still solve reach, push, door-open, button-press-topdown and drawer-close
+(noisy demos differ in path, not outcome; DESIGN.md §7). ``grove robotics collect`` is ``main(argv)``.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+import warnings
+
+os.environ.setdefault("MUJOCO_GL", "egl")
+
+import numpy as np  # noqa: E402
+
+from .data import Episode, export_lerobot, save_episodes  # noqa: E402
+from .envs.metaworld_env import (  # noqa: E402
+    MetaWorldTaskEnv,
+    RenderSettings,
+    TaskRenderer,
+    instruction_for,
+    make_key,
+    proprio_from_obs,
+)
+from .envs.vector import DEFAULT_TASKS, EnvConfig  # noqa: E402
+
+DEMO_INDEX_OFFSET = 100_000
+
+
+def expert_for(task: str):
+    from metaworld.policies import ENV_POLICY_MAP
+
+    if task not in ENV_POLICY_MAP:
+        raise ValueError(f"no scripted expert for {task!r} in metaworld.policies")
+    return ENV_POLICY_MAP[task]()
+
+
+def collect_demos(
+    env_cfg: EnvConfig,
+    demos_per_task: int = 40,
+    noise_std: float = 0.3,
+    seed: int = 0,
+    only_successful: bool = True,
+    max_attempts_factor: int = 3,
+    log=print,
+) -> list[Episode]:
+    """Noisy expert episodes for every task in ``env_cfg.tasks`` (successful ones only unless told otherwise)."""
+    rng = np.random.default_rng(seed)
+    settings = env_cfg.render_settings()
+    episodes: list[Episode] = []
+    for task_index, task in enumerate(env_cfg.tasks):
+        env = MetaWorldTaskEnv(task)
+        renderer = TaskRenderer(env.model, settings)
+        expert = expert_for(task)
+        kept, attempts, t0 = 0, 0, time.perf_counter()
+        while kept < demos_per_task and attempts < demos_per_task * max_attempts_factor:
+            key = make_key(task_index, "train", DEMO_INDEX_OFFSET + attempts)
+            attempts += 1
+            obs = env.reset(key)
+            frames, pro, states, acts, succ = [], [], [], [], []
+            for _ in range(env_cfg.horizon):
+                frames.append(renderer.render(env.data))
+                pro.append(proprio_from_obs(obs, env_cfg.include_goal))
+                states.append(obs.astype(np.float32))
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # the experts warn about saturating gains, by design
+                    a = expert.get_action(obs)
+                a = np.clip(a + rng.normal(0.0, noise_std, size=a.shape), -1.0, 1.0).astype(np.float32)
+                obs, _, ok = env.step(a)
+                acts.append(a)
+                succ.append(ok)
+                if ok and env_cfg.success_mode == "once":
+                    break
+            ep = Episode(task=task, instruction=instruction_for(task), images=np.stack(frames),
+                         proprio=np.stack(pro), actions=np.stack(acts), success=np.array(succ),
+                         states=np.stack(states), key=key)
+            if ep.succeeded or not only_successful:
+                episodes.append(ep)
+                kept += 1
+        renderer.close()
+        lens = [len(e) for e in episodes if e.task == task]
+        log(f"collect {task}: {kept}/{attempts} episodes kept (expert success {kept / max(attempts, 1):.0%} "
+            f"with noise {noise_std}), mean length {np.mean(lens) if lens else 0:.0f}, {time.perf_counter() - t0:.1f}s")
+    return episodes
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``grove robotics collect``: write noisy expert demonstrations to an ``.npz`` (and optionally LeRobot v3.0)."""
+    p = argparse.ArgumentParser(prog="grove robotics collect", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="output .npz file")
+    p.add_argument("--tasks", nargs="+", default=list(DEFAULT_TASKS), help="Meta-World v3 task names")
+    p.add_argument("--demos-per-task", type=int, default=40)
+    p.add_argument("--noise", type=float, default=0.3, help="std of the Gaussian action noise")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--horizon", type=int, default=150)
+    p.add_argument("--cameras", nargs="+", default=["corner"])
+    p.add_argument("--image-size", type=int, default=64)
+    p.add_argument("--include-goal", action="store_true", help="append the goal xyz to proprio")
+    p.add_argument("--keep-failures", action="store_true")
+    p.add_argument("--lerobot", help="also export a LeRobot v3.0 dataset to this (new) directory")
+    args = p.parse_args(argv)
+    cfg = EnvConfig(tasks=args.tasks, horizon=args.horizon, cameras=args.cameras, image_size=args.image_size,
+                    include_goal=args.include_goal)
+    eps = collect_demos(cfg, args.demos_per_task, args.noise, args.seed, only_successful=not args.keep_failures)
+    path = save_episodes(eps, args.out)
+    print(f"wrote {len(eps)} episodes ({sum(len(e) for e in eps)} frames) to {path} ({path.stat().st_size / 1e6:.1f} MB)")
+    if args.lerobot:
+        export_lerobot(eps, args.lerobot)
+        print(f"wrote LeRobot v3.0 dataset to {args.lerobot}")
+    return 0

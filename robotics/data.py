@@ -1,0 +1,205 @@
+"""Robot episodes: compact storage (one compressed ``.npz``) and LeRobot dataset format v3.0 import/export.
+
+An episode holds, per control step t: the camera frame(s) *before* the action (``images[t]``, uint8 HWC),
+proprioception, the full 39-d Meta-World state, the action, and the success flag *after* the action, plus the
+task name and instruction. A dataset file stores all episodes concatenated with ``episode_starts``.
+
+LeRobot v3.0 (``meta/info.json``, ``meta/tasks.parquet``, ``meta/episodes/…``, ``data/chunk-000/file-000.parquet``,
+images embedded as PNG): ``export_lerobot`` writes through the real ``lerobot`` package
+(``LeRobotDataset.create`` / ``add_frame`` / ``save_episode`` / ``finalize``), which is optional —
+``pip install --no-deps lerobot==0.4.4 av`` (no lerobot release installs next to torch >= 2.12 with its
+dependencies; its dataset module works without them). ``import_lerobot`` reads the v3.0 files with pyarrow
+only, so importing works without lerobot.
+"""
+from __future__ import annotations
+
+import io
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+METAWORLD_FPS = 80  # frame_skip 5 x timestep 0.0025 s
+
+
+@dataclass
+class Episode:
+    task: str
+    instruction: str
+    images: np.ndarray  # [T, H, W, C] uint8
+    proprio: np.ndarray  # [T, P] float32
+    actions: np.ndarray  # [T, A] float32
+    success: np.ndarray  # [T] bool, after each action
+    states: np.ndarray | None = None  # [T, 39] float32
+    key: int = -1
+
+    def __len__(self) -> int:
+        return int(self.actions.shape[0])
+
+    @property
+    def succeeded(self) -> bool:
+        return bool(self.success.any())
+
+
+def save_episodes(episodes: list[Episode], path: str | Path) -> Path:
+    """Write episodes to one compressed ``.npz`` (images compress ~5x: flat backgrounds)."""
+    if not episodes:
+        raise ValueError("no episodes to save")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lengths = np.array([len(e) for e in episodes], np.int64)
+    arrays = {
+        "episode_starts": np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64),
+        "episode_lengths": lengths,
+        "images": np.concatenate([e.images for e in episodes]),
+        "proprio": np.concatenate([e.proprio for e in episodes]).astype(np.float32),
+        "actions": np.concatenate([e.actions for e in episodes]).astype(np.float32),
+        "success": np.concatenate([e.success for e in episodes]).astype(bool),
+        "keys": np.array([e.key for e in episodes], np.int64),
+        "tasks": np.array([e.task for e in episodes]),
+        "instructions": np.array([e.instruction for e in episodes]),
+    }
+    if all(e.states is not None for e in episodes):
+        arrays["states"] = np.concatenate([e.states for e in episodes]).astype(np.float32)
+    np.savez_compressed(path, **arrays)
+    return path
+
+
+def load_episodes(path: str | Path) -> list[Episode]:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"episode file {str(path)!r} does not exist (make one with `grove robotics collect`)")
+    with np.load(path, allow_pickle=False) as z:
+        d = {k: z[k] for k in z.files}
+    out = []
+    for i, (s, n) in enumerate(zip(d["episode_starts"], d["episode_lengths"])):
+        sl = slice(int(s), int(s + n))
+        out.append(Episode(
+            task=str(d["tasks"][i]), instruction=str(d["instructions"][i]), images=d["images"][sl],
+            proprio=d["proprio"][sl], actions=d["actions"][sl], success=d["success"][sl],
+            states=d["states"][sl] if "states" in d else None, key=int(d["keys"][i]),
+        ))
+    return out
+
+
+# -------------------------------------------------------------------------------------------------------------
+# LeRobot v3.0
+
+IMAGE_KEY = "observation.image"
+
+
+def _lerobot_features(ep: Episode) -> dict:
+    h, w, c = ep.images.shape[1:]
+    if c != 3:
+        raise ValueError(f"LeRobot image features are RGB; this dataset has {c} channels (export one camera)")
+    feats = {
+        IMAGE_KEY: {"dtype": "image", "shape": (h, w, 3), "names": ["height", "width", "channels"]},
+        "observation.state": {"dtype": "float32", "shape": (ep.proprio.shape[1],), "names": None},
+        "action": {"dtype": "float32", "shape": (ep.actions.shape[1],), "names": None},
+        "next.success": {"dtype": "bool", "shape": (1,), "names": None},
+    }
+    if ep.states is not None:
+        feats["observation.environment_state"] = {"dtype": "float32", "shape": (ep.states.shape[1],), "names": None}
+    return feats
+
+
+def export_lerobot(episodes: list[Episode], root: str | Path, repo_id: str = "grove/metaworld", fps: int = METAWORLD_FPS) -> Path:
+    """Write a LeRobot v3.0 dataset at ``root`` (must not exist) with the real ``lerobot`` package.
+
+    The task string of each frame is the instruction (LeRobot's ``task`` is the language annotation).
+    """
+    try:
+        from lerobot.datasets.lerobot_dataset import LeRobotDataset
+    except ImportError as e:
+        raise ImportError(
+            f"exporting to LeRobot needs the lerobot dataset module ({e}); install it with "
+            "`pip install --no-deps lerobot==0.4.4 av` (its full dependency set conflicts with torch >= 2.12)"
+        ) from None
+    root = Path(root)
+    if root.exists():
+        raise FileExistsError(f"{root} exists; LeRobot creates the dataset directory itself")
+    ds = LeRobotDataset.create(repo_id, fps=fps, root=root, features=_lerobot_features(episodes[0]),
+                               use_videos=False, image_writer_threads=0)
+    for ep in episodes:
+        for t in range(len(ep)):
+            frame = {
+                IMAGE_KEY: ep.images[t],
+                "observation.state": ep.proprio[t].astype(np.float32),
+                "action": ep.actions[t].astype(np.float32),
+                "next.success": np.array([bool(ep.success[t])]),
+                "task": ep.instruction,
+            }
+            if ep.states is not None:
+                frame["observation.environment_state"] = ep.states[t].astype(np.float32)
+            ds.add_frame(frame)
+        ds.save_episode()
+    ds.finalize()
+    return root
+
+
+def _decode_image(cell) -> np.ndarray:
+    from PIL import Image
+
+    if isinstance(cell, dict):
+        data = cell.get("bytes")
+        if data is None and cell.get("path"):
+            return np.asarray(Image.open(cell["path"]).convert("RGB"))
+        return np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
+    raise ValueError(f"cannot decode an image cell of type {type(cell).__name__}")
+
+
+def import_lerobot(root: str | Path, image_key: str | None = None, task_names: dict[str, str] | None = None) -> list[Episode]:
+    """Read a LeRobot v3.0 dataset (image features; video features need torchcodec/FFmpeg and are rejected).
+
+    ``task_names`` maps instruction text -> task name (default: the text of the instruction, or the Meta-World
+    task whose instruction it is).
+    """
+    import pyarrow.parquet as pq
+
+    from .envs.metaworld_env import TASK_INSTRUCTIONS
+
+    root = Path(root)
+    info_path = root / "meta" / "info.json"
+    if not info_path.is_file():
+        raise FileNotFoundError(f"{root} is not a LeRobot dataset (no meta/info.json)")
+    info = json.loads(info_path.read_text())
+    if not str(info.get("codebase_version", "")).startswith("v3"):
+        raise ValueError(f"{root}: LeRobot format {info.get('codebase_version')!r}; only v3.x is supported")
+    feats = info["features"]
+    image_keys = [k for k, f in feats.items() if f.get("dtype") in ("image", "video")]
+    image_key = image_key or (IMAGE_KEY if IMAGE_KEY in feats else (image_keys[0] if image_keys else None))
+    if image_key is None:
+        raise ValueError(f"{root}: no image feature")
+    if feats[image_key]["dtype"] == "video":
+        raise ValueError(f"{root}: {image_key!r} is stored as video; decode it with lerobot (needs torchcodec/FFmpeg)")
+    tasks_table = pq.read_table(root / "meta" / "tasks.parquet").to_pandas()
+    # tasks.parquet is indexed by the task string with a task_index column
+    index_to_task = {int(r["task_index"]): str(name) for name, r in tasks_table.iterrows()}
+    if "task" in tasks_table.columns:  # tolerate a flat layout too
+        index_to_task = {int(r["task_index"]): str(r["task"]) for _, r in tasks_table.iterrows()}
+    by_text = {v: k for k, v in TASK_INSTRUCTIONS.items()}
+    by_text.update(task_names or {})
+    files = sorted((root / "data").glob("chunk-*/file-*.parquet"))
+    if not files:
+        raise FileNotFoundError(f"{root}: no data/chunk-*/file-*.parquet files")
+    import pandas as pd
+
+    df = pd.concat([pq.read_table(f).to_pandas() for f in files], ignore_index=True)
+    df = df.sort_values(["episode_index", "frame_index"])
+    state_key = "observation.state"
+    episodes = []
+    for _, g in df.groupby("episode_index", sort=True):
+        text = index_to_task[int(g["task_index"].iloc[0])]
+        episodes.append(Episode(
+            task=by_text.get(text, text),
+            instruction=text,
+            images=np.stack([_decode_image(c) for c in g[image_key]]),
+            proprio=np.stack(g[state_key].to_numpy()).astype(np.float32),
+            actions=np.stack(g["action"].to_numpy()).astype(np.float32),
+            success=(np.stack(g["next.success"].to_numpy()).reshape(-1).astype(bool) if "next.success" in g
+                     else np.zeros(len(g), bool)),
+            states=(np.stack(g["observation.environment_state"].to_numpy()).astype(np.float32)
+                    if "observation.environment_state" in g else None),
+        ))
+    return episodes

@@ -1,0 +1,259 @@
+"""The robotics domain: GRPO-family post-training of the tiny VLA in Meta-World (or the synthetic point env).
+
+Contract mapping (``shared_rl/domain.py``):
+
+- keys = training reset-state ids (``envs.metaworld_env.make_key(task, "train", i)``); evaluation uses the
+  disjoint ``"eval"`` split, so held-out success is never measured on a training reset state.
+- ``rollout(keys, G)``: G episodes from the SAME reset state per key (a GRPO group; RIPT-VLA/SimpleVLA-RL),
+  all B = len(keys)·G envs stepped in lock-step with one batched policy forward per chunk.
+- sequences = episodes; steps = (chunk c, denoising step s) pairs flattened to t = c·S + s (S = denoising
+  steps; S = 1 for the discrete head). ``logp_old[n, t]`` is the behaviour log-prob of that step and ``mask``
+  marks stochastic steps of executed chunks (flow_sde: all but the last denoising step; flow_noise: all;
+  mix: the one random step per chunk; discrete: every chunk).
+- rewards: ``success`` (0/1; "success once" or "success at end" per ``env.success_mode``) and, with
+  ``dense_reward``, ``dense`` (mean Meta-World shaped reward / 10; weight it via ``advantage.weights``).
+- ``evaluate``: deterministic (ODE / arg-max) episodes on held-out reset states -> ``eval/success`` and
+  ``eval/success/<task>``; GIFs of one episode per task in ``run_dir/gifs``.
+- KL (``loss.kl_coef > 0``): flow_sde / mix return the Flow-GRPO mean KL ‖μ_θ − μ_ref‖²/(2σ²) per step;
+  flow_noise and discrete return reference log-probs (the trainer applies k1/k3). The reference is a frozen copy
+  of the starting policy (1.3M parameters: a copy is cheaper than toggling adapters).
+"""
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import torch
+
+from shared_rl.config import ConfigError
+from shared_rl.domain import DomainBase, RunContext, StepLogProbs
+from shared_rl.rollout import Rollout
+
+from .bc import eval_keys, evaluate_policy
+from .envs.metaworld_env import make_key
+from .envs.vector import EnvConfig, make_vector_env
+from .episodes import SamplingSettings, run_episodes
+from .policies.flow_head import gaussian_logp
+from .policies.vla import TinyVLA, VLAConfig
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class RoboticsConfig:
+    """The ``robotics:`` section of an RL config."""
+
+    env: EnvConfig = field(default_factory=EnvConfig)
+    checkpoint: str = "assets/metaworld-vla-tiny"  # "" = a freshly initialised `model`
+    model: VLAConfig = field(default_factory=VLAConfig)  # only used when checkpoint is ""
+    head_mode: Literal["flow_sde", "flow_noise", "mix", "discrete"] = "flow_sde"
+    noise_level: float = 0.7  # Flow-GRPO a (flow_sde, mix)
+    temperature: float = 1.0  # discrete head sampling temperature
+    logp_reduce: Literal["sum", "mean"] = "sum"  # over the chunk's action dims
+    train_states_per_task: int = 50
+    eval_states_per_task: int = 20
+    train_tasks: list[str] = field(default_factory=list)  # subset of env.tasks for training keys ([] = all)
+    dense_reward: bool = False
+    train_encoder: bool = True  # False: only the fusion MLP and the head are trained
+    gifs: bool = True
+    threads: int = 1
+
+    def check(self, where: str = "robotics") -> None:
+        if self.train_states_per_task < 1 or self.eval_states_per_task < 1:
+            raise ConfigError(f"{where}: train_states_per_task and eval_states_per_task must be >= 1")
+        if self.noise_level <= 0 and self.head_mode in ("flow_sde", "mix"):
+            raise ConfigError(f"{where}.noise_level must be > 0 for {self.head_mode} (0 is the deterministic ODE)")
+        if self.temperature <= 0:
+            raise ConfigError(f"{where}.temperature must be > 0, got {self.temperature}")
+        unknown = [t for t in self.train_tasks if t not in self.env.tasks]
+        if unknown:
+            raise ConfigError(f"{where}.train_tasks {unknown} are not in {where}.env.tasks {self.env.tasks}")
+
+
+def _resolve(path: str) -> Path:
+    p = Path(path)
+    if p.exists() or p.is_absolute():
+        return p
+    return REPO_ROOT / p
+
+
+class RoboticsDomain(DomainBase):
+    config_class = RoboticsConfig
+
+    def __init__(self, cfg: RoboticsConfig, ctx: RunContext) -> None:
+        self.cfg, self.ctx = cfg, ctx
+        torch.set_num_threads(max(1, cfg.threads))
+        self.device = ctx.device
+        if cfg.checkpoint:
+            path = _resolve(cfg.checkpoint)
+            try:
+                self.policy = TinyVLA.load_pretrained(path)
+            except FileNotFoundError as e:
+                raise ConfigError(f"robotics.checkpoint: {e}; make it with `grove train configs/robotics/metaworld_bc.yaml` "
+                                  f"or set robotics.checkpoint to '' for a fresh model") from None
+        else:
+            mc = copy.deepcopy(cfg.model)
+            mc.image_channels, mc.proprio_dim, mc.image_size = cfg.env.image_channels, cfg.env.proprio_dim, cfg.env.image_size
+            torch.manual_seed(ctx.seed)
+            self.policy = TinyVLA(mc)
+        self.policy.to(self.device)
+        m = self.policy.cfg
+        if (m.image_channels, m.proprio_dim, m.image_size) != (cfg.env.image_channels, cfg.env.proprio_dim, cfg.env.image_size):
+            raise ConfigError(
+                f"robotics: the policy expects {m.image_channels} image channels, proprio {m.proprio_dim}, size "
+                f"{m.image_size}; env gives {cfg.env.image_channels} (cameras {cfg.env.cameras}), "
+                f"{cfg.env.proprio_dim} (include_goal={cfg.env.include_goal}), {cfg.env.image_size}"
+            )
+        if (m.head == "discrete") != (cfg.head_mode == "discrete"):
+            raise ConfigError(f"robotics.head_mode {cfg.head_mode!r} does not fit the checkpoint's {m.head!r} head; "
+                              f"use {'discrete' if m.head == 'discrete' else 'flow_sde, flow_noise or mix'}")
+        for name, p in self.policy.named_parameters():
+            encoder = name.split(".")[0] in ("cnn", "image_proj", "text", "proprio")
+            p.requires_grad_(cfg.train_encoder or not encoder)
+            if cfg.head_mode != "flow_noise" and name.startswith("flow.noise_std"):
+                p.requires_grad_(False)  # the learned std only exists in ReinFlow mode
+        # the KL reference is the starting policy; made here, before a resume loads trained weights
+        self._ref = copy.deepcopy(self.policy).eval()
+        for q in self._ref.parameters():
+            q.requires_grad_(False)
+        self.sampling = SamplingSettings(mode=cfg.head_mode, noise_level=cfg.noise_level, temperature=cfg.temperature,
+                                         logp_reduce=cfg.logp_reduce)
+        self.steps_per_chunk = m.num_denoise_steps if m.head == "flow" else 1
+        self.n_chunks = math.ceil(cfg.env.horizon / m.chunk)
+        tasks = cfg.train_tasks or cfg.env.tasks
+        self._train_keys = [make_key(cfg.env.tasks.index(t), "train", i) for t in tasks for i in range(cfg.train_states_per_task)]
+        self.venv = make_vector_env(cfg.env)
+        self._text_ids = {t: self.policy.text.token_ids([self._instruction(t)])[0] for t in cfg.env.tasks}
+
+    @staticmethod
+    def _instruction(task: str) -> str:
+        from .envs.metaworld_env import instruction_for
+
+        return instruction_for(task)
+
+    def _task_of(self, key: int) -> str:
+        from .envs.metaworld_env import decode_key
+
+        return self.cfg.env.tasks[decode_key(key)[0]]
+
+    # ------------------------------------------------------------------------------------------------------
+    def train_keys(self) -> list[int]:
+        return list(self._train_keys)
+
+    def eval_keys(self) -> list[int]:
+        return eval_keys(self.cfg.env, self.cfg.eval_states_per_task)[0]
+
+    def rollout(self, keys: list[int], group_size: int, generator: torch.Generator, iteration: int) -> Rollout:
+        env_keys = [k for k in keys for _ in range(group_size)]
+        tasks = [self._task_of(k) for k in env_keys]
+        self.policy.eval()
+        batch = run_episodes(self.policy, self.venv, env_keys, tasks, self.sampling, self.cfg.env.horizon, generator,
+                             device=self.device)
+        n, c, s = len(env_keys), self.n_chunks, self.steps_per_chunk
+        mask = torch.from_numpy(batch.stochastic & batch.chunk_valid[..., None]).reshape(n, c * s)
+        logp_old = torch.from_numpy(batch.logp).reshape(n, c * s) * mask
+        succ = batch.success_once if self.cfg.env.success_mode == "once" else batch.success_end
+        rewards = {"success": torch.from_numpy(succ.astype(np.float32))}
+        if self.cfg.dense_reward:
+            rewards["dense"] = torch.from_numpy(batch.dense)
+        payload = {
+            "images": torch.from_numpy(batch.images),
+            "proprio": torch.from_numpy(batch.proprio),
+            "chain": torch.from_numpy(batch.chain),
+            "task_index": torch.tensor([self.cfg.env.tasks.index(t) for t in tasks]),
+        }
+        return Rollout(
+            keys=list(keys), group_ids=torch.arange(len(keys)).repeat_interleave(group_size), rewards=rewards,
+            logp_old=logp_old.float(), mask=mask, payload=payload, nfe=batch.nfe,
+            info={"env/steps": int(batch.length.sum()), "env/episodes": n},
+        )
+
+    # ------------------------------------------------------------------------------------------------------
+    def _features(self, policy: TinyVLA, images: torch.Tensor, proprio: torch.Tensor, text_ids) -> torch.Tensor:
+        return policy.encode(images.to(self.device), proprio.to(self.device), text_ids)
+
+    def log_probs(self, rollout: Rollout, idx: torch.Tensor, need_kl: bool) -> StepLogProbs:
+        """Recompute the masked steps of episodes ``idx``: one encoder pass per needed chunk, one head pass per step."""
+        p = rollout.index_payload(idx)
+        n, c, s = len(idx), self.n_chunks, self.steps_per_chunk
+        mask = rollout.mask[idx].reshape(n, c, s)
+        ep, ch = torch.nonzero(mask.any(-1), as_tuple=True)  # chunks with a trained step
+        tasks = [self.cfg.env.tasks[i] for i in p["task_index"][ep].tolist()]
+        text_ids = [self._text_ids[t] for t in tasks]
+        self.policy.train()
+        h = self._features(self.policy, p["images"][ep, ch], p["proprio"][ep, ch], text_ids)
+        chunk_of = torch.full((n, c), -1, dtype=torch.long)
+        chunk_of[ep, ch] = torch.arange(len(ep))
+        pe, pc, ps = torch.nonzero(mask, as_tuple=True)  # trained (episode, chunk, step) triples
+        rows = chunk_of[pe, pc].to(self.device)
+        flat = (pe * c * s + pc * s + ps).to(self.device)
+        logp, ent, kl, ref_logp = self._step_terms(self.policy, h[rows], p, pe, pc, ps, need_kl, text_ids, ep, ch, rows)
+        out = torch.zeros(n * c * s, device=self.device)
+        logp_full = out.index_put((flat,), logp).view(n, c * s)
+        ent_full = out.detach().index_put((flat,), ent.detach()).view(n, c * s)
+        kl_full = out.index_put((flat,), kl).view(n, c * s) if kl is not None else None
+        ref_full = out.detach().index_put((flat,), ref_logp).view(n, c * s) if ref_logp is not None else None
+        return StepLogProbs(logp=logp_full, kl=kl_full, ref_logp=ref_full, entropy=ent_full, nfe=int(len(pe)))
+
+    def _step_terms(self, policy, h, p, pe, pc, ps, need_kl, text_ids, ep, ch, rows):
+        m = policy.cfg
+        reduce = self.cfg.logp_reduce
+        kl = ref_logp = None
+        if m.head == "flow":
+            chain = p["chain"].to(self.device)
+            x, x_next = chain[pe, pc, ps], chain[pe, pc, ps + 1]
+            step = ps.to(self.device)
+            logp, ent, mean, std = policy.flow.step_log_prob(h, x, x_next, step, self.cfg.head_mode, self.cfg.noise_level, reduce)
+            if need_kl:
+                with torch.no_grad():
+                    ref = self._reference()
+                    h_ref = self._features(ref, p["images"][ep, ch], p["proprio"][ep, ch], text_ids)[rows]
+                    ref_lp, _, ref_mean, _ = ref.flow.step_log_prob(h_ref, x, x_next, step, self.cfg.head_mode,
+                                                                    self.cfg.noise_level, reduce)
+                if self.cfg.head_mode in ("flow_sde", "mix"):
+                    per_dim = (mean - ref_mean) ** 2 / (2 * std.detach() ** 2)
+                    kl = per_dim.sum(-1) if reduce == "sum" else per_dim.mean(-1)
+                else:
+                    ref_logp = ref_lp
+            return logp, ent, kl, ref_logp
+        bins = p["chain"][pe, pc, 0].to(self.device)  # [P, D]
+        logq = torch.log_softmax(policy.bin_logits(h) / self.cfg.temperature, -1)
+        lp = logq.gather(-1, bins[..., None]).squeeze(-1)
+        logp = lp.sum(-1) if reduce == "sum" else lp.mean(-1)
+        e = -(logq.exp() * logq).sum(-1)
+        ent = e.sum(-1) if reduce == "sum" else e.mean(-1)
+        if need_kl:
+            with torch.no_grad():
+                ref = self._reference()
+                h_ref = self._features(ref, p["images"][ep, ch], p["proprio"][ep, ch], text_ids)[rows]
+                rq = torch.log_softmax(ref.bin_logits(h_ref) / self.cfg.temperature, -1).gather(-1, bins[..., None]).squeeze(-1)
+                ref_logp = rq.sum(-1) if reduce == "sum" else rq.mean(-1)
+        return logp, ent, kl, ref_logp
+
+    def _reference(self) -> TinyVLA:
+        return self._ref
+
+    # ------------------------------------------------------------------------------------------------------
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return [q for q in self.policy.parameters() if q.requires_grad]
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in self.policy.state_dict().items()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.policy.load_state_dict(state)
+
+    def evaluate(self, iteration: int) -> dict[str, float]:
+        gif_dir = self.ctx.run_dir / "gifs" if (self.cfg.gifs and self.ctx.run_dir is not None) else None
+        return evaluate_policy(self.policy, self.cfg.env, self.cfg.eval_states_per_task, self.venv, gif_dir,
+                               tag=f"it{iteration:04d}-")
+
+    def save_pretrained(self, out_dir: Path) -> None:
+        self.policy.save_pretrained(out_dir)
+
+    def close(self) -> None:
+        self.venv.close()

@@ -1,0 +1,189 @@
+"""Flow-matching action head with exact per-step log-probs (the denoising chain as a Gaussian MDP).
+
+Convention (as visgen, DESIGN.md §3): x_σ = (1−σ)·x0 + σ·ε, σ from 1 (noise) to 0 (action chunk); the network
+predicts v ≈ ε − x0; a step σ → σ' < σ has dt = σ' − σ < 0; all step math in float32.
+
+Sampling modes (one *step* = one denoising step of one action chunk):
+
+- ``ode``: x' = x + v·dt. Deterministic; used for evaluation (pi0 / SmolVLA style inference).
+- ``flow_sde`` (Flow-GRPO, Liu et al. 2025, "Flow-GRPO: Training Flow Matching Models via Online RL"; used for
+  VLAs in "πRL: Online RL Fine-tuning for Flow-based VLA Models"): std_t = a·sqrt(σ/(1−σ)) (at σ=1 the next
+  sigma takes the denominator's place), μ = x·(1 + std_t²·dt/(2σ)) + v·(1 + std_t²·(1−σ)/(2σ))·dt,
+  x' = μ + std_t·sqrt(−dt)·ε. Every step but the last is stochastic and trained (the last step's density
+  explodes as σ' → 0, so it stays ODE).
+- ``flow_noise`` (ReinFlow, Zhang et al. 2025, "ReinFlow: Fine-tuning Flow Matching Policy with Online RL"): a
+  learned noise head gives a per-dimension std σ_θ(h, x, σ) ∈ [std_min, std_max]; x' = x + v·dt + σ_θ·ε. Every
+  step is stochastic and trained (the std is bounded below, so the last step is safe too).
+- ``mix`` (the ODE–SDE mix of πRL's Flow-SDE / MixGRPO-style windows): one denoising step per chunk, chosen at
+  random in [0, S−2], uses the flow_sde kernel; the others are ODE. The chain and the chosen index are stored so
+  the log-prob of that one step is recomputed exactly.
+
+Log-prob of x' under N(μ, var): −(x'−μ)²/(2·var) − ½·log(2π·var), reduced over the action dims by ``sum`` (a
+proper density of the chunk; the default here) or ``mean`` (the Flow-GRPO/DDPO image convention).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+MODES = ("ode", "flow_sde", "flow_noise", "mix")
+LOG_2PI = math.log(2 * math.pi)
+
+
+@dataclass
+class FlowSample:
+    """What sampling one chunk per row records. S = denoising steps, D = chunk * action_dim."""
+
+    actions: torch.Tensor  # [B, D] final chain element x_S
+    chain: torch.Tensor  # [B, S+1, D] x_0 (noise) .. x_S
+    logp: torch.Tensor  # [B, S] behaviour log-prob of each step (0 where deterministic)
+    stochastic: torch.Tensor  # [B, S] bool, steps that were sampled (and are trained)
+
+
+def sigma_schedule(num_steps: int) -> torch.Tensor:
+    return torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float32)
+
+
+def timestep_embedding(sigma: torch.Tensor, dim: int) -> torch.Tensor:
+    half = dim // 2
+    freqs = torch.exp(-math.log(1000.0) * torch.arange(half, dtype=torch.float32, device=sigma.device) / half)
+    args = sigma.float()[:, None] * 1000.0 * freqs[None]
+    return torch.cat([torch.sin(args), torch.cos(args)], dim=-1)
+
+
+def gaussian_logp(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor, reduce: str) -> torch.Tensor:
+    var = std**2
+    lp = -((x - mean) ** 2) / (2 * var) - 0.5 * torch.log(var) - 0.5 * LOG_2PI
+    return lp.sum(-1) if reduce == "sum" else lp.mean(-1)
+
+
+def gaussian_entropy(std: torch.Tensor, dim: int, reduce: str) -> torch.Tensor:
+    ent = 0.5 * (1.0 + LOG_2PI) + torch.log(std)
+    ent = ent.expand(*ent.shape[:-1], dim) if ent.shape[-1] == 1 else ent
+    return ent.sum(-1) if reduce == "sum" else ent.mean(-1)
+
+
+def sde_std(sigma: torch.Tensor, sigma_next_first: float, noise_level: float) -> torch.Tensor:
+    """Flow-GRPO std_t = a·sqrt(σ/(1−σ)); at σ = 1 the first step's next sigma replaces σ in the denominator."""
+    denom = 1.0 - torch.where(sigma >= 1.0, torch.full_like(sigma, sigma_next_first), sigma)
+    return noise_level * torch.sqrt(sigma / denom)
+
+
+def sde_mean(x: torch.Tensor, v: torch.Tensor, sigma: torch.Tensor, dt: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """Flow-GRPO SDE mean: x·(1 + std²·dt/(2σ)) + v·(1 + std²·(1−σ)/(2σ))·dt (σ, dt, std broadcast per row)."""
+    s, d, st = sigma[:, None], dt[:, None], std[:, None]
+    return x * (1 + st**2 * d / (2 * s)) + v * (1 + st**2 * (1 - s) / (2 * s)) * d
+
+
+class FlowActionHead(nn.Module):
+    """Velocity MLP v(h, x_σ, σ) plus ReinFlow's bounded std head, over a flattened action chunk of size D."""
+
+    def __init__(self, feature_dim: int, action_dim: int, hidden: int = 256, num_steps: int = 5, time_dim: int = 32,
+                 std_min: float = 0.02, std_max: float = 0.3, std_init: float = 0.1):
+        super().__init__()
+        self.action_dim, self.num_steps, self.time_dim = action_dim, num_steps, time_dim
+        self.velocity = nn.Sequential(
+            nn.Linear(feature_dim + action_dim + time_dim, hidden), nn.GELU(),
+            nn.Linear(hidden, hidden), nn.GELU(),
+            nn.Linear(hidden, action_dim),
+        )
+        self.std_min, self.std_max = std_min, std_max
+        self.noise_std = nn.Sequential(nn.Linear(feature_dim + action_dim + time_dim, 128), nn.GELU(), nn.Linear(128, action_dim))
+        # start the learned std at std_init: zero weights, bias = logit of its position in [std_min, std_max]
+        nn.init.zeros_(self.noise_std[-1].weight)
+        frac = (std_init - std_min) / (std_max - std_min)
+        nn.init.constant_(self.noise_std[-1].bias, math.log(frac / (1 - frac)))
+        self.register_buffer("sigmas", sigma_schedule(num_steps), persistent=False)
+
+    def _inputs(self, h: torch.Tensor, x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+        return torch.cat([h, x, timestep_embedding(sigma, self.time_dim)], dim=-1)
+
+    def velocity_at(self, h: torch.Tensor, x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+        return self.velocity(self._inputs(h, x, sigma)).float()
+
+    def learned_std(self, h: torch.Tensor, x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+        z = self.noise_std(self._inputs(h, x, sigma)).float()
+        return self.std_min + (self.std_max - self.std_min) * torch.sigmoid(z)
+
+    # ------------------------------------------------------------------------------------------------------
+    def transition(self, h: torch.Tensor, x: torch.Tensor, step: torch.Tensor, mode: str, noise_level: float):
+        """Mean and std of step ``step`` (per row) under ``mode``; std is [B, 1] or [B, D], 0 for an ODE step."""
+        sig = self.sigmas.to(x.device)
+        sigma, sigma_next = sig[step], sig[step + 1]
+        dt = sigma_next - sigma
+        v = self.velocity_at(h, x, sigma)
+        if mode == "flow_noise":
+            return x + v * dt[:, None], self.learned_std(h, x, sigma), v
+        if mode in ("flow_sde", "mix"):
+            std_t = sde_std(sigma, float(sig[1]), noise_level)
+            return sde_mean(x, v, sigma, dt, std_t), (std_t * torch.sqrt(-dt))[:, None], v
+        return x + v * dt[:, None], torch.zeros_like(sigma)[:, None], v
+
+    def stochastic_steps(self, batch: int, mode: str, generator: torch.Generator | None, device) -> torch.Tensor:
+        """[B, S] bool: which steps are sampled in ``mode`` (mix draws one index per row from ``generator``)."""
+        s = self.num_steps
+        out = torch.zeros(batch, s, dtype=torch.bool, device=device)
+        if mode == "flow_noise":
+            out[:] = True
+        elif mode == "flow_sde":
+            out[:, : max(s - 1, 1)] = True
+        elif mode == "mix":
+            idx = torch.randint(0, max(s - 1, 1), (batch,), generator=generator).to(device)
+            out[torch.arange(batch, device=device), idx] = True
+        return out
+
+    @torch.no_grad()
+    def sample(self, h: torch.Tensor, mode: str, generator: torch.Generator | None, noise_level: float = 0.7,
+               reduce: str = "sum") -> FlowSample:
+        if mode not in MODES:
+            raise ValueError(f"unknown flow sampling mode {mode!r}; choose one of {MODES}")
+        b, d, s = h.shape[0], self.action_dim, self.num_steps
+        dev = h.device
+        x = torch.randn(b, d, generator=generator).to(dev)
+        stochastic = self.stochastic_steps(b, mode, generator, dev)
+        sig = self.sigmas.to(dev)
+        chain = [x]
+        logp = torch.zeros(b, s, device=dev)
+        for t in range(s):
+            sigma = sig[t].expand(b)
+            dt = sig[t + 1] - sig[t]
+            v = self.velocity_at(h, x, sigma)
+            mean_ode = x + v * dt
+            rows = stochastic[:, t]
+            if rows.any():
+                if mode == "flow_noise":
+                    mean, std = mean_ode, self.learned_std(h, x, sigma)
+                else:
+                    std_t = sde_std(sigma, float(sig[1]), noise_level)
+                    mean, std = sde_mean(x, v, sigma, dt.expand(b), std_t), (std_t * torch.sqrt(-dt))[:, None].expand(b, d)
+                eps = torch.randn(b, d, generator=generator).to(dev)
+                x_sampled = mean + std * eps
+                logp[:, t] = torch.where(rows, gaussian_logp(x_sampled, mean, std, reduce), torch.zeros(b, device=dev))
+                x = torch.where(rows[:, None], x_sampled, mean_ode)
+            else:
+                x = mean_ode
+            chain.append(x)
+        return FlowSample(actions=x, chain=torch.stack(chain, 1), logp=logp, stochastic=stochastic)
+
+    def step_log_prob(self, h: torch.Tensor, x: torch.Tensor, x_next: torch.Tensor, step: torch.Tensor, mode: str,
+                      noise_level: float = 0.7, reduce: str = "sum") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Log-prob (with grad) of stored transitions x → x_next at denoising ``step`` (one per row).
+
+        Returns (logp [B], entropy [B], mean [B, D], std [B, 1 or D]); ``mix`` rows use the flow_sde kernel.
+        """
+        kernel = "flow_noise" if mode == "flow_noise" else "flow_sde"
+        mean, std, _ = self.transition(h, x, step, kernel, noise_level)
+        logp = gaussian_logp(x_next, mean, std.expand_as(mean), reduce)
+        return logp, gaussian_entropy(std, self.action_dim, reduce), mean, std
+
+    def bc_loss(self, h: torch.Tensor, x0: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Rectified-flow loss ‖v(x_σ, σ) − (ε − x0)‖² with σ ~ logit-normal (SD3's choice), per row mean."""
+        b = x0.shape[0]
+        eps = torch.randn(x0.shape, generator=generator).to(x0.device)
+        sigma = torch.sigmoid(torch.randn(b, generator=generator)).to(x0.device)
+        xs = (1 - sigma[:, None]) * x0 + sigma[:, None] * eps
+        v = self.velocity_at(h, xs, sigma)
+        return ((v - (eps - x0)) ** 2).mean()

@@ -1,0 +1,178 @@
+"""A tiny vision-language-action policy: 64x64 image(s) + instruction + proprio -> action chunk.
+
+Encoder: a 4-layer stride-2 CNN over the image (channels stacked per camera), a bag-of-words embedding of the
+instruction (a fixed vocabulary saved with the model), and an MLP over normalised proprioception, fused into one
+feature vector. Heads:
+
+- ``flow``: a flow-matching action head over the flattened chunk (K actions x 4 dims), as pi0 / SmolVLA
+  (Black et al. 2024, "π0: A Vision-Language-Action Flow Model"); see ``flow_head.py`` for its log-probs.
+- ``discrete``: 256 bins per action dimension (OpenVLA, Kim et al. 2024), all chunk dims predicted in parallel
+  from the feature (as OpenVLA-OFT's parallel decoding); the chunk's log-prob is the sum over dims.
+
+The model is saved as ``model.safetensors`` + ``config.json`` (``save_pretrained`` / ``load_pretrained``).
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from .flow_head import FlowActionHead
+
+
+def default_vocab() -> list[str]:
+    from ..envs.metaworld_env import TASK_INSTRUCTIONS
+
+    words = {w for text in TASK_INSTRUCTIONS.values() for w in tokenize(text)}
+    return ["<unk>"] + sorted(words)
+
+
+def tokenize(text: str) -> list[str]:
+    return re.findall(r"[a-z0-9]+", text.lower())
+
+
+@dataclass
+class VLAConfig:
+    """Architecture of the tiny VLA (saved as ``config.json`` next to the weights)."""
+
+    image_size: int = 64
+    image_channels: int = 3
+    proprio_dim: int = 4
+    action_dim: int = 4
+    chunk: int = 4
+    head: Literal["flow", "discrete"] = "flow"
+    cnn_channels: list[int] = field(default_factory=lambda: [32, 64, 128, 128])
+    feature_dim: int = 256
+    text_dim: int = 64
+    hidden: int = 256
+    num_denoise_steps: int = 5
+    num_bins: int = 256
+    std_min: float = 0.02  # ReinFlow noise-head bounds
+    std_max: float = 0.3
+    std_init: float = 0.1
+    vocab: list[str] = field(default_factory=default_vocab)
+    proprio_mean: list[float] = field(default_factory=list)  # filled from the BC data; empty = no normalisation
+    proprio_std: list[float] = field(default_factory=list)
+
+    def check(self, where: str = "model") -> None:
+        from shared_rl.config import ConfigError
+
+        if self.image_size % 16:
+            raise ConfigError(f"{where}.image_size must be a multiple of 16 (4 stride-2 convs), got {self.image_size}")
+        if len(self.cnn_channels) != 4:
+            raise ConfigError(f"{where}.cnn_channels must list 4 channel counts, got {self.cnn_channels}")
+        if self.chunk < 1 or self.num_denoise_steps < 2:
+            raise ConfigError(f"{where}: chunk must be >= 1 and num_denoise_steps >= 2")
+
+
+class BagOfWords(nn.Module):
+    def __init__(self, vocab: list[str], dim: int):
+        super().__init__()
+        self.index = {w: i for i, w in enumerate(vocab)}
+        self.embed = nn.EmbeddingBag(len(vocab), dim, mode="mean")
+
+    def token_ids(self, texts: list[str]) -> list[list[int]]:
+        return [[self.index.get(w, 0) for w in tokenize(t)] or [0] for t in texts]
+
+    def encode_ids(self, ids: list[list[int]], device) -> torch.Tensor:
+        flat = torch.tensor([i for row in ids for i in row], dtype=torch.long, device=device)
+        offsets = torch.tensor([0] + [len(r) for r in ids[:-1]], dtype=torch.long, device=device).cumsum(0)
+        return self.embed(flat, offsets)
+
+
+class TinyVLA(nn.Module):
+    def __init__(self, cfg: VLAConfig):
+        super().__init__()
+        self.cfg = cfg
+        chans = [cfg.image_channels] + list(cfg.cnn_channels)
+        layers: list[nn.Module] = []
+        for cin, cout in zip(chans[:-1], chans[1:]):
+            layers += [nn.Conv2d(cin, cout, 4, stride=2, padding=1), nn.GELU()]
+        self.cnn = nn.Sequential(*layers)
+        spatial = cfg.image_size // 16
+        self.image_proj = nn.Linear(chans[-1] * spatial * spatial, cfg.feature_dim)
+        self.text = BagOfWords(cfg.vocab, cfg.text_dim)
+        self.proprio = nn.Sequential(nn.Linear(cfg.proprio_dim, 64), nn.GELU())
+        self.fuse = nn.Sequential(
+            nn.Linear(cfg.feature_dim + cfg.text_dim + 64, cfg.hidden), nn.GELU(),
+            nn.Linear(cfg.hidden, cfg.hidden), nn.GELU(),
+        )
+        d = cfg.chunk * cfg.action_dim
+        if cfg.head == "flow":
+            self.flow = FlowActionHead(cfg.hidden, d, cfg.hidden, cfg.num_denoise_steps, std_min=cfg.std_min,
+                                       std_max=cfg.std_max, std_init=cfg.std_init)
+        else:
+            self.bins = nn.Linear(cfg.hidden, d * cfg.num_bins)
+        mean = torch.tensor(cfg.proprio_mean or [0.0] * cfg.proprio_dim, dtype=torch.float32)
+        std = torch.tensor(cfg.proprio_std or [1.0] * cfg.proprio_dim, dtype=torch.float32)
+        self.register_buffer("proprio_mean", mean, persistent=False)
+        self.register_buffer("proprio_std", std, persistent=False)
+
+    # ------------------------------------------------------------------------------------------------------
+    def encode(self, images: torch.Tensor, proprio: torch.Tensor, text_ids: list[list[int]]) -> torch.Tensor:
+        """images uint8 ``[B, H, W, C]`` (or float [B, C, H, W] already in [-0.5, 0.5]); returns ``[B, hidden]``."""
+        if images.dtype == torch.uint8:
+            images = images.permute(0, 3, 1, 2).float() / 255.0 - 0.5
+        z = self.cnn(images).flatten(1)
+        img = F.gelu(self.image_proj(z))
+        txt = self.text.encode_ids(text_ids, images.device)
+        pro = self.proprio((proprio.float() - self.proprio_mean) / self.proprio_std)
+        return self.fuse(torch.cat([img, txt, pro], dim=-1))
+
+    # -- discrete head (OpenVLA-style bins)
+    def bin_logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.bins(h).view(h.shape[0], -1, self.cfg.num_bins).float()
+
+    def bin_centers(self, device=None) -> torch.Tensor:
+        n = self.cfg.num_bins
+        return -1.0 + (torch.arange(n, dtype=torch.float32, device=device) + 0.5) * (2.0 / n)
+
+    def actions_to_bins(self, actions: torch.Tensor) -> torch.Tensor:
+        n = self.cfg.num_bins
+        return ((actions.clamp(-1, 1) + 1.0) * (n / 2.0)).floor().clamp(0, n - 1).long()
+
+    # -- training losses
+    def bc_loss(self, h: torch.Tensor, chunk: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        """chunk: ``[B, K, A]`` expert actions in [-1, 1]."""
+        x0 = chunk.reshape(chunk.shape[0], -1).clamp(-1, 1)
+        if self.cfg.head == "flow":
+            return self.flow.bc_loss(h, x0, generator)
+        logits = self.bin_logits(h)
+        return F.cross_entropy(logits.reshape(-1, self.cfg.num_bins), self.actions_to_bins(x0).reshape(-1))
+
+    @torch.no_grad()
+    def act(self, h: torch.Tensor) -> torch.Tensor:
+        """Deterministic evaluation action chunk ``[B, K, A]``: ODE for flow, arg-max bins for discrete."""
+        if self.cfg.head == "flow":
+            x = self.flow.sample(h, "ode", None).actions
+        else:
+            x = self.bin_centers(h.device)[self.bin_logits(h).argmax(-1)]
+        return x.view(h.shape[0], self.cfg.chunk, self.cfg.action_dim).clamp(-1, 1)
+
+    # -- persistence
+    def save_pretrained(self, out_dir: str | Path) -> None:
+        from safetensors.torch import save_file
+
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        state = {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}
+        save_file(state, str(out / "model.safetensors"))
+        (out / "config.json").write_text(json.dumps(asdict(self.cfg), indent=1))
+
+    @classmethod
+    def load_pretrained(cls, path: str | Path, map_location: str | torch.device = "cpu") -> "TinyVLA":
+        from safetensors.torch import load_file
+
+        path = Path(path)
+        if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
+            raise FileNotFoundError(f"{path} is not a tiny-VLA checkpoint (needs config.json and model.safetensors)")
+        cfg = VLAConfig(**json.loads((path / "config.json").read_text()))
+        model = cls(cfg)
+        model.load_state_dict(load_file(str(path / "model.safetensors"), device=str(map_location)))
+        return model
