@@ -70,20 +70,6 @@ def token_log_probs(model: torch.nn.Module, batch: SequenceBatch, temperature: f
     return logp, entropy
 
 
-def kl_to_reference(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
-    """Per-token KL(pi || pi_ref) estimates from samples of pi (Schulman, "Approximating KL Divergence"):
-    k1 = log r', k2 = (log r')^2 / 2, k3 = exp(-log r') - 1 + log r' with log r' = logp - ref_logp
-    (k3 is unbiased and non-negative; GRPO, DeepSeekMath, uses it)."""
-    log_ratio = logp - ref_logp
-    if estimator == "k1":
-        return log_ratio
-    if estimator == "k2":
-        return 0.5 * log_ratio ** 2
-    if estimator == "k3":
-        return torch.exp(-log_ratio) - 1 + log_ratio
-    raise ValueError(f"unknown kl estimator {estimator!r}; use k1, k2 or k3")
-
-
 def reference_context(model: torch.nn.Module, frozen_copy: torch.nn.Module | None):
     """(module, context) to compute reference log-probs: the LoRA base (adapter disabled) or a frozen copy."""
     if hasattr(model, "disable_adapter") and getattr(model, "peft_config", None):

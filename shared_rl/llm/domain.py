@@ -1,0 +1,375 @@
+"""The LLM domain: any ``AutoModelForCausalLM`` (optionally LoRA) trained on verifiable rewards.
+
+One sequence of the ``Rollout`` is one completion (flat GRPO) or one tree edge (a token segment; TreePO /
+TreeRL); its steps are completion tokens: ``logp_old[N, max_new_tokens]`` with ``mask`` = the tokens the
+sequence owns. The payload keeps token ids and the padding layout, so ``log_probs`` recomputes the behaviour
+log-probs bitwise on CPU (ratio exactly 1 before the first update). The method (GRPO, Dr. GRPO, DAPO, GSPO, RLOO,
+MC-GRPO, tree estimators) is chosen entirely by the trainer's config sections.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Literal
+
+import torch
+
+from ..config import ConfigError
+from ..domain import DomainBase, RunContext, StepLogProbs
+from ..rollout import Rollout
+from .engine import RolloutEngine, TorchRolloutEngine
+from .model import LoraSettings, load_causal_lm, load_tokenizer
+from .policy import collate, reference_context, token_log_probs
+from .rewards import RewardSpec, build_reward, call_reward
+from .tasks import DatasetSettings, format_prompt, load_task
+from .tree import TreeSettings, grow_trees
+
+
+@dataclass
+class LLMEvalSettings:
+    """Held-out evaluation: greedy decoding on ``num_prompts`` eval prompts (``eval/accuracy`` is the mean of
+    ``accuracy_reward``, default the first reward), plus one sample per prompt at the training temperature
+    (``eval/sampled_accuracy``, the quantity GRPO's group variance depends on) when ``sampled``."""
+
+    num_prompts: int = 500
+    batch_size: int = 256
+    sampled: bool = True
+    accuracy_reward: str = ""
+    num_samples_logged: int = 8
+
+
+@dataclass
+class LLMConfig:
+    """Settings of the ``llm:`` section.
+
+    model / tokenizer: a local directory (relative paths resolve against the repository, e.g. the embedded
+        ``assets/llm-arith-tiny``) or a hub id. ``lora`` adds a peft adapter; the reference policy for a KL term
+        is then the base model (adapter disabled); without LoRA, ``keep_reference`` keeps a frozen copy.
+    dataset: the task (``arith`` embedded, or JSONL/CSV/``datasets`` with columns passed to reward functions).
+    chat_template: ``auto`` uses the tokenizer's chat template when it has one.
+    rewards: TRL-signature reward functions with weights (copied into ``advantage.weights`` unless set there).
+    tree: tree rollouts (TreePO / TreeRL); the trainer's ``advantage.estimator`` must then be a tree estimator.
+    engine: ``torch`` (built-in KV-cache sampler) or ``module:Class`` implementing ``RolloutEngine``
+        (constructed as ``Class(model=..., tokenizer=..., config=...)``).
+    """
+
+    model: str = "assets/llm-arith-tiny"
+    tokenizer: str = ""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    lora: LoraSettings = field(default_factory=LoraSettings)
+    gradient_checkpointing: bool = False
+    keep_reference: bool = False
+    dataset: DatasetSettings = field(default_factory=DatasetSettings)
+    chat_template: Literal["auto", "always", "never"] = "auto"
+    max_new_tokens: int = 8
+    temperature: float = 1.0
+    rewards: list[RewardSpec] = field(default_factory=lambda: [RewardSpec("numeric_match", 1.0)])
+    tree: TreeSettings = field(default_factory=TreeSettings)
+    eval: LLMEvalSettings = field(default_factory=LLMEvalSettings)
+    engine: str = "torch"
+    engine_batch_rows: int = 256
+    logprob_batch_size: int = 64
+    num_threads: int = 0
+
+    def check(self, where: str) -> None:
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"{where}.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not self.temperature > 0:
+            raise ConfigError(f"{where}.temperature must be > 0 for RL sampling, got {self.temperature}")
+        if not self.rewards:
+            raise ConfigError(f"{where}.rewards is empty; add e.g. {{name: numeric_match, weight: 1.0}}")
+        labels = [build_reward(r)[0] for r in self.rewards]
+        if len(set(labels)) != len(labels):
+            raise ConfigError(f"{where}.rewards has duplicate labels {labels}; set 'label' to tell them apart")
+        if self.tree.enabled:
+            if not self.tree.branching or any(b < 1 for b in self.tree.branching):
+                raise ConfigError(f"{where}.tree.branching must be positive ints, got {self.tree.branching}")
+            if self.tree.branch_on not in ("fixed", "entropy"):
+                raise ConfigError(f"{where}.tree.branch_on must be 'fixed' or 'entropy', got {self.tree.branch_on!r}")
+            if self.tree.segment_tokens < 1 or self.tree.min_segment_tokens < 1:
+                raise ConfigError(f"{where}.tree.segment_tokens and min_segment_tokens must be >= 1")
+        if self.dataset.source not in ("arith", "jsonl", "csv", "json", "hf"):
+            raise ConfigError(f"{where}.dataset.source must be one of arith, jsonl, csv, json, hf; "
+                              f"got {self.dataset.source!r}")
+        if self.logprob_batch_size < 1 or self.engine_batch_rows < 1:
+            raise ConfigError(f"{where}.logprob_batch_size and engine_batch_rows must be >= 1")
+
+    def check_with(self, cfg: Any) -> None:
+        """Cross-checks against the trainer config (called by ``shared_rl.config.load_train_config``)."""
+        from ..advantages import TREE_ESTIMATORS
+
+        est = cfg.advantage.estimator
+        if self.tree.enabled and est not in TREE_ESTIMATORS:
+            raise ConfigError(f"llm.tree.enabled needs a tree advantage estimator; set advantage.estimator to one of "
+                              f"{sorted(TREE_ESTIMATORS)} (got {est!r})")
+        if not self.tree.enabled and est in TREE_ESTIMATORS:
+            raise ConfigError(f"advantage.estimator {est!r} is a tree estimator; set llm.tree.enabled: true or use a "
+                              f"flat estimator such as grpo")
+        weights = {build_reward(r)[0]: r.weight for r in self.rewards}
+        if not cfg.advantage.weights:
+            cfg.advantage.weights = weights
+        else:
+            unknown = set(cfg.advantage.weights) - set(weights)
+            if unknown:
+                raise ConfigError(f"advantage.weights names {sorted(unknown)}, which are not llm.rewards labels "
+                                  f"{sorted(weights)}")
+
+
+def _pad_steps(x: torch.Tensor, width: int, value: float = 0.0) -> torch.Tensor:
+    if x.shape[1] >= width:
+        return x[:, :width]
+    pad = torch.full((x.shape[0], width - x.shape[1]), value, dtype=x.dtype, device=x.device)
+    return torch.cat([x, pad], 1)
+
+
+class LLMDomain(DomainBase):
+    """Causal-LM policy + text task + verifiable rewards, as the trainer's ``Domain``."""
+
+    config_class = LLMConfig
+
+    def __init__(self, cfg: LLMConfig, ctx: RunContext) -> None:
+        self.cfg = cfg
+        self.ctx = ctx
+        if cfg.num_threads > 0:
+            torch.set_num_threads(cfg.num_threads)
+        self.device = ctx.device
+        self.tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
+        self.model = load_causal_lm(cfg.model, cfg.dtype, self.device, cfg.lora, cfg.gradient_checkpointing)
+        self.reference = None
+        if cfg.keep_reference and not cfg.lora.enabled:
+            self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
+        # EOS ids: the tokenizer's plus the model's generation config's (chat models end turns with their own)
+        eos = [self.tokenizer.eos_token_id]
+        gen_eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
+        if gen_eos is not None:
+            eos += gen_eos if isinstance(gen_eos, list) else [gen_eos]
+        self.eos_ids = sorted({e for e in eos if e is not None})
+        self.engine: RolloutEngine = self._make_engine()
+        self.task = load_task(cfg.dataset)
+        self.rewards = [(build_reward(spec), spec.weight) for spec in cfg.rewards]
+        self._prompt_cache: dict[tuple[str, int], list[int]] = {}
+        ctx.log(f"llm: {cfg.model} ({sum(p.numel() for p in self.model.parameters()):,} params, "
+                f"{sum(p.numel() for p in self.parameters()):,} trainable) | task {cfg.dataset.source}: "
+                f"{len(self.task.train)} train / {len(self.task.eval)} eval prompts")
+
+    def _make_engine(self) -> RolloutEngine:
+        if self.cfg.engine == "torch":
+            return TorchRolloutEngine(self.model, self.tokenizer.pad_token_id, self.eos_ids, self.cfg.engine_batch_rows)
+        import importlib
+
+        module, _, attr = self.cfg.engine.partition(":")
+        cls = getattr(importlib.import_module(module), attr)
+        return cls(model=self.model, tokenizer=self.tokenizer, config=self.cfg)
+
+    # ---- prompts and rewards ---------------------------------------------------------------------------------
+    def _examples(self, split: str) -> list[dict[str, Any]]:
+        return self.task.train if split == "train" else self.task.eval
+
+    def _prompt_ids(self, split: str, key: int) -> list[int]:
+        ck = (split, key)
+        if ck not in self._prompt_cache:
+            ex = self._examples(split)[key]
+            self._prompt_cache[ck] = format_prompt(self.tokenizer, ex["prompt"], self.cfg.dataset.system_prompt,
+                                                   self.cfg.chat_template)
+        return self._prompt_cache[ck]
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def score(self, examples: list[dict[str, Any]], completion_ids: list[list[int]], truncated: list[bool],
+              iteration: int, info: dict[str, float] | None = None) -> dict[str, torch.Tensor]:
+        """Rewards of completions, TRL-style: one call per reward function over the whole batch."""
+        texts = [self._decode(c) for c in completion_ids]
+        prompts = [ex["prompt"] for ex in examples]
+        conversational = bool(prompts) and isinstance(prompts[0], list)
+        completions = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
+        columns = {k: [ex.get(k) for ex in examples] for k in examples[0] if k != "prompt"} if examples else {}
+        info = info if info is not None else {}
+
+        def log_metric(name: str, value: float) -> None:
+            info[name] = float(value)
+
+        extras = {"trainer_state": SimpleNamespace(global_step=iteration, epoch=0.0),
+                  "log_metric": log_metric, "log_extra": lambda *a, **k: None,
+                  "max_completion_length": self.cfg.max_new_tokens, "truncated": truncated}
+        out = {}
+        for (label, fn), _weight in self.rewards:
+            out[label] = torch.tensor(call_reward(fn, label, prompts, completions, completion_ids, columns, extras),
+                                      dtype=torch.float32)
+        return out
+
+    # ---- log-probs -------------------------------------------------------------------------------------------
+    def _forward_logp(self, prompt_ids, completion_ids, layout, grad: bool, with_entropy: bool = False):
+        batch = collate(prompt_ids, completion_ids, layout, self.tokenizer.pad_token_id, self.device)
+        with torch.set_grad_enabled(grad):
+            logp, ent = token_log_probs(self.model, batch, self.cfg.temperature, with_entropy)
+        return logp, ent
+
+    @torch.no_grad()
+    def _behaviour_logp(self, prompt_ids: list[torch.Tensor], completion_ids: list[torch.Tensor],
+                        layout: torch.Tensor) -> torch.Tensor:
+        """Behaviour log-probs in the training layout (same function, no grad), so ratios start at exactly 1."""
+        was_training = self.model.training
+        self.model.eval()  # dropout (e.g. LoRA dropout) off for the behaviour policy
+        parts = []
+        bs = self.cfg.logprob_batch_size
+        try:
+            for s in range(0, len(prompt_ids), bs):
+                lp, _ = self._forward_logp(prompt_ids[s:s + bs], completion_ids[s:s + bs], layout[s:s + bs], False)
+                parts.append(_pad_steps(lp.float().cpu(), self.cfg.max_new_tokens))
+        finally:
+            self.model.train(was_training)
+        return torch.cat(parts)
+
+    def log_probs(self, rollout: Rollout, idx: torch.Tensor, need_kl: bool) -> StepLogProbs:
+        p = rollout.index_payload(idx)
+        self.model.train()
+        logp, ent = self._forward_logp(p["prompt_ids"], p["completion_ids"], p["layout"], True, with_entropy=True)
+        width = self.cfg.max_new_tokens
+        ref = None
+        nfe = len(idx)
+        if need_kl:
+            module, context = reference_context(self.model, self.reference)
+            batch = collate(p["prompt_ids"], p["completion_ids"], p["layout"], self.tokenizer.pad_token_id, self.device)
+            with torch.no_grad(), context:
+                ref, _ = token_log_probs(module, batch, self.cfg.temperature)
+            ref = _pad_steps(ref.float(), width)
+            nfe += len(idx)
+        return StepLogProbs(logp=_pad_steps(logp.float(), width), ref_logp=ref,
+                            entropy=_pad_steps(ent.float(), width) if ent is not None else None, nfe=nfe)
+
+    # ---- rollouts --------------------------------------------------------------------------------------------
+    def train_keys(self) -> list[int]:
+        return list(range(len(self.task.train)))
+
+    def rollout(self, keys: list[int], group_size: int, generator: torch.Generator, iteration: int) -> Rollout:
+        self.engine.sync_weights()
+        prompts = [self._prompt_ids("train", k) for k in keys]
+        if self.cfg.tree.enabled:
+            return self._tree_rollout(keys, prompts, generator, iteration)
+        gen = self.engine.generate(prompts, group_size, self.cfg.max_new_tokens, self.cfg.temperature, generator)
+        n = len(gen.completion_ids)
+        prompt_rows = [torch.tensor(prompts[i], dtype=torch.long) for i in gen.prompt_index]
+        completion_rows = [torch.tensor(c, dtype=torch.long) for c in gen.completion_ids]
+        t_width = max([len(c) for c in gen.completion_ids] + [1])
+        layout = torch.tensor([[max(len(p) for p in prompts), t_width]] * n, dtype=torch.long)
+        truncated = [not f for f in gen.finished]
+        info: dict[str, float] = {}
+        t0 = time.perf_counter()
+        rewards = self.score([self.task.train[keys[i]] for i in gen.prompt_index], gen.completion_ids, truncated,
+                             iteration, info)
+        info["time/reward"] = time.perf_counter() - t0
+        logp_old = self._behaviour_logp(prompt_rows, completion_rows, layout)
+        mask = torch.zeros((n, self.cfg.max_new_tokens), dtype=torch.bool)
+        for i, c in enumerate(gen.completion_ids):
+            mask[i, :len(c)] = True
+        info.update({"completion/tokens": float(mask.sum()), "completion/count": float(n),
+                     "completion/truncated": float(sum(truncated))})
+        return Rollout(keys=list(keys), group_ids=torch.tensor(gen.prompt_index, dtype=torch.long), rewards=rewards,
+                       logp_old=logp_old, mask=mask,
+                       payload={"prompt_ids": prompt_rows, "completion_ids": completion_rows, "layout": layout},
+                       nfe=gen.nfe + n, info=info)
+
+    def _tree_rollout(self, keys, prompts, generator, iteration) -> Rollout:
+        c = self.cfg
+        tree = grow_trees(self.engine, prompts, c.tree, c.max_new_tokens, c.temperature, generator)
+        n = len(tree)
+        leaves = tree.is_leaf
+        prompt_rows = [torch.tensor(prompts[g], dtype=torch.long) for g in tree.group]
+        completion_rows = [torch.tensor(p, dtype=torch.long) for p in tree.path]
+        t_width = max([len(p) for p in tree.path] + [1])
+        layout = torch.tensor([[max(len(p) for p in prompts), t_width]] * n, dtype=torch.long)
+        leaf_idx = [i for i in range(n) if leaves[i]]
+        info: dict[str, float] = {}
+        t0 = time.perf_counter()
+        leaf_rewards = self.score([self.task.train[keys[tree.group[i]]] for i in leaf_idx],
+                                  [tree.path[i] for i in leaf_idx], [not tree.finished[i] for i in leaf_idx],
+                                  iteration, info)
+        info["time/reward"] = time.perf_counter() - t0
+        rewards = {}
+        for name, r in leaf_rewards.items():
+            full = torch.full((n,), math.nan)
+            full[torch.tensor(leaf_idx, dtype=torch.long)] = r
+            rewards[name] = full
+        logp_old = self._behaviour_logp(prompt_rows, completion_rows, layout)
+        mask = torch.zeros((n, c.max_new_tokens), dtype=torch.bool)
+        for i in range(n):
+            mask[i, tree.start[i]:len(tree.path[i])] = True
+        info.update({"completion/tokens": float(tree.generated_tokens), "completion/count": float(len(leaf_idx)),
+                     "completion/truncated": float(sum(not tree.finished[i] for i in leaf_idx)),
+                     "tree/nodes": float(n)})
+        return Rollout(keys=list(keys), group_ids=torch.tensor(tree.group, dtype=torch.long), rewards=rewards,
+                       logp_old=logp_old, mask=mask, parent=torch.tensor(tree.parent, dtype=torch.long),
+                       payload={"prompt_ids": prompt_rows, "completion_ids": completion_rows, "layout": layout},
+                       nfe=tree.nfe + n, info=info)
+
+    # ---- evaluation ------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate_text(self, split: str, keys: list[int], temperature: float, generator: torch.Generator | None = None):
+        """Completions for prompts ``keys`` of ``split``: (completion ids, finished flags)."""
+        gen_ids, finished = [], []
+        generator = generator or torch.Generator().manual_seed(0)
+        bs = self.cfg.eval.batch_size
+        for s in range(0, len(keys), bs):
+            prompts = [self._prompt_ids(split, k) for k in keys[s:s + bs]]
+            g = self.engine.generate(prompts, 1, self.cfg.max_new_tokens, temperature, generator)
+            gen_ids += g.completion_ids
+            finished += g.finished
+        return gen_ids, finished
+
+    def evaluate(self, iteration: int) -> dict[str, float]:
+        self.engine.sync_weights()
+        keys = list(range(min(self.cfg.eval.num_prompts, len(self.task.eval))))
+        if not keys:
+            return {}
+        examples = [self.task.eval[k] for k in keys]
+        acc_name = self.cfg.eval.accuracy_reward or self.rewards[0][0][0]
+        out: dict[str, float] = {}
+        modes = [("", 0.0)] + ([("sampled_", self.cfg.temperature)] if self.cfg.eval.sampled else [])
+        for prefix, temp in modes:
+            # a fixed generator: every evaluation of a run samples with the same noise, so curves compare policies
+            ids, finished = self.generate_text("eval", keys, temp, torch.Generator().manual_seed(self.ctx.seed + 12345))
+            rewards = self.score(examples, ids, [not f for f in finished], iteration)
+            if acc_name not in rewards:
+                raise ConfigError(f"llm.eval.accuracy_reward {acc_name!r} is not a reward label ({sorted(rewards)})")
+            total = sum(w * rewards[label] for (label, _), w in self.rewards)
+            out[f"eval/{prefix}accuracy"] = float(torch.nan_to_num(rewards[acc_name]).mean())
+            out[f"eval/{prefix}reward"] = float(torch.nan_to_num(total).mean())
+            if not prefix:
+                out["eval/mean_length"] = sum(len(x) for x in ids) / len(ids)
+                self._last_samples = [(ex["prompt"], self._decode(c), ex.get("answer"))
+                                      for ex, c in zip(examples[:self.cfg.eval.num_samples_logged], ids)]
+        return out
+
+    # ---- parameters and export -------------------------------------------------------------------------------
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach().clone() for n, p in self.model.named_parameters() if p.requires_grad}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        params = dict(self.model.named_parameters())
+        missing = [n for n in state if n not in params]
+        if missing:
+            raise KeyError(f"checkpoint has weights this model lacks: {missing[:5]}")
+        with torch.no_grad():
+            for n, v in state.items():
+                params[n].copy_(v)
+
+    def save_pretrained(self, out_dir: Path) -> None:
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(out_dir)
+        self.tokenizer.save_pretrained(out_dir)
+
+    def on_train_end(self, run_dir: Path | None, history: list[dict[str, float]]) -> None:
+        samples = getattr(self, "_last_samples", None)
+        if run_dir is None or not samples:
+            return
+        lines = [f"{p!r} -> {c!r} (answer {a!r})" for p, c, a in samples]
+        (Path(run_dir) / "samples.txt").write_text("\n".join(lines) + "\n")
