@@ -77,6 +77,14 @@ def _per_sample(value: torch.Tensor | float, like: torch.Tensor) -> torch.Tensor
     return t.reshape(t.shape[0], *([1] * (like.dim() - 1)))
 
 
+def _std_like(std: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A ``[B]`` (or already broadcastable) std as float32 broadcastable against ``like``."""
+    std = torch.as_tensor(std, dtype=torch.float32, device=like.device)
+    if std.dim() == 1 and like.dim() > 1:
+        std = std.reshape(-1, *([1] * (like.dim() - 1)))
+    return std
+
+
 def _reduce(elementwise: torch.Tensor, reduction: str) -> torch.Tensor:
     dims = tuple(range(1, elementwise.dim()))
     if reduction == "mean":
@@ -91,12 +99,12 @@ def gaussian_log_prob(
 ) -> torch.Tensor:
     """``log N(sample; mean, std^2)`` per element, reduced over non-batch dims -> ``[B]``; 0 where ``std == 0``.
 
-    Elementwise: ``-(sample - mean)^2 / (2 std^2) - log(std) - log(2 pi) / 2``. ``std`` broadcasts against ``mean``.
+    ``std``: ``[B]`` or broadcastable against ``mean``. Elementwise: ``-(sample - mean)^2 / (2 std^2) - log(std) - log(2 pi) / 2``. ``std`` broadcasts against ``mean``.
     Zero-std rows use a dummy std of 1 inside the formula so no inf/NaN reaches autograd through ``torch.where``.
     """
     sample = sample.float()
     mean = mean.float()
-    std = std.float()
+    std = _std_like(std, mean)
     positive = std > 0
     safe_std = torch.where(positive, std, torch.ones_like(std))
     elementwise = -((sample - mean) ** 2) / (2 * safe_std**2) - torch.log(safe_std) - _HALF_LOG_2PI
@@ -133,9 +141,9 @@ def sde_mean_kl(
 ) -> torch.Tensor:
     """KL between two step Gaussians with the same std: ``||mean - mean_ref||^2 / (2 std^2)``, reduced -> ``[B]``.
 
-    This is the Flow-GRPO KL regulariser on SDE means; 0 where ``std == 0``.
+    This is the Flow-GRPO KL regulariser on SDE means; 0 where ``std == 0``. ``std``: ``[B]`` or broadcastable.
     """
-    std = std.float()
+    std = _std_like(std, mean)
     positive = std > 0
     safe_std = torch.where(positive, std, torch.ones_like(std))
     elementwise = (mean.float() - mean_ref.float()) ** 2 / (2 * safe_std**2)
