@@ -15,8 +15,9 @@ they measure compositional generalisation).
 Checker constants (frozen; see ``docs/tasks/shapes.md`` for how they were chosen on blurred/noisy renders):
 pixels count as an object when HSV value >= ``FG_VALUE`` and saturation >= ``FG_SATURATION``; their hue picks
 the nearest named colour within ``HUE_TOLERANCE`` degrees; components smaller than ``MIN_AREA`` pixels are
-noise. A component is a triangle when its bottom-half mass share is >= ``TRIANGLE_BOTTOM_SHARE`` or its
-bounding-box fill is < ``TRIANGLE_MAX_FILL``; otherwise a square when fill >= ``SQUARE_MIN_FILL``, else a circle.
+noise. Shape comes from rotation-invariant angular moments of the component's soft mask (see
+:func:`angular_moments`): a triangle when the 3-fold moment is >= ``TRIANGLE_MIN_THREEFOLD``, else a square when
+the 4-fold moment is >= ``SQUARE_MIN_FOURFOLD``, else a circle.
 """
 from __future__ import annotations
 
@@ -50,9 +51,8 @@ FG_VALUE = 0.35
 FG_SATURATION = 0.35
 HUE_TOLERANCE = 30.0
 MIN_AREA = 6
-SQUARE_MIN_FILL = 0.86
-TRIANGLE_MAX_FILL = 0.64
-TRIANGLE_BOTTOM_SHARE = 0.64
+TRIANGLE_MIN_THREEFOLD = 0.22
+SQUARE_MIN_FOURFOLD = 0.16
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -283,18 +283,41 @@ def render_batch(specs: Sequence[PromptSpec], seed: int) -> np.ndarray:
 @dataclass
 class Component:
     color: str
-    area: int
-    cx: float
-    cy: float
-    fill: float  # area / bounding-box area
-    bottom_share: float  # share of the area in the lower half of the bounding box
+    area: int  # pixels in the colour mask
+    cx: float  # centroid, pixels from the left edge
+    cy: float  # centroid, pixels from the top edge
+    threefold: float  # |3rd angular moment|: high for triangles
+    fourfold: float  # |4th angular moment|: high for squares
     shape: str = field(default="")
 
 
-def classify_shape(fill: float, bottom_share: float) -> str:
-    if bottom_share >= TRIANGLE_BOTTOM_SHARE or fill < TRIANGLE_MAX_FILL:
+def classify_shape(threefold: float, fourfold: float) -> str:
+    if threefold >= TRIANGLE_MIN_THREEFOLD:
         return "triangle"
-    return "square" if fill >= SQUARE_MIN_FILL else "circle"
+    return "square" if fourfold >= SQUARE_MIN_FOURFOLD else "circle"
+
+
+def angular_moments(weights: np.ndarray) -> tuple[float, float]:
+    """Rotation-invariant angular Fourier moments of a soft mask: (|m3|, |m4|) with
+    m_k = sum w r^k exp(i k theta) / sum w r^k about the weighted centroid.
+
+    A disc has m_k ~ 0 for every k; a square has a strong 4-fold term (~0.4, from its corners); a triangle a
+    strong 3-fold one (~0.6). Using every pixel's soft weight makes both robust to blur and to the +-0.5 px
+    discretisation that breaks bounding-box fill ratios on 10-pixel objects.
+    """
+    ys, xs = np.nonzero(weights > 0)
+    w = weights[ys, xs]
+    if w.sum() <= 0:
+        return 0.0, 0.0
+    dx = xs - (w * xs).sum() / w.sum()
+    dy = ys - (w * ys).sum() / w.sum()
+    r = np.hypot(dx, dy)
+    theta = np.arctan2(dy, dx)
+    moments = []
+    for k in (3, 4):
+        norm = (w * r**k).sum()
+        moments.append(float(abs((w * r**k * np.exp(1j * k * theta)).sum()) / norm) if norm > 0 else 0.0)
+    return moments[0], moments[1]
 
 
 def _hue_value_saturation(image: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -322,23 +345,32 @@ def color_masks(image: np.ndarray) -> dict[str, np.ndarray]:
 
 
 def find_components(image: np.ndarray) -> list[Component]:
-    """Connected components (8-connectivity) of every colour mask, with the shape features the checker uses."""
+    """Connected components (8-connectivity) of every colour mask, with the shape features the checker uses.
+
+    Shape features are computed on a soft mask: the pixel value relative to the component's bright level
+    (90th percentile), ramped from 0 at 25% to 1 at 75% of it (a soft 50% level set), over the component
+    grown by two pixels, so blurred edges count the way they would on the sharp shape.
+    """
     found = []
     structure = np.ones((3, 3), dtype=bool)
-    for color, mask in color_masks(image).items():
+    value = image.max(axis=0)
+    masks = color_masks(image)
+    any_object = np.logical_or.reduce(list(masks.values()))
+    for color, mask in masks.items():
         labels, n = ndimage.label(mask, structure=structure)
         for index in range(1, n + 1):
-            ys, xs = np.nonzero(labels == index)
-            area = len(xs)
+            comp = labels == index
+            area = int(comp.sum())
             if area < MIN_AREA:
                 continue
-            x0, x1, y0, y1 = xs.min(), xs.max(), ys.min(), ys.max()
-            box = (x1 - x0 + 1) * (y1 - y0 + 1)
-            mid = (y0 + y1) / 2.0
-            bottom = (ys > mid).sum() + 0.5 * (ys == mid).sum()
-            comp = Component(color, area, xs.mean() + 0.5, ys.mean() + 0.5, area / box, bottom / area)
-            comp.shape = classify_shape(comp.fill, comp.bottom_share)
-            found.append(comp)
+            ys, xs = np.nonzero(comp)
+            region = ndimage.binary_dilation(comp, structure=structure, iterations=2) & ~(any_object & ~comp)
+            peak = float(np.quantile(value[comp], 0.9))
+            soft = np.clip((value * region / max(peak, 1e-6) - 0.25) / 0.5, 0.0, 1.0)
+            threefold, fourfold = angular_moments(soft)
+            comp_info = Component(color, area, xs.mean() + 0.5, ys.mean() + 0.5, threefold, fourfold)
+            comp_info.shape = classify_shape(threefold, fourfold)
+            found.append(comp_info)
     return found
 
 

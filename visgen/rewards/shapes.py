@@ -1,0 +1,41 @@
+"""The analytic GenEval-like reward of the embedded shapes task (see ``visgen.tasks.shapes``).
+
+Outputs ``shapes`` (fraction of the prompt's attributes that hold, in [0,1]) and ``shapes_strict`` (1.0 when all
+hold, else 0.0). The prompt's spec comes from ``metadata[i]`` (``PromptSpec.to_dict()``, or a dict holding it
+under ``"spec"``) when given, else it is parsed from the prompt text; a prompt outside the task grammar is an
+error. An image containing NaN scores NaN in both outputs.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from visgen.tasks import shapes as task
+
+from . import RewardError, check_batch, register
+
+
+def _spec(prompt: str, meta: dict | None) -> task.PromptSpec:
+    if meta:
+        data = meta.get("spec", meta)
+        if "objects" in data:
+            return task.PromptSpec.from_dict(data)
+    try:
+        return task.parse_prompt(prompt)
+    except ValueError as exc:
+        raise RewardError(f"shapes reward: {exc}; pass PromptSpec.to_dict() as metadata") from exc
+
+
+class ShapesReward:
+    def __call__(self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[dict] | None = None):
+        check_batch(images, prompts, metadata)
+        metas = metadata if metadata is not None else [None] * len(prompts)
+        specs = [_spec(p, m) for p, m in zip(prompts, metas)]
+        score, strict = task.score_batch(images.detach().float().cpu().numpy(), specs)
+        return {"shapes": torch.from_numpy(score), "shapes_strict": torch.from_numpy(strict)}
+
+
+@register("shapes")
+def build_shapes() -> ShapesReward:
+    return ShapesReward()
