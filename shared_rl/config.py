@@ -185,9 +185,13 @@ def _positive(where: str, name: str, value: float, allow_zero: bool = False) -> 
 class RolloutConfig:
     groups_per_iteration: int = 8
     group_size: int = 8
+    # groups per Domain.rollout call (a rollout micro-batch, spread over processes); fix it to get identical
+    # results for any number of processes; 0 = all of this process's groups in one call
+    groups_per_call: int = 0
 
     def check(self, where: str) -> None:
         _positive(f"{where}.", "groups_per_iteration", self.groups_per_iteration)
+        _positive(f"{where}.", "groups_per_call", self.groups_per_call, allow_zero=True)
         if self.group_size < 2:
             raise ConfigError(f"{where}.group_size must be >= 2 for group-relative advantages, got {self.group_size}")
 

@@ -94,19 +94,31 @@ class Rollout:
 
     def select_groups(self, keep: torch.Tensor) -> "Rollout":
         """Keep the groups where ``keep[g]`` is True (whole trees stay whole); group ids are renumbered."""
-        keep = keep.bool()
-        seq_keep = keep[self.group_ids]
-        idx = torch.nonzero(seq_keep).flatten()
-        new_gid = torch.cumsum(keep.long(), 0) - 1
+        return self.take(torch.nonzero(keep.bool()[self.group_ids]).flatten())
+
+    def take(self, idx: torch.Tensor) -> "Rollout":
+        """The sequences ``idx`` (in that order), which must hold whole groups; groups are renumbered in order of
+        first appearance and parents are remapped."""
+        idx = torch.as_tensor(idx, dtype=torch.long)
+        old_gid = self.group_ids[idx]
+        uniq, first = [], set()
+        for g in old_gid.tolist():
+            if g not in first:
+                first.add(g)
+                uniq.append(g)
+        gmap = torch.full((len(self.keys),), -1, dtype=torch.long)
+        gmap[torch.tensor(uniq, dtype=torch.long)] = torch.arange(len(uniq))
         parent = None
         if self.parent is not None:
             remap = torch.full((len(self),), -1, dtype=torch.long)
             remap[idx] = torch.arange(idx.numel())
             old_parent = self.parent[idx]
             parent = torch.where(old_parent >= 0, remap[old_parent.clamp(min=0)], old_parent)
+            if bool(((old_parent >= 0) & (parent < 0)).any()):
+                raise ValueError("take() would cut a tree: a kept node's parent was dropped")
         return Rollout(
-            keys=[k for k, kp in zip(self.keys, keep.tolist()) if kp],
-            group_ids=new_gid[self.group_ids[idx]],
+            keys=[self.keys[g] for g in uniq],
+            group_ids=gmap[old_gid],
             rewards={k: v[idx] for k, v in self.rewards.items()},
             logp_old=self.logp_old[idx],
             mask=self.mask[idx],

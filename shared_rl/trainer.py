@@ -81,8 +81,14 @@ class Trainer:
         self.log = log
         device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         self.device = torch.device(device)
+        from .distributed import Dist
+
+        self.dist = Dist(self.device)
+        if self.dist.enabled and self.device.type == "cuda":
+            self.device = torch.device("cuda", self.dist.local_rank)
         torch.manual_seed(cfg.seed)
-        ctx = RunContext(run_dir=self.run_dir, device=self.device, seed=cfg.seed, log=log)
+        ctx = RunContext(run_dir=self.run_dir, device=self.device, seed=cfg.seed, log=log,
+                         process_index=self.dist.rank, num_processes=self.dist.world)
         self.domain = resolve_domain(cfg.domain)(cfg.domain_config, ctx)
         params = [p for p in self.domain.parameters() if p.requires_grad]
         if not params:
@@ -103,71 +109,176 @@ class Trainer:
         """One GRPO iteration; returns its metrics."""
         cfg, dom = self.cfg, self.domain
         gen = torch.Generator().manual_seed(iteration_seed(cfg.seed, it))
-        torch.manual_seed(iteration_seed(cfg.seed, it))
+        torch.manual_seed(iteration_seed(cfg.seed, it) + self.dist.rank)
         n_groups, group_size = cfg.rollout.groups_per_iteration, cfg.rollout.group_size
         pool = list(dom.train_keys())
 
-        # 1. rollout (rewards included), then drop groups without signal and refill (dynamic sampling)
+        # 1. rollout (rewards included); decisions use the global view (all ranks), training the local part
         t0 = time.perf_counter()
         keys = self.sampler.select(pool, n_groups, gen)
-        with torch.no_grad():
-            first = dom.rollout(keys, group_size, gen, it)
-        metrics = self._reward_metrics(first)
-        drawn_parts = [first]
-        rollout = first
-        if cfg.selection.filter != "none":
-            rollout = self._filtered(first)
+        local, view = self._rollout_round(keys, it, 0)
+        metrics = self._reward_metrics(view)
+        drawn_views = [view]
+        if cfg.selection.filter != "none":  # dynamic sampling: drop groups without signal, refill, trim
+            kept_views = [self._filtered(view)]
             rounds = 0
-            while len(rollout.keys) < n_groups and rounds < cfg.selection.max_refill_rounds:
-                more_keys = self.sampler.select(pool, n_groups - len(rollout.keys), gen)
-                with torch.no_grad():
-                    more = dom.rollout(more_keys, group_size, gen, it)
-                drawn_parts.append(more)
-                rollout = Rollout.cat([rollout, self._filtered(more)])
+            while sum(len(v.keys) for v in kept_views) < n_groups and rounds < cfg.selection.max_refill_rounds:
                 rounds += 1
-            if len(rollout.keys) > n_groups:
-                rollout = rollout.select_groups(torch.arange(len(rollout.keys)) < n_groups)
-        drawn = sum(len(p.keys) for p in drawn_parts)
-        for part in drawn_parts:
+                more_keys = self.sampler.select(pool, n_groups - sum(len(v.keys) for v in kept_views), gen)
+                more_local, more_view = self._rollout_round(more_keys, it, rounds)
+                local = Rollout.cat([p for p in (local, more_local) if p is not None]) if (local or more_local) else None
+                drawn_views.append(more_view)
+                kept_views.append(self._filtered(more_view))
+            view = Rollout.cat(kept_views)
+            if len(view.keys) > n_groups:
+                view = view.select_groups(torch.arange(len(view.keys)) < n_groups)
+        for part in drawn_views:
             succ, cnt = group_success(self._filter_reward(part), part.group_ids, len(part.keys))
             self.sampler.update(part.keys, succ, cnt, it)
         metrics.update({
-            "groups/drawn": drawn, "groups/kept": len(rollout.keys),
-            "nfe/rollout": sum(p.nfe for p in drawn_parts),
+            "groups/drawn": sum(len(v.keys) for v in drawn_views), "groups/kept": len(view.keys),
+            "nfe/rollout": sum(v.nfe for v in drawn_views),
             "time/rollout": time.perf_counter() - t0,
         })
-        for part in drawn_parts:
-            for k, v in part.info.items():
+        if local is not None:
+            for k, v in local.info.items():
                 if isinstance(v, (int, float)):
-                    metrics[k] = metrics.get(k, 0.0) + v
+                    metrics[k] = v
 
-        # 2. advantages: one per sequence (tree estimators read the parent array)
-        if len(rollout) == 0:
+        # 2. advantages on the global view: one per sequence (tree estimators read the parent array)
+        if len(view) == 0:
             self.log(f"iteration {it}: every group was filtered out; no update")
             metrics.update({"time/train": 0.0, "lr": self.scheduler.get_last_lr()[0], "nfe/train": 0})
             return metrics
         a = cfg.advantage
-        adv = combine_rewards(rollout.rewards, rollout.group_ids, a.estimator, a.weights, a.multi_reward,
-                              rollout.parent, a.clip, a.eps)
+        adv = combine_rewards(view.rewards, view.group_ids, a.estimator, a.weights, a.multi_reward,
+                              view.parent, a.clip, a.eps)
         metrics["advantage/abs_mean"] = float(adv.abs().mean())
+        # map global sequence -> local sequence of this rank (or -1)
+        to_local = torch.full((len(view),), -1, dtype=torch.long)
+        if local is not None:
+            pos = {tuple(o): i for i, o in enumerate(local.payload["_order"].tolist())}
+            for gi, o in enumerate(view.payload["_order"].tolist()):
+                to_local[gi] = pos.get(tuple(o), -1)
 
         # 3. inner epochs of minibatches; each minibatch is one optimizer step, split into micro-batches
         t1 = time.perf_counter()
         stats = _StepStats()
-        trainable = torch.nonzero(rollout.mask.any(dim=1)).flatten()
+        trainable = torch.nonzero(view.mask.any(dim=1)).flatten()
         nfe_train = 0
         for _epoch in range(cfg.optim.inner_epochs):
             order = trainable[torch.randperm(trainable.numel(), generator=gen)]
             for mb in torch.tensor_split(order, cfg.optim.minibatches_per_epoch):
                 if mb.numel():
-                    nfe_train += self._optimizer_step(rollout, adv, mb, stats)
-        metrics.update(stats.result())
-        metrics.update({"nfe/train": nfe_train, "time/train": time.perf_counter() - t1,
+                    norm = Normalizer.from_mask(view.mask[mb], cfg.loss.max_steps_norm)
+                    mine = mb[to_local[mb] >= 0]
+                    nfe_train += self._optimizer_step(local, to_local[mine], adv[mine], norm, stats)
+        metrics.update(self._reduce_stats(stats))
+        nfe = torch.tensor([float(nfe_train)])
+        metrics.update({"nfe/train": float(self.dist.all_reduce_(nfe)), "time/train": time.perf_counter() - t1,
                         "lr": self.scheduler.get_last_lr()[0]})
         total_time = metrics["time/rollout"] + metrics["time/train"]
+        first = drawn_views[0]
         leaves = int(torch.isfinite(next(iter(first.rewards.values()))).sum()) if first.rewards else len(first)
         metrics["samples_per_s"] = leaves / max(total_time, 1e-9)
         return metrics
+
+    def _rollout_round(self, keys: list[int], it: int, rnd: int) -> tuple[Rollout | None, Rollout]:
+        """Sample ``keys`` in chunks of ``rollout.groups_per_call`` spread over ranks; every chunk draws from its
+        own generator seeded by (seed, iteration, round, chunk), so results do not depend on the process count.
+        Returns (this rank's rollout with payload, the global light view without payload)."""
+        per_call = self.cfg.rollout.groups_per_call or -(-len(keys) // self.dist.world)
+        chunks = [keys[i: i + per_call] for i in range(0, len(keys), per_call)]
+        parts = []
+        for c, chunk in enumerate(chunks):
+            if c % self.dist.world != self.dist.rank:
+                continue
+            g = torch.Generator().manual_seed(iteration_seed(self.cfg.seed, it) + 1_000_003 * (rnd + 1) + 7919 * c)
+            with torch.no_grad():
+                part = self.domain.rollout(chunk, self.cfg.rollout.group_size, g, it)
+            n = len(part)
+            order = torch.stack([torch.full((n,), rnd), torch.full((n,), c), part.group_ids.long(), torch.arange(n)], 1)
+            part.payload["_order"] = order
+            part.payload["_parent_pos"] = part.parent.clone() if part.parent is not None else torch.full((n,), -1)
+            parts.append(part)
+        local = Rollout.cat(parts) if parts else None
+        return local, self._global_view(local, chunks)
+
+    def _global_view(self, local: Rollout | None, chunks: list[list[int]]) -> Rollout:
+        """Rewards, masks, log-probs and tree structure of every rank's sequences, in (round, chunk, pos) order."""
+        d = self.dist
+        if not d.enabled:
+            assert local is not None
+            light = Rollout(local.keys, local.group_ids, local.rewards, local.logp_old, local.mask, local.parent,
+                            {"_order": local.payload["_order"]}, local.nfe, {})
+            return light
+        names = sorted(local.rewards) if local is not None else []
+        # every rank must agree on reward names and the step count: take them from the gathered data
+        T = int(d.all_reduce_(torch.tensor([local.num_steps if local is not None else 0]), "max"))
+        n = len(local) if local is not None else 0
+
+        def pad_t(x: torch.Tensor, fill) -> torch.Tensor:
+            out = torch.full((n, T), fill, dtype=x.dtype)
+            out[:, : x.shape[1]] = x
+            return out
+
+        if local is not None:
+            order, ppos = local.payload["_order"], local.payload["_parent_pos"]
+            rewards = torch.stack([local.rewards[k].float() for k in names], 1) if names else torch.zeros(n, 0)
+            logp, mask = pad_t(local.logp_old.float(), 0.0), pad_t(local.mask, False)
+        else:
+            order, ppos = torch.zeros(0, 4, dtype=torch.long), torch.zeros(0, dtype=torch.long)
+            rewards, logp, mask = torch.zeros(0, 0), torch.zeros(0, T), torch.zeros(0, T, dtype=torch.bool)
+        n_rewards = int(d.all_reduce_(torch.tensor([len(names)]), "max"))
+        if rewards.shape[1] != n_rewards:
+            rewards = torch.zeros(n, n_rewards)
+        g_order = d.gather_cat(order)
+        g_rewards = d.gather_cat(rewards)
+        g_logp = d.gather_cat(logp)
+        g_mask = d.gather_cat(mask.to(torch.uint8)).bool()
+        g_ppos = d.gather_cat(ppos)
+        g_nfe = d.all_reduce_(torch.tensor([float(local.nfe if local is not None else 0)]))
+        name_codes = d.gather_cat(torch.tensor([[ord(ch) for ch in "|".join(names).ljust(256)[:256]]]) if names
+                                  else torch.zeros(0, 256, dtype=torch.long))
+        names = "".join(chr(int(x)) for x in name_codes[0]).strip().split("|") if name_codes.numel() else []
+        # sort by (round, chunk, position); rebuild group ids, keys and parents
+        key = ((g_order[:, 0] * 100_000 + g_order[:, 1]) * 10_000_000 + g_order[:, 3])
+        perm = torch.argsort(key)
+        g_order, g_rewards, g_logp, g_mask, g_ppos = (x[perm] for x in (g_order, g_rewards, g_logp, g_mask, g_ppos))
+        group_of, keys, gids = {}, [], []
+        for rnd, c, gid, _pos in g_order.tolist():
+            k = (rnd, c, gid)
+            if k not in group_of:
+                group_of[k] = len(keys)
+                keys.append(chunks[c][gid])
+            gids.append(group_of[k])
+        parent = None
+        if bool((g_ppos >= 0).any()):
+            where = {(r, c, p): i for i, (r, c, _g, p) in enumerate(g_order.tolist())}
+            parent = torch.tensor([where[(r, c, int(pp))] if pp >= 0 else -1
+                                   for (r, c, _g, _p), pp in zip(g_order.tolist(), g_ppos.tolist())], dtype=torch.long)
+        return Rollout(keys, torch.tensor(gids, dtype=torch.long), {k: g_rewards[:, i] for i, k in enumerate(names)},
+                       g_logp, g_mask, parent, {"_order": g_order}, int(g_nfe), {})
+
+    _SUM_STATS = ("loss/policy", "loss/kl", "ratio/mean", "clip_frac", "approx_kl", "entropy", "grad_norm",
+                  "nonfinite_steps")
+
+    def _reduce_stats(self, stats: _StepStats) -> dict[str, float]:
+        """Merge per-rank step statistics (sums and counts added, maxima maxed)."""
+        if self.dist.enabled:
+            names = self._SUM_STATS
+            buf = torch.tensor([[stats.sums.get(k, 0.0), stats.counts.get(k, 0.0)] for k in names], dtype=torch.float64)
+            self.dist.all_reduce_(buf)
+            for i, k in enumerate(names):  # per-optimizer-step counts were added once per rank
+                if k in ("loss/policy", "loss/kl"):
+                    buf[i, 1] /= self.dist.world
+            mx = torch.tensor([stats.maxes.get("ratio/max", -math.inf)], dtype=torch.float64)
+            self.dist.all_reduce_(mx, "max")
+            # grad_norm is computed after the sum over ranks: identical everywhere, so average, don't add
+            stats = _StepStats({k: float(buf[i, 0]) for i, k in enumerate(names) if buf[i, 1] > 0},
+                               {k: float(buf[i, 1]) for i, k in enumerate(names) if buf[i, 1] > 0},
+                               {"ratio/max": float(mx)} if math.isfinite(float(mx)) else {})
+        return stats.result()
 
     def _filter_reward(self, rollout: Rollout) -> torch.Tensor:
         name = self.cfg.selection.band_reward or next(iter(rollout.rewards))
@@ -206,19 +317,21 @@ class Trainer:
             m["reward/nan_count"] = float((leaves & ~leaf).sum())
         return m
 
-    def _optimizer_step(self, rollout: Rollout, adv: torch.Tensor, mb: torch.Tensor, stats: _StepStats) -> int:
+    def _optimizer_step(self, rollout: Rollout | None, local_idx: torch.Tensor, adv: torch.Tensor,
+                        norm: Normalizer, stats: _StepStats) -> int:
+        """One optimizer step over this rank's share ``local_idx`` of a global minibatch (normalised by ``norm``,
+        the minibatch's global counts), accumulated over micro-batches; gradients are summed across ranks."""
         cfg, lc = self.cfg, self.cfg.loss
-        norm = Normalizer.from_mask(rollout.mask[mb], lc.max_steps_norm)
-        micro = cfg.optim.micro_batch_size or mb.numel()
+        micro = cfg.optim.micro_batch_size or max(1, local_idx.numel())
         need_kl = lc.kl_coef > 0
         self.optimizer.zero_grad(set_to_none=True)
         nfe = 0
-        for idx in torch.split(mb, micro):
+        for idx, a in zip(torch.split(local_idx, micro), torch.split(adv, micro)):
             out = self.domain.log_probs(rollout, idx, need_kl)
             nfe += out.nfe
             mask = rollout.mask[idx].to(out.logp.device)
             logp_old = rollout.logp_old[idx].to(out.logp)
-            pg, st = clipped_surrogate(out.logp, logp_old, adv[idx].to(out.logp), mask, lc.clip_low, lc.clip_high,
+            pg, st = clipped_surrogate(out.logp, logp_old, a.to(out.logp), mask, lc.clip_low, lc.clip_high,
                                        lc.dual_clip, lc.ratio_level)
             loss = aggregate(pg, mask, lc.aggregation, norm)
             stats.add("loss/policy", float(loss.detach()), 0.0)
@@ -242,11 +355,11 @@ class Trainer:
                 stats.max("ratio/max", float(st["ratio"][m].max()))
             if out.entropy is not None:
                 stats.add("entropy", float(out.entropy.detach()[m].sum()), n_steps)
-        # the micro-batch losses summed are the minibatch loss: count one per optimizer step
+        # the micro-batch losses summed (over ranks too) are the minibatch loss: count one per optimizer step
         for k in ("loss/policy", "loss/kl"):
-            if k in stats.counts:
-                stats.counts[k] += 1.0
+            stats.add(k, 0.0, 1.0)
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        self.dist.sum_gradients(params)
         clip = cfg.optim.grad_clip if cfg.optim.grad_clip is not None else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(params, clip)
         if not torch.isfinite(grad_norm):
@@ -283,7 +396,7 @@ class Trainer:
         }
 
     def save(self, iteration: int) -> Path | None:
-        if not self.run_dir:
+        if not self.run_dir or not self.dist.is_main:
             return None
         return save_checkpoint(self.run_dir / "checkpoints", iteration, self.domain.state_dict(),
                                self.optimizer.state_dict(), self.state(iteration), self.cfg.checkpoint.keep_last)
@@ -309,6 +422,8 @@ class Trainer:
         return True
 
     def _evaluate(self, it: int) -> dict[str, float]:
+        if not self.dist.is_main:  # evaluation runs on the main process only
+            return {}
         t = time.perf_counter()
         with torch.no_grad():
             out = dict(self.domain.evaluate(it))
@@ -318,13 +433,14 @@ class Trainer:
     def fit(self, resume: bool = False) -> list[dict[str, Any]]:
         """Run all iterations with evaluation, checkpoints and metrics; returns the metric records."""
         cfg = self.cfg
-        if self.run_dir:
+        main = self.dist.is_main
+        if self.run_dir and main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-        logger = MetricsLogger(self.run_dir, cfg.logging.tensorboard, cfg.logging.wandb, cfg.logging.wandb_project,
+        logger = MetricsLogger(self.run_dir if main else None, cfg.logging.tensorboard, cfg.logging.wandb, cfg.logging.wandb_project,
                                dump_train_config(cfg))
         if resume and self.resume():
             logger.truncate_after(self.start_iteration)
-        elif self.run_dir:
+        elif self.run_dir and main:
             logger.truncate_after(-1)
         old_handler = signal.getsignal(signal.SIGTERM)
 
@@ -344,7 +460,7 @@ class Trainer:
             logger.log(0, rec)
             self.history.append({"step": 0, **rec})
             self.log("eval before training: " + _fmt(rec))
-        bar = _progress(cfg.logging.progress, self.start_iteration, cfg.iterations)
+        bar = _progress(cfg.logging.progress and main, self.start_iteration, cfg.iterations)
         try:
             for it in range(self.start_iteration, cfg.iterations):
                 metrics = self.iteration(it)
@@ -359,7 +475,7 @@ class Trainer:
                     bar.update(1)
                     bar.set_postfix(reward=f"{metrics.get('reward/mean', float('nan')):.3f}",
                                     sps=f"{metrics.get('samples_per_s', 0):.1f}")
-                else:
+                elif main:
                     self.log(f"[{step}/{cfg.iterations}] " + _fmt(metrics, short=True))
                 if last or self._stop_requested or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
                     self.save(step)
@@ -374,7 +490,8 @@ class Trainer:
                 signal.signal(signal.SIGTERM, old_handler)
             except (ValueError, TypeError):
                 pass
-        if not self._stop_requested:
+        self.dist.barrier()
+        if not self._stop_requested and main:
             self._finish()
         return self.history
 
