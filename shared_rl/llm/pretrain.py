@@ -147,7 +147,7 @@ def run(cfg: dict, run_dir: Path, log=print) -> dict[str, float]:
         opt.step()
         sched.step()
         step += 1
-        loss_sum += float(loss)
+        loss_sum += float(loss.detach())
         minutes = (time.perf_counter() - start) / 60
         if step % c.eval_every == 0 or step == c.max_steps or minutes > c.max_minutes:
             model.eval()

@@ -42,13 +42,16 @@ class TokenTree:
     group: list[int] = field(default_factory=list)
     start: list[int] = field(default_factory=list)
     path: list[list[int]] = field(default_factory=list)
+    segment_logprobs: list[list[float]] = field(default_factory=list)
     finished: list[bool] = field(default_factory=list)
     expanded: list[bool] = field(default_factory=list)
     generated_tokens: int = 0
     nfe: int = 0
 
-    def add(self, parent: int, depth: int, group: int, start: int, path: list[int], finished: bool) -> int:
+    def add(self, parent: int, depth: int, group: int, start: int, path: list[int], finished: bool,
+            segment_logprobs: list[float] | None = None) -> int:
         self.parent.append(parent)
+        self.segment_logprobs.append(list(segment_logprobs or []))
         self.depth.append(depth)
         self.group.append(group)
         self.start.append(start)
@@ -97,7 +100,8 @@ def grow_trees(engine: RolloutEngine, prompts: list[list[int]], settings: TreeSe
             segment = tokens[:cap]        # a longer call for mixed caps; the prefix is still an exact sample
             tree.generated_tokens += len(segment)
             tree.expanded[node] = True
+            logprobs = gen.sample_logprobs[row][:cap] if gen.sample_logprobs else None
             child = tree.add(node, depth + 1, tree.group[node], len(tree.path[node]), tree.path[node] + segment,
-                             finished)
+                             finished, logprobs)
             frontier.append(child)
     return tree

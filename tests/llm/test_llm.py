@@ -317,3 +317,13 @@ def test_config_errors_are_actionable():
         load_train_config({"domain": "llm", "llm": {"temperature": 0}})
     with pytest.raises(ConfigError, match="unknown config key 'llm.max_new_token'"):
         load_train_config({"domain": "llm", "llm": {"max_new_token": 4}})
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_engine_behaviour_logprobs_match_recompute(tiny_dir, tree):
+    settings = TreeSettings(enabled=tree, branching=[2, 2], segment_tokens=2)
+    dom = make_domain(tiny_dir, tree=settings, behaviour_logprobs="engine")
+    ro = dom.rollout([0, 1, 2], 4, torch.Generator().manual_seed(3), 0)
+    out = dom.log_probs(ro, torch.arange(len(ro)), need_kl=False)
+    assert (ro.logp_old[~ro.mask] == 0).all()
+    assert torch.allclose(out.logp.detach()[ro.mask], ro.logp_old[ro.mask], atol=1e-5)
