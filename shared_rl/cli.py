@@ -17,7 +17,9 @@ import sys
 import time
 from pathlib import Path
 
-from .config import ConfigError, apply_overrides, dump_train_config, load_train_config, load_yaml
+from .config import ConfigError, ResourceError, apply_overrides, dump_train_config, load_train_config, load_yaml
+from .errors import NonFiniteError
+from .rewards import RewardError
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "visgen" / "shapes_grpo.yaml"
@@ -43,13 +45,14 @@ class _RunDir:
     def __init__(self, path: Path, resume: bool) -> None:
         self.path = path
         self.created = False
-        if not resume and path.exists() and any(path.iterdir()):
+        self.main = int(os.environ.get("RANK", "0")) == 0  # under accelerate/torchrun only rank 0 writes
+        if self.main and not resume and path.exists() and any(path.iterdir()):
             raise ConfigError(f"run directory {str(path)!r} is not empty; pass --resume {path} to continue it or choose another --out")
         if resume and not (path / "config.yaml").is_file():
             raise ConfigError(f"--resume {str(path)!r}: no config.yaml there (not a grove run directory)")
 
     def create(self) -> Path:
-        if not self.path.exists():
+        if self.main and not self.path.exists():
             self.path.mkdir(parents=True)
             self.created = True
         return self.path
@@ -101,7 +104,7 @@ def cmd_train(args, force_supervised: bool = False) -> int:
     try:
         trainer = Trainer(cfg, run.path, log=_log)  # builds the domain (loads models) before writing anything
         run_dir = run.create()
-        if not args.resume:
+        if not args.resume and run.main:
             (run_dir / "config.yaml").write_text(yaml.safe_dump(dump_train_config(cfg), sort_keys=False))
     except ConfigError:
         run.discard()
@@ -204,6 +207,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"grove: error: {e}", file=sys.stderr)
         return 2
+    except (ResourceError, NonFiniteError, RewardError) as e:
+        print(f"grove: error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("grove: interrupted", file=sys.stderr)
         return 130

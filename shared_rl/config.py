@@ -21,6 +21,10 @@ class ConfigError(ValueError):
     """A config problem; its message is one actionable line (the CLI prints it and exits with code 2)."""
 
 
+class ResourceError(RuntimeError):
+    """The run cannot continue for lack of a resource (out of memory); the message says what to change."""
+
+
 def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 

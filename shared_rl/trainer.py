@@ -9,6 +9,7 @@ run replays exactly the iterations an uninterrupted run would (tested bitwise on
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import signal
 import time
@@ -20,7 +21,7 @@ import torch
 
 from .advantages import combine_rewards
 from .checkpoint import load_latest_checkpoint, rng_state, save_checkpoint, set_rng_state
-from .config import ConfigError, TrainConfig, dump_train_config
+from .config import ConfigError, ResourceError, TrainConfig, dump_train_config
 from .domain import RunContext
 from .losses import KL_ESTIMATORS, Normalizer, aggregate, clipped_surrogate
 from .metrics import MetricsLogger, plot_metrics
@@ -29,8 +30,16 @@ from .rollout import Rollout
 from .selection import group_keep_mask, group_success, make_sampler
 
 
-class NonFiniteError(RuntimeError):
-    """Too many consecutive optimizer steps had NaN/Inf losses or gradients."""
+from .errors import NonFiniteError  # noqa: E402  (re-exported)
+
+
+@contextlib.contextmanager
+def _oom_hint(stage: str, advice: str):
+    """Turn an out-of-memory error into a ResourceError that says which setting to change."""
+    try:
+        yield
+    except torch.OutOfMemoryError as e:
+        raise ResourceError(f"out of memory during {stage}: {advice}") from e
 
 
 def iteration_seed(seed: int, iteration: int) -> int:
@@ -194,7 +203,8 @@ class Trainer:
             if c % self.dist.world != self.dist.rank:
                 continue
             g = torch.Generator().manual_seed(iteration_seed(self.cfg.seed, it) + 1_000_003 * (rnd + 1) + 7919 * c)
-            with torch.no_grad():
+            with torch.no_grad(), _oom_hint("rollout", "lower rollout.groups_per_call (groups per rollout call) or "
+                                             "the domain's rollout micro-batch size"):
                 part = self.domain.rollout(chunk, self.cfg.rollout.group_size, g, it)
             n = len(part)
             order = torch.stack([torch.full((n,), rnd), torch.full((n,), c), part.group_ids.long(), torch.arange(n)], 1)
@@ -327,7 +337,9 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         nfe = 0
         for idx, a in zip(torch.split(local_idx, micro), torch.split(adv, micro)):
-            out = self.domain.log_probs(rollout, idx, need_kl)
+            with _oom_hint("training", "lower optim.micro_batch_size (sequences per forward/backward) or enable "
+                                       "gradient checkpointing in the domain config"):
+                out = self.domain.log_probs(rollout, idx, need_kl)
             nfe += out.nfe
             mask = rollout.mask[idx].to(out.logp.device)
             logp_old = rollout.logp_old[idx].to(out.logp)

@@ -1,0 +1,59 @@
+"""Calling reward backends safely: retries, time-outs, then NaN (masked and counted by the trainer) or a clear
+error, per config. Domains wrap their reward functions with ``guarded_reward``.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Literal
+
+import torch
+
+
+class RewardError(RuntimeError):
+    """A reward backend failed after all retries and the config says failures are fatal."""
+
+
+@dataclass
+class RewardGuardConfig:
+    retries: int = 2
+    timeout_s: float = 0.0  # 0 = no time-out
+    backoff_s: float = 0.5
+    on_failure: Literal["nan", "fatal"] = "nan"
+
+
+def guarded_reward(fn: Callable[..., dict[str, torch.Tensor]], name: str, cfg: RewardGuardConfig,
+                   batch_size: Callable[..., int], log=print,
+                   output_names: list[str] | None = None) -> Callable[..., dict[str, torch.Tensor]]:
+    """Wrap ``fn(*args) -> {name: tensor[B]}``: retry on exceptions and time-outs; after the last retry return
+    NaN for the whole batch (``on_failure: nan``) or raise ``RewardError`` (``fatal``). Non-finite values that
+    the backend itself returns are passed through as NaN (the trainer masks and counts them)."""
+
+    def call(*args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:
+        last: BaseException | None = None
+        for attempt in range(cfg.retries + 1):
+            try:
+                if cfg.timeout_s > 0:
+                    with cf.ThreadPoolExecutor(max_workers=1) as ex:
+                        out = ex.submit(fn, *args, **kwargs).result(timeout=cfg.timeout_s)
+                else:
+                    out = fn(*args, **kwargs)
+                return {k: torch.as_tensor(v, dtype=torch.float32) for k, v in out.items()}
+            except cf.TimeoutError as e:
+                last = TimeoutError(f"reward {name!r} timed out after {cfg.timeout_s:g}s")
+                last.__cause__ = e
+            except Exception as e:  # noqa: BLE001 — any backend failure is retried
+                last = e
+            if attempt < cfg.retries:
+                log(f"WARNING: reward {name!r} failed ({last}); retry {attempt + 1}/{cfg.retries}")
+                time.sleep(cfg.backoff_s * (2**attempt))
+        if cfg.on_failure == "fatal":
+            raise RewardError(f"reward {name!r} failed after {cfg.retries + 1} attempts: {last}") from last
+        log(f"WARNING: reward {name!r} failed after {cfg.retries + 1} attempts ({last}); its values are NaN "
+            "for this batch (masked, counted in reward/nan_count)")
+        n = batch_size(*args, **kwargs)
+        return {k: torch.full((n,), math.nan) for k in (output_names or [name])}
+
+    return call
