@@ -119,11 +119,37 @@ def _close_live_renderers() -> None:
         r.close()
 
 
+_LLVM_GUARDED = False
+
+
+def _load_triton_llvm_first() -> None:
+    """Load triton's native library before Mesa's EGL driver, once per process.
+
+    Mesa llvmpipe (the CPU EGL renderer) and triton each bring an LLVM. If the EGL context exists first, the
+    later ``import triton`` (pulled in lazily by torch: ``torch.optim.AdamW`` imports ``torch._dynamo``)
+    segfaults; in the other order both work (measured on torch 2.14 / triton 3.8 / Mesa llvmpipe).
+    """
+    global _LLVM_GUARDED
+    if _LLVM_GUARDED:
+        return
+    _LLVM_GUARDED = True
+    if os.environ.get("MUJOCO_GL", "egl") != "egl":
+        return
+    import importlib.util
+
+    try:
+        if importlib.util.find_spec("triton") is not None:
+            import triton._C.libtriton  # noqa: F401
+    except Exception:  # a broken triton install must not stop rendering
+        pass
+
+
 class TaskRenderer:
     """One ``mujoco.Renderer`` for all envs of one task in this process (see module docstring for why)."""
 
     def __init__(self, model: mujoco.MjModel, settings: RenderSettings):
         self.settings = settings
+        _load_triton_llvm_first()
         _LIVE_RENDERERS.add(self)
         if settings.tuned:
             # offsamples sizes the multisample framebuffer, which is made with the renderer: set it first.

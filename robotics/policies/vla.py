@@ -147,10 +147,10 @@ class TinyVLA(nn.Module):
         return F.cross_entropy(logits.reshape(-1, self.cfg.num_bins), self.actions_to_bins(x0).reshape(-1))
 
     @torch.no_grad()
-    def act(self, h: torch.Tensor) -> torch.Tensor:
-        """Deterministic evaluation action chunk ``[B, K, A]``: ODE for flow, arg-max bins for discrete."""
+    def act(self, h: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Evaluation action chunk ``[B, K, A]``: ODE from noise drawn with ``generator`` (flow), arg-max bins."""
         if self.cfg.head == "flow":
-            x = self.flow.sample(h, "ode", None).actions
+            x = self.flow.sample(h, "ode", generator).actions
         else:
             x = self.bin_centers(h.device)[self.bin_logits(h).argmax(-1)]
         return x.view(h.shape[0], self.cfg.chunk, self.cfg.action_dim).clamp(-1, 1)

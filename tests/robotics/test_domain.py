@@ -1,0 +1,90 @@
+"""RoboticsDomain against the trainer contract: group layout, masks, ratio 1 per head mode, and learning."""
+import os
+
+os.environ.setdefault("MUJOCO_GL", "egl")
+
+import pytest
+import torch
+
+from shared_rl.config import ConfigError, from_dict, load_train_config
+from shared_rl.domain import RunContext
+from shared_rl.trainer import Trainer
+
+from robotics.domain import RoboticsConfig, RoboticsDomain
+
+TINY_MODEL = {"cnn_channels": [8, 8, 8, 8], "feature_dim": 32, "text_dim": 8, "hidden": 64, "num_denoise_steps": 3}
+
+
+def _domain(head_mode="flow_sde", env=None, **extra):
+    head = "discrete" if head_mode == "discrete" else "flow"
+    section = {"env": env or {"kind": "point", "tasks": ["point-reach"], "horizon": 8}, "checkpoint": "",
+               "model": dict(TINY_MODEL, head=head), "head_mode": head_mode, "train_states_per_task": 8,
+               "eval_states_per_task": 4, "gifs": False, **extra}
+    cfg = from_dict(RoboticsConfig, section, "robotics")
+    return RoboticsDomain(cfg, RunContext(run_dir=None, device=torch.device("cpu"), seed=0))
+
+
+@pytest.mark.parametrize("mode,trained_per_chunk", [("flow_sde", 2), ("flow_noise", 3), ("mix", 1), ("discrete", 1)])
+def test_rollout_layout_and_recompute_ratio_is_one(mode, trained_per_chunk):
+    dom = _domain(mode)
+    keys = dom.train_keys()[:3]
+    ro = dom.rollout(keys, 4, torch.Generator().manual_seed(0), 0)
+    s = dom.steps_per_chunk
+    assert len(ro) == 12 and ro.num_steps == dom.n_chunks * s
+    assert ro.group_ids.tolist() == [0] * 4 + [1] * 4 + [2] * 4
+    per_chunk = ro.mask.view(12, dom.n_chunks, s).sum(-1)
+    executed = ro.payload["images"].flatten(2).any(-1)  # chunk observed = chunk planned
+    assert ((per_chunk == trained_per_chunk) == executed).all()
+    assert set(ro.rewards["success"].unique().tolist()) <= {0.0, 1.0}
+    out = dom.log_probs(ro, torch.arange(12), need_kl=True)
+    diff = (out.logp - ro.logp_old)[ro.mask]
+    assert diff.abs().max() < 1e-4, f"recomputed log-probs must match the rollout's ({mode})"
+    assert (out.logp[~ro.mask] == 0).all()
+    kl = out.kl if out.kl is not None else out.ref_logp - out.logp
+    assert kl[ro.mask].abs().max() < 1e-4, "before any update the policy equals its reference"
+    out.logp[ro.mask].sum().backward()
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in dom.parameters())
+
+
+def test_metaworld_group_shares_its_reset_state_and_eval_states_are_held_out():
+    env = {"tasks": ["reach-v3", "drawer-close-v3"], "horizon": 8}
+    dom = _domain("mix", env=env, train_states_per_task=3)
+    keys = [dom.train_keys()[0], dom.train_keys()[4]]
+    ro = dom.rollout(keys, 3, torch.Generator().manual_seed(0), 0)
+    first = ro.payload["images"][:, 0]
+    for g in range(2):
+        members = first[ro.group_ids == g]
+        assert all(torch.equal(members[0], m) for m in members[1:]), "a group starts from ONE reset state"
+    assert not torch.equal(first[0], first[3])
+    later = ro.payload["chain"][:, 1, -1]
+    assert not torch.allclose(later[0], later[1]), "members of a group sample different actions"
+    assert not set(dom.train_keys()) & set(dom.eval_keys())
+    ev = dom.evaluate(0)
+    assert set(ev) >= {"eval/success", "eval/success/reach-v3", "eval/success/drawer-close-v3"}
+    dom.close()
+
+
+def test_config_errors_are_actionable():
+    with pytest.raises(ConfigError, match="head_mode"):
+        _domain("discrete", model=dict(TINY_MODEL, head="flow"))
+    with pytest.raises(ConfigError, match="train_tasks"):
+        from_dict(RoboticsConfig, {"train_tasks": ["nope-v3"]}, "robotics")
+
+
+def test_grpo_improves_success_on_the_point_env():
+    data = {
+        "domain": "robotics", "seed": 0, "iterations": 10,
+        "rollout": {"groups_per_iteration": 8, "group_size": 8},
+        "optim": {"lr": 2e-3, "inner_epochs": 2, "minibatches_per_epoch": 2},
+        "loss": {"clip_low": 0.2, "clip_high": 0.28},
+        "logging": {"progress": False},
+        "robotics": {"env": {"kind": "point", "tasks": ["point-reach"], "horizon": 8}, "checkpoint": "",
+                     "model": TINY_MODEL, "head_mode": "flow_sde", "train_states_per_task": 32,
+                     "eval_states_per_task": 32, "gifs": False},
+    }
+    trainer = Trainer(load_train_config(data), None, log=lambda s: None)
+    hist = trainer.fit()
+    first, last = hist[0]["eval/success"], hist[-1]["eval/success"]
+    rewards = [h["reward/mean"] for h in hist if "reward/mean" in h]
+    assert last >= first + 0.3, (first, last)
+    assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.2, rewards

@@ -1,0 +1,94 @@
+"""Action heads: hand-computed Flow-GRPO kernel, log-prob recompute ratio 1 for every head mode, limits."""
+import math
+import os
+
+os.environ.setdefault("MUJOCO_GL", "egl")
+
+import pytest
+import torch
+
+from robotics.policies import TinyVLA, VLAConfig
+from robotics.policies.flow_head import gaussian_logp, sde_mean, sde_std, sigma_schedule
+
+TINY = dict(cnn_channels=[8, 8, 8, 8], feature_dim=32, text_dim=8, hidden=64, num_denoise_steps=4)
+
+
+def test_flow_sde_kernel_hand_computed():
+    # sigma 0.6 -> 0.4, a = 0.7: std_t = 0.7*sqrt(0.6/0.4) = 0.857321, std_t^2 = 0.735
+    sigma = torch.tensor([0.6])
+    std = sde_std(sigma, 0.8, 0.7)
+    assert std.item() == pytest.approx(0.7 * math.sqrt(1.5), rel=1e-6)
+    # mean = x(1 + 0.735*(-0.2)/1.2) + v(1 + 0.735*0.4/1.2)(-0.2) with x = 1, v = 2: 0.8775 - 0.498 = 0.3795
+    mean = sde_mean(torch.tensor([[1.0]]), torch.tensor([[2.0]]), sigma, torch.tensor([-0.2]), std)
+    assert mean.item() == pytest.approx(0.3795, abs=1e-5)
+    # at sigma = 1 the next sigma (0.8) replaces sigma in the denominator: 0.7*sqrt(1/0.2)
+    assert sde_std(torch.tensor([1.0]), 0.8, 0.7).item() == pytest.approx(0.7 * math.sqrt(5.0), rel=1e-6)
+    assert torch.allclose(sigma_schedule(4), torch.tensor([1.0, 0.75, 0.5, 0.25, 0.0]))
+
+
+def test_gaussian_logp_matches_torch_normal():
+    x, mu, sd = torch.randn(3, 5), torch.randn(3, 5), torch.rand(3, 5) + 0.1
+    ref = torch.distributions.Normal(mu, sd).log_prob(x)
+    assert torch.allclose(gaussian_logp(x, mu, sd, "sum"), ref.sum(-1), atol=1e-5)
+    assert torch.allclose(gaussian_logp(x, mu, sd, "mean"), ref.mean(-1), atol=1e-6)
+
+
+def _policy(head="flow"):
+    torch.manual_seed(0)
+    return TinyVLA(VLAConfig(head=head, **TINY))
+
+
+def _features(policy, b=6):
+    g = torch.Generator().manual_seed(1)
+    img = torch.randint(0, 256, (b, 64, 64, 3), dtype=torch.uint8, generator=g)
+    ids = policy.text.token_ids(["push the puck to the green goal"] * b)
+    return policy.encode(img, torch.randn(b, 4, generator=g), ids)
+
+
+def test_small_noise_level_sde_equals_ode():
+    policy = _policy()
+    h = _features(policy)
+    ode = policy.flow.sample(h, "ode", torch.Generator().manual_seed(3)).actions
+    sde = policy.flow.sample(h, "flow_sde", torch.Generator().manual_seed(3), noise_level=1e-7).actions
+    assert torch.allclose(ode, sde, atol=1e-5)
+    sde_big = policy.flow.sample(h, "flow_sde", torch.Generator().manual_seed(3), noise_level=0.7).actions
+    assert not torch.allclose(ode, sde_big, atol=1e-2)
+
+
+@pytest.mark.parametrize("mode,expected_steps", [("flow_sde", 3), ("flow_noise", 4), ("mix", 1)])
+def test_flow_head_recompute_ratio_is_one(mode, expected_steps):
+    policy = _policy()
+    h = _features(policy)
+    out = policy.flow.sample(h, mode, torch.Generator().manual_seed(5), noise_level=0.7)
+    assert (out.stochastic.sum(1) == expected_steps).all()
+    if mode == "flow_sde":
+        assert not out.stochastic[:, -1].any(), "the last denoising step is never stochastic in flow_sde"
+    b, s = out.stochastic.shape
+    rows, steps = torch.nonzero(out.stochastic, as_tuple=True)
+    h2 = _features(policy)  # a fresh forward, as the trainer does
+    logp, ent, _, _ = policy.flow.step_log_prob(h2[rows], out.chain[rows, steps], out.chain[rows, steps + 1], steps, mode, 0.7)
+    ratio = torch.exp(logp - out.logp[rows, steps])
+    assert torch.allclose(ratio, torch.ones_like(ratio), atol=1e-4)
+    assert torch.isfinite(ent).all()
+    # the ODE part of the chain is deterministic: unsampled steps carry log-prob 0
+    assert (out.logp[~out.stochastic] == 0).all()
+
+
+def test_discrete_head_bins_roundtrip():
+    policy = _policy("discrete")
+    a = torch.tensor([-1.0, -0.999, 0.0, 0.5, 1.0])
+    bins = policy.actions_to_bins(a)
+    assert bins.tolist() == [0, 0, 128, 192, 255]
+    centers = policy.bin_centers()[bins]
+    assert (centers - a).abs().max() <= 1.0 / 256 + 1e-6
+
+
+def test_save_load_pretrained_roundtrip(tmp_path):
+    policy = _policy()
+    policy.save_pretrained(tmp_path / "m")
+    again = TinyVLA.load_pretrained(tmp_path / "m")
+    h1, h2 = _features(policy), _features(again)
+    assert torch.equal(h1, h2)
+    a1 = policy.act(h1, torch.Generator().manual_seed(0))
+    assert torch.equal(a1, again.act(h2, torch.Generator().manual_seed(0)))
+    assert a1.shape == (6, 4, 4) and a1.abs().max() <= 1.0
