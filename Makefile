@@ -27,7 +27,10 @@ test: setup
 	$(PY) -m pytest -q
 
 bench: setup
-	$(VENV)/bin/grove bench core --quick --out runs/bench-core
+	$(VENV)/bin/grove bench scale --quick --out runs/bench-scale
+	$(VENV)/bin/grove bench visgen-trees --quick --out runs/bench-visgen-trees
+	$(VENV)/bin/grove bench llm --quick --out runs/bench-llm
+	$(VENV)/bin/grove bench robotics-sim --quick --out runs/bench-robotics-sim
 
 clean:
 	rm -rf runs .pytest_cache

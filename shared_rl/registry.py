@@ -27,7 +27,6 @@ SUPERVISED: dict[str, str] = {
 }
 
 BENCHMARKS: dict[str, str] = {
-    "core": "shared_rl.bench_core:run",
     "llm": "bench.llm_vs_trl:run",
     "robotics-sim": "bench.robotics_sim:run",
     "visgen-trees": "bench.visgen_trees:run",

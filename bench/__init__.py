@@ -1,0 +1,1 @@
+"""Benchmarks run by `grove bench NAME` (see shared_rl/registry.py BENCHMARKS)."""

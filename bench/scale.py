@@ -1,0 +1,89 @@
+"""`grove bench scale`: samples/s with 1 vs 2 CPU processes on the same work, and checkpoint save/load time and
+size per domain.
+
+Both process counts run the same config, seed and global batch (`rollout.groups_per_call` fixed so the work is
+identical); samples/s is read from the runs' own `metrics.jsonl` (mean over iterations after the first, which
+pays start-up costs). On a 2-core machine shared with other jobs the ratio is a ceiling-bounded, noisy number:
+report it as measured.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from shared_rl.bench import write_results
+from shared_rl.cli import REPO_ROOT
+
+DOMAIN_CONFIGS = {
+    "toy": ("configs/toy.yaml", ["iterations=6", "rollout.groups_per_iteration=8", "rollout.groups_per_call=2"]),
+    "llm": ("configs/llm/arith_grpo.yaml", ["iterations=3", "rollout.groups_per_call=2", "eval.at_start=false"]),
+    "visgen": ("configs/visgen/shapes_grpo.yaml", ["iterations=2", "rollout.groups_per_call=2", "eval.at_start=false"]),
+    "robotics": ("configs/robotics/metaworld_grpo.yaml", ["iterations=2", "rollout.groups_per_call=2",
+                                                          "eval.at_start=false"]),
+}
+
+
+def _run(config: str, overrides: list[str], out: Path, processes: int) -> float | None:
+    base = [sys.executable, "-m", "shared_rl.cli", "train", str(REPO_ROOT / config), "--out", str(out),
+            "logging.progress=false", *overrides]
+    if processes > 1:
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+               str(REPO_ROOT / "configs/accelerate/cpu_2proc.yaml"), "--num_processes", str(processes),
+               "--main_process_port", str(29600 + os.getpid() % 1000), "-m", "shared_rl.cli", *base[3:]]
+    else:
+        cmd = base
+    env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // processes)))
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        print(proc.stderr[-2000:], file=sys.stderr)
+        return None
+    recs = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    sps = [r["samples_per_s"] for r in recs if r.get("samples_per_s")][1:]
+    return sum(sps) / len(sps) if sps else None
+
+
+def _checkpoint_cost(config: str, overrides: list[str], tmp: Path) -> dict[str, float]:
+    from shared_rl.config import apply_overrides, load_train_config, load_yaml
+    from shared_rl.trainer import Trainer
+
+    cfg = load_train_config(apply_overrides(load_yaml(REPO_ROOT / config), overrides))
+    tr = Trainer(cfg, tmp, log=lambda *_: None)
+    t = time.perf_counter()
+    path = tr.save(1)
+    save_s = time.perf_counter() - t
+    size = sum(f.stat().st_size for f in path.iterdir())
+    t = time.perf_counter()
+    tr.resume()
+    load_s = time.perf_counter() - t
+    return {"ckpt_save_s": save_s, "ckpt_load_s": load_s, "ckpt_mb": size / 2**20}
+
+
+def run(out_dir: Path, quick: bool = False) -> dict:
+    rows = []
+    domains = ["toy"] if quick else list(DOMAIN_CONFIGS)
+    with tempfile.TemporaryDirectory() as tmpd:
+        tmp = Path(tmpd)
+        for name in domains:
+            config, overrides = DOMAIN_CONFIGS[name]
+            if not (REPO_ROOT / config).is_file():
+                rows.append({"variant": name, "note": f"{config} missing"})
+                continue
+            if quick:
+                overrides = overrides + ["iterations=3"]
+            row = {"variant": name}
+            one = _run(config, overrides, tmp / f"{name}-1", 1)
+            two = _run(config, overrides, tmp / f"{name}-2", 2)
+            row.update({"samples_per_s_1proc": one, "samples_per_s_2proc": two,
+                        "speedup_2proc": (two / one) if one and two else None})
+            row.update(_checkpoint_cost(config, [o for o in overrides if "groups_per_call" not in o], tmp / f"{name}-ck"))
+            rows.append(row)
+    notes = ("samples/s from each run's metrics.jsonl (iterations after the first), same config and global batch for "
+             "1 and 2 processes (gloo, CPU). On a 2-core machine two processes share the cores that one process's "
+             "intra-op threads already use, so the ratio is bounded by ~1-2x and noisy. Checkpoint = trainable "
+             "weights + optimizer + state, written atomically with checksums.")
+    return write_results(out_dir, "scale", rows, notes, doc_path=None if quick else REPO_ROOT / "docs/bench/scale.md")
