@@ -1,0 +1,171 @@
+"""E-GRPO (Zhang, Zhang, Dai & Duan, "E-GRPO: High Entropy Steps Drive Effective Reinforcement Learning for Flow
+Models", 2026): entropy-aware step merging, one ODE anchor path per prompt, groups that share a consolidated step.
+
+**Step entropy.** An SDE step is the Gaussian ``N(mean, std^2 I_d)``; its entropy per latent element is
+``H = 1/2 log(2 pi e std^2)`` (``visgen.sampling.gaussian_entropy``), with ``std`` the kernel's transition std (for
+the Flow-GRPO SDE ``std = a sqrt(sigma / (1 - sigma)) sqrt(sigma - sigma_next)``). Early (high-noise) steps have
+high entropy; late steps have so little that siblings come out nearly identical and the group has no signal.
+
+**Merging** (:func:`merge_schedule`). Within the eligible grid steps ``[start, stop)`` (``stop`` =
+``ceil(train_fraction * T)``, capped so the final step is never inside a merged step), walk left to right; at
+step ``i`` take the smallest ``k >= 1`` with ``H(sigma_i -> sigma_{i+k}) >= tau`` (capped by ``max_merge`` and by
+``i + k <= T - 1``), emit the consolidated SDE step ``(i, k)`` and continue at ``i + k``. ``tau`` is ``threshold``
+when given, else the entropy of the first eligible single step (the merged steps are made about as exploratory as
+the noisiest step). ``schedule: [[i, k], ...]`` overrides the automatic result.
+
+**Rollout** (:func:`egrpo_forest`). Per prompt one initial noise and one deterministic ODE *anchor* path over the
+grid. For every consolidated step ``(i, k)`` a group of ``group_size`` members branches from the anchor latent
+``x_i``: one SDE step ``sigma_i -> sigma_{i+k}`` (its velocity is the anchor's own forward at ``x_i``, computed
+once), then ODE on grid steps ``i+k .. T-1`` to the image. As a ``Rollout`` every (prompt, consolidated step) pair
+is one tree: the root is the anchor latent (no edge), the members are its leaves, and only their SDE step trains.
+
+**Advantages** (multi-step group-normalised): ``A = (r - mean_g) / (std_g + eps)`` within the group ``g`` that shares
+the consolidated step — ``shared_rl``'s ``depth_zscore`` (or ``grpo``) on these one-level trees. Each member trains
+exactly one step, so the token-mean surrogate is ``1/(J G) * sum_j sum_{m in g_j} ...``: the per-step group terms
+summed over the consolidated steps (a constant factor).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+
+from shared_rl.config import ConfigError
+
+__all__ = ["EGRPOSettings", "step_entropy", "grid_entropies", "merge_schedule", "egrpo_forest"]
+
+
+@dataclass
+class EGRPOSettings:
+    group_size: int = 4  # members per consolidated step (per prompt)
+    threshold: Optional[float] = None  # per-element entropy tau (nats); None: the first eligible step's entropy
+    max_merge: int = 4  # at most this many grid steps per consolidated step
+    start: int = 0  # first eligible grid step
+    train_fraction: float = 0.5  # consolidated steps start in the first ceil(fraction * T) grid steps
+    max_groups: int = 0  # keep only the first N consolidated steps (0: all)
+    schedule: list[list[int]] = field(default_factory=list)  # manual [[i, k], ...] (overrides the threshold)
+
+    def check(self, where: str) -> None:
+        if self.group_size < 2:
+            raise ConfigError(f"{where}.group_size must be >= 2 for group-relative advantages, got {self.group_size}")
+        if self.max_merge < 1:
+            raise ConfigError(f"{where}.max_merge must be >= 1, got {self.max_merge}")
+        if not 0 < self.train_fraction <= 1:
+            raise ConfigError(f"{where}.train_fraction must be in (0, 1], got {self.train_fraction}")
+        if self.start < 0 or self.max_groups < 0:
+            raise ConfigError(f"{where}.start and max_groups must be >= 0")
+        for item in self.schedule:
+            if len(item) != 2 or item[0] < 0 or item[1] < 1:
+                raise ConfigError(f"{where}.schedule entries must be [grid step i >= 0, merged steps k >= 1], got {item}")
+
+    def check_steps(self, num_steps: int, where: str) -> None:
+        self.check(where)
+        if self.schedule:
+            end = -1
+            for i, k in self.schedule:
+                if i < end:
+                    raise ConfigError(f"{where}.schedule steps overlap or are out of order: {self.schedule}")
+                if i + k > num_steps - 1:
+                    raise ConfigError(f"{where}.schedule step {[i, k]} reaches the final grid step {num_steps - 1}, "
+                                      "which is never trained")
+                end = i + k
+        elif self.start >= num_steps - 1:
+            raise ConfigError(f"{where}.start must be < {num_steps - 1}, got {self.start}")
+
+
+def step_entropy(sigma: torch.Tensor | float, sigma_next: torch.Tensor | float, kernel: str, noise_level: float,
+                 reduction: str = "mean", numel: int = 1) -> torch.Tensor:
+    """Entropy of the Gaussian transition ``sigma -> sigma_next`` of ``kernel`` (per element for ``mean``).
+
+    The std does not depend on the latent or the velocity for any kernel, so it is read off a dummy step.
+    """
+    from .sampling import gaussian_entropy, get_kernel
+
+    sig = torch.as_tensor(sigma, dtype=torch.float32).reshape(-1)
+    nxt = torch.as_tensor(sigma_next, dtype=torch.float32).reshape(-1).expand_as(sig)
+    zeros = torch.zeros(sig.numel(), 1)
+    out = get_kernel(kernel)(zeros, zeros, sig, nxt, noise_level, next_sample=zeros)
+    return gaussian_entropy(out.std.reshape(-1), numel, reduction)
+
+
+def grid_entropies(sigmas: torch.Tensor, kernel: str, noise_level: float) -> torch.Tensor:
+    """``[T]`` per-element entropy of each single grid step ``sigmas[i] -> sigmas[i+1]``."""
+    s = sigmas.detach().float().cpu()
+    return step_entropy(s[:-1], s[1:], kernel, noise_level)
+
+
+def merge_schedule(sigmas: torch.Tensor, kernel: str, noise_level: float, s: EGRPOSettings) -> tuple[list[tuple[int, int]], float]:
+    """The consolidated SDE steps ``[(i, k), ...]`` and the threshold used (see the module docstring)."""
+    sig = sigmas.detach().float().cpu()
+    T = sig.numel() - 1
+    if s.schedule:
+        sched = [(int(i), int(k)) for i, k in s.schedule]
+        return (sched[: s.max_groups] if s.max_groups else sched), float("nan")
+    stop = min(math.ceil(s.train_fraction * T), T - 1)
+    tau = float(step_entropy(sig[s.start], sig[s.start + 1], kernel, noise_level)) if s.threshold is None else float(s.threshold)
+    sched: list[tuple[int, int]] = []
+    i = s.start
+    while i < stop:
+        k = 1
+        while (float(step_entropy(sig[i], sig[i + k], kernel, noise_level)) < tau and k < s.max_merge
+               and i + k + 1 <= T - 1):
+            k += 1
+        sched.append((i, k))
+        i += k
+    if s.max_groups:
+        sched = sched[: s.max_groups]
+    return sched, tau
+
+
+@torch.no_grad()
+def egrpo_forest(adapter, cond, keys: list[int], sigmas: torch.Tensor, timesteps: torch.Tensor, s: EGRPOSettings,
+                 generator: torch.Generator | None, kernel: str, noise_level: float, reduction: str = "mean",
+                 micro_batch: int = 0, first_forward_id: int = 0):
+    """Anchor paths + one group per (prompt, consolidated step); returns ``(forest, root_cond, root_keys, info)``.
+
+    Root order is prompt-major: root ``p * J + j`` is prompt ``p`` at consolidated step ``j``.
+    """
+    from .sampling import flow_step
+    from .trees import Level, StepSegment, _Forwarder, grow_forest
+
+    T = int(timesteps.numel())
+    sched, tau = merge_schedule(sigmas, kernel, noise_level, s)
+    if not sched:
+        raise ConfigError("visgen.tree.egrpo: the merge schedule is empty; lower start or raise train_fraction")
+    J, P = len(sched), len(keys)
+    x = adapter.prepare_latents(P, cond, generator)
+    device = x.device
+    fwd = _Forwarder(adapter, micro_batch, first_forward_id)
+    starts = {i for i, _ in sched}
+    last = max(starts)
+    anchor: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+    sig = sigmas.to(device)
+    for i in range(last + 1):  # the anchor ODE path; its forward at a consolidated step is the members' step 0
+        v, ids, slots = fwd(x, timesteps[i].expand(P).to(device), cond)
+        if i in starts:
+            anchor[i] = (x.clone(), v, ids, slots)
+        if i < last:
+            x = flow_step("ode", x, v, sig[i], sig[i + 1], 0.0).next_sample
+    segments = []
+    for i, k in sched:
+        tail = list(range(i + k, T))
+        segments.append(StepSegment.from_grid(sigmas, timesteps, [(i, k)] + [(t, 1) for t in tail],
+                                              [True] + [False] * len(tail), [True] + [False] * len(tail),
+                                              [noise_level] + [0.0] * len(tail)))
+    order = [(p, j) for p in range(P) for j in range(J)]
+    root_latents = torch.stack([anchor[sched[j][0]][0][p] for p, j in order])
+    first_v = torch.stack([anchor[sched[j][0]][1][p] for p, j in order])
+    first_ids = torch.stack([anchor[sched[j][0]][2][p] for p, j in order])
+    first_slots = torch.stack([anchor[sched[j][0]][3][p] for p, j in order])
+    root_index = torch.tensor([p for p, _ in order], dtype=torch.long)
+    root_cond = cond[root_index.to(device)]
+    level = Level.stack([s.group_size] * len(order), [segments[j] for _, j in order])
+    forest = grow_forest(adapter, root_cond, root_latents, [level], generator, kernel, reduction, micro_batch,
+                         fwd.next_id, first_velocity=(first_v, first_ids, first_slots))
+    forest.nfe += fwd.nfe
+    forest.forwards += fwd.calls
+    info = {"egrpo/groups_per_prompt": float(J), "egrpo/threshold": tau,
+            "egrpo/mean_merge": sum(k for _, k in sched) / J}
+    return forest, root_cond, [keys[p] for p, _ in order], info
