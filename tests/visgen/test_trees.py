@@ -1,0 +1,394 @@
+"""Tree rollouts (BranchGRPO, TreeGRPO, E-GRPO) over tiny random stock pipelines: bookkeeping, NFE, advantages,
+pruning, exact log-prob recomputation, the E-GRPO merge schedule, batched == node-by-node, and the trainer."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+from conftest import CALL_OPTIONS, SIZES
+
+from shared_rl.advantages import tree_advantages
+from shared_rl.config import ConfigError, from_dict
+from shared_rl.domain import DomainBase
+from visgen.egrpo import EGRPOSettings, grid_entropies, merge_schedule, step_entropy
+from visgen.pipelines import as_adapter
+from visgen.sampling import flow_step
+from visgen.trees import (
+    BranchSettings,
+    StepSegment,
+    TreeContext,
+    TreeGRPOSettings,
+    TreeRolloutEngine,
+    TreeSettings,
+    fused_values,
+    grow_forest,
+    tree_leaf_zscore,
+)
+
+PROMPTS = ["a red square", "blue circle on the left", "a green star"]
+
+
+def brightness(images, prompts, metas):
+    return {"bright": images.mean((1, 2, 3)), "dark": -images.mean((1, 2, 3))}
+
+
+def context(pipe, family="sd3", steps=10, **kw) -> TreeContext:
+    size = SIZES[family]
+    return TreeContext(as_adapter(pipe), PROMPTS, [{} for _ in PROMPTS], brightness, num_inference_steps=steps,
+                       sample_kwargs={**CALL_OPTIONS[family], "height": size, "width": size}, **kw)
+
+
+def run(pipe, settings: TreeSettings, keys=(0, 1), seed=0, family="sd3", iteration=0, **kw):
+    engine = TreeRolloutEngine(context(pipe, family, **kw), settings)
+    return engine, engine.rollout(list(keys), torch.Generator().manual_seed(seed), iteration)
+
+
+def branch(**kw) -> TreeSettings:
+    return TreeSettings(method="branch", branch=BranchSettings(**kw))
+
+
+# ----------------------------------------------------------------------------------------------- bookkeeping / NFE
+def test_branch_tree_node_counts_and_nfe(sd3_pipe):
+    _, ro = run(sd3_pipe, branch(split_steps=[0, 2, 4, 6], factor=[2]))
+    # per prompt 1 + 2 + 4 + 8 + 16 nodes; 16 leaves
+    assert len(ro) == 2 * 31 and ro.info["tree/leaves"] == 32
+    depth_counts = torch.bincount(torch.tensor([len(_path(ro.parent, i)) - 1 for i in range(len(ro))]))
+    assert depth_counts.tolist() == [2, 4, 8, 16, 32]
+    # NFE per prompt: each level = one forward per parent (shared step 0) + one per child per further step:
+    # (1 + 2) + (2 + 4) + (4 + 8) + (8 + 16 * 3) = 77, vs 16 * 10 = 160 for 16 flat samples
+    assert ro.nfe == 2 * 77 and ro.info["nfe/rollout_per_leaf"] == pytest.approx(77 / 16)
+    leaf = torch.isfinite(ro.rewards["bright"])
+    assert int(leaf.sum()) == 32 and not torch.isfinite(ro.rewards["bright"][ro.parent < 0]).any()
+    assert not ro.mask[ro.parent < 0].any()  # roots carry no edge
+    # the final grid step is never trained; the leaf edges hold steps 6..9 -> 3 trained
+    assert ro.mask.shape[1] == 4 and ro.mask[leaf].sum(1).eq(3).all()
+    assert ro.keys == [0, 1] and torch.equal(torch.unique(ro.group_ids), torch.tensor([0, 1]))
+
+
+def _path(parent, i):
+    out = [i]
+    while parent[out[-1]] >= 0:
+        out.append(int(parent[out[-1]]))
+    return out
+
+
+def test_prefix_level_when_first_split_is_late_and_mix(sd3_pipe):
+    _, ro = run(sd3_pipe, branch(split_steps=[3, 5], factor=[2, 3], mix=True, sde_windows=[[6, 7]]), keys=[0])
+    # root -> one prefix child (steps 0..2, ODE in mix mode) -> 2 -> 6 leaves
+    assert len(ro) == 1 + 1 + 2 + 6 and ro.info["tree/leaves"] == 6
+    # NFE: prefix 3, level 2: 1 + 2 (steps 3, 4), level 3: 2 + 6 * 4 (steps 5..9)
+    assert ro.nfe == 3 + 3 + 26
+    sde = ro.payload["sde"]
+    prefix = 1
+    assert not sde[prefix].any() and not ro.mask[prefix].any()
+    leaf = torch.isfinite(ro.rewards["bright"])
+    # leaf edges: steps 5 (split, SDE), 6 (window, SDE), 7..9 ODE
+    assert sde[leaf][0].tolist() == [True, True, False, False, False]
+    assert ro.mask[leaf][0].tolist() == [True, True, False, False, False]
+
+
+def test_treegrpo_window_and_nfe(sd3_pipe):
+    s = TreeSettings(method="tree", tree=TreeGRPOSettings(branch=[2, 2, 2], window_start=2))
+    _, ro = run(sd3_pipe, s, keys=[0])
+    # root -> ODE prefix (steps 0,1) -> 2 -> 4 -> 8 leaves (last edges: SDE step 4 + ODE tail 5..9)
+    assert len(ro) == 1 + 1 + 2 + 4 + 8
+    assert ro.nfe == 2 + (1 + 2 + 4) + 8 * 5
+    assert int(ro.mask.sum()) == 2 + 4 + 8  # one trained SDE step per branching edge
+    assert ro.payload["sigma"].shape[1] == 6
+    # window drawn from the generator inside [0, T/2 - 3] when not fixed
+    starts = set()
+    for seed in range(12):
+        _, r = run(sd3_pipe, TreeSettings(method="tree", tree=TreeGRPOSettings(branch=[2, 2])), keys=[0], seed=seed)
+        starts.add(int(r.info["tree/window_start"]))
+    assert starts <= {0, 1, 2, 3} and len(starts) > 1
+
+
+# ----------------------------------------------------------------------------------------------- exact recompute
+@pytest.mark.parametrize("settings", [
+    branch(split_steps=[0, 2, 4, 6], factor=[2], split_noise_scale=4.0),
+    branch(split_steps=[1, 5], factor=[3, 2], mix=True),
+    TreeSettings(method="tree", tree=TreeGRPOSettings(branch=[3, 2], window_start=1)),
+    TreeSettings(method="egrpo"),
+], ids=["branch", "branch-mix", "tree", "egrpo"])
+def test_recompute_reproduces_stored_log_probs_exactly(sd3_pipe, settings):
+    engine, ro = run(sd3_pipe, settings, micro_batch=5)
+    out = engine.log_probs(ro, torch.arange(len(ro)), need_kl=False)
+    assert torch.equal(out.logp[ro.mask], ro.logp_old[ro.mask])  # ratio exactly 1 for the same layout
+    assert out.logp[~ro.mask].abs().sum() == 0 and ro.logp_old[ro.mask].abs().min() > 0
+    # siblings share their parent's step-0 forward during training too: fewer forwards than trained steps
+    if settings.method in ("branch", "tree"):
+        assert out.nfe < int(ro.mask.sum())
+    # a subset (other layout) still matches to float tolerance
+    sub = torch.arange(0, len(ro), 2)
+    part = engine.log_probs(ro, sub, need_kl=False)
+    assert torch.allclose(part.logp[ro.mask[sub]], ro.logp_old[sub][ro.mask[sub]], atol=1e-4)
+
+
+def test_scaled_split_noise_stores_the_log_prob_of_the_scaled_gaussian(sd3_pipe):
+    scale = 4.0
+    engine, ro = run(sd3_pipe, branch(split_steps=[0, 3], factor=[2], split_noise_scale=scale), keys=[0])
+    p = ro.payload
+    first_level = torch.nonzero(ro.parent == 0).flatten()  # children of the root: step 0 is the split step
+    assert torch.allclose(p["noise_level"][first_level, 0], torch.tensor(0.7 * scale))
+    assert torch.allclose(p["noise_level"][first_level, 1], torch.tensor(0.7))  # non-split steps unscaled
+    # re-score the stored transition by hand under both stds: only the scaled one matches the stored log-prob
+    adapter = engine.ctx.adapter
+    from visgen.pipelines import Conditioning
+
+    cond = Conditioning({k: v[first_level] for k, v in p["cond"].items()}, **engine._cond_meta)
+    x, x_next = p["latents"][first_level, 0], p["latents"][first_level, 1]
+    with torch.no_grad():
+        v = adapter.velocity(x, p["timestep"][first_level, 0], cond)
+    args = (x, v, p["sigma"][first_level, 0], p["sigma_next"][first_level, 0])
+    scaled = flow_step("sde", *args, 0.7 * scale, next_sample=x_next).log_prob
+    unscaled = flow_step("sde", *args, 0.7, next_sample=x_next).log_prob
+    stored = ro.logp_old[first_level, 0]
+    assert torch.allclose(stored, scaled, atol=1e-5)
+    assert (stored - unscaled).abs().min() > 0.1
+    # the std used is 4x the unscaled one (Flow-GRPO SDE std is linear in the noise level)
+    std_scaled = flow_step("sde", *args, 0.7 * scale, next_sample=x_next).std.flatten()
+    std_plain = flow_step("sde", *args, 0.7, next_sample=x_next).std.flatten()
+    assert torch.allclose(std_scaled, scale * std_plain)
+
+
+# ----------------------------------------------------------------------------------------------- batched == node by node
+@pytest.mark.parametrize("method", ["branch", "egrpo"])
+def test_batched_expansion_equals_node_by_node(sd3_pipe, method):
+    s = branch(split_steps=[0, 2, 4, 6], factor=[2]) if method == "branch" else TreeSettings(method="egrpo")
+    e1, batched = run(sd3_pipe, s, seed=5)
+    s.node_by_node = True
+    e2, single = run(sd3_pipe, s, seed=5)
+    assert torch.equal(batched.parent, single.parent) and batched.nfe == single.nfe
+    assert torch.allclose(batched.payload["latents"], single.payload["latents"], atol=1e-5)
+    assert torch.allclose(batched.logp_old, single.logp_old, atol=1e-5)
+    assert torch.allclose(batched.rewards["bright"].nan_to_num(), single.rewards["bright"].nan_to_num(), atol=1e-5)
+    # node by node runs one transformer call per node and step; batched one per level and step
+    assert single.payload["fwd_id"].max() > 5 * batched.payload["fwd_id"].max()
+
+
+def test_one_forward_per_depth_and_step(sd3_pipe):
+    _, ro = run(sd3_pipe, branch(split_steps=[0, 2, 4, 6], factor=[2]), keys=[0, 1, 2])
+    fid = ro.payload["fwd_id"]
+    # 10 grid steps -> 10 batched calls for three 16-leaf trees; every node of a depth shares the call
+    assert torch.unique(fid[fid >= 0]).numel() == 10
+    depth = torch.tensor([len(_path(ro.parent, i)) - 1 for i in range(len(ro))])
+    for d in range(1, 5):
+        assert torch.unique(fid[depth == d, 0]).numel() == 1
+
+
+# ----------------------------------------------------------------------------------------------- advantages
+def test_tree_leaf_zscore_hand_computed():
+    # root 0 -> 1, 2 ; 1 -> 3, 4 ; 2 -> 5, 6 ; leaf rewards 1, 3, 5, 7
+    parent = torch.tensor([-1, 0, 0, 1, 1, 2, 2])
+    r = torch.tensor([float("nan")] * 3 + [1.0, 3.0, 5.0, 7.0])
+    mu, sd = 4.0, math.sqrt(((9 + 1 + 1 + 9) / 3))
+    expected = torch.tensor([0.0, (2 - mu) / sd, (6 - mu) / sd, (1 - mu) / sd, (3 - mu) / sd, (5 - mu) / sd,
+                             (7 - mu) / sd])
+    assert torch.allclose(tree_leaf_zscore(parent, r), expected, atol=1e-5)
+    # equals the mean of the children's advantages (reward backup)
+    a = tree_leaf_zscore(parent, r)
+    assert torch.isclose(a[1], (a[3] + a[4]) / 2) and torch.isclose(a[2], (a[5] + a[6]) / 2)
+    # it differs from BranchGRPO's depth z-score at depth 1 (there: +-1/sqrt(2)*... of two values)
+    dz = tree_advantages(parent, r, "depth_zscore")
+    assert torch.allclose(dz[1:3], torch.tensor([-1, 1]) / math.sqrt(2), atol=1e-5)
+    assert not torch.allclose(dz[1:3], a[1:3])
+    # all-equal leaves: zero advantage
+    assert tree_leaf_zscore(parent, torch.tensor([float("nan")] * 3 + [2.0] * 4)).abs().sum() == 0
+
+
+def test_fused_values_mean_and_logp_softmax():
+    parent = torch.tensor([-1, 0, 0, 1, 1, 2, 2])
+    r = torch.tensor([float("nan")] * 3 + [1.0, 3.0, 5.0, 7.0])
+    assert torch.allclose(fused_values(parent, r), torch.tensor([4.0, 2.0, 6.0, 1.0, 3.0, 5.0, 7.0]))
+    logp = torch.tensor([0.0, 0.0, math.log(3.0), 0.0, math.log(3.0), 0.0, 0.0])
+    v = fused_values(parent, r, logp)
+    # node 1: weights softmax(0, log 3) = (1/4, 3/4) -> 1/4 + 9/4 = 2.5 ; node 2: 6 ; root: (2.5 + 3 * 6) / 4
+    assert torch.allclose(v, torch.tensor([(2.5 + 18) / 4, 2.5, 6.0, 1.0, 3.0, 5.0, 7.0]))
+
+
+def test_egrpo_groups_share_a_consolidated_step_and_normalise_within_it(sd3_pipe):
+    s = TreeSettings(method="egrpo", egrpo=EGRPOSettings(group_size=3, schedule=[[0, 1], [2, 2], [4, 3]]))
+    _, ro = run(sd3_pipe, s, keys=[0, 1])
+    # one tree per (prompt, consolidated step): root = anchor latent, 3 members
+    assert ro.keys == [0, 0, 0, 1, 1, 1] and len(ro) == 6 + 18
+    # anchor 5 forwards (steps 0..4; its forward at each consolidated step is the members' step 0) + tails
+    assert ro.nfe == 2 * (5 + 3 * 9 + 3 * 6 + 3 * 3)
+    members = torch.nonzero(ro.parent >= 0).flatten()
+    # every member trains exactly its one merged SDE step sigma_i -> sigma_{i+k}
+    assert ro.mask[members].sum(1).eq(1).all() and ro.mask[members, 0].all()
+    p = ro.payload
+    sigmas = as_adapter(sd3_pipe).schedule(10, TreeRolloutEngine(context(sd3_pipe), s).encode(["a"]))[0]
+    g1 = members[ro.group_ids[members] == 1]
+    assert torch.allclose(p["sigma"][g1, 0], sigmas[2].expand(3)) and torch.allclose(p["sigma_next"][g1, 0], sigmas[4].expand(3))
+    # all members of a group start from the same anchor latent
+    assert torch.equal(p["latents"][g1, 0], p["latents"][g1[:1], 0].expand_as(p["latents"][g1, 0]))
+    # depth_zscore on these trees is GRPO within each group
+    r = ro.rewards["bright"]
+    adv = tree_advantages(ro.parent, r, "depth_zscore")
+    for g in range(6):
+        m = members[ro.group_ids[members] == g]
+        vals = r[m].double()
+        assert torch.allclose(adv[m].double(), (vals - vals.mean()) / (vals.std() + 1e-6), atol=1e-4)
+
+
+# ----------------------------------------------------------------------------------------------- pruning
+def test_width_pruning_best_worst_and_ratio(sd3_pipe):
+    _, ro = run(sd3_pipe, branch(split_steps=[0, 2, 4, 6], factor=[2], width_prune="best_worst"))
+    leaf = torch.isfinite(ro.rewards["bright"])
+    trained_leaves = ro.mask.any(1) & leaf
+    adv = tree_advantages(ro.parent, ro.rewards["bright"], "depth_zscore")
+    for g in (0, 1):
+        idx = torch.nonzero(leaf & (ro.group_ids == g)).flatten()
+        kept = idx[trained_leaves[idx]]
+        assert set(kept.tolist()) == {int(idx[adv[idx].argmax()]), int(idx[adv[idx].argmin()])}
+    assert ro.mask[~leaf & (ro.parent >= 0)].any(1).all()  # internal edges still train
+    _, ro2 = run(sd3_pipe, branch(split_steps=[0, 2, 4, 6], factor=[2], width_prune="ratio", width_keep=0.25))
+    leaf2 = torch.isfinite(ro2.rewards["bright"])
+    assert int((ro2.mask.any(1) & leaf2).sum()) == 2 * 4
+    adv2 = tree_advantages(ro2.parent, ro2.rewards["bright"], "depth_zscore")
+    kept, dropped = adv2[ro2.mask.any(1) & leaf2].abs(), adv2[~ro2.mask.any(1) & leaf2].abs()
+    assert kept.min() >= dropped.max()
+
+
+def test_depth_pruning_fixed_and_sliding(sd3_pipe):
+    s = branch(split_steps=[0, 2, 4, 6], factor=[2], depth_prune=[2, 4])
+    _, ro = run(sd3_pipe, s, keys=[0])
+    depth = torch.tensor([len(_path(ro.parent, i)) - 1 for i in range(len(ro))])
+    trained = ro.mask.any(1)
+    assert trained[depth == 1].all() and not trained[(depth == 2) | (depth == 3)].any() and trained[depth == 4].all()
+    s.branch.depth_prune_slide_every = 2
+    _, ro = run(sd3_pipe, s, keys=[0], iteration=5)  # shifted by 5 // 2 = 2 depths: window [4, 6) -> depth 4
+    trained = ro.mask.any(1)
+    assert trained[(depth >= 1) & (depth <= 3)].all() and not trained[depth == 4].any()
+
+
+# ----------------------------------------------------------------------------------------------- E-GRPO schedule
+def _sde_std(s, s_next, a=0.7):
+    denom = s_next if s >= 1 else s
+    return a * math.sqrt(s / (1 - denom)) * math.sqrt(s - s_next)
+
+
+def test_egrpo_merge_schedule_on_a_known_sigma_grid():
+    sigmas = torch.tensor([1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1, 0.0])
+    H = lambda s, n: 0.5 * math.log(2 * math.pi * math.e * _sde_std(s, n) ** 2)  # noqa: E731
+    ent = grid_entropies(sigmas, "sde", 0.7)
+    assert torch.allclose(ent[:-1], torch.tensor([H(sigmas[i].item(), sigmas[i + 1].item()) for i in range(9)]), atol=1e-5)
+    assert float(step_entropy(0.8, 0.5, "sde", 0.7)) == pytest.approx(H(0.8, 0.5), abs=1e-5)
+    # auto threshold = entropy of step 0 (std 0.7 * sqrt(1/0.1) * sqrt(0.1) = 0.7)
+    sched, tau = merge_schedule(sigmas, "sde", 0.7, EGRPOSettings(train_fraction=0.5))
+    assert tau == pytest.approx(H(1.0, 0.9), abs=1e-5)
+    # hand walk: step 0 meets tau alone; std(0.9->0.8) = 0.7*3*0.316 = 0.66 < 0.7 -> merge 0.9->0.7 (0.94);
+    # from 0.7: 0.7*sqrt(7/3) = 1.069 times sqrt(0.1, 0.2, 0.3, 0.4) = 0.34, 0.48, 0.59, 0.68 < 0.7 -> capped at
+    # max_merge = 4: (3, 4); next start 7 >= stop 5
+    assert sched == [(0, 1), (1, 2), (3, 4)]
+    # explicit threshold and merge cap
+    sched, _ = merge_schedule(sigmas, "sde", 0.7, EGRPOSettings(threshold=H(1.0, 0.9) - 1e-3, max_merge=2, train_fraction=0.5))
+    assert sched == [(0, 1), (1, 2), (3, 2)]
+    # a high threshold merges up to the cap but never reaches the final step
+    sched, _ = merge_schedule(sigmas, "sde", 0.7, EGRPOSettings(threshold=10.0, max_merge=20, train_fraction=1.0))
+    assert sched == [(0, 9)]
+    # manual override
+    sched, _ = merge_schedule(sigmas, "sde", 0.7, EGRPOSettings(schedule=[[1, 3], [6, 2]]))
+    assert sched == [(1, 3), (6, 2)]
+
+
+# ----------------------------------------------------------------------------------------------- config
+def test_settings_validation():
+    s = from_dict(TreeSettings, {"method": "branch", "branch": {"split_steps": [0, 3, 6, 9], "factor": [2]}}, "visgen.tree")
+    s.check_steps(20)
+    assert s.branch.leaves() == 16
+    with pytest.raises(ConfigError, match="final step cannot branch"):
+        s.check_steps(10)
+    with pytest.raises(ConfigError, match="strictly increasing"):
+        from_dict(TreeSettings, {"method": "branch", "branch": {"split_steps": [3, 1]}}, "visgen.tree")
+    with pytest.raises(ConfigError, match="one number or one per split"):
+        from_dict(TreeSettings, {"method": "branch", "branch": {"factor": [2, 2]}}, "visgen.tree")
+    with pytest.raises(ConfigError, match="logp_softmax"):
+        from_dict(TreeSettings, {"method": "branch", "branch": {"fusion": "logp_softmax"}}, "visgen.tree")
+    with pytest.raises(ConfigError, match="unknown config key"):
+        from_dict(TreeSettings, {"method": "egrpo", "egrpo": {"groupsize": 4}}, "visgen.tree")
+    with pytest.raises(ConfigError, match="final grid step"):
+        from_dict(TreeSettings, {"method": "egrpo", "egrpo": {"schedule": [[6, 4]]}}, "visgen.tree").check_steps(10)
+    with pytest.raises(ConfigError, match="does not fit"):
+        from_dict(TreeSettings, {"method": "tree", "tree": {"branch": [2] * 10}}, "visgen.tree").check_steps(10)
+
+
+def test_branching_on_an_ode_step_is_refused(sd3_pipe):
+    adapter = as_adapter(sd3_pipe)
+    cond = adapter.encode_prompts(["a red square"], max_sequence_length=4, height=16, width=16)
+    sigmas, timesteps = adapter.schedule(4, cond)
+    seg = StepSegment.from_grid(sigmas, timesteps, [(0, 1)], [False], [False], [0.0])
+    with pytest.raises(ValueError, match="SDE step"):
+        grow_forest(adapter, cond, adapter.prepare_latents(1, cond, None), [(2, seg)], None, "sde")
+
+
+# ----------------------------------------------------------------------------------------------- other models
+def test_flux_tree_recompute_exact(flux_pipe):
+    engine, ro = run(flux_pipe, branch(split_steps=[0, 2], factor=[2]), family="flux", steps=4)
+    out = engine.log_probs(ro, torch.arange(len(ro)), need_kl=False)
+    assert torch.equal(out.logp[ro.mask], ro.logp_old[ro.mask]) and ro.nfe == 2 * ((1 + 2) + (2 + 4))
+
+
+# ----------------------------------------------------------------------------------------------- trainer
+@dataclass
+class _TinyCfg:
+    method: str = "branch"
+
+
+class _TinyTreeDomain(DomainBase):
+    """A visgen-like domain around the engine (full fine-tuning of a tiny SD3 transformer)."""
+
+    config_class = _TinyCfg
+    pipe = None
+
+    def __init__(self, cfg, ctx):
+        settings = {"branch": branch(split_steps=[0, 2], factor=[2]), "egrpo": TreeSettings(
+            method="egrpo", egrpo=EGRPOSettings(group_size=2, schedule=[[0, 1], [2, 1]]))}[cfg.method]
+        self.engine = TreeRolloutEngine(context(self.pipe, steps=4), settings)
+        self.params = [p for p in self.pipe.transformer.parameters()]
+
+    def train_keys(self):
+        return [0, 1, 2]
+
+    def rollout(self, keys, group_size, generator, iteration):
+        return self.engine.rollout(keys, generator, iteration)
+
+    def log_probs(self, rollout, idx, need_kl):
+        return self.engine.log_probs(rollout, idx, need_kl)
+
+    def parameters(self):
+        return self.params
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        pass
+
+
+@pytest.mark.parametrize("method,estimator", [("branch", "depth_zscore"), ("egrpo", "depth_zscore")])
+def test_trainer_runs_tree_rollouts_with_ratio_one(sd3_pipe, monkeypatch, method, estimator):
+    import copy
+
+    from shared_rl import registry
+    from shared_rl.config import load_train_config
+    from shared_rl.trainer import Trainer
+
+    _TinyTreeDomain.pipe = copy.deepcopy(sd3_pipe)
+    monkeypatch.setattr(registry, "resolve_domain", lambda name: _TinyTreeDomain)
+    monkeypatch.setattr("shared_rl.trainer.resolve_domain", lambda name: _TinyTreeDomain)
+    cfg = load_train_config({
+        "domain": "tiny_tree", "iterations": 1, "seed": 1, "device": "cpu",
+        "rollout": {"groups_per_iteration": 2, "group_size": 4},
+        "advantage": {"estimator": estimator, "weights": {"dark": 0.0}},
+        "optim": {"lr": 1e-3, "minibatches_per_epoch": 1, "inner_epochs": 1},
+        "logging": {"progress": False}, "eval": {"at_start": False},
+        "tiny_tree": {"method": method},
+    })
+    tr = Trainer(cfg, None, log=lambda *_: None)
+    m = tr.iteration(0)
+    assert m["ratio/mean"] == pytest.approx(1.0, abs=1e-6) and m["ratio/max"] == pytest.approx(1.0, abs=1e-6)
+    assert m["nfe/rollout"] > 0 and m["nfe/train"] > 0 and math.isfinite(m["loss/policy"])
+    assert m["tree/leaves"] == 8 and m["grad_norm"] > 0
