@@ -177,7 +177,7 @@ def run(cfg: dict, run_dir: Path, log=print) -> dict[str, float]:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(1.0, s / max(1, c.train_steps)))))
     gen = torch.Generator().manual_seed(c.seed)
     metrics_f = open(run_dir / "metrics.jsonl", "w")
-    history, t0, running = [], time.perf_counter(), None
+    history, t0, window = [], time.perf_counter(), []
     step = 0
     venv = make_vector_env(c.env)
     result: dict[str, float] = {}
@@ -192,14 +192,15 @@ def run(cfg: dict, run_dir: Path, log=print) -> dict[str, float]:
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
             sched.step()
-            lv = float(loss.detach())
-            running = lv if running is None else 0.98 * running + 0.02 * lv
+            window.append(float(loss.detach()))
             elapsed = time.perf_counter() - t0
             out_of_time = c.time_budget_s > 0 and elapsed > c.time_budget_s
             rec = None
             if step % c.log_every == 0 or step == c.train_steps or out_of_time:
-                rec = {"step": step, "loss/bc": running, "lr": sched.get_last_lr()[0], "time/train": elapsed}
-                log(f"bc step {step}: loss {running:.4f} ({elapsed:.0f}s)")
+                mean_loss = sum(window) / len(window)  # mean over the steps since the last log line
+                window = []
+                rec = {"step": step, "loss/bc": mean_loss, "lr": sched.get_last_lr()[0], "time/train": elapsed}
+                log(f"bc step {step}: loss {mean_loss:.4f} ({elapsed:.0f}s)")
             if c.eval_every and step % c.eval_every == 0 and not out_of_time and step != c.train_steps:
                 rec = rec or {"step": step}
                 rec.update(evaluate_policy(policy, c.env, c.eval_states_per_task, venv))
@@ -250,7 +251,7 @@ def _plot(history: list[dict], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(5, 3))
     ax.plot(*zip(*pts))
     ax.set_xlabel("step")
-    ax.set_ylabel("BC loss (EMA)")
+    ax.set_ylabel("BC loss (window mean)")
     ax.set_yscale("log")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
