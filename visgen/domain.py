@@ -1,0 +1,530 @@
+"""The visgen training domain: GRPO-family RL of a flow-matching text-to-image pipeline against reward models.
+
+One class covers Flow-GRPO, DanceGRPO, Flow-GRPO-Fast and MixGRPO; they differ only in configuration:
+
+| method          | ``sampler`` | ``plan``                                      | what changes                              |
+|-----------------|-------------|-----------------------------------------------|-------------------------------------------|
+| Flow-GRPO       | ``sde``     | ``flow_grpo`` (all steps SDE, train a fraction)| Liu et al. 2025                           |
+| DanceGRPO       | ``dance``   | ``dance_grpo`` (random 60% of steps/sample)    | Xue et al. 2025                           |
+| Flow-GRPO-Fast  | ``sde``     | ``flow_grpo_fast`` (SDE in a 1-3 step window)  | ODE elsewhere, far fewer trained steps    |
+| MixGRPO         | ``sde``     | ``mix_grpo`` (sliding SDE window)              | Li et al. 2025, window moves with training|
+
+An iteration, as the shared trainer drives it: ``rollout`` samples ``group_size`` images per prompt in one batched
+``visgen.sample`` call (SDE where the plan says so, log-probs recorded), decodes and scores them with the reward
+registry; the trainer turns rewards into group-relative advantages; ``log_probs`` recomputes the trained steps'
+log-probs with grad (``visgen.objectives``) for the clipped surrogate and, with ``loss.kl_coef > 0``, the
+Flow-GRPO Gaussian-mean KL to the base model (the LoRA adapter switched off). ``evaluate`` samples held-out prompts
+with the deterministic ODE and fixed seeds. The model stays in eval mode throughout (no dropout), so the first inner
+step's importance ratio is exactly 1 when the training batch layout equals the rollout's.
+
+Config: see :class:`VisgenConfig`; recipes in ``configs/visgen/``; method pages in ``docs/methods/``.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import torch
+
+from shared_rl.config import ConfigError, from_dict
+from shared_rl.domain import DomainBase, RunContext, StepLogProbs
+from shared_rl.rollout import Rollout
+
+from .policy import EmaSettings, FlowPolicy, LoraSettings
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SHAPES_ASSET_HINT = ("build it with `python -m visgen.pretrain configs/visgen/shapes_pretrain.yaml --out "
+                     "assets/shapes-sd3-tiny` (about 15 minutes on 2 CPU cores)")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# display names of the shapes reward outputs in evaluation metrics
+EVAL_NAMES = {"shapes": "score", "shapes_strict": "strict"}
+
+
+# ------------------------------------------------------------------------------------------------------ config
+@dataclass
+class RewardSpec:
+    """A reward from ``visgen.rewards`` by name, with its factory's keyword arguments. Each reward may emit several
+    named outputs (``shapes`` emits ``shapes`` and ``shapes_strict``); all go into the rollout's rewards, and
+    ``advantage.weights`` (trainer section) decides which train (weight 0 = logged only)."""
+
+    name: str = "shapes"
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def check(self, where: str) -> None:
+        from .rewards import available_rewards
+
+        _import_optional_rewards()
+        if self.name not in available_rewards():
+            raise ConfigError(f"{where}.name: unknown reward {self.name!r}; available: {', '.join(available_rewards())}")
+
+
+@dataclass
+class EvalSettings:
+    guidance_scale: Optional[float] = None  # None: the training guidance_scale
+    num_inference_steps: Optional[int] = None  # None: the training num_inference_steps
+    samples_per_prompt: int = 2
+    max_prompts: int = 0  # 0: every held-out prompt
+    seed: int = 1234
+    batch_size: int = 64
+    use_ema: bool = True  # evaluate (and export) the EMA weights when ema.enabled
+    grid_prompts: int = 8  # before/after sample grid written at the end of training
+    grid_samples: int = 4
+
+    def check(self, where: str) -> None:
+        for name in ("samples_per_prompt", "batch_size", "grid_samples"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{where}.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_prompts", "grid_prompts"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{where}.{name} must be >= 0, got {getattr(self, name)}")
+        if self.num_inference_steps is not None and self.num_inference_steps < 1:
+            raise ConfigError(f"{where}.num_inference_steps must be >= 1, got {self.num_inference_steps}")
+
+
+@dataclass
+class VisgenConfig:
+    """Settings of the ``visgen:`` section of a training YAML (validated without loading any model)."""
+
+    # model: a local diffusers pipeline directory (relative paths: the working directory, then the repo) or a
+    # Hugging Face hub id ("stabilityai/stable-diffusion-3.5-medium")
+    model: str = "assets/shapes-sd3-tiny"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # prompts: "shapes" = the embedded task (train/held-out split as in pretraining); "file" = train_prompts /
+    # eval_prompts files (.txt one prompt a line, or .jsonl with a "prompt" field and metadata for the rewards)
+    task: Literal["shapes", "file"] = "shapes"
+    train_prompts: Optional[str] = None
+    eval_prompts: Optional[str] = None
+    split_seed: Optional[int] = None  # None: the pretraining split recorded in the asset's grove.json (else 0)
+    eval_fraction: Optional[float] = None
+    resolution: Optional[int] = None  # None: the asset's grove.json, else the pipeline default
+    max_sequence_length: Optional[int] = None  # None: the asset's grove.json, else the pipeline default
+    # sampling during rollouts
+    num_inference_steps: int = 10
+    guidance_scale: float = 1.0  # CFG in training rollouts (1 = off, as Flow-GRPO now recommends); FLUX: embedding
+    sampler: Literal["sde", "cps", "dance"] = "sde"
+    noise_level: Optional[float] = None  # sde/cps: a (0.7); dance: eta (0.3)
+    reduction: Literal["mean", "sum"] = "mean"
+    plan: dict[str, Any] = field(default_factory=lambda: {"name": "flow_grpo"})  # see visgen.plans
+    rollout_micro_batch: int = 0  # samples per transformer forward while sampling; 0 = the whole call
+    rewards: list[RewardSpec] = field(default_factory=lambda: [RewardSpec("shapes")])
+    kl_type: Literal["mean", "velocity"] = "mean"  # used when loss.kl_coef > 0
+    # what trains
+    train_mode: Literal["lora", "full"] = "lora"
+    lora: LoraSettings = field(default_factory=LoraSettings)
+    ema: EmaSettings = field(default_factory=EmaSettings)
+    full_reference: bool = True  # full fine-tuning: keep a frozen copy as the KL reference
+    gradient_checkpointing: bool = False
+    eval: EvalSettings = field(default_factory=EvalSettings)
+    num_threads: int = 0  # torch CPU threads (0 = leave as is)
+
+    def check(self, where: str) -> None:
+        from .plans import plan_from_config
+
+        if self.num_inference_steps < 2:
+            raise ConfigError(f"{where}.num_inference_steps must be >= 2 (the last step is never trained), "
+                              f"got {self.num_inference_steps}")
+        if self.guidance_scale < 0:
+            raise ConfigError(f"{where}.guidance_scale must be >= 0, got {self.guidance_scale}")
+        if self.noise_level is not None and self.noise_level < 0:
+            raise ConfigError(f"{where}.noise_level must be >= 0, got {self.noise_level}")
+        if self.rollout_micro_batch < 0 or self.num_threads < 0:
+            raise ConfigError(f"{where}.rollout_micro_batch and num_threads must be >= 0")
+        if self.resolution is not None and self.resolution < 8:
+            raise ConfigError(f"{where}.resolution must be >= 8 pixels, got {self.resolution}")
+        if self.eval_fraction is not None and not 0 < self.eval_fraction < 1:
+            raise ConfigError(f"{where}.eval_fraction must be in (0, 1), got {self.eval_fraction}")
+        if not self.rewards:
+            raise ConfigError(f"{where}.rewards must list at least one reward, e.g. [{{name: shapes}}]")
+        if self.task == "file" and not self.train_prompts:
+            raise ConfigError(f"{where}.train_prompts must name a prompt file when task is 'file'")
+        if self.task == "shapes" and (self.train_prompts or self.eval_prompts):
+            raise ConfigError(f"{where}: train_prompts/eval_prompts are for task: file; the shapes task has its own")
+        spec = plan_from_config(self.plan)
+        if spec.name == "ode":
+            raise ConfigError(f"{where}.plan: 'ode' trains nothing; use flow_grpo, dance_grpo, flow_grpo_fast or mix_grpo")
+        built = spec.build(self.num_inference_steps, 1, torch.Generator().manual_seed(0), 0)  # raises if it cannot fit
+        if not bool(built.train.any()):
+            raise ConfigError(f"{where}.plan trains no step of {self.num_inference_steps}; widen it")
+
+    def check_with(self, cfg) -> None:
+        """Checks that need the trainer sections too."""
+        if cfg.loss.kl_coef > 0 and self.train_mode == "full" and not self.full_reference:
+            raise ConfigError("loss.kl_coef > 0 with visgen.train_mode: full needs visgen.full_reference: true "
+                              "(a frozen copy of the transformer is the KL reference)")
+        if cfg.loss.kl_estimator not in ("domain",) and cfg.loss.kl_coef > 0:
+            raise ConfigError("visgen computes its KL itself (Flow-GRPO Gaussian-mean or velocity KL); set "
+                              "loss.kl_estimator: domain and choose visgen.kl_type")
+
+
+def _import_optional_rewards() -> None:
+    """Register the reward-model rewards (they import nothing heavy until built)."""
+    from .rewards import hps, pickscore  # noqa: F401
+
+
+# ------------------------------------------------------------------------------------------------------ loading
+def resolve_model_location(model: str) -> tuple[str, bool]:
+    """``(path or hub id, is_local)``. Raises ConfigError for a local-looking path that does not exist."""
+    p = Path(model).expanduser()
+    bases = [Path.cwd(), REPO_ROOT]
+    candidates = [p] if p.is_absolute() else [b / p for b in bases]
+    for c in candidates:
+        if c.exists():
+            return str(c), True
+    hub_like = re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", model) is not None
+    local_like = (not hub_like or p.is_absolute() or model.startswith((".", "~"))
+                  or any((b / p.parts[0]).is_dir() for b in bases))
+    if local_like:
+        hint = SHAPES_ASSET_HINT if "shapes-sd3-tiny" in model else "give a diffusers pipeline directory or a hub id"
+        raise ConfigError(f"model path {model!r} does not exist (looked in {', '.join(str(b) for b in bases)}); {hint}")
+    return model, False
+
+
+def load_pipeline(model: str, dtype: torch.dtype):
+    """A stock diffusers pipeline from a local directory or the hub, progress bars off."""
+    from diffusers import DiffusionPipeline
+
+    location, local = resolve_model_location(model)
+    kwargs: dict[str, Any] = {"torch_dtype": dtype}
+    if local:
+        kwargs["local_files_only"] = True
+        index_path = Path(location) / "model_index.json"
+        if not index_path.is_file():
+            raise ConfigError(f"model path {location!r} is not a diffusers pipeline (no model_index.json)")
+        index = json.loads(index_path.read_text())
+        # components saved as null (SD3 without T5) must be passed as None or diffusers refuses to build the pipeline
+        for name, value in index.items():
+            if not name.startswith("_") and (value is None or value == [None, None]):
+                kwargs[name] = None
+    try:
+        pipe = DiffusionPipeline.from_pretrained(location, **kwargs)
+    except (OSError, ValueError) as exc:
+        where = "directory" if local else "Hugging Face hub id"
+        raise ConfigError(f"could not load the diffusers pipeline from {where} {model!r}: {str(exc).splitlines()[0]}") from None
+    pipe.set_progress_bar_config(disable=True)
+    return pipe, location, local
+
+
+def read_prompt_file(path: str) -> tuple[list[str], list[dict]]:
+    """Prompts and per-prompt metadata from ``.txt`` (one a line) or ``.jsonl`` (objects with a ``prompt`` field)."""
+    p = Path(path).expanduser()
+    found = [c for c in ([p] if p.is_absolute() else [Path.cwd() / p, REPO_ROOT / p]) if c.is_file()]
+    if not found:
+        raise ConfigError(f"prompt file {path!r} does not exist (relative paths: the working directory, then the repo)")
+    file = found[0]
+    prompts, metas = [], []
+    for n, line in enumerate(file.read_text().splitlines(), 1):
+        line = line.strip()
+        if not line:
+            continue
+        if file.suffix == ".jsonl":
+            try:
+                item = json.loads(line)
+                prompts.append(str(item["prompt"]))
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise ConfigError(f"{file}:{n}: expected a JSON object with a 'prompt' field") from None
+            metas.append(item)
+        else:
+            prompts.append(line)
+            metas.append({})
+    if not prompts:
+        raise ConfigError(f"prompt file {file} holds no prompts")
+    return prompts, metas
+
+
+# ------------------------------------------------------------------------------------------------------ domain
+class VisgenDomain(DomainBase):
+    """GRPO-family RL of a diffusers flow-matching pipeline (see the module docstring)."""
+
+    config_class = VisgenConfig
+
+    def __init__(self, cfg: VisgenConfig, ctx: RunContext) -> None:
+        from . import plans
+        from .pipelines import as_adapter
+        from .rewards import get_reward
+
+        self.cfg, self.ctx = cfg, ctx
+        if cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)
+        if ctx.device.type == "cpu":
+            torch.set_flush_denormal(True)  # denormal floats make CPU kernels crawl as LoRA deltas shrink
+        self.pipe, self.model_location, local = load_pipeline(cfg.model, DTYPES[cfg.dtype])
+        self.pipe.to(ctx.device)
+        self.adapter = as_adapter(self.pipe)
+        settings = self._asset_settings(local)
+        self.max_sequence_length = cfg.max_sequence_length or settings.get("max_sequence_length")
+        resolution = cfg.resolution or settings.get("resolution")
+        self.height = self.width = int(resolution) if resolution else None
+        self.plan = plans.plan_from_config(cfg.plan)
+        self.policy = FlowPolicy(self.pipe, cfg.train_mode, cfg.lora, cfg.ema, cfg.gradient_checkpointing,
+                                 cfg.full_reference)
+        self._load_prompts(settings)
+        _import_optional_rewards()
+        self.rewards = [(spec.name, get_reward(spec.name, **spec.kwargs)) for spec in cfg.rewards]
+        self.eval_rewards = list(self.rewards)
+        if cfg.task == "shapes" and not any(name == "shapes" for name, _ in self.rewards):
+            self.eval_rewards.append(("shapes", get_reward("shapes")))  # the task's own metric, always reported
+        self._cond_meta: dict[str, Any] | None = None
+        self._calls = 0
+        self._before_grid: torch.Tensor | None = None
+        if not self.policy.has_base_switch and cfg.eval.grid_prompts:
+            self._before_grid = self._grid_images()  # full tuning: no adapter to switch off later
+
+    # -------------------------------------------------------------------------------------------- setup helpers
+    def _asset_settings(self, local: bool) -> dict:
+        if not local:
+            return {}
+        path = Path(self.model_location) / "grove.json"
+        return json.loads(path.read_text()) if path.is_file() else {}
+
+    def _load_prompts(self, settings: dict) -> None:
+        cfg = self.cfg
+        if cfg.task == "shapes":
+            from .tasks import shapes
+
+            seed = cfg.split_seed if cfg.split_seed is not None else int(settings.get("split_seed", 0))
+            fraction = cfg.eval_fraction if cfg.eval_fraction is not None else float(settings.get("eval_fraction", 0.2))
+            train, held_out = shapes.split_prompts(seed, fraction)
+            self.train_prompts, self.train_meta = [s.prompt for s in train], [s.to_dict() for s in train]
+            self.eval_prompts, self.eval_meta = [s.prompt for s in held_out], [s.to_dict() for s in held_out]
+        else:
+            self.train_prompts, self.train_meta = read_prompt_file(cfg.train_prompts)
+            if cfg.eval_prompts:
+                self.eval_prompts, self.eval_meta = read_prompt_file(cfg.eval_prompts)
+            else:
+                self.eval_prompts, self.eval_meta = [], []
+        if cfg.eval.max_prompts and len(self.eval_prompts) > cfg.eval.max_prompts:
+            # evenly spaced, so a short evaluation still covers every prompt kind of a sorted file
+            step = len(self.eval_prompts) / cfg.eval.max_prompts
+            keep = [int(i * step) for i in range(cfg.eval.max_prompts)]
+            self.eval_prompts = [self.eval_prompts[i] for i in keep]
+            self.eval_meta = [self.eval_meta[i] for i in keep]
+
+    def _sample_kwargs(self) -> dict[str, Any]:
+        kw: dict[str, Any] = {"max_sequence_length": self.max_sequence_length}
+        if self.height:
+            kw.update(height=self.height, width=self.width)
+        return kw
+
+    # -------------------------------------------------------------------------------------------- protocol
+    def train_keys(self) -> list[int]:
+        return list(range(len(self.train_prompts)))
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return self.policy.parameters()
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.policy.state_dict()
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.policy.load_state_dict(state)
+
+    def extra_state(self) -> dict[str, Any]:
+        return self.policy.extra_state()
+
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        self.policy.load_extra_state(state)
+
+    def after_optimizer_step(self) -> None:
+        self.policy.update_ema()
+
+    def score(self, images: torch.Tensor, prompts: list[str], metas: list[dict],
+              rewards: list[tuple[str, Any]] | None = None) -> dict[str, torch.Tensor]:
+        """Every output of every reward for a batch of images (name -> ``[N]`` float32 on CPU)."""
+        out: dict[str, torch.Tensor] = {}
+        for name, fn in rewards if rewards is not None else self.rewards:
+            for key, value in fn(images, prompts, metas).items():
+                if key in out:
+                    raise ConfigError(f"two rewards emit the output {key!r}; list each reward once")
+                out[key] = torch.as_tensor(value, dtype=torch.float32).detach().cpu().reshape(-1)
+        return out
+
+    def rollout(self, keys: list[int], group_size: int, generator: torch.Generator, iteration: int) -> Rollout:
+        from .trajectory import sample as visgen_sample
+
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        prompts = [self.train_prompts[k] for k in keys]
+        traj = visgen_sample(
+            self.pipe, prompts, cfg.num_inference_steps, cfg.guidance_scale, generator, cfg.sampler,
+            cfg.noise_level, self.plan, num_images_per_prompt=group_size,
+            micro_batch_size=cfg.rollout_micro_batch or None, decode=True, reduction=cfg.reduction,
+            iteration=iteration, **self._sample_kwargs(),
+        )
+        t1 = time.perf_counter()
+        n = traj.batch_size
+        metas = [self.train_meta[k] for k in keys for _ in range(group_size)]
+        rewards = self.score(traj.images, traj.prompts, metas)
+        t2 = time.perf_counter()
+        c = traj.cond
+        meta = {"guidance_scale": c.guidance_scale, "do_cfg": c.do_cfg, "height": c.height, "width": c.width,
+                "shared": c.shared, "options": c.options}
+        self._cond_meta = meta
+        row = torch.arange(n, device=traj.latents.device)
+        per_forward = cfg.rollout_micro_batch or n
+        self._calls += 1
+        payload = {
+            "latents": traj.latents,
+            "sde_mask": traj.sde_mask,
+            "sigmas": traj.sigmas.unsqueeze(0).expand(n, -1).clone(),
+            "timesteps": traj.timesteps.unsqueeze(0).expand(n, -1).clone(),
+            "cond": dict(c.tensors),
+            # which rollout forward each row was in, and where: log_probs re-forms those batches (exact ratio 1)
+            "layout": self._calls * 1_000_000 + torch.div(row, per_forward, rounding_mode="floor"),
+            "slot": row,
+        }
+        return Rollout(
+            keys=list(keys),
+            group_ids=torch.arange(len(keys)).repeat_interleave(group_size),
+            rewards=rewards,
+            logp_old=traj.log_probs.detach().float().cpu(),
+            mask=traj.train_mask.bool().cpu(),
+            payload=payload,
+            nfe=traj.nfe,
+            info={"time/sample": t1 - t0, "time/reward": t2 - t1},
+        )
+
+    def log_probs(self, rollout: Rollout, idx: torch.Tensor, need_kl: bool) -> StepLogProbs:
+        from .objectives import StepBatch, recompute_steps
+        from .pipelines import Conditioning
+
+        if self._cond_meta is None:
+            raise RuntimeError("log_probs before any rollout: the prompt-conditioning settings are unknown")
+        p = rollout.index_payload(idx)
+        batch = StepBatch(
+            latents=p["latents"], sde_mask=p["sde_mask"], sigmas=p["sigmas"], timesteps=p["timesteps"],
+            cond=Conditioning(p["cond"], **self._cond_meta), layout=p["layout"], slot=p["slot"],
+        )
+        rec = recompute_steps(
+            self.adapter, batch, rollout.mask[idx], self.cfg.sampler, self._noise_level(), self.cfg.reduction,
+            reference=self.policy.reference if need_kl else None, kl_type=self.cfg.kl_type,
+        )
+        dev = rollout.logp_old.device
+        return StepLogProbs(logp=rec.logp.to(dev), kl=None if rec.kl is None else rec.kl.to(dev),
+                            entropy=rec.entropy.to(dev), nfe=rec.nfe)
+
+    def _noise_level(self) -> float:
+        from .sampling import DEFAULT_NOISE_LEVEL
+
+        return DEFAULT_NOISE_LEVEL[self.cfg.sampler] if self.cfg.noise_level is None else float(self.cfg.noise_level)
+
+    # -------------------------------------------------------------------------------------------- evaluation
+    def _eval_settings(self) -> tuple[int, float]:
+        e = self.cfg.eval
+        steps = e.num_inference_steps or self.cfg.num_inference_steps
+        guidance = self.cfg.guidance_scale if e.guidance_scale is None else e.guidance_scale
+        return steps, guidance
+
+    @torch.no_grad()
+    def sample_ode(self, prompts: list[str], seed: int, batch_size: int | None = None) -> torch.Tensor:
+        """Deterministic (ODE) images ``[N, 3, H, W]`` in [0, 1]; chunk j uses the generator seeded ``seed + j``,
+        so the same prompts and seed give the same initial noise before and after training."""
+        from .trajectory import sample as visgen_sample
+
+        steps, guidance = self._eval_settings()
+        batch_size = batch_size or self.cfg.eval.batch_size
+        images = []
+        for j, start in enumerate(range(0, len(prompts), batch_size)):
+            generator = torch.Generator().manual_seed(seed + j)
+            traj = visgen_sample(self.pipe, prompts[start:start + batch_size], steps, guidance, generator, "ode",
+                                 decode=True, **self._sample_kwargs())
+            images.append(traj.images.float().cpu())
+        return torch.cat(images) if images else torch.zeros(0, 3, 1, 1)
+
+    def evaluate(self, iteration: int) -> dict[str, float]:
+        """Held-out prompts, ODE sampling, fixed seeds: mean of every reward output (``eval/score``,
+        ``eval/strict`` for the shapes task, plus strict accuracy per prompt kind)."""
+        e = self.cfg.eval
+        if not self.eval_prompts:
+            return {}
+        prompts = [p for p in self.eval_prompts for _ in range(e.samples_per_prompt)]
+        metas = [m for m in self.eval_meta for _ in range(e.samples_per_prompt)]
+        with self.policy.ema_weights() if e.use_ema else contextlib.nullcontext():
+            images = self.sample_ode(prompts, e.seed)
+        scores = self.score(images, prompts, metas, self.eval_rewards)
+        out = {}
+        for name, values in scores.items():
+            ok = torch.isfinite(values)
+            out[f"eval/{EVAL_NAMES.get(name, name)}"] = float(values[ok].mean()) if ok.any() else float("nan")
+        if "shapes_strict" in scores:
+            kinds = [m.get("kind") for m in metas]
+            for kind in ("single", "count", "pair"):
+                sel = torch.tensor([k == kind for k in kinds])
+                if sel.any():
+                    out[f"eval/strict_{kind}"] = float(scores["shapes_strict"][sel].nanmean())
+        return out
+
+    # -------------------------------------------------------------------------------------------- outputs
+    def _grid_prompts(self) -> list[str]:
+        g = self.cfg.eval.grid_prompts
+        pool = self.eval_prompts or self.train_prompts
+        if not g or not pool:
+            return []
+        step = max(1, len(pool) // g)
+        return pool[::step][:g]
+
+    def _grid_images(self) -> torch.Tensor:
+        prompts = [p for p in self._grid_prompts() for _ in range(self.cfg.eval.grid_samples)]
+        return self.sample_ode(prompts, self.cfg.eval.seed + 777) if prompts else torch.zeros(0, 3, 1, 1)
+
+    def save_pretrained(self, out_dir: Path) -> None:
+        info = {"base_model": self.cfg.model, "plan": self.cfg.plan, "sampler": self.cfg.sampler,
+                "num_inference_steps": self.cfg.num_inference_steps, "guidance_scale": self.cfg.guidance_scale,
+                "max_sequence_length": self.max_sequence_length, "resolution": self.height}
+        self.policy.save_pretrained(Path(out_dir), use_ema=self.cfg.eval.use_ema, info=info)
+
+    def on_train_end(self, run_dir: Path | None, history: list[dict[str, float]]) -> None:
+        """Before/after sample grid (same prompts and seeds; "before" = the base model) and a short summary."""
+        if run_dir is None:
+            return
+        run_dir = Path(run_dir)
+        prompts = self._grid_prompts()
+        if prompts:
+            if self._before_grid is not None:
+                before = self._before_grid
+            else:
+                with torch.no_grad(), self.policy.reference():
+                    before = self._grid_images()
+            with self.policy.ema_weights() if self.cfg.eval.use_ema else contextlib.nullcontext():
+                after = self._grid_images()
+            save_before_after(before, after, prompts, self.cfg.eval.grid_samples, run_dir / "samples_before_after.png")
+        evals = [r for r in history if any(k.startswith("eval/") for k in r)]
+        lines = [f"visgen: {self.cfg.model} | sampler {self.cfg.sampler} | plan {self.plan.name} | "
+                 f"{self.cfg.train_mode} ({sum(p.numel() for p in self.parameters()):,} trainable parameters)"]
+        if len(evals) >= 2:
+            first, last = evals[0], evals[-1]
+            for k in sorted(last):
+                if k.startswith("eval/") and isinstance(first.get(k), (int, float)) and isinstance(last.get(k), (int, float)):
+                    lines.append(f"{k}: {first[k]:.3f} (step {first['step']}) -> {last[k]:.3f} (step {last['step']})")
+        timed = [r for r in history if "time/rollout" in r]
+        if timed:
+            total = sum(r.get("time/rollout", 0) + r.get("time/train", 0) + r.get("time/eval", 0) for r in timed)
+            lines.append(f"iterations: {len(timed)}, rollout+train+eval time {total:.0f} s")
+        if prompts:
+            lines.append("grid: samples_before_after.png (left: before, right: after; one prompt per row, see .txt)")
+        (run_dir / "visgen_summary.txt").write_text("\n".join(lines) + "\n")
+
+
+def save_before_after(before: torch.Tensor, after: torch.Tensor, prompts: list[str], per_prompt: int, path: Path) -> None:
+    """One row per prompt: ``per_prompt`` "before" samples, a gap, the same seeds "after"; small images upscaled."""
+    from torchvision.utils import save_image
+
+    rows = []
+    h, w = before.shape[-2:]
+    scale = max(1, math.ceil(128 / max(h, w)))
+    gap = torch.full((3, h, max(2, w // 4)), 0.5)
+    for i in range(len(prompts)):
+        b = torch.cat(list(before[i * per_prompt:(i + 1) * per_prompt]), dim=2)
+        a = torch.cat(list(after[i * per_prompt:(i + 1) * per_prompt]), dim=2)
+        rows.append(torch.cat([b, gap, a], dim=2))
+    grid = torch.stack(rows)
+    if scale > 1:
+        grid = torch.nn.functional.interpolate(grid, scale_factor=scale, mode="nearest")
+    save_image(grid, path, nrow=1, padding=2, pad_value=1.0)
+    path.with_suffix(".txt").write_text(
+        "left: before training, right: after (same seeds)\n" + "\n".join(f"row {i}: {p}" for i, p in enumerate(prompts)) + "\n")

@@ -1,0 +1,250 @@
+"""The trainable side of a visgen run: which weights of the pipeline's transformer train (LoRA or all of them), the
+reference policy for KL, an EMA of the trained weights, checkpoint tensors and the diffusers/PEFT export.
+
+- **LoRA** (Hu et al., "LoRA: Low-Rank Adaptation of Large Language Models", 2021) is injected with peft through
+  diffusers' ``add_adapter`` on the unmodified transformer (the Flow-GRPO / DanceGRPO default: rank 32-64 on the
+  attention projections). B starts at zero, so the adapted model equals the base model at step 0 (importance
+  ratio 1, KL 0).
+- **Reference policy** for the KL term: the base model is the adapter switched off (``disable_adapters``), so no
+  second copy of the model is kept. Full fine-tuning has no adapter to switch off; there a frozen copy of the
+  transformer is kept (optional, it doubles the transformer's memory).
+- **EMA** of the trained weights (Flow-GRPO keeps one with decay 0.9 for evaluation): ``ema_weights()`` swaps the
+  averaged weights in for evaluation and export, and back out.
+- **Checkpoints**: ``state_dict`` holds the trained tensors by parameter name plus ``ema.<name>`` when EMA is on,
+  so a resumed run continues exactly.
+- **Export**: ``save_pretrained`` writes the LoRA in the diffusers layout (``pytorch_lora_weights.safetensors`` with
+  the adapter metadata) that ``pipe.load_lora_weights(dir)`` loads; full fine-tuning writes ``transformer/``.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Literal
+
+import torch
+
+from shared_rl.config import ConfigError
+
+#: attention projections of the MM-DiT blocks (SD3, FLUX) and of SANA's attention; peft matches name suffixes.
+DEFAULT_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
+
+
+@dataclass
+class LoraSettings:
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0  # non-zero dropout makes recomputed log-probs differ from the rollout's (ratio != 1)
+    target_modules: list[str] = field(default_factory=lambda: list(DEFAULT_LORA_TARGETS))
+    init: Literal["default", "gaussian"] = "default"  # both start with B = 0 (adapter = identity)
+
+    def check(self, where: str) -> None:
+        if self.rank < 1:
+            raise ConfigError(f"{where}.rank must be >= 1, got {self.rank}")
+        if self.alpha <= 0:
+            raise ConfigError(f"{where}.alpha must be > 0, got {self.alpha}")
+        if not 0 <= self.dropout < 1:
+            raise ConfigError(f"{where}.dropout must be in [0, 1), got {self.dropout}")
+        if not self.target_modules:
+            raise ConfigError(f"{where}.target_modules must name at least one module, e.g. ['to_q', 'to_v']")
+
+
+@dataclass
+class EmaSettings:
+    enabled: bool = False
+    decay: float = 0.9
+    update_every: int = 1  # optimizer steps between EMA updates
+
+    def check(self, where: str) -> None:
+        if not 0 <= self.decay < 1:
+            raise ConfigError(f"{where}.decay must be in [0, 1), got {self.decay}")
+        if self.update_every < 1:
+            raise ConfigError(f"{where}.update_every must be >= 1, got {self.update_every}")
+
+
+class FlowPolicy:
+    """Trainable weights of ``pipe.transformer`` (LoRA adapter or all), reference, EMA, checkpoint and export.
+
+    Puts every pipeline module in eval mode (no dropout: recomputed log-probs must equal the rollout's) and freezes
+    everything that is not trained. ``train_mode``: ``"lora"`` or ``"full"``.
+    """
+
+    ADAPTER = "default"
+
+    def __init__(
+        self,
+        pipe,
+        train_mode: str = "lora",
+        lora: LoraSettings | None = None,
+        ema: EmaSettings | None = None,
+        gradient_checkpointing: bool = False,
+        full_reference: bool = True,
+    ) -> None:
+        self.pipe = pipe
+        self.transformer: torch.nn.Module = pipe.transformer
+        self.train_mode = train_mode
+        self.lora = lora or LoraSettings()
+        self.ema_settings = ema or EmaSettings()
+        for component in pipe.components.values():
+            if isinstance(component, torch.nn.Module):
+                component.eval()
+                component.requires_grad_(False)
+        self.reference_copy: torch.nn.Module | None = None
+        if train_mode == "lora":
+            self._add_lora()
+        elif train_mode == "full":
+            if full_reference:
+                self.reference_copy = copy.deepcopy(self.transformer).eval().requires_grad_(False)
+            self.transformer.requires_grad_(True)
+        else:
+            raise ConfigError(f"train_mode must be 'lora' or 'full', got {train_mode!r}")
+        # the optimizer updates float32 master weights even when the frozen model runs in bf16/fp16
+        for p in self.trainable_parameters():
+            if p.dtype != torch.float32:
+                p.data = p.data.float()
+        if gradient_checkpointing:
+            if not hasattr(self.transformer, "enable_gradient_checkpointing"):
+                raise ConfigError(f"{type(self.transformer).__name__} does not support gradient checkpointing")
+            self.transformer.enable_gradient_checkpointing()
+        self.transformer.eval()  # diffusers checkpoints blocks whenever grad is enabled, in eval mode too
+        self._names = [n for n, p in self.transformer.named_parameters() if p.requires_grad]
+        self.ema: dict[str, torch.Tensor] | None = None
+        self._ema_steps = 0
+        if self.ema_settings.enabled:
+            self.ema = {n: p.detach().clone() for n, p in self._named_trainable()}
+
+    # ------------------------------------------------------------------------------------------------ setup
+    def _add_lora(self) -> None:
+        from peft import LoraConfig
+
+        config = LoraConfig(
+            r=self.lora.rank,
+            lora_alpha=self.lora.alpha,
+            lora_dropout=self.lora.dropout,
+            target_modules=list(self.lora.target_modules),
+            init_lora_weights=True if self.lora.init == "default" else "gaussian",
+        )
+        try:
+            self.transformer.add_adapter(config, adapter_name=self.ADAPTER)
+        except ValueError as exc:  # peft: "Target modules {...} not found in the base model"
+            raise ConfigError(f"lora.target_modules {self.lora.target_modules} do not match "
+                              f"{type(self.transformer).__name__} ({exc})") from None
+        self.lora_config = config
+
+    def _named_trainable(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        params = dict(self.transformer.named_parameters())
+        for name in self._names:
+            yield name, params[name]
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.transformer.parameters() if p.requires_grad]
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return [p for _, p in self._named_trainable()]
+
+    # ------------------------------------------------------------------------------------------------ reference
+    @contextlib.contextmanager
+    def reference(self) -> Iterator[torch.nn.Module]:
+        """The reference (base) model for KL: the adapter switched off, or the frozen copy under full tuning."""
+        if self.train_mode == "lora":
+            self.transformer.disable_adapters()  # peft: each LoRA layer skips its adapter
+            try:
+                yield self.transformer
+            finally:
+                self.transformer.enable_adapters()  # also restores requires_grad on the adapter weights
+        else:
+            if self.reference_copy is None:
+                raise ConfigError("loss.kl_coef > 0 with train_mode: full needs full_reference: true (a frozen copy)")
+            original = self.pipe.transformer
+            self.pipe.transformer = self.reference_copy
+            try:
+                yield self.reference_copy
+            finally:
+                self.pipe.transformer = original
+
+    @property
+    def has_base_switch(self) -> bool:
+        """Whether the base model is available without a copy (LoRA: disable the adapter)."""
+        return self.train_mode == "lora"
+
+    # ------------------------------------------------------------------------------------------------ EMA
+    def update_ema(self) -> None:
+        if self.ema is None:
+            return
+        self._ema_steps += 1
+        if self._ema_steps % self.ema_settings.update_every:
+            return
+        with torch.no_grad():
+            for name, p in self._named_trainable():
+                self.ema[name].lerp_(p.detach(), 1.0 - self.ema_settings.decay)
+
+    @contextlib.contextmanager
+    def ema_weights(self) -> Iterator[None]:
+        """Swap the EMA weights in (no-op without EMA); the live weights come back on exit."""
+        if self.ema is None:
+            yield
+            return
+        live = {}
+        with torch.no_grad():
+            for name, p in self._named_trainable():
+                live[name] = p.detach().clone()
+                p.copy_(self.ema[name])
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for name, p in self._named_trainable():
+                    p.copy_(live[name])
+
+    # ------------------------------------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        state = {name: p.detach().clone() for name, p in self._named_trainable()}
+        if self.ema is not None:
+            state.update({f"ema.{name}": t.clone() for name, t in self.ema.items()})
+        return state
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        names = set(self._names) | ({f"ema.{n}" for n in self._names} if self.ema is not None else set())
+        missing, unexpected = names - set(state), set(state) - names
+        if missing or unexpected:
+            raise ValueError(f"visgen policy state mismatch: missing {sorted(missing)[:3]}, unexpected "
+                             f"{sorted(unexpected)[:3]} (was the checkpoint made with other lora/ema settings?)")
+        with torch.no_grad():
+            for name, p in self._named_trainable():
+                p.copy_(state[name])
+                if self.ema is not None:
+                    self.ema[name].copy_(state[f"ema.{name}"])
+
+    def extra_state(self) -> dict:
+        return {"ema_steps": self._ema_steps}
+
+    def load_extra_state(self, state: dict) -> None:
+        self._ema_steps = int(state.get("ema_steps", 0))
+
+    # ------------------------------------------------------------------------------------------------ export
+    def save_pretrained(self, out_dir: Path, use_ema: bool = True, info: dict | None = None) -> Path:
+        """LoRA: the diffusers layout ``pipe.load_lora_weights(out_dir)`` reads; full: ``out_dir/transformer``.
+
+        With EMA on (and ``use_ema``), the exported weights are the EMA weights (the ones evaluation uses).
+        """
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        with self.ema_weights() if use_ema else contextlib.nullcontext():
+            if self.train_mode == "lora":
+                from peft.utils import get_peft_model_state_dict
+
+                layers = get_peft_model_state_dict(self.transformer, adapter_name=self.ADAPTER)
+                layers = {k: v.detach().to("cpu").contiguous() for k, v in layers.items()}
+                metadata = self.lora_config.to_dict()
+                metadata = {k: (sorted(v) if isinstance(v, set) else v) for k, v in metadata.items()}
+                type(self.pipe).save_lora_weights(
+                    out_dir, transformer_lora_layers=layers, transformer_lora_adapter_metadata=metadata,
+                    safe_serialization=True,
+                )
+            else:
+                self.transformer.save_pretrained(out_dir / "transformer", safe_serialization=True)
+        meta = {"train_mode": self.train_mode, "ema": self.ema is not None and use_ema, **(info or {})}
+        (out_dir / "grove_export.json").write_text(json.dumps(meta, indent=2, sort_keys=True, default=str) + "\n")
+        return out_dir
