@@ -37,6 +37,7 @@ from shared_rl.domain import DomainBase, RunContext, StepLogProbs
 from shared_rl.rollout import Rollout
 
 from .policy import EmaSettings, FlowPolicy, LoraSettings
+from .trees import TreeContext, TreeRolloutEngine, TreeSettings  # also registers the tree_leaf_zscore estimator
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHAPES_ASSET_HINT = ("build it with `python -m visgen.pretrain configs/visgen/shapes_pretrain.yaml --out "
@@ -122,6 +123,8 @@ class VisgenConfig:
     gradient_checkpointing: bool = False
     eval: EvalSettings = field(default_factory=EvalSettings)
     num_threads: int = 0  # torch CPU threads (0 = leave as is)
+    # tree rollouts (BranchGRPO / TreeGRPO / E-GRPO, visgen/trees.py); method: none = the flat rollout above
+    tree: TreeSettings = field(default_factory=TreeSettings)
 
     def check(self, where: str) -> None:
         from .plans import plan_from_config
@@ -151,6 +154,7 @@ class VisgenConfig:
         built = spec.build(self.num_inference_steps, 1, torch.Generator().manual_seed(0), 0)  # raises if it cannot fit
         if not bool(built.train.any()):
             raise ConfigError(f"{where}.plan trains no step of {self.num_inference_steps}; widen it")
+        self.tree.check_steps(self.num_inference_steps, f"{where}.tree")
 
     def check_with(self, cfg) -> None:
         """Checks that need the trainer sections too."""
@@ -274,6 +278,7 @@ class VisgenDomain(DomainBase):
         self._before_grid: torch.Tensor | None = None
         if not self.policy.has_base_switch and cfg.eval.grid_prompts:
             self._before_grid = self._grid_images()  # full tuning: no adapter to switch off later
+        self.tree_engine = TreeRolloutEngine(TreeContext.from_domain(self), cfg.tree) if cfg.tree.enabled else None
 
     # -------------------------------------------------------------------------------------------- setup helpers
     def _asset_settings(self, local: bool) -> dict:
@@ -345,6 +350,8 @@ class VisgenDomain(DomainBase):
         return out
 
     def rollout(self, keys: list[int], group_size: int, generator: torch.Generator, iteration: int) -> Rollout:
+        if self.tree_engine is not None:  # the tree decides the leaves; group_size is not used
+            return self.tree_engine.rollout(keys, generator, iteration)
         from .trajectory import sample as visgen_sample
 
         cfg = self.cfg
@@ -390,6 +397,8 @@ class VisgenDomain(DomainBase):
         )
 
     def log_probs(self, rollout: Rollout, idx: torch.Tensor, need_kl: bool) -> StepLogProbs:
+        if self.tree_engine is not None:
+            return self.tree_engine.log_probs(rollout, idx, need_kl)
         from .objectives import StepBatch, recompute_steps
         from .pipelines import Conditioning
 

@@ -392,3 +392,55 @@ def test_trainer_runs_tree_rollouts_with_ratio_one(sd3_pipe, monkeypatch, method
     assert m["ratio/mean"] == pytest.approx(1.0, abs=1e-6) and m["ratio/max"] == pytest.approx(1.0, abs=1e-6)
     assert m["nfe/rollout"] > 0 and m["nfe/train"] > 0 and math.isfinite(m["loss/policy"])
     assert m["tree/leaves"] == 8 and m["grad_norm"] > 0
+
+
+# ----------------------------------------------------------------------------------------------- the visgen domain
+@pytest.fixture(scope="module")
+def tiny_asset(tmp_path_factory):
+    from visgen import tiny
+
+    path = tmp_path_factory.mktemp("visgen-trees") / "tiny-sd3"
+    pipe = tiny.build_pipeline(seed=0, sample_size=16, vae_channels=(8, 16), num_layers=1, num_heads=2, head_dim=8,
+                               text_hidden=16)
+    tiny.save_pipeline(pipe, path)
+    return path
+
+
+@pytest.mark.parametrize("tree,estimator,leaves", [
+    ({"method": "branch", "branch": {"split_steps": [0, 2], "factor": [2], "split_noise_scale": 2.0}}, "depth_zscore", 4),
+    ({"method": "tree", "tree": {"branch": [2, 2], "window_start": 1}}, "tree_leaf_zscore", 4),
+    ({"method": "egrpo", "egrpo": {"group_size": 2, "schedule": [[0, 1], [1, 2]]}}, "depth_zscore", 4),
+], ids=["branch", "tree", "egrpo"])
+def test_visgen_domain_dispatches_tree_rollouts(tiny_asset, tree, estimator, leaves):
+    """``visgen.tree`` routes the domain's rollout and log_probs to the engine; LoRA training starts at ratio 1."""
+    from shared_rl.config import load_train_config
+    from shared_rl.trainer import Trainer
+
+    cfg = load_train_config({
+        "domain": "visgen", "seed": 1, "iterations": 1,
+        "rollout": {"groups_per_iteration": 2, "group_size": leaves},
+        "advantage": {"estimator": estimator, "weights": {"shapes_strict": 0.0}},
+        "loss": {"clip_low": 1e-3}, "optim": {"lr": 1e-2, "minibatches_per_epoch": 1, "inner_epochs": 1},
+        "logging": {"progress": False}, "eval": {"at_start": False},
+        "visgen": {"model": str(tiny_asset), "num_inference_steps": 4, "lora": {"rank": 4, "alpha": 8}, "tree": tree,
+                   "eval": {"max_prompts": 2, "samples_per_prompt": 1, "grid_prompts": 0}},
+    })
+    tr = Trainer(cfg, None, log=lambda *_: None)
+    m = tr.iteration(0)
+    assert m["tree/leaves"] == 2 * leaves
+    assert m["ratio/mean"] == pytest.approx(1.0, abs=1e-7) and m["ratio/max"] == pytest.approx(1.0, abs=1e-7)
+    assert m["nfe/rollout"] > 0 and m["grad_norm"] > 0 and math.isfinite(m["loss/policy"])
+
+
+def test_tree_recipes_parse_without_loading_models():
+    from pathlib import Path
+
+    from shared_rl.config import load_train_config, load_yaml
+
+    root = Path(__file__).resolve().parents[2] / "configs" / "visgen"
+    methods = {}
+    for name in ("shapes_branch", "shapes_branch_prune", "shapes_branch_mix", "shapes_tree", "shapes_egrpo"):
+        cfg = load_train_config(load_yaml(root / f"{name}.yaml"))
+        methods[name] = cfg.domain_config.tree.method
+    assert methods == {"shapes_branch": "branch", "shapes_branch_prune": "branch", "shapes_branch_mix": "branch",
+                       "shapes_tree": "tree", "shapes_egrpo": "egrpo"}
