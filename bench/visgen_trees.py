@@ -5,9 +5,10 @@ E-GRPO on the same task, reward, model, seeds and NFE budget, side by side in on
 Setup: the tiny SD3 shapes asset (``assets/shapes-sd3-tiny``), the shapes reward, LoRA and optimizer settings of
 the flat recipe (``configs/visgen/shapes_grpo.yaml`` when present), ``PROMPTS_PER_ITER`` prompts per iteration
 with 16 leaves each for every method, 10 denoising steps. The flat run sets the budget: its total model forwards
-(rollout + training recomputation) over ``FLAT_ITERS`` iterations. Every other method runs until it has spent
-the same NFE. After every iteration the policy is evaluated with the deterministic ODE sampler on the same
-held-out prompts and seeds (``eval/score``; evaluation cost is not counted).
+(rollout + training recomputation) over 10 iterations. Every other method runs until it has spent the same NFE.
+Before training and after every iteration the policy is evaluated with the deterministic ODE sampler on the same
+48 held-out prompts and seeds (``eval/score``, the attribute score the methods train on, and ``eval/strict``;
+evaluation cost is not counted).
 
 Per row: NFE per leaf (rollout, train), wall seconds per iteration (rollout + train), eval score at the budget
 (linear interpolation between evaluations), NFE and wall time to first reach the flat run's final score, and
@@ -44,7 +45,9 @@ STEPS = 10
 
 # method -> overrides of the visgen section / trainer sections (everything else is the shared base)
 VARIANTS: dict[str, dict[str, Any]] = {
-    "flat Flow-GRPO": {"visgen": {"plan": {"name": "flow_grpo"}}, "advantage": {"estimator": "grpo"}},
+    # the flat recipe (configs/visgen/shapes_grpo.yaml): all steps SDE, the first 60% trained
+    "flat Flow-GRPO": {"visgen": {"plan": {"name": "flow_grpo", "train_fraction": 0.6}},
+                       "advantage": {"estimator": "grpo"}},
     "DanceGRPO-style (random 60%)": {"visgen": {"plan": {"name": "dance_grpo", "train_fraction": 0.6}},
                                      "advantage": {"estimator": "grpo"}},
     "MixGRPO (window 3)": {"visgen": {"plan": {"name": "mix_grpo", "window_size": 3, "shift": 1,
@@ -100,7 +103,7 @@ def base_config(model: str, quick: bool) -> dict[str, Any]:
     base["visgen"].update({
         "model": model, "num_inference_steps": STEPS, "num_threads": 1, "rollout_micro_batch": 0,
         "ema": {"enabled": False},
-        "eval": {"samples_per_prompt": 1 if quick else 2, "max_prompts": 4 if quick else 32, "seed": 1234,
+        "eval": {"samples_per_prompt": 1, "max_prompts": 4 if quick else 48, "seed": 1234,
                  "batch_size": 64, "use_ema": False, "grid_prompts": 0},
     })
     base["visgen"].pop("plan", None)
@@ -127,8 +130,8 @@ def _run_variant(base: dict, name: str, nfe_budget: float | None, max_iters: int
     torch.manual_seed(0)
     trainer = Trainer(cfg, None, log=lambda s: None)
     with torch.no_grad():
-        start = trainer.domain.evaluate(0)["eval/score"]
-    points = [{"iteration": 0, "nfe": 0.0, "time": 0.0, "score": start}]
+        ev = trainer.domain.evaluate(0)
+    points = [{"iteration": 0, "nfe": 0.0, "time": 0.0, "score": ev["eval/score"], "strict": ev.get("eval/strict")}]
     per_iter = []
     nfe = wall = 0.0
     for it in range(max_iters):
@@ -139,8 +142,9 @@ def _run_variant(base: dict, name: str, nfe_budget: float | None, max_iters: int
         per_iter.append({"nfe_rollout": m["nfe/rollout"], "nfe_train": m["nfe/train"], "leaves": leaves,
                          "time": m["time/rollout"] + m["time/train"], "reward": m["reward/mean"]})
         with torch.no_grad():
-            score = trainer.domain.evaluate(it + 1)["eval/score"]
-        points.append({"iteration": it + 1, "nfe": nfe, "time": wall, "score": score})
+            ev = trainer.domain.evaluate(it + 1)
+        score = ev["eval/score"]
+        points.append({"iteration": it + 1, "nfe": nfe, "time": wall, "score": score, "strict": ev.get("eval/strict")})
         log(f"  {name}: it {it + 1} nfe {nfe:.0f} time {wall:.1f}s train reward {m['reward/mean']:.3f} eval {score:.3f}")
         if nfe_budget is not None and nfe >= nfe_budget:
             break
@@ -158,14 +162,27 @@ def _interp(points: list[dict], x_key: str, x: float, y_key: str) -> float:
     return points[-1][y_key] if x >= points[-1][x_key] else points[0][y_key]
 
 
+def _smooth(points: list[dict], width: int = 3) -> list[dict]:
+    """Eval scores averaged over ``width`` consecutive evaluations (centred; the ends use what exists): a single
+    evaluation on 48 images moves by about +-0.02, more than a few iterations of training do."""
+    out = []
+    half = width // 2
+    for i, p in enumerate(points):
+        window = points[max(0, i - half): i + half + 1]
+        out.append({**p, "score": sum(w["score"] for w in window) / len(window)})
+    return out
+
+
 def _first_reach(points: list[dict], target: float) -> tuple[float | None, float | None]:
-    """NFE and wall time at which the eval score first reaches ``target`` (linear interpolation), else None."""
+    """NFE and wall time at which the (smoothed) eval score first reaches ``target`` after training started
+    (linear interpolation between evaluations), else None."""
     for a, b in zip(points[:-1], points[1:]):
-        if b["score"] >= target:
-            if a["score"] >= target or b["score"] == a["score"]:
-                return b["nfe"] if a["score"] < target else a["nfe"], b["time"] if a["score"] < target else a["time"]
-            f = (target - a["score"]) / (b["score"] - a["score"])
-            return a["nfe"] + f * (b["nfe"] - a["nfe"]), a["time"] + f * (b["time"] - a["time"])
+        if b["score"] < target:
+            continue
+        if a["score"] >= target or b["score"] == a["score"]:  # already there at the previous evaluation
+            return b["nfe"], b["time"]
+        f = (target - a["score"]) / (b["score"] - a["score"])
+        return a["nfe"] + f * (b["nfe"] - a["nfe"]), a["time"] + f * (b["time"] - a["time"])
     return None, None
 
 
@@ -279,7 +296,9 @@ def _plot(results: dict[str, dict], path: Path, budget: float) -> None:
     plt.close(fig)
 
 
-def run(out_dir: Path, quick: bool = False, variants: list[str] | None = None, log=print) -> dict[str, Any]:
+def run(out_dir: Path, quick: bool = False, variants: list[str] | None = None, log=print,
+        model: str | None = None, flat_iters: int | None = None, write_doc: bool | None = None) -> dict[str, Any]:
+    """The benchmark; ``variants``/``model``/``flat_iters``/``write_doc`` are for development runs."""
     from shared_rl.bench import markdown_table, write_results
 
     out_dir = Path(out_dir)
@@ -288,9 +307,12 @@ def run(out_dir: Path, quick: bool = False, variants: list[str] | None = None, l
     _quiet()
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        model, pretrained = _model(quick, Path(tmp))
+        if model is None:
+            model, pretrained = _model(quick, Path(tmp))
+        else:
+            pretrained = True
         base = base_config(model, quick)
-        flat_iters = 1 if quick else 12
+        flat_iters = flat_iters or (1 if quick else 10)
         names = variants or list(VARIANTS)
         if "flat Flow-GRPO" not in names:
             names = ["flat Flow-GRPO"] + names
@@ -304,14 +326,15 @@ def run(out_dir: Path, quick: bool = False, variants: list[str] | None = None, l
             log(f"visgen-trees: {name}")
             results[name] = _run_variant(base, name, budget, 1 if quick else 6 * flat_iters, log)
         efficiency = expansion_efficiency(model, prompts=1, repeats=1 if quick else 3)
-    flat_pts = results["flat Flow-GRPO"]["points"]
+    flat_pts = _smooth(results["flat Flow-GRPO"]["points"])
     target = flat_pts[-1]["score"]
+    flat_improved = target > flat_pts[0]["score"]
     flat_nfe, flat_time = flat_pts[-1]["nfe"], flat_pts[-1]["time"]
     rows = []
     for name, res in results.items():
         pts, its = res["points"], res["per_iter"]
         leaves = sum(i["leaves"] for i in its)
-        nfe_r, t_r = _first_reach(pts, target)
+        nfe_r, t_r = _first_reach(_smooth(pts), target) if flat_improved else (None, None)
         rows.append({
             "variant": name,
             "leaves_per_iter": leaves / len(its),
@@ -321,6 +344,8 @@ def run(out_dir: Path, quick: bool = False, variants: list[str] | None = None, l
             "s_per_iter": statistics.mean(i["time"] for i in its),
             "eval_start": pts[0]["score"],
             "eval_at_budget": _interp(pts, "nfe", budget, "score"),
+            "strict_start": pts[0]["strict"],
+            "strict_at_budget": _interp(pts, "nfe", budget, "strict") if pts[0]["strict"] is not None else None,
             "nfe_to_flat_final": nfe_r,
             "s_to_flat_final": t_r,
             "speedup_nfe_vs_flat": (flat_nfe / nfe_r) if nfe_r else None,
@@ -331,15 +356,24 @@ def run(out_dir: Path, quick: bool = False, variants: list[str] | None = None, l
     eff_table = markdown_table([{"variant": "16-leaf BranchGRPO tree", **efficiency}])
     total = time.perf_counter() - t_start
     notes = _notes(quick, pretrained, budget, target, eff_table, total)
+    if not flat_improved:
+        notes = ("**Flat Flow-GRPO did not raise the (smoothed) eval score within the budget, so 'NFE / time to reach "
+                 "flat's final score' and the speedups are undefined (left empty).**\n\n" + notes)
     doc = None
-    if not quick:
+    analysis = ""
+    if (not quick) if write_doc is None else write_doc:
         doc = DOC
         _plot(results, PLOT_DOC, budget)
+        notes += f"\n![reward vs NFE and wall time]({PLOT_DOC.name})\n"
+        if DOC.is_file() and ANALYSIS_MARK in DOC.read_text():  # keep the hand-written reading of the last run
+            analysis = DOC.read_text()[DOC.read_text().index(ANALYSIS_MARK):]
     result = write_results(out_dir, "visgen-trees", rows, notes=notes,
                            extra={"efficiency": efficiency, "curves": {k: v["points"] for k, v in results.items()},
                                   "budget_nfe": budget, "flat_final_score": target, "quick": quick,
                                   "total_s": total},
                            doc_path=doc)
+    if analysis:
+        DOC.write_text(DOC.read_text().rstrip() + "\n\n" + analysis)
     log(f"visgen-trees: done in {total:.0f} s")
     return result
 
@@ -351,8 +385,9 @@ def _notes(quick: bool, pretrained: bool, budget: float, target: float, eff_tabl
         f"Setup: {'pretrained tiny SD3 shapes asset' if pretrained else 'RANDOM tiny SD3 (plumbing only, asset missing)'}"
         f", {PROMPTS_PER_ITER if not quick else 2} prompts x 16 leaves per iteration for every method, "
         f"{STEPS} steps, SDE a=0.7, LoRA; same seeds. NFE budget = flat Flow-GRPO's total forwards "
-        f"({budget:.0f}); flat final eval score (target) = {target:.3f}. `eval` = held-out prompts, ODE, fixed "
-        "seeds, evaluated after every iteration (not counted in NFE/time). NFE counts every transformer forward "
+        f"({budget:.0f}); flat final eval score (target; 3-evaluation moving average) = {target:.3f}. `eval` = 48 held-out prompts x 1 image, ODE, "
+        "fixed seeds, evaluated before training and after every iteration (not counted in NFE/time); `score` is the "
+        "attribute score all methods train on, `strict` the all-attributes-right rate. NFE counts every transformer forward "
         "per sample (rollout + training recomputation). Speedups are flat's total / the method's cost to first "
         "reach the target; empty = not reached within the budget.\n\n"
         "Batched-expansion efficiency (one tree, 10 transformer calls level-batched vs one call per node and "
@@ -360,6 +395,8 @@ def _notes(quick: bool, pretrained: bool, budget: float, target: float, eff_tabl
     )
     return head + "\n" + NOTES_TEXT
 
+
+ANALYSIS_MARK = "## Analysis (hand-written"
 
 NOTES_TEXT = """Notes (honest reading):
 
@@ -378,6 +415,10 @@ if __name__ == "__main__":
     p.add_argument("--out", default="runs/bench-visgen-trees")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--variants", nargs="*")
+    p.add_argument("--model")
+    p.add_argument("--flat-iters", type=int)
+    p.add_argument("--no-doc", action="store_true")
     a = p.parse_args()
-    r = run(Path(a.out), a.quick, a.variants)
+    r = run(Path(a.out), a.quick, a.variants, model=a.model, flat_iters=a.flat_iters,
+            write_doc=False if a.no_doc else None)
     print(json.dumps(r["rows"], indent=1, default=float))
