@@ -82,8 +82,12 @@ def load_causal_lm(path: str, dtype: str = "float32", device: torch.device | str
     model = AutoModelForCausalLM.from_pretrained(resolve_model_path(path), dtype=DTYPES[dtype])
     model.to(device)
     if gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+        # transformers >= 5.2x calls it activation checkpointing; older versions only know the old name
+        enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+        enable()
         model.config.use_cache = False
+        if lora is not None and lora.enabled:
+            model.enable_input_require_grads()  # frozen embeddings + checkpointed blocks still need input grads
     if lora is not None and lora.enabled:
         from peft import LoraConfig, get_peft_model
 
