@@ -29,7 +29,7 @@ DOC = Path(__file__).resolve().parents[1] / "docs" / "bench" / "llm.md"
 
 
 def _grove_cfg(model: str, steps: int, lr: float, groups: int, group_size: int, max_new: int, tree: bool = False,
-               seed: int = 0):
+               seed: int = 0, engine_logprobs: bool = False):
     from shared_rl.config import load_train_config
 
     data = {
@@ -43,7 +43,8 @@ def _grove_cfg(model: str, steps: int, lr: float, groups: int, group_size: int, 
         "llm": {"model": model, "max_new_tokens": max_new, "temperature": 1.0,
                 "dataset": {"source": "arith", "digits": 3, "num_train": 20000, "num_eval": 500},
                 "rewards": [{"name": "numeric_match", "weight": 1.0}],
-                "eval": {"num_prompts": 500, "sampled": False}, "num_threads": 1},
+                "eval": {"num_prompts": 500, "sampled": False}, "num_threads": 1,
+                "behaviour_logprobs": "engine" if engine_logprobs else "recompute"},
     }
     if tree:
         data["llm"]["tree"] = {"enabled": True, "branching": [2, 2, 2], "segment_tokens": 1}
@@ -55,16 +56,17 @@ def _run_grove(cfg) -> dict[str, Any]:
     from shared_rl.trainer import Trainer
 
     trainer = Trainer(cfg, None, log=lambda s: None)
-    times, rewards, tokens, leaves = [], [], 0.0, 0.0
+    times, cpu, rewards, tokens, leaves = [], [], [], 0.0, 0.0
     for it in range(cfg.iterations):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         m = trainer.iteration(it)
         times.append(time.perf_counter() - t)
+        cpu.append(time.process_time() - c)
         rewards.append(m["reward/mean"])
         tokens += m.get("completion/tokens", 0.0)
         leaves += m.get("completion/count", 0.0)
     acc = trainer.domain.evaluate(cfg.iterations)["eval/accuracy"]
-    return {"times": times, "rewards": rewards, "tokens": tokens, "leaves": leaves, "accuracy": acc}
+    return {"times": times, "cpu": cpu, "rewards": rewards, "tokens": tokens, "leaves": leaves, "accuracy": acc}
 
 
 def _arith_reward(prompts, completions, answer, **kwargs):
@@ -83,11 +85,11 @@ def _run_trl(model_dir: Path, steps: int, lr: float, groups: int, group_size: in
     tok = AutoTokenizer.from_pretrained(model_dir)
     tok.padding_side = "left"
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    stamps: list[float] = []
+    stamps: list[tuple[float, float]] = []
 
     class Stamp(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
-            stamps.append(time.perf_counter())
+            stamps.append((time.perf_counter(), time.process_time()))
 
     args = GRPOConfig(
         output_dir=str(workdir / "trl"), per_device_train_batch_size=groups * group_size, num_generations=group_size,
@@ -99,11 +101,12 @@ def _run_trl(model_dir: Path, steps: int, lr: float, groups: int, group_size: in
     trainer = GRPOTrainer(model=model, reward_funcs=[_arith_reward], args=args,
                           train_dataset=datasets.Dataset.from_list(prompts), processing_class=tok,
                           callbacks=[Stamp()])
-    start = time.perf_counter()
+    start = (time.perf_counter(), time.process_time())
     trainer.train()
-    times = [b - a for a, b in zip([start] + stamps[:-1], stamps)]
+    times = [b[0] - a[0] for a, b in zip([start] + stamps[:-1], stamps)]
+    cpu = [b[1] - a[1] for a, b in zip([start] + stamps[:-1], stamps)]
     rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
-    return {"times": times, "rewards": rewards, "model": trainer.model, "tokenizer": tok}
+    return {"times": times, "cpu": cpu, "rewards": rewards, "model": trainer.model, "tokenizer": tok}
 
 
 def _accuracy(model, tok, eval_examples) -> float:
@@ -140,15 +143,16 @@ def run(out_dir: Path, quick: bool = False) -> dict:
         trl = _run_trl(ASSET, steps, lr, groups, group_size, max_new, prompts, Path(tmp))
         trl_acc = _accuracy(trl["model"], trl["tokenizer"], eval_examples)
     grove = _run_grove(_grove_cfg(str(ASSET), steps, lr, groups, group_size, max_new))
-    trl_s, grove_s = _mean_tail(trl["times"]), _mean_tail(grove["times"])
+    grove_fast = _run_grove(_grove_cfg(str(ASSET), steps, lr, groups, group_size, max_new, engine_logprobs=True))
     n = groups * group_size
-    rows.append({"variant": "trl_grpo", "s_per_step": trl_s, "completions_per_s": n / trl_s,
-                 "reward_first": trl["rewards"][0], "reward_last5": statistics.mean(trl["rewards"][-5:]),
-                 "eval_accuracy": trl_acc, "speedup_vs_trl": 1.0})
-    rows.append({"variant": "grove_grpo", "s_per_step": grove_s, "completions_per_s": n / grove_s,
-                 "reward_first": grove["rewards"][0], "reward_last5": statistics.mean(grove["rewards"][-5:]),
-                 "eval_accuracy": grove["accuracy"], "speedup_vs_trl": trl_s / grove_s})
-    curves["trl_grpo"], curves["grove_grpo"] = trl["rewards"], grove["rewards"]
+    trl_s, trl_cpu = _mean_tail(trl["times"]), _mean_tail(trl["cpu"])
+    for name, res, acc in (("trl_grpo", trl, trl_acc), ("grove_grpo", grove, grove["accuracy"]),
+                           ("grove_grpo_engine_logp", grove_fast, grove_fast["accuracy"])):
+        wall, cpu = _mean_tail(res["times"]), _mean_tail(res["cpu"])
+        rows.append({"variant": name, "s_per_step": wall, "cpu_s_per_step": cpu, "completions_per_s": n / wall,
+                     "reward_first": res["rewards"][0], "reward_last5": statistics.mean(res["rewards"][-5:]),
+                     "eval_accuracy": acc, "speedup_vs_trl": trl_s / wall, "cpu_speedup_vs_trl": trl_cpu / cpu})
+        curves[name] = res["rewards"]
 
     # ---- part 2: tree vs flat at an equal generated-token budget --------------------------------------------
     flat = _run_grove(_grove_cfg(str(ASSET), budget_iters, lr, groups, group_size, max_new))
@@ -170,7 +174,10 @@ def run(out_dir: Path, quick: bool = False) -> dict:
     notes = (f"Part 1: {steps} steps each of {groups} prompts x {group_size} completions (<= {max_new} tokens, "
              f"temperature 1, lr {lr}, clip 0.2, no KL, TRL loss_type=grpo = grove seq-mean-token-mean), same "
              f"checkpoint (assets/llm-arith-tiny) and prompt pool, CPU, 1 thread, run one after the other in one "
-             f"process; s/step excludes the first step. eval_accuracy: greedy on 500 held-out problems after "
+             f"process; s/step excludes the first step; cpu_s_per_step is process CPU time (robust to other "
+             f"load on a shared machine, so cpu_speedup_vs_trl is the steadier ratio). grove_grpo_engine_logp takes "
+             f"behaviour log-probs from the sampler instead of a recompute forward (TRL with num_iterations=1 also "
+             f"skips that forward). eval_accuracy: greedy on 500 held-out problems after "
              f"training. Part 2: tree = branching [2,2,2] at every token (segment_tokens 1), treerl advantages, "
              f"prompts per iteration sized to the flat run's generated tokens per iteration; same iterations. "
              f"quick={quick}. Shared CPU: absolute times are noisy, ratios are the result.")
@@ -186,7 +193,7 @@ def _plot(curves: dict[str, list[float]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
-    for name in ("trl_grpo", "grove_grpo"):
+    for name in ("trl_grpo", "grove_grpo", "grove_grpo_engine_logp"):
         axes[0].plot(curves[name], label=name)
     axes[0].set_title("same work: reward per step")
     for name in ("flat_grpo_budget", "tree_treerl_budget"):

@@ -219,7 +219,8 @@ class LLMDomain(DomainBase):
                         layout: torch.Tensor) -> torch.Tensor:
         """Behaviour log-probs in the training layout (same function, no grad), so ratios start at exactly 1."""
         was_training = self.model.training
-        self.model.eval()  # dropout (e.g. LoRA dropout) off for the behaviour policy
+        if was_training:
+            self.model.eval()  # dropout (e.g. LoRA dropout) off for the behaviour policy
         parts = []
         bs = self.cfg.logprob_batch_size
         try:
@@ -227,7 +228,8 @@ class LLMDomain(DomainBase):
                 lp, _ = self._forward_logp(prompt_ids[s:s + bs], completion_ids[s:s + bs], layout[s:s + bs], False)
                 parts.append(_pad_steps(lp.float().cpu(), self.cfg.max_new_tokens))
         finally:
-            self.model.train(was_training)
+            if was_training:
+                self.model.train()
         return torch.cat(parts)
 
     def _engine_logp(self, segments: list[tuple[int, list[float]]]) -> torch.Tensor:
@@ -240,7 +242,8 @@ class LLMDomain(DomainBase):
 
     def log_probs(self, rollout: Rollout, idx: torch.Tensor, need_kl: bool) -> StepLogProbs:
         p = rollout.index_payload(idx)
-        self.model.train()
+        if not self.model.training:  # .train() walks every module; skip it when nothing changes
+            self.model.train()
         logp, ent = self._forward_logp(p["prompt_ids"], p["completion_ids"], p["layout"], True, with_entropy=True)
         width = self.cfg.max_new_tokens
         ref = None

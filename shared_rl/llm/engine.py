@@ -97,13 +97,15 @@ class TorchRolloutEngine:
             seed = int(torch.randint(0, 2**62, (1,), generator=generator))
             gen = torch.Generator(device=self.device).manual_seed(seed)
         was_training = self.model.training
-        self.model.eval()
+        if was_training:
+            self.model.eval()
         try:
             for start in range(0, len(rows), self.max_batch_rows):
                 self._generate_chunk(rows[start:start + self.max_batch_rows], max_new_tokens, temperature, gen,
                                      stop_entropy, min_new_tokens_before_stop, out)
         finally:
-            self.model.train(was_training)
+            if was_training:
+                self.model.train()
         return out
 
     def _generate_chunk(self, rows, max_new_tokens, temperature, gen, stop_entropy, min_tokens, out: Generation):

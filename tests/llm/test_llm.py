@@ -327,3 +327,23 @@ def test_engine_behaviour_logprobs_match_recompute(tiny_dir, tree):
     out = dom.log_probs(ro, torch.arange(len(ro)), need_kl=False)
     assert (ro.logp_old[~ro.mask] == 0).all()
     assert torch.allclose(out.logp.detach()[ro.mask], ro.logp_old[ro.mask], atol=1e-5)
+
+
+def test_entropy_branching_stops_before_uncertain_tokens(tiny_dir):
+    dom = make_domain(tiny_dir)
+    prompts = [dom._prompt_ids("train", k) for k in range(3)]
+    g = dom.engine.generate(prompts, 2, 6, 1.0, torch.Generator().manual_seed(0), stop_entropy=0.0,
+                            min_new_tokens_before_stop=2)
+    # every next-token distribution has entropy > 0: each row stops right after its 2 guaranteed tokens
+    assert all(s or f for s, f in zip(g.stopped, g.finished))
+    assert all(len(c) == 2 for c, s in zip(g.completion_ids, g.stopped) if s)
+    # a threshold above log(vocab) never fires: entropy trees equal fixed-segment trees for the same noise
+    big = math.log(len(dom.tokenizer)) + 1
+    fixed = grow_trees(dom.engine, prompts, TreeSettings(True, [2, 2], 2, "fixed"), 6, 1.0,
+                       torch.Generator().manual_seed(1))
+    entropy = grow_trees(dom.engine, prompts, TreeSettings(True, [2, 2], 2, "entropy", big), 6, 1.0,
+                         torch.Generator().manual_seed(1))
+    assert entropy.path == fixed.path and entropy.parent == fixed.parent
+    low = grow_trees(dom.engine, prompts, TreeSettings(True, [2, 2], 3, "entropy", 0.0, 1), 6, 1.0,
+                     torch.Generator().manual_seed(1))
+    assert all(len(low.path[i]) - low.start[i] == 1 for i in range(len(low)) if low.depth[i] == 1 and not low.finished[i])
