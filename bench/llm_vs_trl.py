@@ -180,9 +180,14 @@ def run(out_dir: Path, quick: bool = False) -> dict:
              f"skips that forward). eval_accuracy: greedy on 500 held-out problems after "
              f"training. Part 2: tree = branching [2,2,2] at every token (segment_tokens 1), treerl advantages, "
              f"prompts per iteration sized to the flat run's generated tokens per iteration; same iterations. "
-             f"quick={quick}. Shared CPU: absolute times are noisy, ratios are the result.")
+             f"quick={quick}. Shared CPU: absolute times are noisy, ratios are the result; one seed, so accuracy "
+             f"differences of a few points are within noise. Plot: llm_bench.png (docs/bench/llm.png).")
     result = write_results(out_dir, "llm", rows, notes, extra={"curves": curves},
                            doc_path=None if quick else DOC)
+    if not quick:
+        import shutil
+
+        shutil.copyfile(out_dir / "llm_bench.png", DOC.with_suffix(".png"))
     return result
 
 
