@@ -11,7 +11,9 @@ Contract mapping (``shared_rl/domain.py``):
   marks stochastic steps of executed chunks (flow_sde: all but the last denoising step; flow_noise: all;
   mix: the one random step per chunk; discrete: every chunk).
 - rewards: ``success`` (0/1; "success once" or "success at end" per ``env.success_mode``) and, with
-  ``dense_reward``, ``dense`` (mean Meta-World shaped reward / 10; weight it via ``advantage.weights``).
+  ``dense_reward``, ``dense``: the best Meta-World shaped reward of the episode / 10, in [0, 1] (weight it via
+  ``advantage.weights``). The *best*, not the mean: with "success once" a fast success has a short episode of
+  mostly approach steps, so a mean over steps would rank it below a failure that hovers near the goal.
 - ``evaluate``: deterministic (ODE / arg-max) episodes on held-out reset states -> ``eval/success`` and
   ``eval/success/<task>``; GIFs of one episode per task in ``run_dir/gifs``.
 - KL (``loss.kl_coef > 0``): flow_sde / mix return the Flow-GRPO mean KL ‖μ_θ − μ_ref‖²/(2σ²) per step;

@@ -43,7 +43,7 @@ class EpisodeBatch:
     chunk_valid: np.ndarray  # [B, C] bool, chunk was planned and executed
     success_once: np.ndarray  # [B] bool
     success_end: np.ndarray  # [B] bool
-    dense: np.ndarray  # [B] float32 mean Meta-World shaped reward / 10 over executed steps
+    dense: np.ndarray  # [B] float32 best Meta-World shaped reward / 10 over executed steps (in [0, 1])
     length: np.ndarray  # [B] int, env steps executed
     nfe: int  # policy forward evaluations (per sample)
     frames: list[list[np.ndarray]] | None = None  # per env, the frames seen (for GIFs)
@@ -103,7 +103,7 @@ def run_episodes(
     stochastic = np.zeros((b, n_chunks, steps), bool)
     logp = np.zeros((b, n_chunks, steps), np.float32)
     valid = np.zeros((b, n_chunks), bool)
-    dense_sum = np.zeros(b, np.float64)
+    dense_max = np.zeros(b, np.float64)
     length = np.zeros(b, np.int64)
     text_ids = policy.text.token_ids([instruction_for(t) for t in tasks])
     frames = [[img[i]] for i in range(b)] if record_frames else None
@@ -128,7 +128,7 @@ def run_episodes(
         full = np.zeros((b, k, cfg.action_dim), np.float32)
         full[act_idx] = acts.clamp(-1, 1).cpu().numpy()
         res = venv.step_chunk(full, ~done)
-        dense_sum += (res.reward * res.executed).sum(1)
+        dense_max = np.maximum(dense_max, np.where(res.executed, res.reward, 0.0).max(1))
         length += res.executed.sum(1)
         done = res.done.copy()
         success_once, success_end = res.success_once, res.success_end
@@ -140,7 +140,7 @@ def run_episodes(
     return EpisodeBatch(
         keys=list(keys), tasks=list(tasks), images=images, proprio=proprio, chain=chain, stochastic=stochastic,
         logp=logp, chunk_valid=valid, success_once=np.asarray(success_once, bool), success_end=np.asarray(success_end, bool),
-        dense=(dense_sum / np.maximum(length, 1) / 10.0).astype(np.float32), length=length, nfe=nfe, frames=frames,
+        dense=(dense_max / 10.0).astype(np.float32), length=length, nfe=nfe, frames=frames,
     )
 
 
