@@ -52,7 +52,7 @@ FG_SATURATION = 0.35
 HUE_TOLERANCE = 30.0
 MIN_AREA = 6
 TRIANGLE_MIN_THREEFOLD = 0.22
-SQUARE_MIN_FOURFOLD = 0.16
+SQUARE_MIN_FOURFOLD = 0.18
 
 
 # ----------------------------------------------------------------------------------------------------------------
