@@ -53,7 +53,9 @@ class LLMConfig:
     chat_template: ``auto`` uses the tokenizer's chat template when it has one.
     rewards: TRL-signature reward functions with weights (copied into ``advantage.weights`` unless set there).
     tree: tree rollouts (TreePO / TreeRL); the trainer's ``advantage.estimator`` must then be a tree estimator.
-    engine: ``torch`` (built-in KV-cache sampler) or ``module:Class`` implementing ``RolloutEngine``
+    engine: ``torch`` (built-in KV-cache sampler over the HF module), ``fast`` (``fast_llama.FastLlamaEngine``: a
+        lean Llama/Mistral/Qwen2 sampler on a snapshot of the current weights, same tokens for the same noise),
+        ``auto`` (fast when the model is supported, else torch) or ``module:Class`` implementing ``RolloutEngine``
         (constructed as ``Class(model=..., tokenizer=..., config=...)``).
     behaviour_logprobs: ``recompute`` (default) runs one no-grad forward in the training layout, so the ratio is
         exactly 1 before the first update; ``engine`` takes the sampler's own log-probs (saves that forward,
@@ -100,6 +102,8 @@ class LLMConfig:
         if self.dataset.source not in ("arith", "jsonl", "csv", "json", "hf"):
             raise ConfigError(f"{where}.dataset.source must be one of arith, jsonl, csv, json, hf; "
                               f"got {self.dataset.source!r}")
+        if self.engine not in ("torch", "fast", "auto") and ":" not in self.engine:
+            raise ConfigError(f"{where}.engine must be torch, fast, auto or 'module:Class'; got {self.engine!r}")
         if self.logprob_batch_size < 1 or self.engine_batch_rows < 1:
             raise ConfigError(f"{where}.logprob_batch_size and engine_batch_rows must be >= 1")
 
@@ -162,7 +166,16 @@ class LLMDomain(DomainBase):
                 f"{len(self.task.train)} train / {len(self.task.eval)} eval prompts")
 
     def _make_engine(self) -> RolloutEngine:
-        if self.cfg.engine == "torch":
+        if self.cfg.engine in ("fast", "auto"):
+            from .fast_llama import FastLlamaEngine, unsupported_reason
+
+            reason = unsupported_reason(self.model)
+            if reason is None:
+                return FastLlamaEngine(self.model, self.tokenizer.pad_token_id, self.eos_ids, self.cfg.engine_batch_rows)
+            if self.cfg.engine == "fast":
+                raise ConfigError(f"llm.engine: fast cannot run {self.cfg.model}: {reason}; use engine: torch (or auto)")
+            self.ctx.log(f"llm: engine auto -> torch ({reason})")
+        if self.cfg.engine in ("torch", "auto"):
             return TorchRolloutEngine(self.model, self.tokenizer.pad_token_id, self.eos_ids, self.cfg.engine_batch_rows)
         import importlib
 
