@@ -11,6 +11,8 @@ Bad input exits with code 2 and one line ``grove: error: ...``; nothing half-wri
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
 import os
 import shutil
 import sys
@@ -62,6 +64,33 @@ class _RunDir:
             shutil.rmtree(self.path, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def _input_errors(domain: str):
+    """Errors raised while a domain loads its inputs (paths, data files, model configs) are input problems: report
+    them as one line with exit code 2. ``GROVE_DEBUG=1`` re-raises with the traceback."""
+    try:
+        yield
+    except ConfigError:
+        raise
+    except (FileNotFoundError, NotADirectoryError, KeyError, ValueError, OSError, AssertionError) as e:
+        if os.environ.get("GROVE_DEBUG"):
+            raise
+        msg = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
+        msg = " ".join(msg.split())  # one line
+        raise ConfigError(f"{domain}: {msg}") from e
+
+
+def _quiet_loading() -> None:
+    """Model-loading progress bars and import-time library chatter would bury the one-line error contract;
+    training has its own bar."""
+
+    for mod in ("diffusers.utils.logging", "transformers.utils.logging"):
+        try:
+            importlib.import_module(mod).disable_progress_bar()
+        except Exception:  # noqa: BLE001 — a missing library simply has no bar to hide
+            pass
+
+
 def _load_config(args) -> tuple[dict, Path]:
     if args.resume:
         config_path = Path(args.resume) / "config.yaml"
@@ -100,9 +129,12 @@ def cmd_train(args, force_supervised: bool = False) -> int:
 
     from .trainer import Trainer
 
-    cfg = load_train_config(data)
+    with _input_errors(str(data.get("domain", "config"))):
+        cfg = load_train_config(data)
+    _quiet_loading()
     try:
-        trainer = Trainer(cfg, run.path, log=_log)  # builds the domain (loads models) before writing anything
+        with _input_errors(cfg.domain):
+            trainer = Trainer(cfg, run.path, log=_log)  # builds the domain (loads models) before writing anything
         run_dir = run.create()
         if not args.resume and run.main:
             (run_dir / "config.yaml").write_text(yaml.safe_dump(dump_train_config(cfg), sort_keys=False))
@@ -174,6 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     os.environ.setdefault("MUJOCO_GL", "egl")
+    import logging
+
+    logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)  # torchao import-time chatter
     try:
         if argv[:1] == ["robotics"]:
             return cmd_robotics(argv[1:])

@@ -63,6 +63,11 @@ def resolve_model_path(path: str) -> str:
     repo_root = Path(__file__).resolve().parents[2]
     if (repo_root / p).exists():
         return str(repo_root / p)
+    # a hub id is "name" or "org/name"; anything else that does not exist is a missing local path
+    if path.startswith((".", "/", "~")) or path.count("/") > 1 or "\\" in path:
+        from ..config import ConfigError
+
+        raise ConfigError(f"model path {path!r} does not exist (and is not a hub id like 'org/name')")
     return path
 
 

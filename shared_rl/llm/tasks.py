@@ -92,9 +92,19 @@ def _read_rows(path: str, fmt: str) -> list[dict[str, Any]]:
     if not p.exists():
         raise FileNotFoundError(f"dataset file {path!r} not found")
     if fmt == "jsonl":
-        return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+        rows = []
+        for n, line in enumerate(p.read_text().splitlines(), 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{p}: line {n} is not valid JSON ({e.msg} at column {e.colno})") from None
+        return rows
     if fmt == "json":
-        data = json.loads(p.read_text())
+        try:
+            data = json.loads(p.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{p}: not valid JSON ({e.msg} at line {e.lineno})") from None
         return data if isinstance(data, list) else data["data"]
     if fmt == "csv":
         with p.open(newline="") as f:
