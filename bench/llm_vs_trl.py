@@ -1,17 +1,20 @@
 """LLM benchmark: grove's GRPO vs TRL's ``GRPOTrainer`` on the same work, and tree vs flat rollouts at an equal
 generated-token budget. ``grove bench llm --out DIR [--quick]`` calls ``run(out_dir, quick)``.
 
-Part 1 (same work, side by side in one process): the embedded checkpoint ``assets/llm-arith-tiny``, the same
+Part 1 (same work, interleaved in one process): the embedded checkpoint ``assets/llm-arith-tiny``, the same
 prompt pool (3-digit addition, train split), 8 prompts x 8 completions per step, completions of at most 6 tokens
 at temperature 1, lr, clip 0.2, no KL, per-sequence token-mean loss (TRL ``loss_type="grpo"`` = grove
 ``seq-mean-token-mean``), group-std scaling, one optimizer step per generation, same number of steps, 1 thread.
-Reported: seconds per step (after the first), completions per second, reward per step, and greedy accuracy on
-the same 500 held-out problems after training. ``speedup_vs_trl`` = TRL s/step / grove s/step.
+The variants run step by step in turn (TRL's step, then one iteration of every grove variant from a TRL
+callback, in rotating order), so load from other processes on a shared CPU falls on all of them alike; the
+global RNG state is saved and restored around the grove iterations so TRL's sampling stream is untouched.
+Reported: wall and CPU (process) seconds per step after each run's first, completions per second, reward per
+step (mean over seeds), and greedy accuracy on the same 500 held-out problems after training.
+``speedup_vs_trl`` = TRL s/step / variant s/step (wall), ``cpu_speedup_vs_trl`` the same with CPU seconds.
 
 Part 2: flat GRPO vs a segment tree (branching [2, 2, 2] every token, TreePO/TreeRL style, ``treerl`` advantages)
 with the number of prompts per iteration chosen so both generate about the same number of tokens per iteration;
 both run the same number of iterations. Reported: generated tokens, leaves (completions) scored, accuracy.
-Absolute times mean little on a shared CPU; the ratios are the result.
 """
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ DOC = Path(__file__).resolve().parents[1] / "docs" / "bench" / "llm.md"
 
 
 def _grove_cfg(model: str, steps: int, lr: float, groups: int, group_size: int, max_new: int, tree: bool = False,
-               seed: int = 0, engine_logprobs: bool = False):
+               seed: int = 0, engine_logprobs: bool = False, engine: str = "fast"):
     from shared_rl.config import load_train_config
 
     data = {
@@ -43,7 +46,7 @@ def _grove_cfg(model: str, steps: int, lr: float, groups: int, group_size: int, 
         "llm": {"model": model, "max_new_tokens": max_new, "temperature": 1.0,
                 "dataset": {"source": "arith", "digits": 3, "num_train": 20000, "num_eval": 500},
                 "rewards": [{"name": "numeric_match", "weight": 1.0}],
-                "eval": {"num_prompts": 500, "sampled": False}, "num_threads": 1,
+                "eval": {"num_prompts": 500, "sampled": False}, "num_threads": 1, "engine": engine,
                 "behaviour_logprobs": "engine" if engine_logprobs else "recompute"},
     }
     if tree:
@@ -77,7 +80,9 @@ def _arith_reward(prompts, completions, answer, **kwargs):
 
 
 def _run_trl(model_dir: Path, steps: int, lr: float, groups: int, group_size: int, max_new: int,
-             prompts: list[dict[str, Any]], workdir: Path, seed: int = 0) -> dict[str, Any]:
+             prompts: list[dict[str, Any]], workdir: Path, seed: int = 0, between_steps=None) -> dict[str, Any]:
+    """TRL's GRPOTrainer on the same work. ``between_steps(step)`` runs after each TRL step (the interleaved grove
+    iterations); its time is not counted as TRL's."""
     import datasets
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -85,11 +90,17 @@ def _run_trl(model_dir: Path, steps: int, lr: float, groups: int, group_size: in
     tok = AutoTokenizer.from_pretrained(model_dir)
     tok.padding_side = "left"
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    stamps: list[tuple[float, float]] = []
+    times: list[float] = []
+    cpu: list[float] = []
+    resumed = [0.0, 0.0]   # when TRL's current step began (after the previous interleaved work)
 
-    class Stamp(TrainerCallback):
+    class Interleave(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
-            stamps.append((time.perf_counter(), time.process_time()))
+            times.append(time.perf_counter() - resumed[0])
+            cpu.append(time.process_time() - resumed[1])
+            if between_steps is not None:
+                between_steps(len(times) - 1)
+            resumed[:] = [time.perf_counter(), time.process_time()]
 
     args = GRPOConfig(
         output_dir=str(workdir / "trl"), per_device_train_batch_size=groups * group_size, num_generations=group_size,
@@ -100,13 +111,54 @@ def _run_trl(model_dir: Path, steps: int, lr: float, groups: int, group_size: in
     )
     trainer = GRPOTrainer(model=model, reward_funcs=[_arith_reward], args=args,
                           train_dataset=datasets.Dataset.from_list(prompts), processing_class=tok,
-                          callbacks=[Stamp()])
-    start = (time.perf_counter(), time.process_time())
+                          callbacks=[Interleave()])
+    resumed[:] = [time.perf_counter(), time.process_time()]
     trainer.train()
-    times = [b[0] - a[0] for a, b in zip([start] + stamps[:-1], stamps)]
-    cpu = [b[1] - a[1] for a, b in zip([start] + stamps[:-1], stamps)]
     rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
     return {"times": times, "cpu": cpu, "rewards": rewards, "model": trainer.model, "tokenizer": tok}
+
+
+GROVE_VARIANTS = {  # name -> (engine, behaviour log-probs from the engine)
+    "grove_grpo_torch_engine": ("torch", False),
+    "grove_grpo": ("fast", False),
+    "grove_grpo_engine_logp": ("fast", True),
+}
+
+
+def _same_work_one_seed(seed: int, steps: int, lr: float, groups: int, group_size: int, max_new: int,
+                        prompts, eval_examples, workdir: Path) -> dict[str, dict[str, Any]]:
+    """TRL and every grove variant for ``steps`` steps, interleaved step by step."""
+    import random
+
+    from shared_rl.trainer import Trainer
+
+    trainers = {name: Trainer(_grove_cfg(str(ASSET), steps, lr, groups, group_size, max_new, seed=seed,
+                                         engine=engine, engine_logprobs=elogp), None, log=lambda s: None)
+                for name, (engine, elogp) in GROVE_VARIANTS.items()}
+    res = {name: {"times": [], "cpu": [], "rewards": [], "rollout_s": [], "train_s": []} for name in trainers}
+
+    def grove_steps(step: int) -> None:
+        states = (torch.get_rng_state(), random.getstate())   # keep TRL's random stream as if run alone
+        names = list(trainers)
+        names = names[step % len(names):] + names[:step % len(names)]   # rotate who runs first
+        for name in names:
+            t, c = time.perf_counter(), time.process_time()
+            m = trainers[name].iteration(step)
+            r = res[name]
+            r["times"].append(time.perf_counter() - t)
+            r["cpu"].append(time.process_time() - c)
+            r["rewards"].append(m["reward/mean"])
+            r["rollout_s"].append(m["time/rollout"])
+            r["train_s"].append(m["time/train"])
+        torch.set_rng_state(states[0])
+        random.setstate(states[1])
+
+    trl = _run_trl(ASSET, steps, lr, groups, group_size, max_new, prompts, workdir, seed=seed,
+                   between_steps=grove_steps)
+    trl["accuracy"] = _accuracy(trl.pop("model"), trl.pop("tokenizer"), eval_examples)
+    for name, tr in trainers.items():
+        res[name]["accuracy"] = tr.domain.evaluate(steps)["eval/accuracy"]
+    return {"trl_grpo": trl, **res}
 
 
 def _accuracy(model, tok, eval_examples) -> float:
@@ -138,21 +190,35 @@ def run(out_dir: Path, quick: bool = False) -> dict:
     rows: list[dict[str, Any]] = []
     curves: dict[str, list[float]] = {}
 
-    # ---- part 1: same work, grove vs TRL --------------------------------------------------------------------
+    # ---- part 1: same work, grove vs TRL, interleaved step by step ------------------------------------------
+    seeds = [0] if quick else [0, 1, 2]
+    runs: dict[str, list[dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        trl = _run_trl(ASSET, steps, lr, groups, group_size, max_new, prompts, Path(tmp))
-        trl_acc = _accuracy(trl["model"], trl["tokenizer"], eval_examples)
-    grove = _run_grove(_grove_cfg(str(ASSET), steps, lr, groups, group_size, max_new))
-    grove_fast = _run_grove(_grove_cfg(str(ASSET), steps, lr, groups, group_size, max_new, engine_logprobs=True))
+        for seed in seeds:
+            for name, r in _same_work_one_seed(seed, steps, lr, groups, group_size, max_new, prompts,
+                                               eval_examples, Path(tmp) / f"seed{seed}").items():
+                runs.setdefault(name, []).append(r)
     n = groups * group_size
-    trl_s, trl_cpu = _mean_tail(trl["times"]), _mean_tail(trl["cpu"])
-    for name, res, acc in (("trl_grpo", trl, trl_acc), ("grove_grpo", grove, grove["accuracy"]),
-                           ("grove_grpo_engine_logp", grove_fast, grove_fast["accuracy"])):
-        wall, cpu = _mean_tail(res["times"]), _mean_tail(res["cpu"])
-        rows.append({"variant": name, "s_per_step": wall, "cpu_s_per_step": cpu, "completions_per_s": n / wall,
-                     "reward_first": res["rewards"][0], "reward_last5": statistics.mean(res["rewards"][-5:]),
-                     "eval_accuracy": acc, "speedup_vs_trl": trl_s / wall, "cpu_speedup_vs_trl": trl_cpu / cpu})
-        curves[name] = res["rewards"]
+
+    def per_step(name: str, key: str) -> float:   # mean over every seed's steps after its first
+        return statistics.mean(x for r in runs[name] for x in r[key][1:])
+
+    def curve(name: str) -> list[float]:          # reward per step, mean over seeds
+        return [statistics.mean(r["rewards"][i] for r in runs[name]) for i in range(steps)]
+
+    trl_s, trl_cpu = per_step("trl_grpo", "times"), per_step("trl_grpo", "cpu")
+    for name in ["trl_grpo", *GROVE_VARIANTS]:
+        wall, cpu, rewards = per_step(name, "times"), per_step(name, "cpu"), curve(name)
+        row = {"variant": name, "s_per_step": wall, "cpu_s_per_step": cpu, "completions_per_s": n / wall,
+               "speedup_vs_trl": trl_s / wall, "cpu_speedup_vs_trl": trl_cpu / cpu}
+        if name != "trl_grpo":
+            row.update({"rollout_s_per_step": per_step(name, "rollout_s"), "train_s_per_step": per_step(name, "train_s")})
+        row.update({"reward_first": rewards[0], "reward_mean": statistics.mean(rewards),
+                    "reward_last10": statistics.mean(rewards[-10:]),
+                    "eval_accuracy": statistics.mean(r["accuracy"] for r in runs[name]),
+                    "eval_accuracy_seeds": " ".join(f"{r['accuracy']:.3f}" for r in runs[name])})
+        rows.append(row)
+        curves[name] = rewards
 
     # ---- part 2: tree vs flat at an equal generated-token budget --------------------------------------------
     flat = _run_grove(_grove_cfg(str(ASSET), budget_iters, lr, groups, group_size, max_new))
@@ -171,17 +237,23 @@ def run(out_dir: Path, quick: bool = False) -> dict:
         curves[name] = res["rewards"]
 
     _plot(curves, out_dir / "llm_bench.png")
-    notes = (f"Part 1: {steps} steps each of {groups} prompts x {group_size} completions (<= {max_new} tokens, "
-             f"temperature 1, lr {lr}, clip 0.2, no KL, TRL loss_type=grpo = grove seq-mean-token-mean), same "
-             f"checkpoint (assets/llm-arith-tiny) and prompt pool, CPU, 1 thread, run one after the other in one "
-             f"process; s/step excludes the first step; cpu_s_per_step is process CPU time (robust to other "
-             f"load on a shared machine, so cpu_speedup_vs_trl is the steadier ratio). grove_grpo_engine_logp takes "
-             f"behaviour log-probs from the sampler instead of a recompute forward (TRL with num_iterations=1 also "
-             f"skips that forward). eval_accuracy: greedy on 500 held-out problems after "
-             f"training. Part 2: tree = branching [2,2,2] at every token (segment_tokens 1), treerl advantages, "
-             f"prompts per iteration sized to the flat run's generated tokens per iteration; same iterations. "
-             f"quick={quick}. Shared CPU: absolute times are noisy, ratios are the result; one seed, so accuracy "
-             f"differences of a few points are within noise. Plot: llm_bench.png (docs/bench/llm.png).")
+    notes = (f"Command: `grove bench llm --out runs/bench-llm` (quick={quick}). Part 1: {steps} steps x "
+             f"{len(seeds)} seed(s) ({', '.join(map(str, seeds))}) of {groups} prompts x {group_size} completions "
+             f"(<= {max_new} tokens, temperature 1, lr {lr}, clip 0.2, no KL, TRL loss_type=grpo = grove "
+             f"seq-mean-token-mean), same checkpoint (assets/llm-arith-tiny) and prompt pool, CPU, 1 thread. "
+             f"All four variants run interleaved step by step in one process (TRL step, then one iteration of each "
+             f"grove variant in rotating order), so other load on the shared CPU hits them alike. Times are means "
+             f"over every step but each run's first; cpu_s_per_step is process CPU time (the steadier measure on a "
+             f"shared machine). grove_grpo = llm.engine: fast (shared_rl/llm/fast_llama.py) with behaviour "
+             f"log-probs recomputed by the training model (first-step ratio exactly 1); grove_grpo_torch_engine = "
+             f"the previous HF-module KV-cache sampler, same tokens for the same noise; grove_grpo_engine_logp = "
+             f"fast engine + behaviour_logprobs: engine (skips the recompute forward, as TRL with "
+             f"num_iterations=1 does). rollout_s / train_s: grove's wall time in rollout (sampling, rewards, "
+             f"behaviour log-probs) and in the loss forward/backward/optimizer. Rewards: mean over seeds per step; "
+             f"reward_first is before any update. eval_accuracy: greedy on 500 held-out problems after training "
+             f"(mean over seeds; per seed in eval_accuracy_seeds). Part 2 (fast engine): tree = branching [2,2,2] "
+             f"at every token (segment_tokens 1), treerl advantages, prompts per iteration sized to the flat run's "
+             f"generated tokens per iteration; same iterations; one seed. Plot: llm_bench.png (docs/bench/llm.png).")
     result = write_results(out_dir, "llm", rows, notes, extra={"curves": curves},
                            doc_path=None if quick else DOC)
     if not quick:
@@ -198,9 +270,9 @@ def _plot(curves: dict[str, list[float]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
-    for name in ("trl_grpo", "grove_grpo", "grove_grpo_engine_logp"):
+    for name in ("trl_grpo", *GROVE_VARIANTS):
         axes[0].plot(curves[name], label=name)
-    axes[0].set_title("same work: reward per step")
+    axes[0].set_title("same work: reward per step (mean over seeds)")
     for name in ("flat_grpo_budget", "tree_treerl_budget"):
         ys = curves[name]
         k = max(1, len(ys) // 20)

@@ -2,11 +2,12 @@
 from the training forward), in plain PyTorch.
 
 Why: at the sizes RL recipes run on a CPU (the embedded 4-layer, hidden-64 Llama), a decode step of HF's
-``LlamaForCausalLM`` spends most of its time in Python around ~4 small kernels per op (module dispatch, mask
-construction, the dynamic cache, output dataclasses). This engine runs the same mathematics with the fewest
-kernel launches it can: fused QKV and gate/up projections, ``F.rms_norm``, rotary tables looked up by position,
-a preallocated KV cache that every row writes at the same column (left-padded prompts), SDPA over the filled
-prefix, and ``torch.inference_mode``.
+``LlamaForCausalLM`` spends more time in Python (module dispatch, mask construction, the dynamic cache, output
+dataclasses) than in its small kernels. This engine runs the same mathematics with few kernel launches: fused
+QKV and gate/up projections, ``F.rms_norm``, rotary tables looked up by position (one ``roll`` instead of
+``rotate_half``), a preallocated KV cache that every row writes at the same column (prompts are left-padded),
+attention over the filled prefix only (broadcast products for the single decode query on CPU, SDPA otherwise),
+and ``torch.inference_mode``.
 
 Work it avoids (none of it changes what is sampled):
 
@@ -33,8 +34,8 @@ import torch.nn.functional as F
 from .engine import Generation, _left_pad
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
-# rope variants whose cos/sin depend on the position only (dynamic NTK rescales with the sequence length)
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+# rope variants whose cos/sin depend on the position only (dynamic NTK and longrope change with the length)
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 def _base_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -58,9 +59,6 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
     if rope_type not in SUPPORTED_ROPE_TYPES:
         return f"rope_type {rope_type!r}"
-    if kind in ("mistral", "qwen2") and getattr(cfg, "sliding_window", None) and \
-            (kind == "mistral" or getattr(cfg, "use_sliding_window", False)):
-        return "sliding-window attention"
     for name, module in base.named_modules():
         variants = getattr(module, "lora_variant", None)
         if variants:
@@ -136,6 +134,9 @@ class FastLlamaEngine:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.eps = cfg.rms_norm_eps
         self._rotary = base.model.rotary_emb
+        # sliding-window attention equals full attention while sequences fit in the window (checked per call)
+        uses_window = cfg.model_type == "mistral" or getattr(cfg, "use_sliding_window", False)
+        self.sliding_window = getattr(cfg, "sliding_window", None) if uses_window else None
         self._rope_cache: tuple[int, torch.Tensor, torch.Tensor] | None = None
         self._fingerprint: tuple | None = None
         self.syncs = 0
@@ -284,6 +285,9 @@ class FastLlamaEngine:
         ids, mask = _left_pad(unique_prompts, self.pad_token_id, device)
         width = ids.shape[1]
         total = width + new_tokens
+        if self.sliding_window is not None and total > self.sliding_window:
+            raise ValueError(f"prompt + completion length {total} exceeds the model's sliding window "
+                             f"{self.sliding_window}, which FastLlamaEngine does not implement; use llm.engine: torch")
         cos_t, sin_t = self._rope(total)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         keys = torch.empty((len(self.layers), b, total, self.num_kv_heads, self.head_dim), dtype=self.embed.dtype,
