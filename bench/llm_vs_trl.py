@@ -236,6 +236,10 @@ def run(out_dir: Path, quick: bool = False) -> dict:
                      "eval_accuracy": res["accuracy"]})
         curves[name] = res["rewards"]
 
+    by_name = {r["variant"]: r for r in rows}
+    train_share = by_name["grove_grpo"]["train_s_per_step"] / by_name["grove_grpo"]["s_per_step"]
+    train_share_elogp = (by_name["grove_grpo_engine_logp"]["train_s_per_step"]
+                         / by_name["grove_grpo_engine_logp"]["s_per_step"])
     _plot(curves, out_dir / "llm_bench.png")
     notes = (f"Command: `grove bench llm --out runs/bench-llm` (quick={quick}). Part 1: {steps} steps x "
              f"{len(seeds)} seed(s) ({', '.join(map(str, seeds))}) of {groups} prompts x {group_size} completions "
@@ -253,7 +257,11 @@ def run(out_dir: Path, quick: bool = False) -> dict:
              f"reward_first is before any update. eval_accuracy: greedy on 500 held-out problems after training "
              f"(mean over seeds; per seed in eval_accuracy_seeds). Part 2 (fast engine): tree = branching [2,2,2] "
              f"at every token (segment_tokens 1), treerl advantages, prompts per iteration sized to the flat run's "
-             f"generated tokens per iteration; same iterations; one seed. Plot: llm_bench.png (docs/bench/llm.png).")
+             f"generated tokens per iteration; same iterations; one seed. Plot: llm_bench.png (docs/bench/llm.png). "
+             f"Where the time goes: the loss forward/backward/optimizer (train_s, the same HF computation TRL runs) "
+             f"is {train_share:.0%} of grove_grpo's wall time per step and {train_share_elogp:.0%} of "
+             f"grove_grpo_engine_logp's, so a faster sampler alone cannot reach 2x here; docs/methods/llm.md "
+             f"(The rollout engine) measures what would.")
     result = write_results(out_dir, "llm", rows, notes, extra={"curves": curves},
                            doc_path=None if quick else DOC)
     if not quick:
