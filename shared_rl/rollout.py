@@ -53,7 +53,10 @@ class Rollout:
         group_ids: ``[N]`` long, which group each sequence belongs to (0..len(keys)-1).
         rewards: name -> ``[N]`` float rewards; NaN where a sequence has no outcome (internal tree edge) or the
             reward failed (the trainer masks and counts those).
-        logp_old: ``[N, T]`` float32 behaviour log-probs of each step (0 where not stochastic).
+        logp_old: ``[N, T]`` float32 behaviour log-probs of each step (0 where not stochastic). NaN means
+            *deferred*: the rollout was sampled by the current weights and the trainer takes the behaviour
+            log-probs from its first forward before any update (one forward saved, ratio exactly 1), or computes
+            them up front when an iteration has several minibatches.
         mask: ``[N, T]`` bool, steps that are trained.
         parent: ``[N]`` long parent sequence index (-1 for roots) when the sequences form trees, else None.
             For a tree rollout, sequence i is the edge into node i; a root node has an all-False mask.

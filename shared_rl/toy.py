@@ -26,6 +26,7 @@ class ToyConfig:
     tree_depth: int = 2
     init_scale: float = 0.0
     reward_noise: float = 0.0
+    deferred_logp: bool = False  # leave logp_old NaN: the trainer fills it from its first forward
 
     def check(self, where: str) -> None:
         from .config import ConfigError
@@ -66,6 +67,8 @@ class ToyDomain(DomainBase):
         gid = torch.arange(len(keys)).repeat_interleave(group_size)
         ctx = torch.tensor(keys)[gid]
         actions, logp = self._sample(ctx, generator)
+        if self.cfg.deferred_logp:
+            logp = torch.full_like(logp, float("nan"))
         return Rollout(keys=list(keys), group_ids=gid, rewards={"correct": self._reward(ctx, actions, generator)},
                        logp_old=logp, mask=torch.ones_like(logp, dtype=torch.bool),
                        payload={"ctx": ctx, "actions": actions}, nfe=len(ctx))

@@ -172,9 +172,9 @@ class Trainer:
 
         # 3. inner epochs of minibatches; each minibatch is one optimizer step, split into micro-batches
         t1 = time.perf_counter()
+        nfe_train = self._fill_deferred_logp(local) if cfg.optim.minibatches_per_epoch > 1 else 0
         stats = _StepStats()
         trainable = torch.nonzero(view.mask.any(dim=1)).flatten()
-        nfe_train = 0
         for _epoch in range(cfg.optim.inner_epochs):
             order = trainable[torch.randperm(trainable.numel(), generator=gen)]
             for mb in torch.tensor_split(order, cfg.optim.minibatches_per_epoch):
@@ -191,6 +191,23 @@ class Trainer:
         leaves = int(torch.isfinite(next(iter(first.rewards.values()))).sum()) if first.rewards else len(first)
         metrics["samples_per_s"] = leaves / max(total_time, 1e-9)
         return metrics
+
+    def _fill_deferred_logp(self, rollout: Rollout | None) -> int:
+        """Deferred behaviour log-probs (NaN in ``logp_old``, see ``Rollout``) are normally taken from the first
+        loss forward, which runs before any update when the iteration has one minibatch per epoch. With several
+        minibatches, later ones would see updated weights, so compute them up front without grad instead."""
+        if rollout is None or not torch.isnan(rollout.logp_old).any():
+            return 0
+        idx = torch.nonzero(torch.isnan(rollout.logp_old).any(dim=1)).flatten()
+        micro = self.cfg.optim.micro_batch_size or max(1, idx.numel())
+        nfe = 0
+        with torch.no_grad():
+            for part in torch.split(idx, micro):
+                out = self.domain.log_probs(rollout, part, False)
+                nfe += out.nfe
+                old = rollout.logp_old[part]
+                rollout.logp_old[part] = torch.where(torch.isnan(old), out.logp.detach().to(old), old)
+        return nfe
 
     def _rollout_round(self, keys: list[int], it: int, rnd: int) -> tuple[Rollout | None, Rollout]:
         """Sample ``keys`` in chunks of ``rollout.groups_per_call`` spread over ranks; every chunk draws from its
@@ -343,6 +360,9 @@ class Trainer:
             nfe += out.nfe
             mask = rollout.mask[idx].to(out.logp.device)
             logp_old = rollout.logp_old[idx].to(out.logp)
+            if torch.isnan(logp_old).any():  # deferred: this is the first forward, before any update
+                logp_old = torch.where(torch.isnan(logp_old), out.logp.detach(), logp_old)
+                rollout.logp_old[idx] = logp_old.to(rollout.logp_old)
             pg, st = clipped_surrogate(out.logp, logp_old, a.to(out.logp), mask, lc.clip_low, lc.clip_high,
                                        lc.dual_clip, lc.ratio_level)
             loss = aggregate(pg, mask, lc.aggregation, norm)

@@ -134,3 +134,19 @@ def test_kl_term_is_logged_and_pulls_toward_reference():
     cfg = toy_cfg(**{"loss.kl_coef": 1.0, "loss.kl_estimator": "k3", "optim.minibatches_per_epoch": 1, "optim.inner_epochs": 1})
     m = Trainer(cfg, None, log=quiet).iteration(0)
     assert "loss/kl" in m and m["loss/kl"] == pytest.approx(0.0, abs=1e-7)  # policy == reference at start
+
+
+@pytest.mark.parametrize("minibatches", [1, 3])
+def test_deferred_behaviour_logp_equals_recomputed(minibatches):
+    results = []
+    for deferred in (False, True):
+        cfg = toy_cfg(**{"toy.deferred_logp": deferred, "optim.minibatches_per_epoch": minibatches,
+                         "optim.inner_epochs": 2, "iterations": 3})
+        tr = Trainer(cfg, None, log=quiet)
+        ms = [tr.iteration(it) for it in range(3)]
+        results.append((tr.domain.state_dict()["logits"], ms))
+    (a, ma), (b, mb) = results
+    assert torch.allclose(a, b, atol=1e-6)
+    for x, y in zip(ma, mb):
+        assert x["ratio/mean"] == pytest.approx(y["ratio/mean"], abs=1e-6)
+        assert x["clip_frac"] == pytest.approx(y["clip_frac"], abs=1e-9)
