@@ -404,7 +404,7 @@ def _notes(quick: bool, pretrained: bool, budget: float, target: float, eff_tabl
         "per sample (rollout + training recomputation). Speedups are flat's total / the method's cost to first "
         "reach the target; empty = not reached within the budget.\n\n"
         "Batched-expansion efficiency (one tree, 10 transformer calls level-batched vs one call per node and "
-        "step; lower bound = unique node-steps x per-sample time of one batch-64 forward):\n\n" + eff_table
+        "step; lower bound = unique node-steps x the best per-sample time of one batched forward, batch 8-64):\n\n" + eff_table
     )
     return head + "\n" + NOTES_TEXT
 
