@@ -37,7 +37,7 @@ from shared_rl.domain import DomainBase, RunContext, StepLogProbs
 from shared_rl.rollout import Rollout
 
 from .policy import EmaSettings, FlowPolicy, LoraSettings
-from .trees import TreeContext, TreeRolloutEngine, TreeSettings  # also registers the tree_leaf_zscore estimator
+from .trees import TreeContext, TreeRolloutEngine, TreeSettings
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHAPES_ASSET_HINT = ("build it with `python -m visgen.pretrain configs/visgen/shapes_pretrain.yaml --out "
@@ -103,6 +103,7 @@ class VisgenConfig:
     eval_prompts: Optional[str] = None
     split_seed: Optional[int] = None  # None: the pretraining split recorded in the asset's grove.json (else 0)
     eval_fraction: Optional[float] = None
+    train_subset: Optional[list[int]] = None  # train on these prompt indices only (overfitting checks, debugging)
     resolution: Optional[int] = None  # None: the asset's grove.json, else the pipeline default
     max_sequence_length: Optional[int] = None  # None: the asset's grove.json, else the pipeline default
     # sampling during rollouts
@@ -303,6 +304,13 @@ class VisgenDomain(DomainBase):
                 self.eval_prompts, self.eval_meta = read_prompt_file(cfg.eval_prompts)
             else:
                 self.eval_prompts, self.eval_meta = [], []
+        if cfg.train_subset is not None:
+            bad = [i for i in cfg.train_subset if not 0 <= i < len(self.train_prompts)]
+            if bad or not cfg.train_subset:
+                raise ConfigError(f"visgen.train_subset must list prompt indices in 0..{len(self.train_prompts) - 1}, "
+                                  f"got {cfg.train_subset}")
+            self.train_prompts = [self.train_prompts[i] for i in cfg.train_subset]
+            self.train_meta = [self.train_meta[i] for i in cfg.train_subset]
         if cfg.eval.max_prompts and len(self.eval_prompts) > cfg.eval.max_prompts:
             # evenly spaced, so a short evaluation still covers every prompt kind of a sorted file
             step = len(self.eval_prompts) / cfg.eval.max_prompts

@@ -43,7 +43,7 @@ from typing import Any, Callable, ContextManager, Literal, Optional, Sequence
 
 import torch
 
-from shared_rl.advantages import register, tree_advantages, tree_values
+from shared_rl.advantages import tree_advantages, tree_leaf_zscore, tree_values  # noqa: F401 (re-exported)
 from shared_rl.config import ConfigError
 from shared_rl.domain import StepLogProbs
 from shared_rl.rollout import Rollout
@@ -60,34 +60,6 @@ __all__ = [
 
 
 # ================================================================================================ advantages
-@register("tree_leaf_zscore", tree=True)
-def tree_leaf_zscore(parent: torch.Tensor, leaf_reward: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """TreeGRPO reward backup (Ding & Ye 2025), as implemented here.
-
-    Leaf advantages are GRPO z-scores among the leaves of the tree, ``A(l) = (r_l - mu_T) / (sigma_T + eps)``
-    (``sigma_T`` the unbiased std of the tree's leaf rewards); an internal node's advantage is the mean of its
-    children's, backed up leaf to root. For trees whose every node at a depth has the same number of children this
-    equals ``A(i) = (v(i) - mu_T) / (sigma_T + eps)`` with ``v(i)`` the mean leaf reward below ``i``, which is what
-    is computed. The edge parent -> i gets ``A(i)``; roots 0; a tree whose leaves all tie gets 0.
-    """
-    parent = torch.as_tensor(parent, dtype=torch.long)
-    r = torch.as_tensor(leaf_reward, dtype=torch.float64)
-    v = tree_values(parent, r).double()
-    root = tree_roots(parent)
-    leaf = is_leaf(parent) & torch.isfinite(r)
-    adv = torch.zeros_like(v)
-    for g in torch.unique(root):
-        members = root == g
-        vals = r[members & leaf]
-        if vals.numel() < 2:
-            continue
-        std = vals.std()
-        if std > 0:
-            idx = torch.nonzero(members & (parent >= 0) & torch.isfinite(v)).flatten()
-            adv[idx] = (v[idx] - vals.mean()) / (std + eps)
-    return adv.float()
-
-
 def fused_values(parent: torch.Tensor, leaf_reward: torch.Tensor, edge_logp: torch.Tensor | None = None,
                  temperature: float = 1.0) -> torch.Tensor:
     """BranchGRPO reward fusion: a node's value from its children's, bottom-up.

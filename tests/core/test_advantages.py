@@ -109,3 +109,11 @@ def test_multi_reward_modes_and_clip():
         combine_rewards(rewards, g, "grpo", {"c": 1.0})
     with pytest.raises(ValueError):
         combine_rewards(rewards, g, "depth_zscore")  # tree estimator without a tree
+
+
+def test_tree_leaf_zscore_hand_computed():
+    # leaves 1,2,3,5: mean 2.75, std 1.7078; node 1 value 1.5, node 2 value 4
+    s = torch.tensor([1.0, 2, 3, 5]).std()
+    adv = tree_advantages(PARENT, LEAF, "tree_leaf_zscore", eps=0.0)
+    exp = torch.tensor([0.0, (1.5 - 2.75) / s, (4 - 2.75) / s, *((torch.tensor([1.0, 2, 3, 5]) - 2.75) / s).tolist()])
+    assert torch.allclose(adv, exp, atol=1e-5)
