@@ -3,7 +3,8 @@
 One sequence of the ``Rollout`` is one completion (flat GRPO) or one tree edge (a token segment; TreePO /
 TreeRL); its steps are completion tokens: ``logp_old[N, max_new_tokens]`` with ``mask`` = the tokens the
 sequence owns. The payload keeps token ids and the padding layout, so ``log_probs`` recomputes the behaviour
-log-probs bitwise on CPU (ratio exactly 1 before the first update). The method (GRPO, Dr. GRPO, DAPO, GSPO, RLOO,
+log-probs bitwise on CPU (ratio exactly 1 before the first update), or the trainer takes them from its first loss
+forward (``behaviour_logprobs: deferred``). The method (GRPO, Dr. GRPO, DAPO, GSPO, RLOO,
 MC-GRPO, tree estimators) is chosen entirely by the trainer's config sections.
 """
 from __future__ import annotations
@@ -23,7 +24,7 @@ from ..domain import DomainBase, RunContext, StepLogProbs
 from ..rollout import Rollout
 from .engine import RolloutEngine, TorchRolloutEngine
 from .model import LoraSettings, load_causal_lm, load_tokenizer
-from .policy import collate, reference_context, token_log_probs
+from .policy import collate, collate_shared, reference_context, token_log_probs, token_log_probs_shared
 from .rewards import RewardSpec, build_reward, call_reward
 from .tasks import DatasetSettings, format_prompt, load_task
 from .tree import TreeSettings, grow_trees
@@ -57,10 +58,17 @@ class LLMConfig:
         lean Llama/Mistral/Qwen2 sampler on a snapshot of the current weights, same tokens for the same noise),
         ``auto`` (fast when the model is supported, else torch) or ``module:Class`` implementing ``RolloutEngine``
         (constructed as ``Class(model=..., tokenizer=..., config=...)``).
-    behaviour_logprobs: ``recompute`` (default) runs one no-grad forward in the training layout, so the ratio is
-        exactly 1 before the first update; ``engine`` takes the sampler's own log-probs (saves that forward,
-        ~15% of a CPU iteration; ratio 1 only to ~1e-6 with the torch engine, and an external engine's kernels
-        may differ more).
+    behaviour_logprobs: ``recompute`` (default) runs one no-grad forward in the training layout at rollout time,
+        so the ratio is exactly 1 before the first update; ``deferred`` leaves them NaN and the trainer fills them
+        from its first loss forward (one minibatch per epoch: no extra forward, ratio exactly 1) or from one
+        no-grad ``log_probs`` pass before the first update (several minibatches); unlike ``recompute`` that pass
+        runs in train mode, so with LoRA dropout > 0 the behaviour log-probs carry dropout noise, as in TRL.
+        ``engine`` takes the sampler's own log-probs (saves that forward; ratio 1 only to ~1e-6 with the built-in
+        engines, and an external engine's kernels may differ more).
+    share_prompt_forward: run each distinct prompt of a micro-batch once and its G completions on its expanded
+        KV cache (``policy.token_log_probs_shared``), in the training forward, the behaviour recompute and the
+        reference forward alike; equal to the one-pass forward up to float rounding. Needs the model's KV cache,
+        so not with ``gradient_checkpointing``.
     """
 
     model: str = "assets/llm-arith-tiny"
@@ -77,7 +85,8 @@ class LLMConfig:
     tree: TreeSettings = field(default_factory=TreeSettings)
     eval: LLMEvalSettings = field(default_factory=LLMEvalSettings)
     engine: str = "torch"
-    behaviour_logprobs: Literal["recompute", "engine"] = "recompute"
+    behaviour_logprobs: Literal["recompute", "engine", "deferred"] = "recompute"
+    share_prompt_forward: bool = False
     engine_batch_rows: int = 256
     logprob_batch_size: int = 64
     num_threads: int = 0
@@ -106,6 +115,9 @@ class LLMConfig:
             raise ConfigError(f"{where}.engine must be torch, fast, auto or 'module:Class'; got {self.engine!r}")
         if self.logprob_batch_size < 1 or self.engine_batch_rows < 1:
             raise ConfigError(f"{where}.logprob_batch_size and engine_batch_rows must be >= 1")
+        if self.share_prompt_forward and self.gradient_checkpointing:
+            raise ConfigError(f"{where}.share_prompt_forward needs the model's KV cache, which gradient checkpointing "
+                              f"turns off; set one of {where}.share_prompt_forward / gradient_checkpointing to false")
 
     def check_with(self, cfg: Any) -> None:
         """Cross-checks against the trainer config (called by ``shared_rl.config.load_train_config``)."""
@@ -221,11 +233,19 @@ class LLMDomain(DomainBase):
         return out
 
     # ---- log-probs -------------------------------------------------------------------------------------------
+    def _token_logp(self, module, prompt_ids, completion_ids, layout, with_entropy: bool = False):
+        """The one log-prob function of this domain (training, behaviour recompute, deferred fill, reference):
+        the padding layout ``layout``, one-pass or prefix-shared (``share_prompt_forward``)."""
+        pad = self.tokenizer.pad_token_id
+        if self.cfg.share_prompt_forward:
+            batch = collate_shared(prompt_ids, completion_ids, layout, pad, self.device)
+            return token_log_probs_shared(module, batch, self.cfg.temperature, with_entropy)
+        return token_log_probs(module, collate(prompt_ids, completion_ids, layout, pad, self.device),
+                               self.cfg.temperature, with_entropy)
+
     def _forward_logp(self, prompt_ids, completion_ids, layout, grad: bool, with_entropy: bool = False):
-        batch = collate(prompt_ids, completion_ids, layout, self.tokenizer.pad_token_id, self.device)
         with torch.set_grad_enabled(grad):
-            logp, ent = token_log_probs(self.model, batch, self.cfg.temperature, with_entropy)
-        return logp, ent
+            return self._token_logp(self.model, prompt_ids, completion_ids, layout, with_entropy)
 
     @torch.no_grad()
     def _behaviour_logp(self, prompt_ids: list[torch.Tensor], completion_ids: list[torch.Tensor],
@@ -253,6 +273,12 @@ class LLMDomain(DomainBase):
                 out[i, start:start + len(lps)] = torch.tensor(lps, dtype=torch.float32)
         return out
 
+    @staticmethod
+    def _deferred_logp(mask: torch.Tensor) -> torch.Tensor:
+        """NaN on the trained tokens (the trainer fills them from its first forward, see ``Rollout.logp_old``), 0
+        elsewhere, so sequences without trained tokens (tree roots) never ask for a forward."""
+        return torch.where(mask, torch.full(mask.shape, math.nan), torch.zeros(mask.shape))
+
     def log_probs(self, rollout: Rollout, idx: torch.Tensor, need_kl: bool) -> StepLogProbs:
         p = rollout.index_payload(idx)
         if not self.model.training:  # .train() walks every module; skip it when nothing changes
@@ -263,9 +289,8 @@ class LLMDomain(DomainBase):
         nfe = len(idx)
         if need_kl:
             module, context = reference_context(self.model, self.reference)
-            batch = collate(p["prompt_ids"], p["completion_ids"], p["layout"], self.tokenizer.pad_token_id, self.device)
             with torch.no_grad(), context:
-                ref, _ = token_log_probs(module, batch, self.cfg.temperature)
+                ref, _ = self._token_logp(module, p["prompt_ids"], p["completion_ids"], p["layout"])
             ref = _pad_steps(ref.float(), width)
             nfe += len(idx)
         return StepLogProbs(logp=_pad_steps(logp.float(), width), ref_logp=ref,
@@ -297,6 +322,8 @@ class LLMDomain(DomainBase):
             mask[i, :len(c)] = True
         if self.cfg.behaviour_logprobs == "engine":
             logp_old = self._engine_logp([(0, lp) for lp in gen.sample_logprobs])
+        elif self.cfg.behaviour_logprobs == "deferred":
+            logp_old = self._deferred_logp(mask)
         else:
             logp_old = self._behaviour_logp(prompt_rows, completion_rows, layout)
         info.update({"completion/tokens": float(mask.sum()), "completion/count": float(n),
@@ -332,6 +359,8 @@ class LLMDomain(DomainBase):
             mask[i, tree.start[i]:len(tree.path[i])] = True
         if c.behaviour_logprobs == "engine":
             logp_old = self._engine_logp(list(zip(tree.start, tree.segment_logprobs)))
+        elif c.behaviour_logprobs == "deferred":
+            logp_old = self._deferred_logp(mask)
         else:
             logp_old = self._behaviour_logp(prompt_rows, completion_rows, layout)
         info.update({"completion/tokens": float(tree.generated_tokens), "completion/count": float(len(leaf_idx)),
