@@ -32,7 +32,7 @@ DOC = Path(__file__).resolve().parents[1] / "docs" / "bench" / "llm.md"
 
 
 def _grove_cfg(model: str, steps: int, lr: float, groups: int, group_size: int, max_new: int, tree: bool = False,
-               seed: int = 0, engine_logprobs: bool = False, engine: str = "fast"):
+               seed: int = 0, behaviour: str = "recompute", engine: str = "fast", share: bool = False):
     from shared_rl.config import load_train_config
 
     data = {
@@ -47,7 +47,7 @@ def _grove_cfg(model: str, steps: int, lr: float, groups: int, group_size: int, 
                 "dataset": {"source": "arith", "digits": 3, "num_train": 20000, "num_eval": 500},
                 "rewards": [{"name": "numeric_match", "weight": 1.0}],
                 "eval": {"num_prompts": 500, "sampled": False}, "num_threads": 1, "engine": engine,
-                "behaviour_logprobs": "engine" if engine_logprobs else "recompute"},
+                "behaviour_logprobs": behaviour, "share_prompt_forward": share},
     }
     if tree:
         data["llm"]["tree"] = {"enabled": True, "branching": [2, 2, 2], "segment_tokens": 1}
@@ -118,10 +118,13 @@ def _run_trl(model_dir: Path, steps: int, lr: float, groups: int, group_size: in
     return {"times": times, "cpu": cpu, "rewards": rewards, "model": trainer.model, "tokenizer": tok}
 
 
-GROVE_VARIANTS = {  # name -> (engine, behaviour log-probs from the engine)
-    "grove_grpo_torch_engine": ("torch", False),
-    "grove_grpo": ("fast", False),
-    "grove_grpo_engine_logp": ("fast", True),
+GROVE_VARIANTS = {  # name -> (llm.engine, llm.behaviour_logprobs, llm.share_prompt_forward)
+    "grove_grpo_torch_engine": ("torch", "recompute", False),
+    "grove_grpo": ("fast", "recompute", False),
+    "grove_grpo_engine_logp": ("fast", "engine", False),
+    "grove_grpo_deferred": ("fast", "deferred", False),
+    "grove_grpo_shared": ("fast", "recompute", True),
+    "grove_grpo_deferred_shared": ("fast", "deferred", True),
 }
 
 
@@ -133,8 +136,8 @@ def _same_work_one_seed(seed: int, steps: int, lr: float, groups: int, group_siz
     from shared_rl.trainer import Trainer
 
     trainers = {name: Trainer(_grove_cfg(str(ASSET), steps, lr, groups, group_size, max_new, seed=seed,
-                                         engine=engine, engine_logprobs=elogp), None, log=lambda s: None)
-                for name, (engine, elogp) in GROVE_VARIANTS.items()}
+                                         engine=engine, behaviour=behaviour, share=share), None, log=lambda s: None)
+                for name, (engine, behaviour, share) in GROVE_VARIANTS.items()}
     res = {name: {"times": [], "cpu": [], "rewards": [], "rollout_s": [], "train_s": []} for name in trainers}
 
     def grove_steps(step: int) -> None:
@@ -237,31 +240,34 @@ def run(out_dir: Path, quick: bool = False) -> dict:
         curves[name] = res["rewards"]
 
     by_name = {r["variant"]: r for r in rows}
-    train_share = by_name["grove_grpo"]["train_s_per_step"] / by_name["grove_grpo"]["s_per_step"]
-    train_share_elogp = (by_name["grove_grpo_engine_logp"]["train_s_per_step"]
-                         / by_name["grove_grpo_engine_logp"]["s_per_step"])
+    best = by_name["grove_grpo_deferred_shared"]
     _plot(curves, out_dir / "llm_bench.png")
-    notes = (f"Command: `grove bench llm --out runs/bench-llm` (quick={quick}). Part 1: {steps} steps x "
+    notes = (f"Command: `grove bench llm --out {out_dir}` (quick={quick}). Part 1: {steps} steps x "
              f"{len(seeds)} seed(s) ({', '.join(map(str, seeds))}) of {groups} prompts x {group_size} completions "
              f"(<= {max_new} tokens, temperature 1, lr {lr}, clip 0.2, no KL, TRL loss_type=grpo = grove "
-             f"seq-mean-token-mean), same checkpoint (assets/llm-arith-tiny) and prompt pool, CPU, 1 thread. "
-             f"All four variants run interleaved step by step in one process (TRL step, then one iteration of each "
-             f"grove variant in rotating order), so other load on the shared CPU hits them alike. Times are means "
-             f"over every step but each run's first; cpu_s_per_step is process CPU time (the steadier measure on a "
-             f"shared machine). grove_grpo = llm.engine: fast (shared_rl/llm/fast_llama.py) with behaviour "
-             f"log-probs recomputed by the training model (first-step ratio exactly 1); grove_grpo_torch_engine = "
-             f"the previous HF-module KV-cache sampler, same tokens for the same noise; grove_grpo_engine_logp = "
-             f"fast engine + behaviour_logprobs: engine (skips the recompute forward, as TRL with "
-             f"num_iterations=1 does). rollout_s / train_s: grove's wall time in rollout (sampling, rewards, "
-             f"behaviour log-probs) and in the loss forward/backward/optimizer. Rewards: mean over seeds per step; "
-             f"reward_first is before any update. eval_accuracy: greedy on 500 held-out problems after training "
-             f"(mean over seeds; per seed in eval_accuracy_seeds). Part 2 (fast engine): tree = branching [2,2,2] "
-             f"at every token (segment_tokens 1), treerl advantages, prompts per iteration sized to the flat run's "
-             f"generated tokens per iteration; same iterations; one seed. Plot: llm_bench.png (docs/bench/llm.png). "
-             f"Where the time goes: the loss forward/backward/optimizer (train_s, the same HF computation TRL runs) "
-             f"is {train_share:.0%} of grove_grpo's wall time per step and {train_share_elogp:.0%} of "
-             f"grove_grpo_engine_logp's, so a faster sampler alone cannot reach 2x here; docs/methods/llm.md "
-             f"(The rollout engine) measures what would.")
+             f"seq-mean-token-mean, one optimizer step per generation), same checkpoint (assets/llm-arith-tiny) and "
+             f"prompt pool, CPU, 1 thread. TRL and every grove variant run interleaved step by step in one process "
+             f"(TRL step, then one iteration of each grove variant in rotating order), so other load on the shared "
+             f"CPU hits them alike. Times are means over every step but each run's first; cpu_s_per_step is process "
+             f"CPU time (the steadier measure on a shared machine). Variants (llm.engine / behaviour_logprobs / "
+             f"share_prompt_forward): grove_grpo_torch_engine = torch / recompute / off (HF-module KV-cache "
+             f"sampler); grove_grpo = fast / recompute / off; grove_grpo_engine_logp = fast / engine / off (the "
+             f"sampler's log-probs, ratio 1 to ~1e-6); grove_grpo_deferred = fast / deferred / off (logp_old from the "
+             f"first loss forward, as TRL with num_iterations=1; ratio exactly 1); grove_grpo_shared = fast / "
+             f"recompute / on (each prompt's forward run once and its KV cache expanded to its 8 completions, in the "
+             f"loss and the recompute forward); grove_grpo_deferred_shared = fast / deferred / on. recompute and "
+             f"deferred train bitwise alike (same curves); the shared forward differs from the one-pass forward by "
+             f"float rounding (~1e-6), which could flip a sampled token after some updates (it did not within "
+             f"these runs: all grove variants have the same rewards and accuracies). rollout_s / train_s: "
+             f"grove's wall time in rollout (sampling, rewards, recomputed behaviour log-probs) and in the loss "
+             f"forward/backward/optimizer. Rewards: mean over seeds per step; reward_first is before any update. "
+             f"eval_accuracy: greedy on 500 held-out problems after training (mean over seeds; per seed in "
+             f"eval_accuracy_seeds). Part 2 (fast engine, recompute, one-pass forward, as before): tree = branching "
+             f"[2,2,2] at every token (segment_tokens 1), treerl advantages, prompts per iteration sized to the flat "
+             f"run's generated tokens per iteration; same iterations; one seed. Plot: llm_bench.png "
+             f"(docs/bench/llm.png). Fastest variant: grove_grpo_deferred_shared, {best['cpu_speedup_vs_trl']:.2f}x "
+             f"TRL by CPU time ({best['speedup_vs_trl']:.2f}x wall); its loss forward/backward/optimizer is "
+             f"{best['train_s_per_step'] / best['s_per_step']:.0%} of its wall time per step.")
     result = write_results(out_dir, "llm", rows, notes, extra={"curves": curves},
                            doc_path=None if quick else DOC)
     if not quick:
