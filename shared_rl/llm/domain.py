@@ -283,7 +283,9 @@ class LLMDomain(DomainBase):
         p = rollout.index_payload(idx)
         if not self.model.training:  # .train() walks every module; skip it when nothing changes
             self.model.train()
-        logp, ent = self._forward_logp(p["prompt_ids"], p["completion_ids"], p["layout"], True, with_entropy=True)
+        # with grad unless the caller turned it off (the trainer's up-front fill of deferred behaviour log-probs)
+        logp, ent = self._forward_logp(p["prompt_ids"], p["completion_ids"], p["layout"], torch.is_grad_enabled(),
+                                       with_entropy=True)
         width = self.cfg.max_new_tokens
         ref = None
         nfe = len(idx)
