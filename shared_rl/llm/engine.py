@@ -2,8 +2,9 @@
 so a vLLM or SGLang server (sampling in another process, weights pushed by ``sync_weights``) can replace the
 plain-PyTorch engines without touching the domain. Two are built in: ``TorchRolloutEngine`` below (any HF causal
 LM) and ``fast_llama.FastLlamaEngine`` (Llama / Mistral / Qwen2; a lean forward on a weight snapshot). Behaviour log-probs for the loss are *not* taken from the
-engine: the domain recomputes them in the training layout so the ratio is exactly 1 before the first update
-(an engine's own log-probs differ in kernels and batch layout; they are kept for diagnostics only).
+engine by default: the domain computes them with its training log-prob function (``recompute`` at rollout time, or
+``deferred`` to the trainer's first forward) so the ratio is exactly 1 before the first update
+(an engine's own log-probs differ in kernels and batch layout; ``behaviour_logprobs: engine`` opts into them).
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ class Generation:
     completion_ids: per row, the sampled token ids (EOS included when it was sampled).
     finished: per row, whether EOS was sampled (False: length cap, or stopped at a branch point).
     stopped: per row, whether sampling stopped *before* a high-entropy token (TreeRL-style branch point).
-    sample_logprobs: per row, the engine's own log-probs of the sampled tokens (diagnostics only).
+    sample_logprobs: per row, the engine's own log-probs of the sampled tokens (``behaviour_logprobs: engine``).
     nfe: model forward evaluations, counted per row per model call.
     """
 

@@ -21,8 +21,8 @@ on the other rows' values, so a row gets the reference's token whenever its logi
 checked in ``tests/llm/test_engine_fast.py``). Weights are a snapshot of the trained module taken by
 ``sync_weights`` (LoRA deltas merged as ``W + scale * B @ A`` through peft's ``get_delta_weight``); ``generate``
 re-takes the snapshot by itself if any parameter changed in place since (tensor version counters), so a missed
-sync cannot sample from stale weights. Loss log-probs still come from the training model's recompute forward
-(``behaviour_logprobs: recompute``), so the first-step ratio stays exactly 1.
+sync cannot sample from stale weights. Loss log-probs still come from the training model (``behaviour_logprobs:
+recompute`` or ``deferred``), so the first-step ratio stays exactly 1.
 """
 from __future__ import annotations
 
