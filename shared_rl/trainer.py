@@ -172,7 +172,8 @@ class Trainer:
 
         # 3. inner epochs of minibatches; each minibatch is one optimizer step, split into micro-batches
         t1 = time.perf_counter()
-        nfe_train = self._fill_deferred_logp(local) if cfg.optim.minibatches_per_epoch > 1 else 0
+        kept_local = to_local[to_local >= 0]
+        nfe_train = self._fill_deferred_logp(local, kept_local) if cfg.optim.minibatches_per_epoch > 1 else 0
         stats = _StepStats()
         trainable = torch.nonzero(view.mask.any(dim=1)).flatten()
         for _epoch in range(cfg.optim.inner_epochs):
@@ -192,13 +193,15 @@ class Trainer:
         metrics["samples_per_s"] = leaves / max(total_time, 1e-9)
         return metrics
 
-    def _fill_deferred_logp(self, rollout: Rollout | None) -> int:
+    def _fill_deferred_logp(self, rollout: Rollout | None, rows: torch.Tensor) -> int:
         """Deferred behaviour log-probs (NaN in ``logp_old``, see ``Rollout``) are normally taken from the first
         loss forward, which runs before any update when the iteration has one minibatch per epoch. With several
         minibatches, later ones would see updated weights, so compute them up front without grad instead."""
-        if rollout is None or not torch.isnan(rollout.logp_old).any():
+        if rollout is None or rows.numel() == 0:
             return 0
-        idx = torch.nonzero(torch.isnan(rollout.logp_old).any(dim=1)).flatten()
+        idx = rows[torch.isnan(rollout.logp_old[rows]).any(dim=1) & rollout.mask[rows].any(dim=1)]  # kept, trained
+        if idx.numel() == 0:
+            return 0
         micro = self.cfg.optim.micro_batch_size or max(1, idx.numel())
         nfe = 0
         with torch.no_grad():
