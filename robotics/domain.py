@@ -45,6 +45,9 @@ from .policies.vla import TinyVLA, VLAConfig
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
+ENV_ACTION_DIM = 4  # Meta-World's action: hand displacement xyz + gripper effort
+
+
 @dataclass
 class RoboticsConfig:
     """The ``robotics:`` section of an RL config."""
@@ -110,6 +113,19 @@ class RoboticsDomain(DomainBase):
                 f"{m.image_size}; env gives {cfg.env.image_channels} (cameras {cfg.env.cameras}), "
                 f"{cfg.env.proprio_dim} (include_goal={cfg.env.include_goal}), {cfg.env.image_size}"
             )
+        if m.action_dim != ENV_ACTION_DIM:
+            raise ConfigError(f"robotics: the policy's action_dim is {m.action_dim} but Meta-World and the point env "
+                              f"take {ENV_ACTION_DIM} (hand xyz + gripper); set robotics.model.action_dim: {ENV_ACTION_DIM}")
+        if cfg.env.kind == "metaworld":
+            from .envs.metaworld_env import known_tasks
+
+            unknown = [t for t in cfg.env.tasks if t not in known_tasks()]
+            if unknown:
+                raise ConfigError(f"robotics.env.tasks: unknown Meta-World task(s) {unknown}; v3 names look like "
+                                  f"reach-v3, push-v3, door-open-v3 (50 in all, see metaworld.env_dict)")
+        extra = sorted(set(cfg.train_tasks) - set(cfg.env.tasks))
+        if extra:
+            raise ConfigError(f"robotics.train_tasks {extra} are not in robotics.env.tasks {cfg.env.tasks}")
         if (m.head == "discrete") != (cfg.head_mode == "discrete"):
             raise ConfigError(f"robotics.head_mode {cfg.head_mode!r} does not fit the checkpoint's {m.head!r} head; "
                               f"use {'discrete' if m.head == 'discrete' else 'flow_sde, flow_noise or mix'}")

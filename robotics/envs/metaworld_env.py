@@ -338,3 +338,10 @@ def proprio_dim(include_goal: bool) -> int:
 
 
 SuccessMode = Literal["once", "end"]
+
+
+def known_tasks() -> list[str]:
+    """Meta-World v3 task names (``reach-v3``, ...)."""
+    from metaworld.env_dict import ALL_V3_ENVIRONMENTS_GOAL_OBSERVABLE
+
+    return sorted(k.removesuffix("-goal-observable") for k in ALL_V3_ENVIRONMENTS_GOAL_OBSERVABLE)
