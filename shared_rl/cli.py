@@ -208,7 +208,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("MUJOCO_GL", "egl")
     import logging
 
-    logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)  # torchao import-time chatter
+    # import-time chatter of torchao (and diffusers' torchao shim) is not for the user's terminal
+    for name in ("torch.utils._pytree", "diffusers.quantizers.torchao.torchao_quantizer"):
+        logging.getLogger(name).setLevel(logging.ERROR)
     try:
         if argv[:1] == ["robotics"]:
             return cmd_robotics(argv[1:])

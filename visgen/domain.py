@@ -265,6 +265,15 @@ class VisgenDomain(DomainBase):
         self.max_sequence_length = cfg.max_sequence_length or settings.get("max_sequence_length")
         resolution = cfg.resolution or settings.get("resolution")
         self.height = self.width = int(resolution) if resolution else None
+        if self.height:
+            multiple = int(getattr(self.pipe, "vae_scale_factor", 8)) * int(
+                getattr(self.pipe.transformer.config, "patch_size", 1) or 1)
+            if type(self.pipe).__name__.startswith("Flux"):
+                multiple *= 2  # FLUX packs 2x2 latent patches
+            if self.height % multiple:
+                raise ConfigError(f"visgen.resolution {self.height} must be a multiple of {multiple} for this "
+                                  f"pipeline (VAE downsampling x transformer patch size); try "
+                                  f"{max(multiple, round(self.height / multiple) * multiple)}")
         self.plan = plans.plan_from_config(cfg.plan)
         self.policy = FlowPolicy(self.pipe, cfg.train_mode, cfg.lora, cfg.ema, cfg.gradient_checkpointing,
                                  cfg.full_reference)

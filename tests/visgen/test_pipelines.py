@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import CALL_OPTIONS, PROMPTS, SIZES, build_sana, ready
+from .conftest import CALL_OPTIONS, PROMPTS, SIZES, build_sana, ready
 
 import visgen
 from visgen.pipelines import FluxAdapter, SanaAdapter, SD3Adapter, as_adapter

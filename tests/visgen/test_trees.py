@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from conftest import CALL_OPTIONS, SIZES
+from .conftest import CALL_OPTIONS, SIZES
 
 from shared_rl.advantages import tree_advantages
 from shared_rl.config import ConfigError, from_dict

@@ -63,7 +63,16 @@ class HPSv2:
         except RuntimeError as exc:
             raise RewardError(f"hps: unknown open_clip architecture {arch!r} ({exc})") from None
         if path is not None:
-            state = torch.load(path, map_location="cpu", weights_only=False)
+            if str(path).endswith(".safetensors"):
+                from safetensors.torch import load_file
+
+                state = load_file(str(path))
+            else:
+                try:  # never unpickle arbitrary objects from a downloaded file
+                    state = torch.load(path, map_location="cpu", weights_only=True)
+                except Exception as exc:  # noqa: BLE001
+                    raise RewardError(f"hps: {path} is not a plain tensor state dict ({exc}); convert it to "
+                                      "safetensors with a trusted script") from None
             state = state.get("state_dict", state) if isinstance(state, dict) else state
             state = {k.removeprefix("module."): v for k, v in state.items()}
             missing, unexpected = model.load_state_dict(state, strict=False)
