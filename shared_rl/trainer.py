@@ -222,7 +222,9 @@ class Trainer:
         for c, chunk in enumerate(chunks):
             if c % self.dist.world != self.dist.rank:
                 continue
-            g = torch.Generator().manual_seed(iteration_seed(self.cfg.seed, it) + 1_000_003 * (rnd + 1) + 7919 * c)
+            chunk_seed = iteration_seed(self.cfg.seed, it) + 1_000_003 * (rnd + 1) + 7919 * c
+            g = torch.Generator().manual_seed(chunk_seed)
+            torch.manual_seed(chunk_seed)  # for domains that also draw from the global RNG: same on any layout
             with torch.no_grad(), _oom_hint("rollout", "lower rollout.groups_per_call (groups per rollout call) or "
                                              "the domain's rollout micro-batch size"):
                 part = self.domain.rollout(chunk, self.cfg.rollout.group_size, g, it)
