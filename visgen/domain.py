@@ -114,6 +114,9 @@ class VisgenConfig:
     reduction: Literal["mean", "sum"] = "mean"
     plan: dict[str, Any] = field(default_factory=lambda: {"name": "flow_grpo"})  # see visgen.plans
     rollout_micro_batch: int = 0  # samples per transformer forward while sampling; 0 = the whole call
+    # one initial noise per prompt for its whole group (DanceGRPO): samples differ only by their SDE steps, the
+    # trained actions, instead of by an untrained initial draw that the advantage would otherwise credit to them
+    shared_noise: bool = False
     rewards: list[RewardSpec] = field(default_factory=lambda: [RewardSpec("shapes")])
     kl_type: Literal["mean", "velocity"] = "mean"  # used when loss.kl_coef > 0
     # what trains
@@ -169,7 +172,7 @@ class VisgenConfig:
 
 def _import_optional_rewards() -> None:
     """Register the reward-model rewards (they import nothing heavy until built)."""
-    from .rewards import hps, pickscore  # noqa: F401
+    from .rewards import hps, pickscore, shapes_soft  # noqa: F401
 
 
 # ------------------------------------------------------------------------------------------------------ loading
@@ -378,7 +381,7 @@ class VisgenDomain(DomainBase):
             self.pipe, prompts, cfg.num_inference_steps, cfg.guidance_scale, generator, cfg.sampler,
             cfg.noise_level, self.plan, num_images_per_prompt=group_size,
             micro_batch_size=cfg.rollout_micro_batch or None, decode=True, reduction=cfg.reduction,
-            iteration=iteration, **self._sample_kwargs(),
+            iteration=iteration, shared_noise=cfg.shared_noise, **self._sample_kwargs(),
         )
         t1 = time.perf_counter()
         n = traj.batch_size

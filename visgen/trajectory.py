@@ -149,6 +149,7 @@ def sample(
     sigmas: list[float] | None = None,
     mu: float | None = None,
     latents: torch.Tensor | None = None,
+    shared_noise: bool = False,
     micro_batch_size: int | None = None,
     decode: bool = False,
     reduction: str = "mean",
@@ -171,6 +172,8 @@ def sample(
         plan: a built ``StepPlan``, a plan spec / config dict / name, or None (``ode`` sampler: all deterministic;
             otherwise Flow-GRPO: all steps stochastic, all but the last trained).
         latents: initial noise to start from instead of drawing it (model layout, ``[B, ...]``).
+        shared_noise: draw one initial noise per prompt and give it to all ``num_images_per_prompt`` samples of that
+            prompt (DanceGRPO's shared group noise: samples then differ only by their SDE steps).
         micro_batch_size: split each step's forward into chunks of this many samples (None: whole batch).
         decode: also decode the final latents into ``images`` in [0, 1].
         reduction: ``mean`` (Flow-GRPO/DDPO convention) or ``sum`` over latent elements for log-probs.
@@ -199,7 +202,14 @@ def sample(
         width=width,
         **encode_options,
     )
-    x = adapter.prepare_latents(batch_size, cond, generator) if latents is None else latents.float().to(adapter.device)
+    if latents is not None:
+        x = latents.float().to(adapter.device)
+    elif shared_noise:
+        noise_generator = generator[::num_images_per_prompt] if isinstance(generator, list) else generator
+        per_prompt = cond[slice(0, batch_size, num_images_per_prompt)]
+        x = adapter.prepare_latents(len(prompts), per_prompt, noise_generator).repeat_interleave(num_images_per_prompt, 0)
+    else:
+        x = adapter.prepare_latents(batch_size, cond, generator)
     if x.shape[0] != batch_size:
         raise ValueError(f"initial latents have batch {x.shape[0]}, expected {batch_size}")
     sigma_grid, timesteps = adapter.schedule(num_inference_steps, cond, sigmas=sigmas, mu=mu)
