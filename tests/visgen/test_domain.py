@@ -292,3 +292,23 @@ def test_hps_reward_on_a_tiny_open_clip(tmp_path):
     assert torch.allclose(score, (img * txt).sum(-1), atol=1e-5)
     with pytest.raises(RewardError, match="neither a file"):
         get_reward("hps", checkpoint=str(tmp_path / "missing.pt"), arch=str(tmp_path / "hps-tiny.json"))
+
+
+def test_shapes_soft_reward_margins_and_partial_credit():
+    from visgen.rewards import get_reward
+    from visgen.rewards.shapes_soft import shape_margin
+    from visgen.tasks import shapes as S
+
+    t3, t4 = S.TRIANGLE_MIN_THREEFOLD, S.SQUARE_MIN_FOURFOLD
+    assert shape_margin("triangle", t3 + 0.08, 0.5) == pytest.approx(0.08)
+    assert shape_margin("square", t3 - 0.12, t4 + 0.05) == pytest.approx(0.05)
+    assert shape_margin("circle", t3 - 0.01, t4 - 0.1) == pytest.approx(0.01)
+    assert shape_margin("circle", 0.0, t4 + 0.02) == pytest.approx(-0.02)
+    spec = S.parse_prompt("a red circle on the left and a blue square on the right")
+    swapped = S.parse_prompt("a red square on the left and a blue circle on the right")
+    truth = torch.from_numpy(S.render_batch([spec, swapped], seed=0))
+    prompts = [spec.prompt, spec.prompt]
+    soft = get_reward("shapes_soft")(truth, prompts, [spec.to_dict()] * 2)["shapes_soft"]
+    hard = get_reward("shapes")(truth, prompts, [spec.to_dict()] * 2)["shapes"]
+    assert hard.tolist() == pytest.approx([1.0, 7 / 9])  # the swapped image fails both shape checks
+    assert 0.9 < soft[0] <= 1.0 and hard[1] < soft[1] < soft[0]  # soft margins: partial credit, still ordered
