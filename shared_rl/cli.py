@@ -204,6 +204,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    code = _main(argv)
+    if "torch.distributed" in sys.modules:  # launched by accelerate/torchrun: leave cleanly on every rank
+        from .distributed import exit_distributed
+
+        exit_distributed(code)
+    return code
+
+
+def _main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     os.environ.setdefault("MUJOCO_GL", "egl")
     import logging

@@ -9,6 +9,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from shared_rl.config import load_train_config
+from shared_rl.distributed import exit_distributed
 from shared_rl.trainer import Trainer
 
 COMMON = {"seed": 3, "iterations": 2, "logging": {"progress": False}, "eval": {"at_start": False},
@@ -46,8 +47,7 @@ def _worker(rank, world, port, name, out):
     state, metrics = _run(name)
     if rank == 0:
         torch.save({"state": state, "metrics": [{k: float(m[k]) for k in KEYS if k in m} for m in metrics]}, out)
-    dist.barrier()
-    dist.destroy_process_group()
+    exit_distributed(0)  # barrier + destroy + os._exit: gloo can SIGABRT at interpreter teardown
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))

@@ -9,6 +9,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from shared_rl.config import load_train_config
+from shared_rl.distributed import exit_distributed
 from shared_rl.trainer import Trainer
 
 BASE = {
@@ -48,8 +49,7 @@ def _worker(rank, world, port, name, out):
         torch.save({"logits": tr.domain.state_dict()["logits"],
                     "metrics": [{k: v for k, v in m.items() if not k.startswith("time") and k != "samples_per_s"}
                                 for m in metrics]}, out)
-    dist.barrier()
-    dist.destroy_process_group()
+    exit_distributed(0)  # barrier + destroy + os._exit: gloo can SIGABRT at interpreter teardown
 
 
 @pytest.mark.parametrize("name", sorted(VARIANTS))
