@@ -18,10 +18,27 @@ class RewardError(RuntimeError):
 
 @dataclass
 class RewardGuardConfig:
+    """How a domain calls its reward backends (the ``reward_guard:`` block of a domain section).
+
+    retries: extra attempts after a failure or time-out (exponential back-off from ``backoff_s``);
+    timeout_s: seconds per attempt (0 = no time-out); on_failure: ``nan`` masks the batch (the trainer skips NaN
+    rewards and counts them in ``reward/nan_count``), ``fatal`` stops the run with ``RewardError``.
+    Contract errors (``ValueError``/``TypeError``: a malformed batch, a wrong-length answer) are bugs, not
+    transient faults: they are raised at once, never retried or masked.
+    """
+
     retries: int = 2
     timeout_s: float = 0.0  # 0 = no time-out
     backoff_s: float = 0.5
     on_failure: Literal["nan", "fatal"] = "nan"
+
+    def check(self, where: str) -> None:
+        from .config import ConfigError
+
+        if self.retries < 0:
+            raise ConfigError(f"{where}.retries must be >= 0, got {self.retries}")
+        if self.timeout_s < 0 or self.backoff_s < 0:
+            raise ConfigError(f"{where}.timeout_s and backoff_s must be >= 0 (0 = none)")
 
 
 def guarded_reward(fn: Callable[..., dict[str, torch.Tensor]], name: str, cfg: RewardGuardConfig,
@@ -29,7 +46,10 @@ def guarded_reward(fn: Callable[..., dict[str, torch.Tensor]], name: str, cfg: R
                    output_names: list[str] | None = None) -> Callable[..., dict[str, torch.Tensor]]:
     """Wrap ``fn(*args) -> {name: tensor[B]}``: retry on exceptions and time-outs; after the last retry return
     NaN for the whole batch (``on_failure: nan``) or raise ``RewardError`` (``fatal``). Non-finite values that
-    the backend itself returns are passed through as NaN (the trainer masks and counts them)."""
+    the backend itself returns are passed through as NaN (the trainer masks and counts them). ``ValueError`` and
+    ``TypeError`` (contract errors) propagate at once. The NaN batch carries ``output_names`` or, when not
+    given, the names of the backend's last successful answer (else ``[name]``)."""
+    seen_names: list[str] = list(output_names or [])
 
     def call(*args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:
         last: BaseException | None = None
@@ -40,11 +60,16 @@ def guarded_reward(fn: Callable[..., dict[str, torch.Tensor]], name: str, cfg: R
                         out = ex.submit(fn, *args, **kwargs).result(timeout=cfg.timeout_s)
                 else:
                     out = fn(*args, **kwargs)
-                return {k: torch.as_tensor(v, dtype=torch.float32) for k, v in out.items()}
+                result = {k: torch.as_tensor(v, dtype=torch.float32) for k, v in out.items()}
+                if not output_names:
+                    seen_names[:] = list(result)
+                return result
             except cf.TimeoutError as e:
                 last = TimeoutError(f"reward {name!r} timed out after {cfg.timeout_s:g}s")
                 last.__cause__ = e
-            except Exception as e:  # noqa: BLE001 — any backend failure is retried
+            except (ValueError, TypeError):
+                raise
+            except Exception as e:  # noqa: BLE001 — any other backend failure is retried
                 last = e
             if attempt < cfg.retries:
                 log(f"WARNING: reward {name!r} failed ({last}); retry {attempt + 1}/{cfg.retries}")
@@ -54,6 +79,6 @@ def guarded_reward(fn: Callable[..., dict[str, torch.Tensor]], name: str, cfg: R
         log(f"WARNING: reward {name!r} failed after {cfg.retries + 1} attempts ({last}); its values are NaN "
             "for this batch (masked, counted in reward/nan_count)")
         n = batch_size(*args, **kwargs)
-        return {k: torch.full((n,), math.nan) for k in (output_names or [name])}
+        return {k: torch.full((n,), math.nan) for k in (seen_names or [name])}
 
     return call

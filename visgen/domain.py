@@ -34,6 +34,7 @@ import torch
 
 from shared_rl.config import ConfigError, from_dict
 from shared_rl.domain import DomainBase, RunContext, StepLogProbs
+from shared_rl.rewards import RewardGuardConfig, guarded_reward
 from shared_rl.rollout import Rollout
 
 from .policy import EmaSettings, FlowPolicy, LoraSettings
@@ -118,6 +119,8 @@ class VisgenConfig:
     # trained actions, instead of by an untrained initial draw that the advantage would otherwise credit to them
     shared_noise: bool = False
     rewards: list[RewardSpec] = field(default_factory=lambda: [RewardSpec("shapes")])
+    # retries / time-out / NaN-or-fatal for every reward call (reward servers and models fail; see shared_rl.rewards)
+    reward_guard: RewardGuardConfig = field(default_factory=RewardGuardConfig)
     kl_type: Literal["mean", "velocity"] = "mean"  # used when loss.kl_coef > 0
     # what trains
     train_mode: Literal["lora", "full"] = "lora"
@@ -282,10 +285,14 @@ class VisgenDomain(DomainBase):
                                  cfg.full_reference)
         self._load_prompts(settings)
         _import_optional_rewards()
-        self.rewards = [(spec.name, get_reward(spec.name, **spec.kwargs)) for spec in cfg.rewards]
+        def guarded(name: str, fn: Any) -> Any:
+            return guarded_reward(fn, name, cfg.reward_guard, lambda images, prompts, metas: len(prompts), log=ctx.log)
+
+        self.rewards = [(spec.name, guarded(spec.name, get_reward(spec.name, **spec.kwargs))) for spec in cfg.rewards]
         self.eval_rewards = list(self.rewards)
         if cfg.task == "shapes" and not any(name == "shapes" for name, _ in self.rewards):
-            self.eval_rewards.append(("shapes", get_reward("shapes")))  # the task's own metric, always reported
+            # the task's own metric, always reported
+            self.eval_rewards.append(("shapes", guarded("shapes", get_reward("shapes"))))
         self._cond_meta: dict[str, Any] | None = None
         self._calls = 0
         self._before_grid: torch.Tensor | None = None

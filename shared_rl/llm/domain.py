@@ -21,6 +21,7 @@ import torch
 
 from ..config import ConfigError
 from ..domain import DomainBase, RunContext, StepLogProbs
+from ..rewards import RewardGuardConfig, guarded_reward
 from ..rollout import Rollout
 from .engine import RolloutEngine, TorchRolloutEngine
 from .model import LoraSettings, load_causal_lm, load_tokenizer
@@ -82,6 +83,7 @@ class LLMConfig:
     max_new_tokens: int = 8
     temperature: float = 1.0
     rewards: list[RewardSpec] = field(default_factory=lambda: [RewardSpec("numeric_match", 1.0)])
+    reward_guard: RewardGuardConfig = field(default_factory=RewardGuardConfig)  # retries / time-out / NaN or fatal
     tree: TreeSettings = field(default_factory=TreeSettings)
     eval: LLMEvalSettings = field(default_factory=LLMEvalSettings)
     engine: str = "torch"
@@ -172,7 +174,12 @@ class LLMDomain(DomainBase):
         self.engine: RolloutEngine = self._make_engine()
         self.task = load_task(cfg.dataset)
         self.rewards = [(build_reward(spec), spec.weight) for spec in cfg.rewards]
+        self._guarded_calls = {
+            label: guarded_reward(lambda *a, _label=label, _fn=fn: {_label: call_reward(_fn, _label, *a)}, label,
+                                  cfg.reward_guard, lambda prompts, completions, *_: len(completions), log=ctx.log)
+            for (label, fn), _w in self.rewards}
         self._prompt_cache: dict[tuple[str, int], list[int]] = {}
+        self._sharded = False  # set by fsdp_modules(): the trainer shards the model with FSDP2
         ctx.log(f"llm: {cfg.model} ({sum(p.numel() for p in self.model.parameters()):,} params, "
                 f"{sum(p.numel() for p in self.parameters()):,} trainable) | task {cfg.dataset.source}: "
                 f"{len(self.task.train)} train / {len(self.task.eval)} eval prompts")
@@ -227,9 +234,8 @@ class LLMDomain(DomainBase):
                   "log_metric": log_metric, "log_extra": lambda *a, **k: None,
                   "max_completion_length": self.cfg.max_new_tokens, "truncated": truncated}
         out = {}
-        for (label, fn), _weight in self.rewards:
-            out[label] = torch.tensor(call_reward(fn, label, prompts, completions, completion_ids, columns, extras),
-                                      dtype=torch.float32)
+        for (label, _fn), _weight in self.rewards:
+            out[label] = self._guarded_calls[label](prompts, completions, completion_ids, columns, extras)[label]
         return out
 
     # ---- log-probs -------------------------------------------------------------------------------------------
@@ -303,7 +309,7 @@ class LLMDomain(DomainBase):
         return list(range(len(self.task.train)))
 
     def rollout(self, keys: list[int], group_size: int, generator: torch.Generator, iteration: int) -> Rollout:
-        self.engine.sync_weights()
+        self._sync_engine()
         prompts = [self._prompt_ids("train", k) for k in keys]
         if self.cfg.tree.enabled:
             return self._tree_rollout(keys, prompts, generator, iteration)
@@ -388,7 +394,7 @@ class LLMDomain(DomainBase):
         return gen_ids, finished
 
     def evaluate(self, iteration: int) -> dict[str, float]:
-        self.engine.sync_weights()
+        self._sync_engine()
         keys = list(range(min(self.cfg.eval.num_prompts, len(self.task.eval))))
         if not keys:
             return {}
@@ -411,6 +417,32 @@ class LLMDomain(DomainBase):
                                       for ex, c in zip(examples[:self.cfg.eval.num_samples_logged], ids)]
         return out
 
+    # ---- FSDP2 -----------------------------------------------------------------------------------------------------
+    def _sync_engine(self) -> None:
+        if self._sharded and hasattr(self.engine, "_fingerprint"):
+            # FSDP2 re-gathers the weights into reused buffers for every rollout: parameter version counters do
+            # not tell a changed weight from an unchanged one, so the fast engine re-takes its snapshot
+            self.engine.sync_weights(force=True)
+        else:
+            self.engine.sync_weights()
+
+    def fsdp_modules(self) -> list[torch.nn.Module]:
+        """FSDP2 units (``distributed.strategy: fsdp2``): every decoder layer (the classes the transformers model
+        lists in ``_no_split_modules``; with LoRA the adapters inside a layer are sharded with it), then the
+        transformers model itself as the root (embeddings, final norm, output layer)."""
+        if self.cfg.share_prompt_forward:
+            raise ConfigError("llm.share_prompt_forward runs a data-dependent number of forwards per micro-batch "
+                              "(one when every prompt is one token), which FSDP2's per-forward collectives cannot "
+                              "pair up across processes; set llm.share_prompt_forward: false with fsdp2")
+        base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        names = set(getattr(base, "_no_split_modules", None) or [])
+        blocks = [m for m in base.modules() if type(m).__name__ in names]
+        if not blocks:
+            raise ConfigError(f"llm: cannot find the decoder layers of {self.cfg.model} for FSDP2 "
+                              f"(_no_split_modules={sorted(names)}); use distributed.strategy: replicate")
+        self._sharded = True
+        return blocks + [base]
+
     # ---- parameters and export -------------------------------------------------------------------------------
     def parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
@@ -428,10 +460,29 @@ class LLMDomain(DomainBase):
                 params[n].copy_(v)
 
     def save_pretrained(self, out_dir: Path) -> None:
+        state = None
+        if self._sharded:  # called on every process: gather (collective), then write on the first one
+            state = self._full_state_for_export()
+            if self.ctx.process_index != 0:
+                return
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(out_dir)
+        if state is None:
+            self.model.save_pretrained(out_dir)
+        else:
+            self.model.save_pretrained(out_dir, state_dict=state)
         self.tokenizer.save_pretrained(out_dir)
+
+    def _full_state_for_export(self) -> dict[str, torch.Tensor]:
+        """Full CPU tensors of what ``save_pretrained`` writes: the adapter with LoRA (trainable parameters, keys as
+        in ``model.state_dict()``), else the whole model (``get_model_state_dict``: gathered to rank 0's CPU)."""
+        from ..distributed import full_tensors
+
+        if getattr(self.model, "peft_config", None):
+            return full_tensors({n: p.detach() for n, p in self.model.named_parameters() if p.requires_grad})
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
     def on_train_end(self, run_dir: Path | None, history: list[dict[str, float]]) -> None:
         samples = getattr(self, "_last_samples", None)

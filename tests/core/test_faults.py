@@ -113,6 +113,28 @@ def test_reward_retries_then_nan_or_fatal():
     assert torch.isnan(timed([0])["r"]).all()
 
 
+def test_reward_guard_remembers_output_names_and_never_retries_contract_errors():
+    calls = []
+
+    def backend(images):
+        calls.append(1)
+        if len(calls) == 2:
+            raise ConnectionError("down")
+        if len(calls) == 3:
+            raise ValueError("images must be [B,3,H,W]")    # a bug in the caller: raised at once, not masked
+        return {"score": [0.5] * len(images), "strict": [0.0] * len(images)}
+
+    g = guarded_reward(backend, "score", RewardGuardConfig(retries=0, backoff_s=0), len, log=lambda *_: None)
+    assert set(g([0, 0])) == {"score", "strict"}
+    out = g([0, 0, 0])                                      # fails: NaN under the names it answered with before
+    assert set(out) == {"score", "strict"} and all(torch.isnan(v).all() and v.shape == (3,) for v in out.values())
+    with pytest.raises(ValueError, match="B,3,H,W"):
+        g([0])
+    assert len(calls) == 3
+    with pytest.raises(Exception, match="retries must be >= 0"):
+        RewardGuardConfig(retries=-1).check("visgen.reward_guard")
+
+
 def test_nan_rewards_are_masked_and_counted(monkeypatch):
     tr = Trainer(load_train_config({**CFG, "checkpoint": {}}), None, log=lambda *_: None)
     real = tr.domain.rollout

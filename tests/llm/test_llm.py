@@ -166,6 +166,43 @@ def test_trl_signature_reward_none_becomes_nan(tiny_dir, tmp_path, monkeypatch):
     assert set(ro.rewards) == {"numeric_match", "trl_style_reward"}
 
 
+FLAKY_MODULE = '''
+CALLS = []
+
+
+def flaky_reward(completions, **kwargs):
+    """Fails like a reward server on its first call, answers afterwards."""
+    CALLS.append(len(completions))
+    if len(CALLS) == 1:
+        raise ConnectionError("reward server reset the connection")
+    return [1.0] * len(completions)
+
+
+def dead_reward(completions, **kwargs):
+    raise TimeoutError("reward server gone")
+'''
+
+
+def test_reward_backends_are_retried_then_masked(tiny_dir, tmp_path, monkeypatch):
+    from shared_rl.rewards import RewardError, RewardGuardConfig
+
+    (tmp_path / "flaky_llm_rewards.py").write_text(FLAKY_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    guard = RewardGuardConfig(retries=1, backoff_s=0.0)
+    dom = make_domain(tiny_dir, reward_guard=guard,
+                      rewards=[RewardSpec("flaky_llm_rewards:flaky_reward"), RewardSpec("flaky_llm_rewards:dead_reward")])
+    ro = dom.rollout([0, 1], 4, torch.Generator().manual_seed(0), 0)
+    import flaky_llm_rewards
+
+    assert flaky_llm_rewards.CALLS == [8, 8]                          # failed once, retried once, answered
+    assert torch.equal(ro.rewards["flaky_reward"], torch.ones(8))
+    assert torch.isnan(ro.rewards["dead_reward"]).all()                # masked: the trainer skips and counts it
+    fatal = make_domain(tiny_dir, reward_guard=RewardGuardConfig(retries=0, on_failure="fatal"),
+                        rewards=[RewardSpec("flaky_llm_rewards:dead_reward")])
+    with pytest.raises(RewardError, match="dead_reward.*failed after 1 attempts"):
+        fatal.rollout([0], 2, torch.Generator().manual_seed(0), 0)
+
+
 # ---- trees -------------------------------------------------------------------------------------------------------
 class ScriptedEngine:
     """Emits token 10 + depth-of-call for every row; row 0 of the first call ends with EOS (id 2) after 1 token."""

@@ -312,3 +312,34 @@ def test_shapes_soft_reward_margins_and_partial_credit():
     hard = get_reward("shapes")(truth, prompts, [spec.to_dict()] * 2)["shapes"]
     assert hard.tolist() == pytest.approx([1.0, 7 / 9])  # the swapped image fails both shape checks
     assert 0.9 < soft[0] <= 1.0 and hard[1] < soft[1] < soft[0]  # soft margins: partial credit, still ordered
+
+
+# ------------------------------------------------------------------------------------------ reward faults
+def test_failing_reward_backend_is_retried_then_masked_in_training(tiny_dir, monkeypatch):
+    """A reward server that drops every call: the guard retries, the rollout carries NaN under the reward's own
+    output names, the trainer masks the batch and counts it, and ``fatal`` stops with a RewardError instead."""
+    from shared_rl.rewards import RewardError
+    from visgen import rewards as vr
+
+    calls = []
+
+    def _factory():
+        def score(images, prompts, metadata=None):
+            calls.append(len(prompts))
+            raise ConnectionError("reward server unreachable")
+        return score
+
+    monkeypatch.setitem(vr._REGISTRY, "test_unreachable_server", _factory)   # registered for this test only
+    cfg = make_cfg(tiny_dir, **{"visgen.rewards": [{"name": "shapes"}, {"name": "test_unreachable_server"}],
+                               "visgen.reward_guard": {"retries": 1, "backoff_s": 0.0},
+                               "advantage.weights": {"shapes": 1.0, "shapes_strict": 0.0,
+                                                     "test_unreachable_server": 1.0}})
+    tr = Trainer(cfg, None, log=quiet)
+    m = tr.iteration(0)
+    assert calls == [8, 8]                                    # 2 prompts x 4 samples, first try + one retry
+    assert m["reward/nan_count"] == 8
+    cfg = make_cfg(tiny_dir, **{"visgen.rewards": [{"name": "test_unreachable_server"}],
+                               "visgen.reward_guard": {"retries": 0, "on_failure": "fatal"},
+                               "advantage.weights": {"test_unreachable_server": 1.0}})
+    with pytest.raises(RewardError, match="test_unreachable_server.*failed after 1 attempts"):
+        Trainer(cfg, None, log=quiet).iteration(0)
