@@ -312,6 +312,22 @@ class LoggingConfig:
 
 
 @dataclass
+class DistributedConfig:
+    """How several processes share the policy (docs/scaling.md).
+
+    strategy: ``replicate`` keeps a full copy of the policy on every process and sums the trainable gradients
+        (``Dist.sum_gradients``); ``fsdp2`` shards the modules the domain lists in ``fsdp_modules()`` with
+        ``torch.distributed.fsdp.fully_shard`` (parameters, gradients and optimizer state split over processes,
+        gradients still *summed*). With one process both are the same.
+    reshard_after_forward: fsdp2 only; free the gathered parameters after each training forward (saves memory,
+        costs one more all-gather per block in backward).
+    """
+
+    strategy: Literal["replicate", "fsdp2"] = "replicate"
+    reshard_after_forward: bool = True
+
+
+@dataclass
 class TrainConfig:
     """Everything the shared trainer needs; the domain's own section is ``domain_config``."""
 
@@ -329,6 +345,7 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
     domain_config: Any = None
 
     def check(self, where: str) -> None:

@@ -9,7 +9,9 @@ processes. Each rank computes log-probs only for the sequences it sampled; gradi
 """
 from __future__ import annotations
 
+import contextlib
 import os
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -62,8 +64,10 @@ class Dist:
         return t
 
     def sum_gradients(self, params: list[torch.nn.Parameter]) -> None:
-        """Sum gradients over ranks in one flat buffer (missing grads count as zeros)."""
-        if not self.enabled:
+        """Sum gradients over ranks in one flat buffer (missing grads count as zeros). FSDP2-sharded parameters
+        (DTensors) are skipped: their gradients were already summed by FSDP's reduce-scatter."""
+        params = [p for p in params if not is_dtensor(p)]
+        if not self.enabled or not params:
             return
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         flat = torch.cat([g.reshape(-1) for g in grads])
@@ -95,3 +99,126 @@ def exit_distributed(code: int) -> None:
         sys.stderr.flush()
         os._exit(code)
 
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# FSDP2 (``distributed.strategy: fsdp2``). grove's losses are normalised by *global* counts, so the per-rank
+# gradients must be summed, never averaged: every sharded module gets a gradient divide factor of 1 with plain SUM
+# reductions. Rollouts, evaluation and the deferred behaviour log-prob pass run inside ``FSDPShards.gathered()``
+# (every shard all-gathered once, no collective per forward), because their number of forwards differs per rank;
+# training forwards are collectives, and the trainer runs the same number of them on every rank.
+
+
+def is_dtensor(t) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+class FSDPShards:
+    """The FSDP2-wrapped modules of a domain (``fsdp_modules()`` order: blocks first, the root last)."""
+
+    def __init__(self, modules: list[torch.nn.Module], d: Dist, device: torch.device,
+                 reshard_after_forward: bool = True) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        self.dist = d
+        self.reshard_after_forward = reshard_after_forward
+        self.mesh = init_device_mesh(device.type, (d.world,))
+        self.modules = []
+        for m in modules:
+            # explicit reshard_after_forward (also for the root) so that ``gathered`` can restore it exactly
+            fully_shard(m, mesh=self.mesh, reshard_after_forward=reshard_after_forward)
+            m.set_gradient_divide_factor(1.0)  # sum over ranks: the loss already divides by global counts
+            m.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM); dividing by 1 is exact
+            self.modules.append(m)
+
+    @contextlib.contextmanager
+    def gathered(self):
+        """All-gather every shard once (collective: call on every rank), run forwards locally, then free.
+
+        For work whose number of forwards differs per rank (rollouts, evaluation on rank 0): inside, forward hooks
+        find the parameters already unsharded and do not reshard, so no forward issues a collective. Do not call
+        ``Module.state_dict()`` of a sharded module inside (FSDP2's state-dict hook swaps the shards back in)."""
+        for m in self.modules:
+            m.set_reshard_after_forward(False, recurse=False)
+            m.unshard()
+        try:
+            yield
+        finally:
+            for m in self.modules:
+                m.reshard()
+                m.set_reshard_after_forward(self.reshard_after_forward, recurse=False)
+
+    def local_parameter_bytes(self) -> tuple[int, int]:
+        """(bytes of parameters this rank holds, bytes of the full parameters) over the sharded modules."""
+        seen, local, full = set(), 0, 0
+        for m in self.modules:
+            for p in m.parameters():
+                if id(p) in seen:
+                    continue
+                seen.add(id(p))
+                size = p.element_size()
+                local += (p.to_local().numel() if is_dtensor(p) else p.numel()) * size
+                full += p.numel() * size
+        return local, full
+
+
+def full_tensors(state: dict[str, Any]) -> dict[str, Any]:
+    """Replace DTensor values by full CPU tensors (an all-gather per value, in sorted key order: call on every
+    rank). Other values pass through."""
+    out = dict(state)
+    for k in sorted(state, key=str):
+        if is_dtensor(state[k]):
+            out[k] = state[k].full_tensor().cpu()
+    return out
+
+
+def shard_like(full: torch.Tensor, like) -> Any:
+    """``full`` laid out like ``like`` (a DTensor: same mesh and placements; collective) or returned as is."""
+    if not is_dtensor(like):
+        return full
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(full.to(device=like.device, dtype=like.dtype), like.device_mesh, like.placements)
+
+
+def full_optimizer_state(opt_state: dict[str, Any]) -> dict[str, Any]:
+    """``Optimizer.state_dict()`` with DTensor state gathered to full CPU tensors: exactly the layout of a
+    one-process optimizer (integer parameter ids), so either layout resumes the other. Collective."""
+    state = {pid: full_tensors(s) for pid, s in sorted(opt_state["state"].items())}
+    return {"state": state, "param_groups": opt_state["param_groups"]}
+
+
+def shard_optimizer_state(opt_state: dict[str, Any], optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Inverse of ``full_optimizer_state`` for ``optimizer``'s (possibly DTensor) parameters. Collective."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    out = {}
+    for pid, s in sorted(opt_state["state"].items()):
+        p = params[int(pid)]
+        out[pid] = {k: shard_like(v, p) if torch.is_tensor(v) and tuple(v.shape) == tuple(p.shape) and v.dim() else v
+                    for k, v in sorted(s.items())}
+    return {"state": out, "param_groups": opt_state["param_groups"]}
+
+
+def clip_grad_norm_global_(params: list[torch.nn.Parameter], max_norm: float, d: Dist) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` (L2) over parameters whose gradients are partly DTensor shards (summed by
+    FSDP) and partly plain tensors (already summed over ranks, identical everywhere): the squared norms of the
+    local shards are added over ranks, the replicated ones counted once. Returns the global norm (a plain tensor,
+    the same on every rank) and scales the gradients by ``min(1, max_norm / (norm + 1e-6))`` like torch."""
+    sharded = torch.zeros((), dtype=torch.float64)
+    replicated = torch.zeros((), dtype=torch.float64)
+    grads = [p.grad for p in params if p.grad is not None]
+    for g in grads:
+        if is_dtensor(g):
+            sharded += g.to_local().detach().double().pow(2).sum().cpu()
+        else:
+            replicated += g.detach().double().pow(2).sum().cpu()
+    d.all_reduce_(sharded)
+    total = (sharded + replicated).sqrt().float()
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    if torch.isfinite(total):
+        for g in grads:
+            g.mul_(float(coef))
+    return total

@@ -111,3 +111,18 @@ class DomainBase:
 
     def evaluate(self, iteration: int) -> dict[str, float]:
         return {}
+
+    def fsdp_modules(self) -> list[torch.nn.Module]:
+        """The modules to shard with FSDP2 (``distributed.strategy: fsdp2``), in ``fully_shard`` order: the
+        repeated blocks (transformer layers) first, then the root module whose forward the domain calls. Empty (the
+        default) means the domain does not support FSDP2; the trainer then stops with a ConfigError.
+
+        A domain that returns modules agrees to: (1) run its training forward through the root's ``__call__`` and
+        read parameters through the modules at call time (FSDP2 swaps shards and gathered tensors in and out of
+        module attributes); (2) make every ``log_probs`` call issue the same sequence of module forwards whatever
+        the data (each forward is a collective); (3) accept DTensor values in ``load_state_dict`` laid out like its
+        own ``state_dict`` (the trainer shards checkpoints before handing them over); (4) under FSDP2,
+        ``save_pretrained`` is called on *every* process (gather, then write on ``process_index == 0``).
+        Rollouts, evaluation and ``on_train_end`` run with the shards gathered, so they may use the modules freely
+        (but not ``Module.state_dict()``)."""
+        return []

@@ -36,15 +36,35 @@ class ToyConfig:
                 raise ConfigError(f"{where}.{name} must be >= 1, got {getattr(self, name)}")
 
 
+class LogitTable(torch.nn.Module):
+    """The toy policy as a module (``forward``: log-softmax rows of the contexts), so that FSDP2 can shard it and
+    its forward hooks gather the table."""
+
+    def __init__(self, logits: torch.Tensor) -> None:
+        super().__init__()
+        self.logits = torch.nn.Parameter(logits)
+
+    def forward(self, ctx: torch.Tensor) -> torch.Tensor:
+        return torch.log_softmax(self.logits[ctx], -1)
+
+
 class ToyDomain(DomainBase):
     config_class = ToyConfig
 
     def __init__(self, cfg: ToyConfig, ctx: RunContext) -> None:
         self.cfg = cfg
         g = torch.Generator().manual_seed(ctx.seed)
-        self.logits = torch.nn.Parameter(cfg.init_scale * torch.randn(cfg.num_contexts, cfg.num_actions, generator=g))
+        self.policy = LogitTable(cfg.init_scale * torch.randn(cfg.num_contexts, cfg.num_actions, generator=g))
         self.ref_logits = self.logits.detach().clone()
         self.targets = torch.arange(cfg.num_contexts) % cfg.num_actions
+
+    @property
+    def logits(self) -> torch.nn.Parameter:
+        # read through the module every time: FSDP2 swaps the attribute between the shard and the gathered table
+        return self.policy.logits
+
+    def fsdp_modules(self) -> list[torch.nn.Module]:
+        return [self.policy]
 
     def train_keys(self) -> list[int]:
         return list(range(self.cfg.num_contexts))
@@ -99,7 +119,7 @@ class ToyDomain(DomainBase):
 
     def log_probs(self, rollout: Rollout, idx: torch.Tensor, need_kl: bool) -> StepLogProbs:
         p = rollout.index_payload(idx)
-        logits = torch.log_softmax(self.logits[p["ctx"]], -1)
+        logits = self.policy(p["ctx"])
         logp = logits.gather(1, p["actions"])
         ref = torch.log_softmax(self.ref_logits[p["ctx"]], -1).gather(1, p["actions"]) if need_kl else None
         entropy = -(logits.exp() * logits).sum(-1, keepdim=True).expand_as(logp)

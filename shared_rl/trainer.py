@@ -99,6 +99,7 @@ class Trainer:
         ctx = RunContext(run_dir=self.run_dir, device=self.device, seed=cfg.seed, log=log,
                          process_index=self.dist.rank, num_processes=self.dist.world)
         self.domain = resolve_domain(cfg.domain)(cfg.domain_config, ctx)
+        self.fsdp = self._setup_fsdp() if cfg.distributed.strategy == "fsdp2" else None
         params = [p for p in self.domain.parameters() if p.requires_grad]
         if not params:
             raise ConfigError(f"domain {cfg.domain!r} exposes no trainable parameters")
@@ -110,8 +111,44 @@ class Trainer:
         self.start_iteration = 0
         self.nonfinite_steps = 0
         self.nonfinite_total = 0
+        self.padding_forwards = 0  # FSDP2: weight-0 forwards run to keep collectives paired (see _optimizer_step)
         self.history: list[dict[str, Any]] = []
         self._stop_requested = False
+
+    def _setup_fsdp(self):
+        """Shard the domain's ``fsdp_modules()`` with FSDP2 (several processes) after checking the layout."""
+        cfg, d = self.cfg, self.dist
+        hook = getattr(self.domain, "fsdp_modules", None)
+        modules = list(hook()) if hook else []
+        if not modules:
+            raise ConfigError(f"distributed.strategy: fsdp2 is not supported by domain {cfg.domain!r} (its "
+                              f"fsdp_modules() lists no modules to shard); use distributed.strategy: replicate")
+        if not d.enabled:
+            self.log("fsdp2 with one process: nothing to shard, the policy stays whole (same result as replicate)")
+            return None
+        # every rank pads its training micro-batches with forwards on its own sequences: each needs a rollout chunk
+        groups = cfg.rollout.groups_per_iteration
+        per_call = cfg.rollout.groups_per_call or -(-groups // d.world)
+        chunks = -(-groups // per_call)
+        if chunks < d.world:
+            fix = (f"raise rollout.groups_per_iteration to >= {d.world}" if groups < d.world else
+                   f"set rollout.groups_per_call <= {groups // d.world}")
+            raise ConfigError(f"distributed.strategy: fsdp2 needs a rollout chunk on each of the {d.world} processes, "
+                              f"but {groups} groups in calls of {per_call} make {chunks} chunks; {fix}")
+        from .distributed import FSDPShards
+
+        shards = FSDPShards(modules, d, self.device, cfg.distributed.reshard_after_forward)
+        local, full = shards.local_parameter_bytes()
+        self.log(f"fsdp2: {len(modules)} modules sharded over {d.world} processes; process {d.rank} holds "
+                 f"{local:,} of their {full:,} parameter bytes")
+        return shards
+
+    def _gathered(self):
+        """FSDP2: the shards gathered for work whose forward count differs per rank (no-op otherwise)."""
+        return self.fsdp.gathered() if self.fsdp is not None else contextlib.nullcontext()
+
+    def _any_rank(self, flag: bool) -> bool:
+        return bool(self.dist.all_reduce_(torch.tensor([1.0 if flag else 0.0]), "max")) if self.dist.enabled else flag
 
     # ------------------------------------------------------------------------------------------------------------
     def iteration(self, it: int) -> dict[str, float]:
@@ -126,6 +163,9 @@ class Trainer:
         t0 = time.perf_counter()
         keys = self.sampler.select(pool, n_groups, gen)
         local, view = self._rollout_round(keys, it, 0)
+        if self.fsdp is not None and self._any_rank(local is None):  # _setup_fsdp checks this; sampler may differ
+            raise RuntimeError(f"iteration {it}: a process sampled no sequence, so it cannot pad its FSDP2 training "
+                               f"forwards; lower rollout.groups_per_call")
         metrics = self._reward_metrics(view)
         drawn_views = [view]
         if cfg.selection.filter != "none":  # dynamic sampling: drop groups without signal, refill, trim
@@ -173,7 +213,12 @@ class Trainer:
         # 3. inner epochs of minibatches; each minibatch is one optimizer step, split into micro-batches
         t1 = time.perf_counter()
         kept_local = to_local[to_local >= 0]
-        nfe_train = self._fill_deferred_logp(local, kept_local) if cfg.optim.minibatches_per_epoch > 1 else 0
+        nfe_train = 0
+        if cfg.optim.minibatches_per_epoch > 1:
+            deferred = self._deferred_rows(local, kept_local)
+            if self._any_rank(deferred.numel() > 0):  # FSDP2: every rank gathers, the forwards are then local
+                with self._gathered():
+                    nfe_train = self._fill_deferred_logp(local, deferred)
         stats = _StepStats()
         trainable = torch.nonzero(view.mask.any(dim=1)).flatten()
         for _epoch in range(cfg.optim.inner_epochs):
@@ -193,14 +238,19 @@ class Trainer:
         metrics["samples_per_s"] = leaves / max(total_time, 1e-9)
         return metrics
 
-    def _fill_deferred_logp(self, rollout: Rollout | None, rows: torch.Tensor) -> int:
+    @staticmethod
+    def _deferred_rows(rollout: Rollout | None, rows: torch.Tensor) -> torch.Tensor:
+        """The kept, trained local sequences whose behaviour log-probs are deferred (NaN)."""
+        if rollout is None or rows.numel() == 0:
+            return rows[:0]
+        return rows[torch.isnan(rollout.logp_old[rows]).any(dim=1) & rollout.mask[rows].any(dim=1)]
+
+    def _fill_deferred_logp(self, rollout: Rollout | None, idx: torch.Tensor) -> int:
         """Deferred behaviour log-probs (NaN in ``logp_old``, see ``Rollout``) are normally taken from the first
         loss forward, which runs before any update when the iteration has one minibatch per epoch. With several
-        minibatches, later ones would see updated weights, so compute them up front without grad instead."""
-        if rollout is None or rows.numel() == 0:
-            return 0
-        idx = rows[torch.isnan(rollout.logp_old[rows]).any(dim=1) & rollout.mask[rows].any(dim=1)]  # kept, trained
-        if idx.numel() == 0:
+        minibatches, later ones would see updated weights, so compute them up front (rows ``idx`` from
+        ``_deferred_rows``) without grad instead."""
+        if rollout is None or idx.numel() == 0:
             return 0
         micro = self.cfg.optim.micro_batch_size or max(1, idx.numel())
         nfe = 0
@@ -219,6 +269,12 @@ class Trainer:
         per_call = self.cfg.rollout.groups_per_call or -(-len(keys) // self.dist.world)
         chunks = [keys[i: i + per_call] for i in range(0, len(keys), per_call)]
         parts = []
+        with self._gathered():  # FSDP2: ranks sample different numbers of chunks and tokens
+            self._sample_chunks(chunks, it, rnd, parts)
+        local = Rollout.cat(parts) if parts else None
+        return local, self._global_view(local, chunks)
+
+    def _sample_chunks(self, chunks: list[list[int]], it: int, rnd: int, parts: list[Rollout]) -> None:
         for c, chunk in enumerate(chunks):
             if c % self.dist.world != self.dist.rank:
                 continue
@@ -233,8 +289,6 @@ class Trainer:
             part.payload["_order"] = order
             part.payload["_parent_pos"] = part.parent.clone() if part.parent is not None else torch.full((n,), -1)
             parts.append(part)
-        local = Rollout.cat(parts) if parts else None
-        return local, self._global_view(local, chunks)
 
     def _global_view(self, local: Rollout | None, chunks: list[list[int]]) -> Rollout:
         """Rewards, masks, log-probs and tree structure of every rank's sequences, in (round, chunk, pos) order."""
@@ -352,13 +406,23 @@ class Trainer:
     def _optimizer_step(self, rollout: Rollout | None, local_idx: torch.Tensor, adv: torch.Tensor,
                         norm: Normalizer, stats: _StepStats) -> int:
         """One optimizer step over this rank's share ``local_idx`` of a global minibatch (normalised by ``norm``,
-        the minibatch's global counts), accumulated over micro-batches; gradients are summed across ranks."""
+        the minibatch's global counts), accumulated over micro-batches; gradients are summed across ranks.
+        Under FSDP2 every forward is a collective: ranks with fewer micro-batches than the busiest one add padding
+        forwards of loss weight 0 (``_padding_forward``) so that all ranks issue the same collectives."""
         cfg, lc = self.cfg, self.cfg.loss
         micro = cfg.optim.micro_batch_size or max(1, local_idx.numel())
         need_kl = lc.kl_coef > 0
         self.optimizer.zero_grad(set_to_none=True)
         nfe = 0
-        for idx, a in zip(torch.split(local_idx, micro), torch.split(adv, micro)):
+        splits = [(i, a) for i, a in zip(torch.split(local_idx, micro), torch.split(adv, micro)) if i.numel()]
+        n_calls = len(splits)
+        if self.fsdp is not None:
+            n_calls = int(self.dist.all_reduce_(torch.tensor([len(splits)]), "max"))
+        for call in range(n_calls):
+            if call >= len(splits):
+                self._padding_forward(rollout, need_kl)
+                continue
+            idx, a = splits[call]
             with _oom_hint("training", "lower optim.micro_batch_size (sequences per forward/backward) or enable "
                                        "gradient checkpointing in the domain config"):
                 out = self.domain.log_probs(rollout, idx, need_kl)
@@ -396,9 +460,14 @@ class Trainer:
         for k in ("loss/policy", "loss/kl"):
             stats.add(k, 0.0, 1.0)
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        self.dist.sum_gradients(params)
+        self.dist.sum_gradients(params)  # FSDP2-sharded gradients (DTensors) are already summed: skipped
         clip = cfg.optim.grad_clip if cfg.optim.grad_clip is not None else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, clip)
+        if self.fsdp is not None:
+            from .distributed import clip_grad_norm_global_
+
+            grad_norm = clip_grad_norm_global_(params, clip, self.dist)
+        else:
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, clip)
         if not torch.isfinite(grad_norm):
             self.nonfinite_steps += 1
             self.nonfinite_total += 1
@@ -420,6 +489,18 @@ class Trainer:
             after()
         return nfe
 
+    def _padding_forward(self, rollout: Rollout | None, need_kl: bool) -> None:
+        """FSDP2: forward + backward on this rank's first sequence with loss weight 0 (adds exactly zero to every
+        gradient), only to take part in the same all-gathers and reduce-scatters as the other ranks."""
+        if rollout is None or len(rollout) == 0:
+            raise RuntimeError("FSDP2 padding forward: this process holds no sequence (see _setup_fsdp)")
+        self.padding_forwards += 1
+        out = self.domain.log_probs(rollout, torch.zeros(1, dtype=torch.long), need_kl)
+        zero = out.logp.float().nan_to_num(0.0, 0.0, 0.0).sum() * 0.0
+        if out.kl is not None:
+            zero = zero + out.kl.float().nan_to_num(0.0, 0.0, 0.0).sum() * 0.0
+        zero.backward()
+
     # ------------------------------------------------------------------------------------------------------------
     def state(self, iteration: int) -> dict[str, Any]:
         extra = getattr(self.domain, "extra_state", None)
@@ -433,10 +514,19 @@ class Trainer:
         }
 
     def save(self, iteration: int) -> Path | None:
-        if not self.run_dir or not self.dist.is_main:
+        if not self.run_dir:
             return None
-        return save_checkpoint(self.run_dir / "checkpoints", iteration, self.domain.state_dict(),
-                               self.optimizer.state_dict(), self.state(iteration), self.cfg.checkpoint.keep_last)
+        if self.fsdp is not None:  # gather the shards (collective, every rank), write the one-process layout on rank 0
+            from .distributed import full_optimizer_state, full_tensors
+
+            model_state = full_tensors(self.domain.state_dict())
+            opt_state = full_optimizer_state(self.optimizer.state_dict())
+        elif self.dist.is_main:
+            model_state, opt_state = self.domain.state_dict(), self.optimizer.state_dict()
+        if not self.dist.is_main:
+            return None
+        return save_checkpoint(self.run_dir / "checkpoints", iteration, model_state, opt_state, self.state(iteration),
+                               self.cfg.checkpoint.keep_last)
 
     def resume(self) -> bool:
         """Restore the newest valid checkpoint of ``run_dir``; False when there is none."""
@@ -444,6 +534,13 @@ class Trainer:
         if found is None:
             return False
         path, model_state, opt_state, state = found
+        if self.fsdp is not None:  # full tensors -> this rank's shards, laid out like the live parameters
+            from .distributed import shard_like, shard_optimizer_state
+
+            current = self.domain.state_dict()
+            model_state = {k: shard_like(v, current[k]) if k in current else v for k, v in sorted(model_state.items())}
+            if opt_state is not None:
+                opt_state = shard_optimizer_state(opt_state, self.optimizer)
         self.domain.load_state_dict(model_state)
         if opt_state is not None:
             self.optimizer.load_state_dict(opt_state)
@@ -459,13 +556,14 @@ class Trainer:
         return True
 
     def _evaluate(self, it: int) -> dict[str, float]:
-        if not self.dist.is_main:  # evaluation runs on the main process only
-            return {}
-        t = time.perf_counter()
-        with torch.no_grad():
-            out = dict(self.domain.evaluate(it))
-        out["time/eval"] = time.perf_counter() - t
-        return out
+        with self._gathered():  # FSDP2: every rank gathers once, then only the main process runs forwards
+            if not self.dist.is_main:  # evaluation runs on the main process only
+                return {}
+            t = time.perf_counter()
+            with torch.no_grad():
+                out = dict(self.domain.evaluate(it))
+            out["time/eval"] = time.perf_counter() - t
+            return out
 
     def fit(self, resume: bool = False) -> list[dict[str, Any]]:
         """Run all iterations with evaluation, checkpoints and metrics; returns the metric records."""
@@ -514,6 +612,8 @@ class Trainer:
                                     sps=f"{metrics.get('samples_per_s', 0):.1f}")
                 elif main:
                     self.log(f"[{step}/{cfg.iterations}] " + _fmt(metrics, short=True))
+                # a SIGTERM seen by one process stops all of them at the same iteration (collectives must pair up)
+                self._stop_requested = self._any_rank(self._stop_requested)
                 if last or self._stop_requested or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
                     self.save(step)
                 if self._stop_requested:
@@ -528,20 +628,27 @@ class Trainer:
             except (ValueError, TypeError):
                 pass
         self.dist.barrier()
-        if not self._stop_requested and main:
+        if not self._stop_requested:
             self._finish()
         return self.history
 
     def _finish(self) -> None:
+        """End-of-run export, plot and summary (called on every process; writes on the main one)."""
         if not self.run_dir:
             return
+        main = self.dist.is_main
+        save_pretrained = getattr(self.domain, "save_pretrained", None)
+        if save_pretrained and (main or self.fsdp is not None):  # FSDP2: every rank takes part in the gather
+            save_pretrained(self.run_dir / "final")
+        with self._gathered():
+            if main:
+                self._finish_main()
+
+    def _finish_main(self) -> None:
         from .metrics import read_metrics
 
         records = read_metrics(self.run_dir / "metrics.jsonl") if (self.run_dir / "metrics.jsonl").is_file() else self.history
         plot_metrics(records, self.run_dir / "curves.png", f"{self.cfg.domain}")
-        save_pretrained = getattr(self.domain, "save_pretrained", None)
-        if save_pretrained:
-            save_pretrained(self.run_dir / "final")
         on_end = getattr(self.domain, "on_train_end", None)
         if on_end:
             on_end(self.run_dir, records)

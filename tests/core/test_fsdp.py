@@ -1,0 +1,197 @@
+"""FSDP2 (``distributed.strategy: fsdp2``): 2 CPU processes (gloo) with the policy sharded give the same metrics,
+parameters and checkpoints as 1 process with the same global batch, and checkpoints move between the layouts.
+
+The variants make the ranks' work uneven on purpose (3 groups over 2 processes, dynamic-sampling refills, deferred
+behaviour log-probs with several minibatches, tree rollouts, evaluation on rank 0), so the collective hazards of
+FSDP2 (every training forward is an all-gather) are exercised: a mismatch would hang or diverge.
+"""
+import json
+import os
+import shutil
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from safetensors.torch import load_file
+
+from shared_rl.config import ConfigError, load_train_config
+from shared_rl.distributed import exit_distributed, full_tensors, is_dtensor
+from shared_rl.trainer import Trainer
+
+TOY = {
+    "domain": "toy", "seed": 5, "iterations": 3, "logging": {"progress": False}, "eval": {"every": 1},
+    "rollout": {"groups_per_iteration": 3, "group_size": 4, "groups_per_call": 1},
+    "optim": {"lr": 0.2, "minibatches_per_epoch": 2, "inner_epochs": 2, "micro_batch_size": 2},
+    "loss": {"kl_coef": 0.05},
+    "toy": {"num_contexts": 6, "horizon": 3},
+}
+VARIANTS = {
+    # uneven chunks (2 vs 1 per rank) -> padding forwards; refills; deferred log-probs filled before minibatch 1
+    # (run 2-process in test_fsdp2_checkpoints_resume_across_layouts, which also checks it against 1 process)
+    "toy_refill_deferred": {**TOY, "advantage": {"estimator": "batch_std"},
+                            "selection": {"filter": "zero_std", "max_refill_rounds": 2},
+                            "toy": {"num_contexts": 6, "horizon": 1, "deferred_logp": True}},
+    "toy_tree": {**TOY, "advantage": {"estimator": "depth_zscore"},
+                 "toy": {"num_contexts": 6, "horizon": 2, "tree_branch": 2}},
+    # LoRA on a tiny Llama (built below), KL to the adapter-disabled base, deferred behaviour log-probs
+    "llm_lora": {"domain": "llm", "seed": 3, "iterations": 2, "logging": {"progress": False},
+                 "eval": {"at_start": False},
+                 "rollout": {"groups_per_iteration": 3, "group_size": 2, "groups_per_call": 1},
+                 "optim": {"lr": 1e-3, "minibatches_per_epoch": 2, "micro_batch_size": 2},
+                 "loss": {"kl_coef": 0.1},
+                 "llm": {"max_new_tokens": 3, "num_threads": 1, "lora": {"enabled": True, "r": 2, "alpha": 4},
+                         "behaviour_logprobs": "deferred",
+                         "eval": {"num_prompts": 3, "batch_size": 3, "sampled": False}}},
+}
+METRICS = ("reward/mean", "groups/drawn", "groups/kept", "nfe/rollout", "nfe/train", "loss/policy", "loss/kl",
+           "clip_frac", "ratio/mean", "grad_norm", "entropy", "eval/greedy_accuracy", "eval/expected_reward",
+           "eval/accuracy", "eval/reward")
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    """A 2-layer LlamaForCausalLM built from a config (no download), saved with the embedded tokenizer."""
+    from shared_rl.llm.model import build_tiny_llama, load_tokenizer
+
+    out = tmp_path_factory.mktemp("tiny_llama")
+    tok = load_tokenizer("assets/llm-arith-tiny")
+    build_tiny_llama(tok, hidden_size=32, num_layers=2, num_heads=2, seed=0).save_pretrained(out)
+    tok.save_pretrained(out)
+    return str(out)
+
+
+def _config(name, strategy, model=None, **top):
+    data = json.loads(json.dumps(VARIANTS[name]))
+    data["distributed"] = {"strategy": strategy}
+    if model:
+        data["llm"]["model"] = model
+    data.update(top)
+    return load_train_config(data)
+
+
+def _spawn(fn, *args):
+    """Two workers from a fork server that imported torch/transformers once (not once per worker): on a busy CPU
+    this halves the test time. Forking from that clean server is safe (unlike forking pytest after torch ran)."""
+    import multiprocessing
+
+    multiprocessing.set_forkserver_preload(["torch", "shared_rl.trainer", "shared_rl.llm.domain", "peft"])
+    mp.start_processes(fn, args=(2, _free_port(), *args), nprocs=2, join=True, start_method="forkserver")
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _records(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _init(rank, world, port):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+
+
+def _fit_worker(rank, world, port, name, model, run_dir, out):
+    _init(rank, world, port)
+    tr = Trainer(_config(name, "fsdp2", model), run_dir, log=lambda *_: None)
+    assert tr.fsdp is not None and all(is_dtensor(p) for p in tr.domain.parameters())
+    tr.fit()
+    state = full_tensors(tr.domain.state_dict())
+    torch.save({"state": state, "padding_forwards": tr.padding_forwards}, f"{out}.{rank}")
+    exit_distributed(0)  # barrier + destroy + os._exit: gloo can SIGABRT at interpreter teardown
+
+
+def _assert_same_records(one, two, where):
+    assert [r["step"] for r in one] == [r["step"] for r in two]
+    compared = 0
+    for a, b in zip(one, two):
+        assert a.keys() == b.keys(), (where, a["step"])
+        for k in METRICS:
+            if k in a:
+                assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-5), (where, a["step"], k, a[k], b[k])
+                compared += 1
+    assert compared >= 10
+
+
+@pytest.mark.parametrize("name", ["llm_lora", "toy_tree"])
+def test_fsdp2_two_processes_match_one(tmp_path, name, tiny_llama):
+    model = tiny_llama if name.startswith("llm") else None
+    torch.set_num_threads(1)
+    single = Trainer(_config(name, "replicate", model), tmp_path / "one", log=lambda *_: None)
+    single.fit()
+    out = tmp_path / "two.pt"
+    _spawn(_fit_worker, name, model, tmp_path / "two", str(out))
+    got = [torch.load(f"{out}.{r}", weights_only=True) for r in range(2)]
+    for k, v in single.domain.state_dict().items():
+        assert torch.allclose(v, got[0]["state"][k], atol=1e-5, rtol=1e-4), k
+    # 3 groups over 2 processes: the rank with fewer sequences padded its micro-batches with weight-0 forwards
+    assert got[0]["padding_forwards"] + got[1]["padding_forwards"] > 0
+    _assert_same_records(_records(tmp_path / "one"), _records(tmp_path / "two"), name)
+    if name.startswith("llm"):  # the exported adapter was gathered on rank 0
+        a1 = load_file(str(tmp_path / "one" / "final" / "adapter_model.safetensors"))
+        a2 = load_file(str(tmp_path / "two" / "final" / "adapter_model.safetensors"))
+        assert a1.keys() == a2.keys() and a1
+        for k in a1:
+            assert torch.allclose(a1[k], a2[k], atol=1e-5, rtol=1e-4), k
+
+
+def _resume_worker(rank, world, port, fresh_dir, resume_dir, out):
+    _init(rank, world, port)
+    cfg = _config("toy_refill_deferred", "fsdp2", iterations=2, checkpoint={"every": 1})
+    fresh = Trainer(cfg, fresh_dir, log=lambda *_: None)
+    fresh.fit()  # writes an FSDP2 checkpoint at step 2
+    tr = Trainer(_config("toy_refill_deferred", "fsdp2", iterations=4), resume_dir, log=lambda *_: None)
+    tr.fit(resume=True)  # from a 1-process checkpoint at step 2
+    assert tr.start_iteration == 2
+    torch.save({"state": full_tensors(tr.domain.state_dict()), "padding_forwards": fresh.padding_forwards},
+               f"{out}.{rank}")
+    exit_distributed(0)
+
+
+def test_fsdp2_checkpoints_resume_across_layouts(tmp_path):
+    torch.set_num_threads(1)
+    name = "toy_refill_deferred"
+    full = Trainer(_config(name, "replicate", iterations=4), tmp_path / "full", log=lambda *_: None)
+    full.fit()
+    Trainer(_config(name, "replicate", iterations=2, checkpoint={"every": 1}), tmp_path / "one_first",
+            log=lambda *_: None).fit()
+    shutil.copytree(tmp_path / "one_first", tmp_path / "two_resumed")
+    out = tmp_path / "resumed.pt"
+    _spawn(_resume_worker, tmp_path / "two_first", tmp_path / "two_resumed", str(out))
+    got = [torch.load(f"{out}.{r}", weights_only=True) for r in range(2)]
+    # the fresh FSDP2 run (uneven chunks: padded micro-batches; refills; deferred log-probs) matches 1 process
+    assert got[0]["padding_forwards"] + got[1]["padding_forwards"] > 0
+    _assert_same_records(_records(tmp_path / "one_first"), _records(tmp_path / "two_first"), "fresh")
+    # the FSDP2 checkpoint has the one-process layout and values (weights and Adam moments, integer param ids)
+    ck1, ck2 = tmp_path / "one_first/checkpoints/step_000002", tmp_path / "two_first/checkpoints/step_000002"
+    w1, w2 = load_file(str(ck1 / "model.safetensors")), load_file(str(ck2 / "model.safetensors"))
+    assert w1.keys() == w2.keys() and all(torch.allclose(w1[k], w2[k], atol=1e-5) for k in w1)
+    o1, o2 = (torch.load(p / "optimizer.pt", weights_only=True) for p in (ck1, ck2))
+    assert o1["param_groups"] == o2["param_groups"] and o1["state"].keys() == o2["state"].keys()
+    for pid in o1["state"]:
+        for k, v in o1["state"][pid].items():
+            assert not is_dtensor(o2["state"][pid][k]) and torch.allclose(v, o2["state"][pid][k], atol=1e-5), k
+    # FSDP2 checkpoint -> one process, and one-process checkpoint -> FSDP2: both end where the uninterrupted run does
+    shutil.copytree(tmp_path / "two_first", tmp_path / "one_resumed")
+    one = Trainer(_config(name, "replicate", iterations=4), tmp_path / "one_resumed", log=lambda *_: None)
+    one.fit(resume=True)
+    assert one.start_iteration == 2
+    ref = full.domain.state_dict()["logits"]
+    assert torch.allclose(one.domain.state_dict()["logits"], ref, atol=1e-5)
+    assert torch.allclose(got[0]["state"]["logits"], ref, atol=1e-5)
+    for run in ("one_resumed", "two_resumed"):
+        _assert_same_records(_records(tmp_path / "full"), _records(tmp_path / run), run)
+
+
+def test_fsdp2_config_errors(monkeypatch):
+    with pytest.raises(ConfigError, match="distributed.strategy: 'fsdp3' is not one of"):
+        load_train_config({"domain": "toy", "distributed": {"strategy": "fsdp3"}})
+    from shared_rl.toy import ToyDomain
+
+    monkeypatch.setattr(ToyDomain, "fsdp_modules", lambda self: [])
+    with pytest.raises(ConfigError, match="fsdp2 is not supported by domain 'toy'"):
+        Trainer(_config("toy_tree", "fsdp2"), None, log=lambda *_: None)
