@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import signal
 import time
 from dataclasses import dataclass, field
@@ -93,6 +94,11 @@ class Trainer:
         from .distributed import Dist
 
         self.dist = Dist(self.device)
+        if (self.dist.enabled and cfg.distributed.strategy == "replicate"
+                and os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true"):
+            raise ConfigError("launched with an accelerate FSDP config but distributed.strategy is replicate; add "
+                              "distributed.strategy=fsdp2 (grove shards the policy itself and does not read "
+                              "accelerate's fsdp_config) or launch with configs/accelerate/multi_gpu_ddp.yaml")
         if self.dist.enabled and self.device.type == "cuda":
             self.device = torch.device("cuda", self.dist.local_rank)
         torch.manual_seed(cfg.seed)
@@ -628,9 +634,27 @@ class Trainer:
             except (ValueError, TypeError):
                 pass
         self.dist.barrier()
+        if self.dist.enabled:
+            self.log(self._memory_line())
         if not self._stop_requested:
             self._finish()
         return self.history
+
+    def _memory_line(self) -> str:
+        """What this process holds of the trained state (bytes of its local shards under FSDP2)."""
+        from .distributed import is_dtensor
+
+        def local_bytes(t: torch.Tensor) -> int:
+            return (t.to_local() if is_dtensor(t) else t).numel() * t.element_size()
+
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        opt = sum(local_bytes(v) for st in self.optimizer.state.values() for v in st.values() if torch.is_tensor(v))
+        line = (f"memory ({self.cfg.distributed.strategy}): process {self.dist.rank} holds "
+                f"{sum(local_bytes(p) for p in params):,} trainable-parameter bytes, {opt:,} optimizer-state bytes")
+        if self.fsdp is not None:
+            local, full = self.fsdp.local_parameter_bytes()
+            line += f", {local:,} of the sharded modules' {full:,} parameter bytes"
+        return line
 
     def _finish(self) -> None:
         """End-of-run export, plot and summary (called on every process; writes on the main one)."""

@@ -141,6 +141,13 @@ def test_fsdp2_two_processes_match_one(tmp_path, name, tiny_llama):
 
 def _resume_worker(rank, world, port, fresh_dir, resume_dir, out):
     _init(rank, world, port)
+    quiet = {"log": lambda *_: None}
+    with pytest.raises(ConfigError, match="needs a rollout chunk on each of the 2 processes.*groups_per_iteration"):
+        Trainer(_config("toy_tree", "fsdp2", rollout={"groups_per_iteration": 1, "group_size": 4}), None, **quiet)
+    os.environ["ACCELERATE_USE_FSDP"] = "true"  # what `accelerate launch` sets for an FSDP launcher config
+    with pytest.raises(ConfigError, match="add distributed.strategy=fsdp2"):
+        Trainer(_config("toy_tree", "replicate"), None, **quiet)
+    del os.environ["ACCELERATE_USE_FSDP"]
     cfg = _config("toy_refill_deferred", "fsdp2", iterations=2, checkpoint={"every": 1})
     fresh = Trainer(cfg, fresh_dir, log=lambda *_: None)
     fresh.fit()  # writes an FSDP2 checkpoint at step 2
