@@ -496,12 +496,15 @@ class Trainer:
         return nfe
 
     def _padding_forward(self, rollout: Rollout | None, need_kl: bool) -> None:
-        """FSDP2: forward + backward on this rank's first sequence with loss weight 0 (adds exactly zero to every
-        gradient), only to take part in the same all-gathers and reduce-scatters as the other ranks."""
+        """FSDP2: forward + backward on one of this rank's own sequences (the first with trained steps, e.g. not a
+        tree root) with loss weight 0, which adds exactly zero to every gradient, only to take part in the same
+        all-gathers and reduce-scatters as the other ranks."""
         if rollout is None or len(rollout) == 0:
             raise RuntimeError("FSDP2 padding forward: this process holds no sequence (see _setup_fsdp)")
         self.padding_forwards += 1
-        out = self.domain.log_probs(rollout, torch.zeros(1, dtype=torch.long), need_kl)
+        trained = torch.nonzero(rollout.mask.any(dim=1)).flatten()
+        row = trained[:1] if trained.numel() else torch.zeros(1, dtype=torch.long)
+        out = self.domain.log_probs(rollout, row, need_kl)
         zero = out.logp.float().nan_to_num(0.0, 0.0, 0.0).sum() * 0.0
         if out.kl is not None:
             zero = zero + out.kl.float().nan_to_num(0.0, 0.0, 0.0).sum() * 0.0
