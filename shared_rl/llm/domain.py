@@ -420,8 +420,8 @@ class LLMDomain(DomainBase):
     # ---- FSDP2 -----------------------------------------------------------------------------------------------------
     def _sync_engine(self) -> None:
         if self._sharded and hasattr(self.engine, "_fingerprint"):
-            # FSDP2 re-gathers the weights into reused buffers for every rollout: parameter version counters do
-            # not tell a changed weight from an unchanged one, so the fast engine re-takes its snapshot
+            # FSDP2 re-gathers the weights into reused buffers for every rollout round; rather than trust the
+            # version counters of those buffers to flag an update, re-take the snapshot (once per round)
             self.engine.sync_weights(force=True)
         else:
             self.engine.sync_weights()

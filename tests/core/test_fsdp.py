@@ -19,6 +19,12 @@ from shared_rl.config import ConfigError, load_train_config
 from shared_rl.distributed import exit_distributed, full_tensors, is_dtensor
 from shared_rl.trainer import Trainer
 
+def even_token_fraction(completion_ids, **_):
+    """A dense reward (TRL signature) that an untrained random model already earns unevenly, so that advantages
+    and gradients are non-zero; arithmetic accuracy would be 0 everywhere and make the comparison vacuous."""
+    return [sum(t % 2 == 0 for t in ids) / max(1, len(ids)) for ids in completion_ids]
+
+
 TOY = {
     "domain": "toy", "seed": 5, "iterations": 3, "logging": {"progress": False}, "eval": {"every": 1},
     "rollout": {"groups_per_iteration": 3, "group_size": 4, "groups_per_call": 1},
@@ -41,9 +47,16 @@ VARIANTS = {
                  "optim": {"lr": 1e-3, "minibatches_per_epoch": 2, "micro_batch_size": 2},
                  "loss": {"kl_coef": 0.1},
                  "llm": {"max_new_tokens": 3, "num_threads": 1, "lora": {"enabled": True, "r": 2, "alpha": 4},
+                         "rewards": [{"name": "tests.core.test_fsdp:even_token_fraction"}],
                          "behaviour_logprobs": "deferred",
                          "eval": {"num_prompts": 3, "batch_size": 3, "sampled": False}}},
 }
+# tree rollouts (TreeRL-style segments) sampled by the fast engine, which re-snapshots the gathered weights
+VARIANTS["llm_tree_fast_engine"] = {
+    **VARIANTS["llm_lora"], "advantage": {"estimator": "depth_zscore"}, "loss": {"kl_coef": 0.0},
+    "optim": {"lr": 0.05, "minibatches_per_epoch": 2, "micro_batch_size": 2},  # big steps: a stale sampler shows
+    "llm": {**VARIANTS["llm_lora"]["llm"], "max_new_tokens": 4, "engine": "fast", "behaviour_logprobs": "recompute",
+            "tree": {"enabled": True, "branching": [2, 2], "segment_tokens": 2}}}
 METRICS = ("reward/mean", "groups/drawn", "groups/kept", "nfe/rollout", "nfe/train", "loss/policy", "loss/kl",
            "clip_frac", "ratio/mean", "grad_norm", "entropy", "eval/greedy_accuracy", "eval/expected_reward",
            "eval/accuracy", "eval/reward")
@@ -115,9 +128,10 @@ def _assert_same_records(one, two, where):
                 assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-5), (where, a["step"], k, a[k], b[k])
                 compared += 1
     assert compared >= 10
+    assert max(r.get("grad_norm", 0.0) for r in one) > 1e-3, "no update happened: the comparison would be vacuous"
 
 
-@pytest.mark.parametrize("name", ["llm_lora", "toy_tree"])
+@pytest.mark.parametrize("name", ["llm_lora", "llm_tree_fast_engine", "toy_tree"])
 def test_fsdp2_two_processes_match_one(tmp_path, name, tiny_llama):
     model = tiny_llama if name.startswith("llm") else None
     torch.set_num_threads(1)
