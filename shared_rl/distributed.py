@@ -23,6 +23,8 @@ class Dist:
     def __init__(self, device: torch.device | None = None) -> None:
         if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
             backend = "nccl" if device is not None and device.type == "cuda" else "gloo"
+            if backend == "nccl":  # one GPU per local rank: NCCL, the device mesh and FSDP2 use the current device
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
             dist.init_process_group(backend=backend)
         self.enabled = dist.is_initialized() and dist.get_world_size() > 1
         self.rank = dist.get_rank() if self.enabled else 0
