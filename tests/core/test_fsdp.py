@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
 from shared_rl.config import ConfigError, load_train_config
-from shared_rl.distributed import exit_distributed, full_tensors, is_dtensor
+from shared_rl.distributed import exit_distributed, full_optimizer_state, full_tensors, is_dtensor
 from shared_rl.trainer import Trainer
 
 def even_token_fraction(completion_ids, **_):
@@ -114,6 +114,12 @@ def _fit_worker(rank, world, port, name, model, run_dir, out):
     assert tr.fsdp is not None and all(is_dtensor(p) for p in tr.domain.parameters())
     tr.fit()
     state = full_tensors(tr.domain.state_dict())
+    # the final checkpoint (gathered, one-process layout) loads back into fresh shards exactly
+    again = Trainer(_config(name, "fsdp2", model), run_dir, log=lambda *_: None)
+    assert again.resume() and again.start_iteration == tr.cfg.iterations
+    assert all(torch.equal(v, state[k]) for k, v in full_tensors(again.domain.state_dict()).items())
+    opt, opt_again = (full_optimizer_state(t.optimizer.state_dict()) for t in (tr, again))
+    assert all(torch.equal(v, opt_again["state"][i][k]) for i, s in opt["state"].items() for k, v in s.items())
     torch.save({"state": state, "padding_forwards": tr.padding_forwards}, f"{out}.{rank}")
     exit_distributed(0)  # barrier + destroy + os._exit: gloo can SIGABRT at interpreter teardown
 
@@ -145,6 +151,9 @@ def test_fsdp2_two_processes_match_one(tmp_path, name, tiny_llama):
     # 3 groups over 2 processes: the rank with fewer sequences padded its micro-batches with weight-0 forwards
     assert got[0]["padding_forwards"] + got[1]["padding_forwards"] > 0
     _assert_same_records(_records(tmp_path / "one"), _records(tmp_path / "two"), name)
+    last = f"checkpoints/step_{single.cfg.iterations:06d}"
+    w1, w2 = (load_file(str(tmp_path / run / last / "model.safetensors")) for run in ("one", "two"))
+    assert w1.keys() == w2.keys() and all(torch.allclose(w1[k], w2[k], atol=1e-5, rtol=1e-4) for k in w1)
     if name.startswith("llm"):  # the exported adapter was gathered on rank 0
         a1 = load_file(str(tmp_path / "one" / "final" / "adapter_model.safetensors"))
         a2 = load_file(str(tmp_path / "two" / "final" / "adapter_model.safetensors"))
