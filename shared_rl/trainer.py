@@ -238,10 +238,11 @@ class Trainer:
         nfe = torch.tensor([float(nfe_train)])
         metrics.update({"nfe/train": float(self.dist.all_reduce_(nfe)), "time/train": time.perf_counter() - t1,
                         "lr": self.scheduler.get_last_lr()[0]})
-        total_time = metrics["time/rollout"] + metrics["time/train"]
+        # wall time of the whole iteration (selection, rollout, gathers, advantages, updates), the same on every rank
+        metrics["time/iteration"] = time.perf_counter() - t0
         first = drawn_views[0]
         leaves = int(torch.isfinite(next(iter(first.rewards.values()))).sum()) if first.rewards else len(first)
-        metrics["samples_per_s"] = leaves / max(total_time, 1e-9)
+        metrics["samples_per_s"] = leaves / max(metrics["time/iteration"], 1e-9)
         return metrics
 
     @staticmethod
