@@ -43,6 +43,8 @@ CASES = {
     # llm
     "llm missing model": (_llm(model="no/such/model"), "no/such/model"),
     "llm unknown reward": (_llm(rewards=[{"name": "exact_matchh"}]), "exact_matchh"),
+    "llm reward guard bad policy": (_llm(reward_guard={"on_failure": "ignore"}), "on_failure"),
+    "visgen reward guard negative retries": (_visgen(reward_guard={"retries": -1}), "reward_guard.retries"),
     "llm empty dataset": (_llm(dataset={"source": "jsonl", "path": "TMP/empty.jsonl"}), "empty.jsonl"),
     "llm malformed jsonl": (_llm(dataset={"source": "jsonl", "path": "TMP/broken.jsonl"}), "broken.jsonl"),
     "llm missing column": (_llm(dataset={"source": "jsonl", "path": "TMP/nocol.jsonl"}), "prompt"),
