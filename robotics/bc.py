@@ -111,7 +111,7 @@ def eval_keys(env_cfg: EnvConfig, per_task: int) -> tuple[list[int], list[str]]:
 
 
 def evaluate_policy(policy: TinyVLA, env_cfg: EnvConfig, per_task: int, venv=None, gif_dir: Path | None = None,
-                    tag: str = "", seed: int = 0) -> dict[str, float]:
+                    tag: str = "", seed: int = 0, init_noise: float = 1.0) -> dict[str, float]:
     """Deterministic (ODE / arg-max) success on the held-out evaluation reset states.
 
     The flow head's ODE starts from Gaussian noise; it is drawn from a generator seeded with ``seed``, so an
@@ -124,7 +124,7 @@ def evaluate_policy(policy: TinyVLA, env_cfg: EnvConfig, per_task: int, venv=Non
     was_training = policy.training
     policy.eval()
     try:
-        batch = run_episodes(policy, venv, keys, tasks, SamplingSettings(mode=mode), env_cfg.horizon,
+        batch = run_episodes(policy, venv, keys, tasks, SamplingSettings(mode=mode, init_noise=init_noise), env_cfg.horizon,
                              torch.Generator().manual_seed(seed), record_frames=gif_dir is not None)
     finally:
         policy.train(was_training)

@@ -59,6 +59,8 @@ class RoboticsConfig:
     noise_level: float = 0.7  # Flow-GRPO a (flow_sde, mix)
     temperature: float = 1.0  # discrete head sampling temperature
     logp_reduce: Literal["sum", "mean"] = "sum"  # over the chunk's action dims
+    init_noise: float = 1.0  # flow head, rollouts: std of the chain's start x(σ=1); 0 = only the SDE steps explore
+    eval_init_noise: float = 1.0  # flow head, evaluation ODE: 0 = deterministic (the chain starts at the origin)
     train_states_per_task: int = 50
     eval_states_per_task: int = 20
     train_tasks: list[str] = field(default_factory=list)  # subset of env.tasks for training keys ([] = all)
@@ -72,6 +74,8 @@ class RoboticsConfig:
             raise ConfigError(f"{where}: train_states_per_task and eval_states_per_task must be >= 1")
         if self.noise_level <= 0 and self.head_mode in ("flow_sde", "mix"):
             raise ConfigError(f"{where}.noise_level must be > 0 for {self.head_mode} (0 is the deterministic ODE)")
+        if self.init_noise < 0 or self.eval_init_noise < 0:
+            raise ConfigError(f"{where}: init_noise and eval_init_noise must be >= 0 (1 = standard normal start)")
         if self.temperature <= 0:
             raise ConfigError(f"{where}.temperature must be > 0, got {self.temperature}")
         unknown = [t for t in self.train_tasks if t not in self.env.tasks]
@@ -139,7 +143,7 @@ class RoboticsDomain(DomainBase):
         for q in self._ref.parameters():
             q.requires_grad_(False)
         self.sampling = SamplingSettings(mode=cfg.head_mode, noise_level=cfg.noise_level, temperature=cfg.temperature,
-                                         logp_reduce=cfg.logp_reduce)
+                                         logp_reduce=cfg.logp_reduce, init_noise=cfg.init_noise)
         self.steps_per_chunk = m.num_denoise_steps if m.head == "flow" else 1
         self.n_chunks = math.ceil(cfg.env.horizon / m.chunk)
         tasks = cfg.train_tasks or cfg.env.tasks
@@ -268,7 +272,7 @@ class RoboticsDomain(DomainBase):
     def evaluate(self, iteration: int) -> dict[str, float]:
         gif_dir = self.ctx.run_dir / "gifs" if (self.cfg.gifs and self.ctx.run_dir is not None) else None
         return evaluate_policy(self.policy, self.cfg.env, self.cfg.eval_states_per_task, self.venv, gif_dir,
-                               tag=f"it{iteration:04d}-")
+                               tag=f"it{iteration:04d}-", init_noise=self.cfg.eval_init_noise)
 
     def save_pretrained(self, out_dir: Path) -> None:
         self.policy.save_pretrained(out_dir)

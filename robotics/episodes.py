@@ -27,6 +27,7 @@ class SamplingSettings:
     noise_level: float = 0.7  # Flow-GRPO a
     temperature: float = 1.0  # discrete head
     logp_reduce: Literal["sum", "mean"] = "sum"
+    init_noise: float = 1.0  # flow head: std of the chain's starting point (0 = start at the origin)
 
 
 @dataclass
@@ -56,7 +57,7 @@ def sample_chunk(policy: TinyVLA, h: torch.Tensor, s: SamplingSettings, generato
     if cfg.head == "flow":
         if s.mode not in ("ode", "flow_sde", "flow_noise", "mix"):
             raise ValueError(f"a flow head samples with ode/flow_sde/flow_noise/mix, not {s.mode!r}")
-        out = policy.flow.sample(h, s.mode, generator, s.noise_level, s.logp_reduce)
+        out = policy.flow.sample(h, s.mode, generator, s.noise_level, s.logp_reduce, s.init_noise)
         acts = out.actions.view(b, cfg.chunk, cfg.action_dim)
         return acts, out.chain, out.stochastic, out.logp, cfg.num_denoise_steps
     if s.mode not in ("discrete", "greedy"):

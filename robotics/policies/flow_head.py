@@ -137,12 +137,15 @@ class FlowActionHead(nn.Module):
 
     @torch.no_grad()
     def sample(self, h: torch.Tensor, mode: str, generator: torch.Generator | None, noise_level: float = 0.7,
-               reduce: str = "sum") -> FlowSample:
+               reduce: str = "sum", init_noise: float = 1.0) -> FlowSample:
+        """One chunk per row. ``init_noise`` scales the starting point x(σ=1) ~ N(0, init_noise²·I): 0 starts every
+        chain at the origin, so the ODE is deterministic and all sampling randomness comes from the SDE steps
+        (the only randomness a log-prob is computed for)."""
         if mode not in MODES:
             raise ValueError(f"unknown flow sampling mode {mode!r}; choose one of {MODES}")
         b, d, s = h.shape[0], self.action_dim, self.num_steps
         dev = h.device
-        x = torch.randn(b, d, generator=generator).to(dev)
+        x = (torch.randn(b, d, generator=generator) * init_noise).to(dev)
         stochastic = self.stochastic_steps(b, mode, generator, dev)
         sig = self.sigmas.to(dev)
         chain = [x]

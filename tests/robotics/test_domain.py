@@ -69,6 +69,8 @@ def test_config_errors_are_actionable():
         _domain("discrete", model=dict(TINY_MODEL, head="flow"))
     with pytest.raises(ConfigError, match="train_tasks"):
         from_dict(RoboticsConfig, {"train_tasks": ["nope-v3"]}, "robotics")
+    with pytest.raises(ConfigError, match="init_noise"):
+        from_dict(RoboticsConfig, {"eval_init_noise": -1.0}, "robotics")
 
 
 def test_grpo_improves_success_on_the_point_env():
