@@ -45,6 +45,9 @@ def markdown_table(rows: list[dict[str, Any]], digits: int = 4) -> str:
     return "\n".join(lines) + "\n"
 
 
+ANALYSIS_MARK = "## Analysis (hand-written"
+
+
 def write_results(out_dir: Path, bench: str, rows: list[dict[str, Any]], notes: str = "",
                   extra: dict[str, Any] | None = None, doc_path: Path | None = None) -> dict[str, Any]:
     """Write results.json and results.md (and, when given, the docs page with the same table)."""
@@ -59,6 +62,10 @@ def write_results(out_dir: Path, bench: str, rows: list[dict[str, Any]], notes: 
     md = f"# Benchmark `{bench}`\n\n{table}\n{notes}\n\nMachine: `{json.dumps(result['machine'])}`\n"
     (out_dir / "results.md").write_text(md)
     if doc_path is not None:
-        Path(doc_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(doc_path).write_text(md)
+        doc = Path(doc_path)
+        doc.parent.mkdir(parents=True, exist_ok=True)
+        # a hand-written analysis at the end of the page survives re-runs (it is about a measured run; re-read it)
+        old = doc.read_text() if doc.is_file() else ""
+        kept = old[old.index(ANALYSIS_MARK):] if ANALYSIS_MARK in old else ""
+        doc.write_text(md + ("\n" + kept if kept else ""))
     return result
