@@ -89,6 +89,7 @@ def _checkpoint_cost(config: str, overrides: list[str], tmp: Path) -> dict[str, 
 
     cfg = load_train_config(apply_overrides(load_yaml(REPO_ROOT / config), overrides))
     tr = Trainer(cfg, tmp, log=lambda *_: None)
+    tr.iteration(0)  # after one update, so the optimizer state (AdamW moments) is in the checkpoint
     t = time.perf_counter()
     path = tr.save(1)
     save_s = time.perf_counter() - t
