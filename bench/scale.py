@@ -24,6 +24,7 @@ from pathlib import Path
 
 from shared_rl.bench import write_results
 from shared_rl.cli import REPO_ROOT
+from shared_rl.distributed import free_port
 
 NO_EVAL = ["eval.at_start=false", "eval.every=0", "checkpoint.every=0"]
 DOMAIN_CONFIGS = {
@@ -40,21 +41,13 @@ DOMAIN_CONFIGS = {
 REPEATS = 2
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(config: str, overrides: list[str], out: Path, processes: int) -> float | None:
     base = [sys.executable, "-m", "shared_rl.cli", "train", str(REPO_ROOT / config), "--out", str(out),
             "logging.progress=false", *overrides]
     if processes > 1:
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                str(REPO_ROOT / "configs/accelerate/cpu_2proc.yaml"), "--num_processes", str(processes),
-               "--main_process_port", str(_free_port()), "-m", "shared_rl.cli", *base[3:]]
+               "--main_process_port", str(free_port()), "-m", "shared_rl.cli", *base[3:]]
     else:
         cmd = base
     env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // processes)))

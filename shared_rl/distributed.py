@@ -81,6 +81,15 @@ class Dist:
             off += n
 
 
+def free_port() -> int:
+    """A TCP port free on this host now (for MASTER_PORT / --main_process_port of a local launch)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def exit_distributed(code: int) -> None:
     """End a multi-process run: barrier, destroy the process group, then leave with ``os._exit``.
 
@@ -100,7 +109,6 @@ def exit_distributed(code: int) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
-
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -56,8 +56,12 @@ def guarded_reward(fn: Callable[..., dict[str, torch.Tensor]], name: str, cfg: R
         for attempt in range(cfg.retries + 1):
             try:
                 if cfg.timeout_s > 0:
-                    with cf.ThreadPoolExecutor(max_workers=1) as ex:
+                    # not ``with``: leaving that block joins the worker, i.e. waits for the hung backend anyway
+                    ex = cf.ThreadPoolExecutor(max_workers=1)
+                    try:
                         out = ex.submit(fn, *args, **kwargs).result(timeout=cfg.timeout_s)
+                    finally:
+                        ex.shutdown(wait=False, cancel_futures=True)
                 else:
                     out = fn(*args, **kwargs)
                 result = {k: torch.as_tensor(v, dtype=torch.float32) for k, v in out.items()}

@@ -134,7 +134,7 @@ class Trainer:
             return None
         # every rank pads its training micro-batches with forwards on its own sequences: each needs a rollout chunk
         groups = cfg.rollout.groups_per_iteration
-        per_call = cfg.rollout.groups_per_call or -(-groups // d.world)
+        per_call = self._groups_per_call(groups)
         chunks = -(-groups // per_call)
         if chunks < d.world:
             fix = (f"raise rollout.groups_per_iteration to >= {d.world}" if groups < d.world else
@@ -148,6 +148,10 @@ class Trainer:
         self.log(f"fsdp2: {len(modules)} modules sharded over {d.world} processes; process {d.rank} holds "
                  f"{local:,} of their {full:,} parameter bytes")
         return shards
+
+    def _groups_per_call(self, n_groups: int) -> int:
+        """Groups per rollout call: ``rollout.groups_per_call``, else an even share of ``n_groups`` per process."""
+        return self.cfg.rollout.groups_per_call or -(-n_groups // self.dist.world)
 
     def _gathered(self):
         """FSDP2: the shards gathered for work whose forward count differs per rank (no-op otherwise)."""
@@ -273,7 +277,7 @@ class Trainer:
         """Sample ``keys`` in chunks of ``rollout.groups_per_call`` spread over ranks; every chunk draws from its
         own generator seeded by (seed, iteration, round, chunk), so results do not depend on the process count.
         Returns (this rank's rollout with payload, the global light view without payload)."""
-        per_call = self.cfg.rollout.groups_per_call or -(-len(keys) // self.dist.world)
+        per_call = self._groups_per_call(len(keys))
         chunks = [keys[i: i + per_call] for i in range(0, len(keys), per_call)]
         parts = []
         with self._gathered():  # FSDP2: ranks sample different numbers of chunks and tokens

@@ -1,15 +1,13 @@
 """Layout invariance on the real domains: 2 CPU processes (gloo) give the same rewards, advantages and update as
 1 process for the same global batch (visgen on the tiny SD3 asset, the LLM path on the tiny Llama asset)."""
 import os
-import socket
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from shared_rl.config import load_train_config
-from shared_rl.distributed import exit_distributed
+from shared_rl.distributed import exit_distributed, free_port
 from shared_rl.trainer import Trainer
 
 COMMON = {"seed": 3, "iterations": 2, "logging": {"progress": False}, "eval": {"at_start": False},
@@ -22,12 +20,6 @@ CONFIGS = {
     "llm": {**COMMON, "domain": "llm", "llm": {"max_new_tokens": 4, "num_threads": 1}},
 }
 KEYS = ("reward/mean", "groups/kept", "nfe/rollout", "loss/policy", "advantage/abs_mean", "ratio/mean")
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _trainable_state(tr):
@@ -55,7 +47,7 @@ def test_two_processes_match_one(tmp_path, name):
     torch.set_num_threads(1)
     state, metrics = _run(name)
     out = tmp_path / "two.pt"
-    mp.spawn(_worker, args=(2, _free_port(), name, str(out)), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, free_port(), name, str(out)), nprocs=2, join=True)
     got = torch.load(out, weights_only=True)
     for k, v in state.items():
         assert torch.allclose(v, got["state"][k], atol=1e-5, rtol=1e-4), k

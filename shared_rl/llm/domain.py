@@ -234,8 +234,8 @@ class LLMDomain(DomainBase):
                   "log_metric": log_metric, "log_extra": lambda *a, **k: None,
                   "max_completion_length": self.cfg.max_new_tokens, "truncated": truncated}
         out = {}
-        for (label, _fn), _weight in self.rewards:
-            out[label] = self._guarded_calls[label](prompts, completions, completion_ids, columns, extras)[label]
+        for label, call in self._guarded_calls.items():
+            out[label] = call(prompts, completions, completion_ids, columns, extras)[label]
         return out
 
     # ---- log-probs -------------------------------------------------------------------------------------------

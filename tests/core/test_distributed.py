@@ -1,15 +1,13 @@
 """Layout invariance: 2 CPU processes (gloo) give the same advantages and updates as 1 process."""
 import json
 import os
-import socket
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from shared_rl.config import load_train_config
-from shared_rl.distributed import exit_distributed
+from shared_rl.distributed import exit_distributed, free_port
 from shared_rl.trainer import Trainer
 
 BASE = {
@@ -33,12 +31,6 @@ def cfg_for(name):
     return load_train_config(data)
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank, world, port, name, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
@@ -57,7 +49,7 @@ def test_two_processes_match_one(tmp_path, name):
     single = Trainer(cfg_for(name), None, log=lambda *_: None)
     ref_metrics = [single.iteration(it) for it in range(4)]
     out = tmp_path / "two.pt"
-    mp.spawn(_worker, args=(2, _free_port(), name, str(out)), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, free_port(), name, str(out)), nprocs=2, join=True)
     got = torch.load(out, weights_only=True)
     assert torch.allclose(got["logits"], single.domain.state_dict()["logits"], atol=1e-5)
     for a, b in zip(ref_metrics, got["metrics"]):

@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -105,12 +106,17 @@ def test_reward_retries_then_nan_or_fatal():
     with pytest.raises(RewardError, match="failed after 1 attempts"):
         fatal([0])
 
-    def slow(images):
-        time.sleep(2)
+    release, finished = threading.Event(), threading.Event()
+
+    def hung(images):  # a backend that answers only when released (or after 30 s)
+        release.wait(30)
+        finished.set()
         return {"r": [0.0]}
 
-    timed = guarded_reward(slow, "r", RewardGuardConfig(retries=0, timeout_s=0.1), len, log=lambda *_: None)
+    timed = guarded_reward(hung, "r", RewardGuardConfig(retries=0, timeout_s=0.1), len, log=lambda *_: None)
     assert torch.isnan(timed([0])["r"]).all()
+    assert not finished.is_set()   # the guard returned while the backend still hung (it did not wait to join it)
+    release.set()
 
 
 def test_reward_guard_remembers_output_names_and_never_retries_contract_errors():

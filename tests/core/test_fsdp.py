@@ -8,7 +8,6 @@ FSDP2 (every training forward is an all-gather) are exercised: a mismatch would 
 import json
 import os
 import shutil
-import socket
 
 import pytest
 import torch
@@ -16,7 +15,7 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
 from shared_rl.config import ConfigError, load_train_config
-from shared_rl.distributed import exit_distributed, full_optimizer_state, full_tensors, is_dtensor
+from shared_rl.distributed import exit_distributed, free_port, full_optimizer_state, full_tensors, is_dtensor
 from shared_rl.trainer import Trainer
 
 def even_token_fraction(completion_ids, **_):
@@ -89,13 +88,7 @@ def _spawn(fn, *args):
     import multiprocessing
 
     multiprocessing.set_forkserver_preload(["torch", "shared_rl.trainer", "shared_rl.llm.domain", "peft"])
-    mp.start_processes(fn, args=(2, _free_port(), *args), nprocs=2, join=True, start_method="forkserver")
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    mp.start_processes(fn, args=(2, free_port(), *args), nprocs=2, join=True, start_method="forkserver")
 
 
 def _records(run_dir):
