@@ -33,6 +33,9 @@ DOMAIN_CONFIGS = {
     "llm": ("configs/llm/arith_grpo.yaml", ["iterations=6", "rollout.groups_per_call=2", "llm.num_threads=0",
                                             *NO_EVAL]),
     "visgen": ("configs/visgen/shapes_grpo.yaml", ["iterations=5", "rollout.groups_per_call=2", "visgen.num_threads=0",
+                                                   # the sizes of the published table (the demo now uses 32 x 16)
+                                                   "rollout.groups_per_iteration=8", "rollout.group_size=8",
+                                                   "optim.minibatches_per_epoch=2",
                                                    *NO_EVAL]),
     "robotics": ("configs/robotics/metaworld_grpo.yaml", ["iterations=3", "rollout.groups_per_iteration=4",
                                                           "rollout.groups_per_call=2", "robotics.threads=0",
