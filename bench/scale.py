@@ -35,7 +35,8 @@ DOMAIN_CONFIGS = {
     "visgen": ("configs/visgen/shapes_grpo.yaml", ["iterations=5", "rollout.groups_per_call=2", "visgen.num_threads=0",
                                                    # the sizes of the published table (the demo now uses 32 x 16)
                                                    "rollout.groups_per_iteration=8", "rollout.group_size=8",
-                                                   "optim.minibatches_per_epoch=2",
+                                                   "optim.minibatches_per_epoch=2", "visgen.rewards=[{name: shapes}]",
+                                                   "advantage.weights={shapes: 1.0, shapes_strict: 0.0}",
                                                    *NO_EVAL]),
     "robotics": ("configs/robotics/metaworld_grpo.yaml", ["iterations=3", "rollout.groups_per_iteration=4",
                                                           "rollout.groups_per_call=2", "robotics.threads=0",
