@@ -42,7 +42,7 @@ from .trees import TreeContext, TreeRolloutEngine, TreeSettings
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHAPES_ASSET_HINT = ("build it with `python -m visgen.pretrain configs/visgen/shapes_pretrain.yaml --out "
-                     "assets/shapes-sd3-tiny` (about 15 minutes on 2 CPU cores)")
+                     "assets/shapes-sd3-tiny` (about 10 minutes on 2 CPU cores)")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # display names of the shapes reward outputs in evaluation metrics
 EVAL_NAMES = {"shapes": "score", "shapes_strict": "strict"}
