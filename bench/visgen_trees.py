@@ -43,6 +43,9 @@ PROMPTS_PER_ITER = 4
 # lr 3e-3 (the demo's old rate) lowered every method's held-out score within this short budget (measured; see the
 # docs page); every method uses 1e-3, the demo's current rate.
 BENCH_LR = 1.0e-3
+# one 48-image evaluation moves by about +-0.02: a smaller rise of flat's smoothed score is not a target to reach
+# (on the 1,400-step asset flat rose 0.005 in the budget and noise "reached" it within 0.01 NFE)
+MIN_FLAT_GAIN = 0.02
 LEAVES = 16
 STEPS = 10
 
@@ -176,6 +179,12 @@ def _smooth(points: list[dict], width: int = 3) -> list[dict]:
         window = points[max(0, i - half): i + half + 1]
         out.append({**p, "score": sum(w["score"] for w in window) / len(window)})
     return out
+
+
+def flat_gain_is_signal(smoothed_flat: list[dict], min_gain: float = MIN_FLAT_GAIN) -> bool:
+    """Whether flat Flow-GRPO's smoothed eval score rose by at least ``min_gain`` over the budget; only then is
+    "NFE / time to reach flat's final score" a meaningful speed measure."""
+    return smoothed_flat[-1]["score"] - smoothed_flat[0]["score"] >= min_gain
 
 
 def _first_reach(points: list[dict], target: float) -> tuple[float | None, float | None]:
@@ -341,7 +350,7 @@ def run(out_dir: Path, quick: bool = False, variants: list[str] | None = None, l
         efficiency = expansion_efficiency(model, prompts=1, repeats=1 if quick else 3)
     flat_pts = _smooth(results["flat Flow-GRPO"]["points"])
     target = flat_pts[-1]["score"]
-    flat_improved = target > flat_pts[0]["score"]
+    flat_improved = flat_gain_is_signal(flat_pts)
     flat_nfe, flat_time = flat_pts[-1]["nfe"], flat_pts[-1]["time"]
     rows = []
     for name, res in results.items():
@@ -370,7 +379,8 @@ def run(out_dir: Path, quick: bool = False, variants: list[str] | None = None, l
     total = time.perf_counter() - t_start
     notes = _notes(quick, pretrained, budget, target, eff_table, total, base["optim"]["lr"])
     if not flat_improved:
-        notes = ("**Flat Flow-GRPO did not raise the (smoothed) eval score within the budget, so 'NFE / time to reach "
+        notes = (f"**Flat Flow-GRPO did not raise the (smoothed) eval score by {MIN_FLAT_GAIN} (one evaluation's noise) "
+                 "within the budget, so 'NFE / time to reach "
                  "flat's final score' and the speedups are undefined (left empty).**\n\n" + notes)
     doc = None
     analysis = ""
