@@ -415,7 +415,6 @@ def _notes(quick: bool, pretrained: bool, budget: float, target: float, eff_tabl
     return head + "\n" + NOTES_TEXT
 
 
-
 NOTES_TEXT = """Notes (honest reading):
 
 - The tree methods spend fewer forwards per image (shared prefixes; ODE outside windows) and train fewer
