@@ -34,12 +34,12 @@ import torch
 from shared_rl.config import ConfigError
 from shared_rl.domain import DomainBase, RunContext, StepLogProbs
 from shared_rl.rollout import Rollout
+from shared_rl.flow_kernels import sde_mean_kl
 
 from .bc import eval_keys, evaluate_policy
 from .envs.metaworld_env import make_key
 from .envs.vector import EnvConfig, make_vector_env
 from .episodes import SamplingSettings, run_episodes
-from .policies.flow_head import gaussian_logp
 from .policies.vla import TinyVLA, VLAConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -236,9 +236,8 @@ class RoboticsDomain(DomainBase):
                     h_ref = self._features(ref, p["images"][ep, ch], p["proprio"][ep, ch], text_ids)[rows]
                     ref_lp, _, ref_mean, _ = ref.flow.step_log_prob(h_ref, x, x_next, step, self.cfg.head_mode,
                                                                     self.cfg.noise_level, reduce)
-                if self.cfg.head_mode in ("flow_sde", "mix"):
-                    per_dim = (mean - ref_mean) ** 2 / (2 * std.detach() ** 2)
-                    kl = per_dim.sum(-1) if reduce == "sum" else per_dim.mean(-1)
+                if self.cfg.head_mode in ("flow_sde", "mix"):  # Flow-GRPO's KL of equal-std step Gaussians
+                    kl = sde_mean_kl(mean, ref_mean, std.detach(), reduction=reduce)
                 else:
                     ref_logp = ref_lp
             return logp, ent, kl, ref_logp

@@ -5,7 +5,7 @@ Public sampling API (imported lazily so ``import visgen.tasks`` stays light):
 - ``visgen.sample(pipe, prompt, num_inference_steps, guidance_scale, generator, sampler="sde", noise_level=None,
   plan=None, ...) -> Trajectory``
 - ``visgen.recompute_log_probs(pipe_or_adapter, traj, step_indices, return_means=False) -> RecomputedSteps``
-- ``visgen.as_adapter(pipe)``; kernels in ``visgen.sampling``; step plans in ``visgen.plans``.
+- ``visgen.as_adapter(pipe)``; kernels in ``shared_rl.flow_kernels``; step plans in ``visgen.plans``.
 """
 from __future__ import annotations
 

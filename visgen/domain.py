@@ -445,7 +445,7 @@ class VisgenDomain(DomainBase):
                             entropy=rec.entropy.to(dev), nfe=rec.nfe)
 
     def _noise_level(self) -> float:
-        from .sampling import DEFAULT_NOISE_LEVEL
+        from shared_rl.flow_kernels import DEFAULT_NOISE_LEVEL
 
         return DEFAULT_NOISE_LEVEL[self.cfg.sampler] if self.cfg.noise_level is None else float(self.cfg.noise_level)
 

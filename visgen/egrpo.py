@@ -2,7 +2,7 @@
 Models", 2026): entropy-aware step merging, one ODE anchor path per prompt, groups that share a consolidated step.
 
 **Step entropy.** An SDE step is the Gaussian ``N(mean, std^2 I_d)``; its entropy per latent element is
-``H = 1/2 log(2 pi e std^2)`` (``visgen.sampling.gaussian_entropy``), with ``std`` the kernel's transition std (for
+``H = 1/2 log(2 pi e std^2)`` (``shared_rl.flow_kernels.gaussian_entropy``), with ``std`` the kernel's transition std (for
 the Flow-GRPO SDE ``std = a sqrt(sigma / (1 - sigma)) sqrt(sigma - sigma_next)``). Early (high-noise) steps have
 high entropy; late steps have so little that siblings come out nearly identical and the group has no signal.
 
@@ -81,7 +81,7 @@ def step_entropy(sigma: torch.Tensor | float, sigma_next: torch.Tensor | float, 
 
     The std does not depend on the latent or the velocity for any kernel, so it is read off a dummy step.
     """
-    from .sampling import gaussian_entropy, get_kernel
+    from shared_rl.flow_kernels import gaussian_entropy, get_kernel
 
     sig = torch.as_tensor(sigma, dtype=torch.float32).reshape(-1)
     nxt = torch.as_tensor(sigma_next, dtype=torch.float32).reshape(-1).expand_as(sig)
@@ -127,7 +127,7 @@ def egrpo_forest(adapter, cond, keys: list[int], sigmas: torch.Tensor, timesteps
 
     Root order is prompt-major: root ``p * J + j`` is prompt ``p`` at consolidated step ``j``.
     """
-    from .sampling import flow_step
+    from shared_rl.flow_kernels import flow_step
     from .trees import Level, StepSegment, _Forwarder, grow_forest
 
     T = int(timesteps.numel())

@@ -28,7 +28,7 @@ from typing import Callable, ContextManager
 import torch
 
 from .pipelines import Conditioning, FlowPipelineAdapter
-from .sampling import flow_step, gaussian_entropy, sde_mean_kl
+from shared_rl.flow_kernels import flow_step, gaussian_entropy, sde_mean_kl
 
 KL_TYPES = ("mean", "velocity")
 

@@ -23,7 +23,7 @@ from diffusers.utils.torch_utils import randn_tensor
 
 from .pipelines import Conditioning, FlowPipelineAdapter, as_adapter
 from .plans import FlowGRPOPlan, ODEPlan, PlanSpec, StepPlan, plan_from_config
-from .sampling import DEFAULT_NOISE_LEVEL, REDUCTIONS, flow_step, gaussian_entropy, get_kernel
+from shared_rl.flow_kernels import DEFAULT_NOISE_LEVEL, REDUCTIONS, flow_step, gaussian_entropy, get_kernel
 
 __all__ = ["Trajectory", "RecomputedSteps", "sample", "recompute_log_probs"]
 

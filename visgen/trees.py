@@ -11,7 +11,7 @@ only when asked), and each node's latent is computed exactly once (prefix sharin
 
 An executed step goes ``sigma -> sigma_next`` with the model timestep of ``sigma``; ordinarily that is one step of
 the scheduler's grid, E-GRPO's merged step spans several grid steps (``sigma_i -> sigma_{i+k}``). Each executed
-step is SDE (the domain's kernel, ``visgen.sampling.flow_step``) or ODE, trained or not, with its own noise level:
+step is SDE (the domain's kernel, ``shared_rl.flow_kernels.flow_step``) or ODE, trained or not, with its own noise level:
 a split step whose noise is scaled stores the log-prob **of the scaled Gaussian it was actually drawn from**
 (the public BranchGRPO code scales split noise x4 but scores it with the unscaled std; we do not).
 
@@ -247,7 +247,7 @@ def grow_forest(
         kernel: ``sde`` / ``cps`` / ``dance`` for SDE steps (ODE steps use the Euler formula); ``reduction``: how
             log-probs reduce over latent elements.
     """
-    from .sampling import flow_step
+    from shared_rl.flow_kernels import flow_step
 
     R = root_latents.shape[0]
     device = root_latents.device
@@ -388,7 +388,7 @@ def recompute_forest(
     the reference model) adds the Flow-GRPO KL: ``kl_type="mean"`` ``||mu - mu_ref||^2 / (2 std^2)`` or
     ``"velocity"`` ``||v - v_ref||^2`` (mean over latent elements).
     """
-    from .sampling import flow_step, gaussian_entropy, sde_mean_kl
+    from shared_rl.flow_kernels import flow_step, gaussian_entropy, sde_mean_kl
 
     steps = steps.bool().cpu()
     n, L = steps.shape

@@ -1,6 +1,5 @@
 """Tiny VLA policies with flow-matching (SDE / learned-noise / ODE-SDE mix log-probs) and discrete-bin heads."""
-from .flow_head import MODES, FlowActionHead, FlowSample, gaussian_logp, sde_mean, sde_std, sigma_schedule
+from .flow_head import MODES, FlowActionHead, FlowSample, sigma_schedule
 from .vla import TinyVLA, VLAConfig, tokenize
 
-__all__ = ["MODES", "FlowActionHead", "FlowSample", "gaussian_logp", "sde_mean", "sde_std", "sigma_schedule",
-           "TinyVLA", "VLAConfig", "tokenize"]
+__all__ = ["MODES", "FlowActionHead", "FlowSample", "sigma_schedule", "TinyVLA", "VLAConfig", "tokenize"]

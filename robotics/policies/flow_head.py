@@ -18,8 +18,11 @@ Sampling modes (one *step* = one denoising step of one action chunk):
   random in [0, S−2], uses the flow_sde kernel; the others are ODE. The chain and the chosen index are stored so
   the log-prob of that one step is recomputed exactly.
 
-Log-prob of x' under N(μ, var): −(x'−μ)²/(2·var) − ½·log(2π·var), reduced over the action dims by ``sum`` (a
-proper density of the chunk; the default here) or ``mean`` (the Flow-GRPO/DDPO image convention).
+The step math is the project's one copy in ``shared_rl.flow_kernels`` (``flow_step`` with the ``sde`` kernel, the
+Gaussian log-prob and entropy), the same code visgen samples images with; sampling and recomputation both go
+through :meth:`FlowActionHead.transition`. Log-prob of x' under N(μ, var): −(x'−μ)²/(2·var) − ½·log(2π·var),
+reduced over the action dims by ``sum`` (a proper density of the chunk; the default here) or ``mean`` (the
+Flow-GRPO/DDPO image convention).
 """
 from __future__ import annotations
 
@@ -29,8 +32,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from shared_rl.flow_kernels import StepOutput, flow_step, gaussian_entropy, gaussian_log_prob, ode_step
+
 MODES = ("ode", "flow_sde", "flow_noise", "mix")
-LOG_2PI = math.log(2 * math.pi)
 
 
 @dataclass
@@ -52,30 +56,6 @@ def timestep_embedding(sigma: torch.Tensor, dim: int) -> torch.Tensor:
     freqs = torch.exp(-math.log(1000.0) * torch.arange(half, dtype=torch.float32, device=sigma.device) / half)
     args = sigma.float()[:, None] * 1000.0 * freqs[None]
     return torch.cat([torch.sin(args), torch.cos(args)], dim=-1)
-
-
-def gaussian_logp(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor, reduce: str) -> torch.Tensor:
-    var = std**2
-    lp = -((x - mean) ** 2) / (2 * var) - 0.5 * torch.log(var) - 0.5 * LOG_2PI
-    return lp.sum(-1) if reduce == "sum" else lp.mean(-1)
-
-
-def gaussian_entropy(std: torch.Tensor, dim: int, reduce: str) -> torch.Tensor:
-    ent = 0.5 * (1.0 + LOG_2PI) + torch.log(std)
-    ent = ent.expand(*ent.shape[:-1], dim) if ent.shape[-1] == 1 else ent
-    return ent.sum(-1) if reduce == "sum" else ent.mean(-1)
-
-
-def sde_std(sigma: torch.Tensor, sigma_next_first: float, noise_level: float) -> torch.Tensor:
-    """Flow-GRPO std_t = a·sqrt(σ/(1−σ)); at σ = 1 the first step's next sigma replaces σ in the denominator."""
-    denom = 1.0 - torch.where(sigma >= 1.0, torch.full_like(sigma, sigma_next_first), sigma)
-    return noise_level * torch.sqrt(sigma / denom)
-
-
-def sde_mean(x: torch.Tensor, v: torch.Tensor, sigma: torch.Tensor, dt: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
-    """Flow-GRPO SDE mean: x·(1 + std²·dt/(2σ)) + v·(1 + std²·(1−σ)/(2σ))·dt (σ, dt, std broadcast per row)."""
-    s, d, st = sigma[:, None], dt[:, None], std[:, None]
-    return x * (1 + st**2 * d / (2 * s)) + v * (1 + st**2 * (1 - s) / (2 * s)) * d
 
 
 class FlowActionHead(nn.Module):
@@ -109,18 +89,28 @@ class FlowActionHead(nn.Module):
         return self.std_min + (self.std_max - self.std_min) * torch.sigmoid(z)
 
     # ------------------------------------------------------------------------------------------------------
-    def transition(self, h: torch.Tensor, x: torch.Tensor, step: torch.Tensor, mode: str, noise_level: float):
-        """Mean and std of step ``step`` (per row) under ``mode``; std is [B, 1] or [B, D], 0 for an ODE step."""
+    def transition(self, h: torch.Tensor, x: torch.Tensor, step: torch.Tensor, mode: str, noise_level: float,
+                   stochastic: torch.Tensor | bool = True, noise: torch.Tensor | None = None,
+                   next_sample: torch.Tensor | None = None, reduce: str = "sum") -> StepOutput:
+        """Denoising step ``step`` (per row) of ``mode``: the one code path of sampling and of recomputation.
+
+        Rows where ``stochastic`` is False take the ODE step (std 0, log-prob 0). Give ``noise`` to sample the
+        stochastic rows or ``next_sample`` to score stored transitions (with grad). ``flow_sde``/``mix`` use the shared
+        Flow-GRPO kernel; ``flow_noise`` is the ODE mean with ReinFlow's learned per-dimension std; ``ode`` is Euler.
+        """
         sig = self.sigmas.to(x.device)
         sigma, sigma_next = sig[step], sig[step + 1]
-        dt = sigma_next - sigma
         v = self.velocity_at(h, x, sigma)
-        if mode == "flow_noise":
-            return x + v * dt[:, None], self.learned_std(h, x, sigma), v
-        if mode in ("flow_sde", "mix"):
-            std_t = sde_std(sigma, float(sig[1]), noise_level)
-            return sde_mean(x, v, sigma, dt, std_t), (std_t * torch.sqrt(-dt))[:, None], v
-        return x + v * dt[:, None], torch.zeros_like(sigma)[:, None], v
+        if mode != "flow_noise":
+            kernel = "sde" if mode in ("flow_sde", "mix") else "ode"
+            return flow_step(kernel, x, v, sigma, sigma_next, noise_level, noise=noise, next_sample=next_sample,
+                             stochastic=stochastic, reduction=reduce)
+        ode = ode_step(x, v, sigma, sigma_next)
+        rows = torch.as_tensor(stochastic, device=x.device).expand(x.shape[0]).bool()[:, None]
+        std = torch.where(rows, self.learned_std(h, x, sigma), torch.zeros_like(x))
+        if next_sample is None:
+            next_sample = ode.mean if noise is None else ode.mean + std * noise.float()
+        return StepOutput(next_sample, ode.mean, std, gaussian_log_prob(next_sample, ode.mean, std, reduce))
 
     def stochastic_steps(self, batch: int, mode: str, generator: torch.Generator | None, device) -> torch.Tensor:
         """[B, S] bool: which steps are sampled in ``mode`` (mix draws one index per row from ``generator``)."""
@@ -147,40 +137,27 @@ class FlowActionHead(nn.Module):
         dev = h.device
         x = (torch.randn(b, d, generator=generator) * init_noise).to(dev)
         stochastic = self.stochastic_steps(b, mode, generator, dev)
-        sig = self.sigmas.to(dev)
         chain = [x]
         logp = torch.zeros(b, s, device=dev)
         for t in range(s):
-            sigma = sig[t].expand(b)
-            dt = sig[t + 1] - sig[t]
-            v = self.velocity_at(h, x, sigma)
-            mean_ode = x + v * dt
             rows = stochastic[:, t]
-            if rows.any():
-                if mode == "flow_noise":
-                    mean, std = mean_ode, self.learned_std(h, x, sigma)
-                else:
-                    std_t = sde_std(sigma, float(sig[1]), noise_level)
-                    mean, std = sde_mean(x, v, sigma, dt.expand(b), std_t), (std_t * torch.sqrt(-dt))[:, None].expand(b, d)
-                eps = torch.randn(b, d, generator=generator).to(dev)
-                x_sampled = mean + std * eps
-                logp[:, t] = torch.where(rows, gaussian_logp(x_sampled, mean, std, reduce), torch.zeros(b, device=dev))
-                x = torch.where(rows[:, None], x_sampled, mean_ode)
-            else:
-                x = mean_ode
+            # noise is drawn only at steps where some row is stochastic (keeps the generator's stream per mode)
+            eps = torch.randn(b, d, generator=generator).to(dev) if rows.any() else None
+            out = self.transition(h, x, torch.full((b,), t, device=dev), mode, noise_level, rows, noise=eps,
+                                  reduce=reduce)
+            x = out.next_sample
+            logp[:, t] = out.log_prob
             chain.append(x)
         return FlowSample(actions=x, chain=torch.stack(chain, 1), logp=logp, stochastic=stochastic)
 
     def step_log_prob(self, h: torch.Tensor, x: torch.Tensor, x_next: torch.Tensor, step: torch.Tensor, mode: str,
                       noise_level: float = 0.7, reduce: str = "sum") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Log-prob (with grad) of stored transitions x → x_next at denoising ``step`` (one per row).
+        """Log-prob (with grad) of stored transitions x → x_next at denoising ``step`` (one per row, all trained).
 
         Returns (logp [B], entropy [B], mean [B, D], std [B, 1 or D]); ``mix`` rows use the flow_sde kernel.
         """
-        kernel = "flow_noise" if mode == "flow_noise" else "flow_sde"
-        mean, std, _ = self.transition(h, x, step, kernel, noise_level)
-        logp = gaussian_logp(x_next, mean, std.expand_as(mean), reduce)
-        return logp, gaussian_entropy(std, self.action_dim, reduce), mean, std
+        out = self.transition(h, x, step, mode, noise_level, True, next_sample=x_next, reduce=reduce)
+        return out.log_prob, gaussian_entropy(out.std, self.action_dim, reduce), out.mean, out.std
 
     def bc_loss(self, h: torch.Tensor, x0: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
         """Rectified-flow loss ‖v(x_σ, σ) − (ε − x0)‖² with σ ~ logit-normal (SD3's choice), per row mean."""

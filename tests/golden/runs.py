@@ -107,8 +107,12 @@ def load(name: str) -> list[dict]:
     return [json.loads(line) for line in fixture(name).read_text().splitlines() if line.strip()]
 
 
+# outcomes: always exact, whatever the run's float tolerance (a changed sample or episode shows here first)
+EXACT_PREFIXES = ("reward/", "groups/", "nfe/", "eval/", "env/", "tree/", "frac_zero_std", "step")
+
+
 def compare(expected: list[dict], got: list[dict], rel: float = 0.0, abs_: float = 0.0) -> list[str]:
-    """Mismatches as readable lines (empty: identical within the tolerance)."""
+    """Mismatches as readable lines (empty: identical; ``rel``/``abs_`` loosen the non-outcome floats only)."""
     bad = []
     if len(expected) != len(got):
         return [f"{len(got)} records, expected {len(expected)}"]
@@ -122,7 +126,8 @@ def compare(expected: list[dict], got: list[dict], rel: float = 0.0, abs_: float
             if isinstance(a, float) and isinstance(b, (int, float)):
                 if math.isnan(a) and math.isnan(b):
                     continue
-                if not abs(a - b) <= abs_ + rel * abs(a):
+                tol = 0.0 if k.startswith(EXACT_PREFIXES) else abs_ + rel * abs(a)
+                if not abs(a - b) <= tol:
                     bad.append(f"record {i}: {k} = {b!r}, expected {a!r}")
             elif a != b:
                 bad.append(f"record {i}: {k} = {b!r}, expected {a!r}")

@@ -8,29 +8,40 @@ import pytest
 import torch
 
 from robotics.policies import TinyVLA, VLAConfig
-from robotics.policies.flow_head import gaussian_logp, sde_mean, sde_std, sigma_schedule
+from robotics.policies.flow_head import FlowActionHead, sigma_schedule
+from shared_rl.flow_kernels import flow_step
 
 TINY = dict(cnn_channels=[8, 8, 8, 8], feature_dim=32, text_dim=8, hidden=64, num_denoise_steps=4)
 
 
-def test_flow_sde_kernel_hand_computed():
-    # sigma 0.6 -> 0.4, a = 0.7: std_t = 0.7*sqrt(0.6/0.4) = 0.857321, std_t^2 = 0.735
-    sigma = torch.tensor([0.6])
-    std = sde_std(sigma, 0.8, 0.7)
-    assert std.item() == pytest.approx(0.7 * math.sqrt(1.5), rel=1e-6)
-    # mean = x(1 + 0.735*(-0.2)/1.2) + v(1 + 0.735*0.4/1.2)(-0.2) with x = 1, v = 2: 0.8775 - 0.498 = 0.3795
-    mean = sde_mean(torch.tensor([[1.0]]), torch.tensor([[2.0]]), sigma, torch.tensor([-0.2]), std)
-    assert mean.item() == pytest.approx(0.3795, abs=1e-5)
-    # at sigma = 1 the next sigma (0.8) replaces sigma in the denominator: 0.7*sqrt(1/0.2)
-    assert sde_std(torch.tensor([1.0]), 0.8, 0.7).item() == pytest.approx(0.7 * math.sqrt(5.0), rel=1e-6)
+def test_flow_sde_transition_hand_computed():
+    """The head's flow_sde step is the shared Flow-GRPO kernel: sigma 0.6 -> 0.4 (5 steps of 0.2 from sigma 1),
+    a = 0.7: std_t = 0.7*sqrt(0.6/0.4), std_t^2 = 0.735; mean = x(1 + 0.735*(-0.2)/1.2) + v(1 + 0.735*0.4/1.2)(-0.2)
+    = 0.8775 - 0.498 = 0.3795 for x = 1, v = 2; transition std = std_t*sqrt(0.2)."""
+    out = flow_step("sde", torch.tensor([[1.0]]), torch.tensor([[2.0]]), torch.tensor([0.6]), torch.tensor([0.4]), 0.7,
+                    noise=torch.zeros(1, 1), reduction="sum")
+    assert out.mean.item() == pytest.approx(0.3795, abs=1e-5)
+    assert out.std.item() == pytest.approx(0.7 * math.sqrt(1.5) * math.sqrt(0.2), rel=1e-6)
     assert torch.allclose(sigma_schedule(4), torch.tensor([1.0, 0.75, 0.5, 0.25, 0.0]))
+    # the head routes flow_sde through that kernel: same mean and std as flow_step on the head's own velocity
+    head = FlowActionHead(feature_dim=4, action_dim=3, hidden=8, num_steps=5)
+    h, x = torch.randn(2, 4), torch.randn(2, 3)
+    got = head.transition(h, x, torch.tensor([2, 2]), "flow_sde", 0.7, noise=torch.zeros(2, 3))
+    v = head.velocity_at(h, x, torch.full((2,), 0.6))
+    ref = flow_step("sde", x, v, torch.full((2,), 0.6), torch.full((2,), 0.4), 0.7, noise=torch.zeros(2, 3))
+    assert torch.allclose(got.mean, ref.mean) and torch.allclose(got.std, ref.std)
 
 
-def test_gaussian_logp_matches_torch_normal():
-    x, mu, sd = torch.randn(3, 5), torch.randn(3, 5), torch.rand(3, 5) + 0.1
-    ref = torch.distributions.Normal(mu, sd).log_prob(x)
-    assert torch.allclose(gaussian_logp(x, mu, sd, "sum"), ref.sum(-1), atol=1e-5)
-    assert torch.allclose(gaussian_logp(x, mu, sd, "mean"), ref.mean(-1), atol=1e-6)
+def test_flow_noise_log_prob_matches_torch_normal():
+    head = FlowActionHead(feature_dim=4, action_dim=5, hidden=8, num_steps=3)
+    h, x, x_next = torch.randn(3, 4), torch.randn(3, 5), torch.randn(3, 5)
+    for reduce in ("sum", "mean"):
+        logp, ent, mean, std = head.step_log_prob(h, x, x_next, torch.tensor([0, 1, 2]), "flow_noise", reduce=reduce)
+        normal = torch.distributions.Normal(mean, std)
+        ref = normal.log_prob(x_next)
+        assert torch.allclose(logp, ref.sum(-1) if reduce == "sum" else ref.mean(-1), atol=1e-5)
+        e = normal.entropy()
+        assert torch.allclose(ent, e.sum(-1) if reduce == "sum" else e.mean(-1), atol=1e-5)
 
 
 def _policy(head="flow"):

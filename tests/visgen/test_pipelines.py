@@ -8,7 +8,7 @@ from .conftest import CALL_OPTIONS, PROMPTS, SIZES, build_sana, ready
 import visgen
 from visgen.pipelines import FluxAdapter, SanaAdapter, SD3Adapter, as_adapter
 from visgen.plans import DanceGRPOPlan, MixGRPOPlan
-from visgen.sampling import sde_mean_kl
+from shared_rl.flow_kernels import sde_mean_kl
 from visgen.trajectory import recompute_log_probs, sample
 
 STEPS = 4

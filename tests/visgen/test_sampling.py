@@ -18,7 +18,7 @@ from visgen.plans import (
     StepPlan,
     plan_from_config,
 )
-from visgen.sampling import (
+from shared_rl.flow_kernels import (
     KERNELS,
     cps_step,
     cps_unnormalized_log_prob,

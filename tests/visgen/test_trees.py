@@ -14,7 +14,7 @@ from shared_rl.config import ConfigError, from_dict
 from shared_rl.domain import DomainBase
 from visgen.egrpo import EGRPOSettings, grid_entropies, merge_schedule, step_entropy
 from visgen.pipelines import as_adapter
-from visgen.sampling import flow_step
+from shared_rl.flow_kernels import flow_step
 from visgen.trees import (
     BranchSettings,
     StepSegment,

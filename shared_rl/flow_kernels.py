@@ -1,4 +1,9 @@
-"""Flow-matching step kernels with Gaussian log-probs (float32, diffusers-scheduler style).
+"""Flow-matching step kernels with Gaussian log-probs (float32, diffusers-scheduler style), shared by every domain.
+
+visgen's image/video denoisers and robotics' flow-matching action head both sample and recompute their steps through
+:func:`flow_step`, so there is one Flow-GRPO SDE (and one CPS, one DanceGRPO step) in the project. The Gaussian
+log-prob, the analytic step entropy (E-GRPO) and the equal-std Gaussian mean KL (Flow-GRPO's KL) live here too,
+with the kernels' default noise levels (``DEFAULT_NOISE_LEVEL``).
 
 Convention (diffusers ``FlowMatchEulerDiscreteScheduler``): ``x_sigma = (1 - sigma) * x0 + sigma * eps``; sigma runs
 from 1 (noise) to 0 (data); the model predicts the velocity ``v ~ eps - x0``; one step goes ``sigma -> sigma_next``
@@ -119,21 +124,25 @@ def cps_unnormalized_log_prob(sample: torch.Tensor, mean: torch.Tensor, reductio
 
 
 def gaussian_entropy(std: torch.Tensor, numel: int, reduction: str = "mean") -> torch.Tensor:
-    """Analytic entropy of the step Gaussian ``N(mean, std^2 I_d)`` with ``d = numel`` (E-GRPO, Zhang et al. 2025).
+    """Analytic entropy of the step Gaussian ``N(mean, diag(std^2))`` over ``d = numel`` elements (E-GRPO, Zhang et
+    al. 2025).
 
-    Per element ``0.5 * log(2 pi e std^2)``; ``reduction="mean"`` returns that (matching mean-reduced log-probs),
-    ``"sum"`` returns ``d`` times it. ``std``: ``[B]`` or ``[B, 1, ...]``; zero std gives entropy 0 (deterministic).
+    Per element ``0.5 * log(2 pi e std^2)``; ``reduction="mean"`` returns the mean over elements (matching
+    mean-reduced log-probs), ``"sum"`` the sum. ``std``: ``[B]`` or ``[B, 1, ...]`` (one std per row, the kernels'
+    case: ``sum`` is then ``d`` times the per-element value) or ``[B, d]`` per element (ReinFlow's learned std);
+    zero std gives entropy 0 (deterministic).
     """
-    std = std.float().reshape(std.shape[0], -1)[:, 0]
-    positive = std > 0
-    safe_std = torch.where(positive, std, torch.ones_like(std))
+    rows = std.float().reshape(std.shape[0], -1)
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    positive = rows > 0
+    safe_std = torch.where(positive, rows, torch.ones_like(rows))
     per_element = 0.5 * torch.log(2 * math.pi * math.e * safe_std**2)
     per_element = torch.where(positive, per_element, torch.zeros_like(per_element))
-    if reduction == "mean":
-        return per_element
-    if reduction == "sum":
-        return per_element * numel
-    raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if rows.shape[1] == 1:
+        per_row = per_element[:, 0]
+        return per_row if reduction == "mean" else per_row * numel
+    return per_element.mean(1) if reduction == "mean" else per_element.sum(1)
 
 
 def sde_mean_kl(
