@@ -52,25 +52,25 @@ STEPS = 10
 # method -> overrides of the visgen section / trainer sections (everything else is the shared base)
 VARIANTS: dict[str, dict[str, Any]] = {
     # the flat recipe (configs/visgen/shapes_grpo.yaml): all steps SDE, the first 60% trained
-    "flat Flow-GRPO": {"visgen": {"plan": {"name": "flow_grpo", "train_fraction": 0.6}},
+    "flat Flow-GRPO": {"visgen": {"method": {"name": "flow_grpo", "train_fraction": 0.6}},
                        "advantage": {"estimator": "grpo"}},
-    "DanceGRPO-style (random 60%)": {"visgen": {"plan": {"name": "dance_grpo", "train_fraction": 0.6}},
+    "DanceGRPO-style (random 60%)": {"visgen": {"method": {"name": "dance_grpo", "train_fraction": 0.6}},
                                      "advantage": {"estimator": "grpo"}},
-    "MixGRPO (window 3)": {"visgen": {"plan": {"name": "mix_grpo", "window_size": 3, "shift": 1,
-                                               "iters_per_shift": 4}},
+    "MixGRPO (window 3)": {"visgen": {"method": {"name": "mix_grpo", "window_size": 3, "shift": 1,
+                                                 "iters_per_shift": 4}},
                            "advantage": {"estimator": "grpo"}},
-    "BranchGRPO": {"visgen": {"tree": {"method": "branch", "branch": {"split_steps": [0, 2, 4, 6], "factor": [2]}}},
+    "BranchGRPO": {"visgen": {"method": {"name": "branch_grpo", "split_steps": [0, 2, 4, 6], "factor": [2]}},
                    "advantage": {"estimator": "depth_zscore"}},
-    "BranchGRPO + pruning": {"visgen": {"tree": {"method": "branch", "branch": {
-        "split_steps": [0, 2, 4, 6], "factor": [2], "width_prune": "ratio", "width_keep": 0.5,
-        "depth_prune": [2, 3], "depth_prune_slide_every": 1}}}, "advantage": {"estimator": "depth_zscore"}},
-    "BranchGRPO-Mix": {"visgen": {"tree": {"method": "branch", "branch": {
-        "split_steps": [0, 2, 4, 6], "factor": [2], "mix": True, "sde_windows": [[0, 4]]}}},
+    "BranchGRPO + pruning": {"visgen": {"method": {
+        "name": "branch_grpo", "split_steps": [0, 2, 4, 6], "factor": [2], "width_prune": "ratio", "width_keep": 0.5,
+        "depth_prune": [2, 3], "depth_prune_slide_every": 1}}, "advantage": {"estimator": "depth_zscore"}},
+    "BranchGRPO-Mix": {"visgen": {"method": {
+        "name": "branch_grpo_mix", "split_steps": [0, 2, 4, 6], "factor": [2], "sde_windows": [[0, 4]]}},
         "advantage": {"estimator": "depth_zscore"}},
-    "TreeGRPO": {"visgen": {"tree": {"method": "tree", "tree": {"branch": [2, 2, 2, 2]}}},
+    "TreeGRPO": {"visgen": {"method": {"name": "tree_grpo", "branch": [2, 2, 2, 2]}},
                  "advantage": {"estimator": "tree_leaf_zscore"}},
     # the auto schedule of the asset's 10-step grid has 3 consolidated steps -> 3 groups x 5 = 15 leaves
-    "E-GRPO": {"visgen": {"tree": {"method": "egrpo", "egrpo": {"group_size": 5}}},
+    "E-GRPO": {"visgen": {"method": {"name": "egrpo"}}, "rollout": {"group_size": 5},
                "advantage": {"estimator": "depth_zscore"}},
 }
 
@@ -79,7 +79,7 @@ DEFAULT_BASE: dict[str, Any] = {
     "advantage": {"clip": 5.0, "weights": {"shapes": 1.0, "shapes_strict": 0.0}},
     "loss": {"clip_low": 1.0e-3, "kl_coef": 0.0, "aggregation": "token-mean"},
     "optim": {"lr": BENCH_LR, "grad_clip": 1.0, "inner_epochs": 1, "minibatches_per_epoch": 2},
-    "visgen": {"sampler": "sde", "noise_level": 0.7, "guidance_scale": 1.0, "train_mode": "lora",
+    "visgen": {"kernel": "sde", "noise_level": 0.7, "guidance_scale": 1.0, "train_mode": "lora",
                "lora": {"rank": 8, "alpha": 16.0}, "rewards": [{"name": "shapes"}]},
 }
 # Settings this benchmark owns whatever the demo recipe says (its published table uses them): the lr, two
@@ -90,7 +90,7 @@ BENCH_OWNED = {"advantage": {"estimator", "weights"}, "optim": {"lr", "minibatch
 def _merge(base: dict, over: dict) -> dict:
     out = copy.deepcopy(base)
     for k, v in over.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) and k not in ("plan", "tree") else copy.deepcopy(v)
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) and k != "method" else copy.deepcopy(v)
     return out
 
 
@@ -105,7 +105,7 @@ def base_config(model: str, quick: bool) -> dict[str, Any]:
             if isinstance(recipe.get(sec), dict):
                 base[sec] = _merge(base[sec], {k: v for k, v in recipe[sec].items() if k not in owned})
         vis = recipe.get("visgen", {}) or {}
-        for key in ("sampler", "noise_level", "guidance_scale", "train_mode", "lora", "reduction", "kl_type"):
+        for key in ("kernel", "noise_level", "guidance_scale", "train_mode", "lora", "reduction", "kl_type"):
             if key in vis:
                 base["visgen"][key] = copy.deepcopy(vis[key])
     base["visgen"].update({
@@ -114,7 +114,7 @@ def base_config(model: str, quick: bool) -> dict[str, Any]:
         "eval": {"samples_per_prompt": 1, "max_prompts": 4 if quick else 48, "seed": 1234,
                  "batch_size": 64, "use_ema": False, "grid_prompts": 0},
     })
-    base["visgen"].pop("plan", None)
+    base["visgen"].pop("method", None)
     base["rollout"] = {"groups_per_iteration": 2 if quick else PROMPTS_PER_ITER, "group_size": LEAVES}
     base["eval"] = {"at_start": False}
     base["logging"] = {"progress": False}
@@ -207,7 +207,8 @@ def expansion_efficiency(model: str, prompts: int = 1, repeats: int = 3) -> dict
     from visgen.pipelines import as_adapter
     from visgen.tasks import shapes
     from visgen.tiny import asset_settings
-    from visgen.trees import BranchSettings, branch_levels, grow_forest
+    from visgen.engine import grow_forest
+    from visgen.methods.branch import BranchSettings, branch_levels
 
     pipe, location, _ = load_pipeline(model, torch.float32)
     for m in pipe.components.values():

@@ -1,7 +1,9 @@
 """grove robotics: VLA policies post-trained with group-relative RL in Meta-World (MuJoCo).
 
 MuJoCo picks its OpenGL backend when it is first imported, so the headless EGL default is set here, before any
-submodule can import ``mujoco`` (an explicit ``MUJOCO_GL`` from the user wins).
+submodule can import ``mujoco`` (an explicit ``MUJOCO_GL`` from the user wins). This is the only place: Python
+runs it before any ``robotics.*`` module (also in spawned env workers), and ``shared_rl`` (the ``grove`` CLI)
+never imports robotics and leaves these variables alone.
 """
 import os
 

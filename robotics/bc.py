@@ -29,30 +29,32 @@ from .policies.vla import TinyVLA, VLAConfig
 
 @dataclass
 class CollectConfig:
-    demos_per_task: int = 40
-    noise_std: float = 0.3
-    seed: int = 0
+    demos_per_task: int = field(default=40, metadata={"help": "scripted-expert episodes per task"})
+    noise_std: float = field(default=0.3, metadata={"help": "std of the Gaussian noise added to expert actions"})
+    seed: int = field(default=0, metadata={"help": "seed of the action noise"})
 
 
 @dataclass
 class BCConfig:
-    data: str = "runs/robotics-demos/demos40.npz"  # collected here first if missing
+    data: str = field(default="runs/robotics-demos/demos40.npz",
+                      metadata={"help": "demonstrations .npz; collected there first if missing"})
     collect: CollectConfig = field(default_factory=CollectConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
     model: VLAConfig = field(default_factory=VLAConfig)
-    train_steps: int = 6000
-    time_budget_s: float = 0.0  # > 0: stop training after this many seconds
-    batch_size: int = 64
-    lr: float = 3e-4
-    weight_decay: float = 1e-4
-    augment_shift: int = 4  # pixels of random shift (0 = off)
-    log_every: int = 200
-    eval_states_per_task: int = 20
-    eval_every: int = 0  # steps between evaluations; 0 = only at the end
-    gifs: bool = True
-    seed: int = 0
-    threads: int = 1
-    export_dir: str = ""  # also write the final model here (e.g. assets/metaworld-vla-tiny)
+    train_steps: int = field(default=6000, metadata={"help": "optimizer steps"})
+    time_budget_s: float = field(default=0.0, metadata={"help": "> 0: stop training after this many seconds"})
+    batch_size: int = field(default=64, metadata={"help": "samples (frame -> action chunk) per step"})
+    lr: float = field(default=3e-4, metadata={"help": "AdamW learning rate"})
+    weight_decay: float = field(default=1e-4, metadata={"help": "AdamW weight decay"})
+    augment_shift: int = field(default=4, metadata={"help": "pixels of random-shift augmentation; 0 = off"})
+    log_every: int = field(default=200, metadata={"help": "steps between log lines"})
+    eval_states_per_task: int = field(default=20, metadata={"help": "held-out reset states per task for evaluation"})
+    eval_every: int = field(default=0, metadata={"help": "steps between evaluations; 0 = only at the end"})
+    gifs: bool = field(default=True, metadata={"help": "write a GIF of one evaluation episode per task"})
+    seed: int = field(default=0, metadata={"help": "seed of initialisation, batches and augmentation"})
+    threads: int = field(default=1, metadata={"help": "torch CPU threads"})
+    export_dir: str = field(default="", metadata={
+        "help": "also write the final model here (e.g. assets/metaworld-vla-tiny); '' = only the run directory"})
 
     def check(self, where: str = "bc") -> None:
         from shared_rl.config import ConfigError

@@ -9,16 +9,13 @@ success. With noise σ=0.3 the experts still solve reach, push, door-open, butto
 from __future__ import annotations
 
 import argparse
-import os
 import time
 import warnings
 
-os.environ.setdefault("MUJOCO_GL", "egl")
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from .data import Episode, export_lerobot, save_episodes  # noqa: E402
-from .envs.metaworld_env import (  # noqa: E402
+from .data import Episode, export_lerobot, save_episodes
+from .envs.metaworld_env import (
     MetaWorldTaskEnv,
     RenderSettings,
     TaskRenderer,

@@ -53,21 +53,29 @@ class RoboticsConfig:
     """The ``robotics:`` section of an RL config."""
 
     env: EnvConfig = field(default_factory=EnvConfig)
-    checkpoint: str = "assets/metaworld-vla-tiny"  # "" = a freshly initialised `model`
+    checkpoint: str = field(default="assets/metaworld-vla-tiny",
+                            metadata={"help": "pretrained VLA directory; '' = a freshly initialised `model`"})
     model: VLAConfig = field(default_factory=VLAConfig)  # only used when checkpoint is ""
-    head_mode: Literal["flow_sde", "flow_noise", "mix", "discrete"] = "flow_sde"
-    noise_level: float = 0.7  # Flow-GRPO a (flow_sde, mix)
-    temperature: float = 1.0  # discrete head sampling temperature
-    logp_reduce: Literal["sum", "mean"] = "sum"  # over the chunk's action dims
-    init_noise: float = 1.0  # flow head, rollouts: std of the chain's start x(σ=1); 0 = only the SDE steps explore
-    eval_init_noise: float = 1.0  # flow head, evaluation ODE: 0 = deterministic (the chain starts at the origin)
-    train_states_per_task: int = 50
-    eval_states_per_task: int = 20
-    train_tasks: list[str] = field(default_factory=list)  # subset of env.tasks for training keys ([] = all)
-    dense_reward: bool = False
-    train_encoder: bool = True  # False: only the fusion MLP and the head are trained
-    gifs: bool = True
-    threads: int = 1
+    head_mode: Literal["flow_sde", "flow_noise", "mix", "discrete"] = field(
+        default="flow_sde", metadata={"help": "exploration: flow_sde | flow_noise (ReinFlow) | mix | discrete"})
+    noise_level: float = field(default=0.7, metadata={"help": "Flow-GRPO SDE noise level a (flow_sde, mix)"})
+    temperature: float = field(default=1.0, metadata={"help": "discrete head sampling temperature"})
+    logp_reduce: Literal["sum", "mean"] = field(
+        default="sum", metadata={"help": "sum | mean of log-probs over the chunk's action dims"})
+    init_noise: float = field(default=1.0, metadata={
+        "help": "flow head, rollouts: std of the chain's start x(sigma=1); 0 = only the SDE steps explore"})
+    eval_init_noise: float = field(default=1.0, metadata={
+        "help": "flow head, evaluation ODE: std of the chain's start; 0 = deterministic"})
+    train_states_per_task: int = field(default=50, metadata={"help": "training reset states per task (the keys)"})
+    eval_states_per_task: int = field(default=20, metadata={"help": "held-out reset states per task for evaluation"})
+    train_tasks: list[str] = field(default_factory=list,
+                                   metadata={"help": "subset of env.tasks for training keys; [] = all"})
+    dense_reward: bool = field(default=False, metadata={
+        "help": "add the 'dense' reward: best shaped Meta-World reward / 10, in [0, 1]"})
+    train_encoder: bool = field(default=True, metadata={
+        "help": "train the image/text/proprio encoders; false = only the fusion MLP and the head"})
+    gifs: bool = field(default=True, metadata={"help": "write a GIF of one evaluation episode per task"})
+    threads: int = field(default=1, metadata={"help": "torch CPU threads"})
 
     def check(self, where: str = "robotics") -> None:
         if self.train_states_per_task < 1 or self.eval_states_per_task < 1:
@@ -81,6 +89,10 @@ class RoboticsConfig:
         unknown = [t for t in self.train_tasks if t not in self.env.tasks]
         if unknown:
             raise ConfigError(f"{where}.train_tasks {unknown} are not in {where}.env.tasks {self.env.tasks}")
+
+    def rollout_structure(self, train_cfg) -> str:
+        """Flat: a group is ``group_size`` episodes from one reset state (the hook of ``shared_rl.domain``)."""
+        return "flat"
 
 
 def _resolve(path: str) -> Path:

@@ -31,7 +31,7 @@ def vae_roundtrip(images: np.ndarray, directory: str) -> np.ndarray:
 
     from visgen import tiny
 
-    vae = tiny.load_pipeline(directory).vae
+    vae = tiny.load_shapes_asset(directory).vae
     with torch.no_grad():
         x = torch.from_numpy(images) * 2 - 1
         recon = vae.decode(vae.encode(x).latent_dist.mean).sample

@@ -4,7 +4,14 @@
     grove pretrain CONFIG [--out DIR] [key=value ...]                  supervised pretraining (kind: supervised)
     grove eval RUN_DIR [key=value ...]                                 evaluate a run's latest checkpoint
     grove bench NAME [--out DIR] [--quick]                             a benchmark -> DIR/results.json
-    grove robotics collect ...                                         robotics tools (demonstrations)
+    grove config show CONFIG [key=value ...]                           the resolved config, each field with its
+                                                                       help text and default
+    grove GROUP ...                                                    a domain's command group, e.g.
+    grove robotics collect|to-lerobot|from-lerobot ...                 robotics tools (demonstrations, datasets)
+
+Command groups are found by name like domains and benchmarks (``shared_rl.registry.COMMANDS`` and the
+``grove.commands`` entry-point group), so this module never imports a domain package; a domain that needs
+process-wide settings (``robotics``: the MuJoCo/OpenGL backend) sets them in its own package.
 
 Bad input exits with code 2 and one line ``grove: error: ...``; nothing half-written is left behind.
 """
@@ -12,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import importlib
 import os
 import shutil
@@ -19,9 +27,9 @@ import sys
 import time
 from pathlib import Path
 
-from .config import ConfigError, ResourceError, apply_overrides, dump_train_config, load_train_config, load_yaml
-from .errors import NonFiniteError
-from .rewards import RewardError
+from .config import apply_overrides, describe, dump_train_config, load_train_config, load_yaml, to_dict
+from .errors import ConfigError, NonFiniteError, ResourceError
+from .rewards import RewardFailure
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "visgen" / "shapes_grpo.yaml"
@@ -173,12 +181,71 @@ def cmd_bench(args) -> int:
     return 0
 
 
-def cmd_robotics(argv: list[str]) -> int:
-    try:
-        from robotics.cli import main as robotics_main
-    except ModuleNotFoundError as e:
-        raise ConfigError(f"the robotics tools need the robotics package and its extra ({e})") from None
-    return int(robotics_main(argv) or 0)
+def _yaml_value(value) -> str:
+    """``value`` as one line of YAML, the way it would be written in a config (``null``, ``[0.9, 0.999]``, ``''``)."""
+    import yaml
+
+    text = yaml.safe_dump(to_dict(value), default_flow_style=True, sort_keys=False, width=1 << 20).strip()
+    return text[: -len("...")].strip() if text.endswith("\n...") else text
+
+
+def format_config(cfg) -> list[str]:
+    """The resolved ``TrainConfig`` as YAML lines, section by section (the domain's section under its name), each
+    field as ``name: value   # help (default: X)``; a field without help text gets no comment. The output is a
+    valid config: ``grove config show C > resolved.yaml`` trains the same run."""
+    rows = []
+    for path, value, default, help_ in describe(cfg):
+        if path.startswith("domain_config."):
+            path = cfg.domain + path[len("domain_config"):]
+        *sections, name = path.split(".")
+        rows.append((sections, f"{'  ' * len(sections)}{name}: {_yaml_value(value)}", default, help_))
+    width = min(max(len(left) for _, left, _, _ in rows), 56)
+    lines: list[str] = []
+    open_sections: list[str] = []
+    for sections, left, default, help_ in rows:
+        same = 0
+        while same < min(len(sections), len(open_sections)) and sections[same] == open_sections[same]:
+            same += 1
+        lines += [f"{'  ' * depth}{sections[depth]}:" for depth in range(same, len(sections))]
+        open_sections = sections
+        if help_:
+            shown = "required" if default is dataclasses.MISSING else _yaml_value(default)
+            left = f"{left:<{width}}   # {help_} (default: {shown})"
+        lines.append(left)
+    return lines
+
+
+def cmd_config(args) -> int:
+    if args.config_command != "show":
+        raise ConfigError("config needs a sub-command: grove config show CONFIG [key=value ...]")
+    if not args.config:
+        raise ConfigError("config show needs a config, e.g. grove config show configs/toy.yaml")
+    config_path = Path(args.config)
+    data = apply_overrides(load_yaml(config_path), args.overrides)
+    if data.get("kind", "rl") == "supervised":
+        raise ConfigError(f"{config_path}: config show resolves RL configs; this one is kind: supervised "
+                          f"(its job validates it when run: grove pretrain {config_path})")
+    with _input_errors(str(data.get("domain", "config"))):
+        cfg = load_train_config(data)
+    print(f"# {config_path} resolved: every setting `grove train` runs with, its help text and default")
+    print("\n".join(format_config(cfg)))
+    return 0
+
+
+def cmd_group(name: str, argv: list[str]) -> int:
+    """``grove NAME ...``: hand the rest of the command line to the command group's ``main(argv)``."""
+    from .registry import resolve_command
+
+    return int(resolve_command(name)(argv) or 0)
+
+
+BUILTIN_COMMANDS = ("train", "pretrain", "eval", "bench", "config")
+
+
+def _command_groups() -> list[str]:
+    from .registry import command_names
+
+    return [n for n in command_names() if n not in BUILTIN_COMMANDS]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -199,7 +266,13 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("name", help="benchmark name")
     b.add_argument("--out")
     b.add_argument("--quick", action="store_true", help="tiny settings that only check the plumbing")
-    sub.add_parser("robotics", help="robotics tools: collect demonstrations, ... (grove robotics --help)", add_help=False)
+    c = sub.add_parser("config", help="inspect configs: grove config show CONFIG [key=value ...]")
+    csub = c.add_subparsers(dest="config_command", parser_class=_Parser)
+    show = csub.add_parser("show", help="print the resolved config section by section, with help texts and defaults")
+    show.add_argument("config", nargs="?", help="YAML config")
+    show.add_argument("overrides", nargs="*", help="dotted overrides such as optim.lr=1e-4")
+    for name in _command_groups():
+        sub.add_parser(name, help=f"the {name} command group (grove {name} --help lists its tools)", add_help=False)
     return p
 
 
@@ -214,15 +287,14 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    os.environ.setdefault("MUJOCO_GL", "egl")
     import logging
 
     # import-time chatter of torchao (and diffusers' torchao shim) is not for the user's terminal
     for name in ("torch.utils._pytree", "diffusers.quantizers.torchao.torchao_quantizer"):
         logging.getLogger(name).setLevel(logging.ERROR)
     try:
-        if argv[:1] == ["robotics"]:
-            return cmd_robotics(argv[1:])
+        if argv and argv[0] not in BUILTIN_COMMANDS and argv[0] in _command_groups():
+            return cmd_group(argv[0], argv[1:])
         parser = build_parser()
         if not argv:
             parser.print_help()
@@ -248,12 +320,14 @@ def _main(argv: list[str] | None = None) -> int:
             return cmd_eval(args)
         if args.command == "bench":
             return cmd_bench(args)
+        if args.command == "config":
+            return cmd_config(args)
         parser.print_help()
         return 2
     except ConfigError as e:
         print(f"grove: error: {e}", file=sys.stderr)
         return 2
-    except (ResourceError, NonFiniteError, RewardError) as e:
+    except (ResourceError, NonFiniteError, RewardFailure) as e:
         print(f"grove: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -16,13 +16,8 @@ from typing import Any, Literal, Optional, Union
 
 import yaml
 
-
-class ConfigError(ValueError):
-    """A config problem; its message is one actionable line (the CLI prints it and exits with code 2)."""
-
-
-class ResourceError(RuntimeError):
-    """The run cannot continue for lack of a resource (out of memory); the message says what to change."""
+# re-exported: ``from shared_rl.config import ConfigError`` keeps working (the classes live in errors.py)
+from .errors import ConfigError, ResourceError  # noqa: F401
 
 
 def _type_name(tp: Any) -> str:
@@ -107,6 +102,9 @@ def from_dict(cls: type, data: dict | None, where: str = "") -> Any:
     for key, value in data.items():
         path = f"{where}.{key}" if where else str(key)
         if key not in fields:
+            moved = getattr(cls, "moved_keys", {}).get(key)  # a class may say what replaced a key of earlier configs
+            if moved:
+                raise ConfigError(f"config key {path!r} was replaced: {moved}")
             close = difflib.get_close_matches(str(key), list(fields), n=1)
             hint = f"; did you mean {close[0]!r}?" if close else f"; known keys: {', '.join(sorted(fields))}"
             raise ConfigError(f"unknown config key {path!r}{hint}")
@@ -132,6 +130,30 @@ def to_dict(obj: Any) -> Any:
     if isinstance(obj, Path):
         return str(obj)
     return obj
+
+
+def describe(obj: Any, prefix: str = "") -> list[tuple[str, Any, Any, str]]:
+    """``(dotted path, value, default, help)`` for every setting of dataclass ``obj``, for ``grove config show``.
+
+    Nested dataclass values are walked (their fields appear as ``section.field``, the section itself not), so a
+    domain section held in an ``Any`` field is described too. The help text is the field's ``metadata["help"]``
+    ("" when it has none), so it is written once, next to the field it documents; ``default`` is
+    ``dataclasses.MISSING`` for a required field.
+    """
+    rows: list[tuple[str, Any, Any, str]] = []
+    for f in dataclasses.fields(obj):
+        value, path = getattr(obj, f.name), f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            rows += describe(value, f"{path}.")
+            continue
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        else:
+            default = dataclasses.MISSING
+        rows.append((path, value, default, f.metadata.get("help", "")))
+    return rows
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
@@ -187,11 +209,13 @@ def _positive(where: str, name: str, value: float, allow_zero: bool = False) -> 
 
 @dataclass
 class RolloutConfig:
-    groups_per_iteration: int = 8
-    group_size: int = 8
-    # groups per Domain.rollout call (a rollout micro-batch, spread over processes); fix it to get identical
-    # results for any number of processes; 0 = all of this process's groups in one call
-    groups_per_call: int = 0
+    groups_per_iteration: int = field(
+        default=8, metadata={"help": "group keys (prompts / reset states) drawn per iteration; refills keep this many"})
+    group_size: int = field(
+        default=8, metadata={"help": "samples per group (G), >= 2; tree and multi-group domains may read it their way"})
+    groups_per_call: int = field(default=0, metadata={
+        "help": "keys per Domain.rollout call (spread over processes; fix it for layout-independent results); "
+                "0 = an even share per process"})
 
     def check(self, where: str) -> None:
         _positive(f"{where}.", "groups_per_iteration", self.groups_per_iteration)
@@ -202,11 +226,15 @@ class RolloutConfig:
 
 @dataclass
 class AdvantageConfig:
-    estimator: str = "grpo"
-    clip: Optional[float] = 5.0
-    multi_reward: Literal["normalize_then_sum", "sum_then_normalize"] = "sum_then_normalize"
-    weights: dict[str, float] = field(default_factory=dict)
-    eps: float = 1e-6
+    estimator: str = field(default="grpo", metadata={
+        "help": "flat: grpo | batch_std | dr_grpo | rloo | mc_median; tree rollouts: depth_zscore | sibling | "
+                "leaf_global | treerl | tree_leaf_zscore"})
+    clip: Optional[float] = field(default=5.0, metadata={"help": "clip advantages to [-clip, clip]; null = no clip"})
+    multi_reward: Literal["normalize_then_sum", "sum_then_normalize"] = field(default="sum_then_normalize", metadata={
+        "help": "several rewards: sum_then_normalize (weighted sum, one estimator) | normalize_then_sum (GDPO)"})
+    weights: dict[str, float] = field(default_factory=dict, metadata={
+        "help": "reward name -> weight (missing names weigh 1.0; 0 = logged only)"})
+    eps: float = field(default=1e-6, metadata={"help": "added to the std in z-score estimators"})
 
     def check(self, where: str) -> None:
         from .advantages import ESTIMATORS, TREE_ESTIMATORS
@@ -222,36 +250,58 @@ class AdvantageConfig:
 
 @dataclass
 class LossConfig:
-    clip_low: float = 0.2
-    clip_high: Optional[float] = None  # None = same as clip_low; larger = DAPO clip-higher
-    dual_clip: Optional[float] = None  # Ye et al. dual clip constant c > 1 for negative advantages
-    ratio_level: Literal["step", "sequence"] = "step"  # sequence = GSPO
-    aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
-    max_steps_norm: Optional[int] = None  # the constant for seq-mean-token-sum-norm (default: T)
-    kl_coef: float = 0.0
-    kl_estimator: Literal["k1", "k3", "domain"] = "domain"
+    policy_loss: str = field(default="clipped", metadata={
+        "help": "shared_rl.losses.POLICY_LOSSES entry: clipped (PPO/GRPO/DAPO) | gspo (sequence ratio) | cispo "
+                "(clipped IS weight) | sapo (soft gate)"})
+    clip_low: float = field(default=0.2, metadata={"help": "ratio clip below: 1 - clip_low (clipped, gspo, cispo)"})
+    clip_high: Optional[float] = field(default=None, metadata={
+        "help": "ratio clip above: 1 + clip_high; null = clip_low, larger = DAPO clip-higher"})
+    dual_clip: Optional[float] = field(default=None, metadata={
+        "help": "dual clip constant c > 1 bounding the loss of negative advantages (clipped, gspo); null = off"})
+    sapo_tau_pos: float = field(default=1.0, metadata={"help": "sapo: gate temperature for positive advantages"})
+    sapo_tau_neg: float = field(default=1.05, metadata={"help": "sapo: gate temperature for advantages <= 0"})
+    aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = field(
+        default="token-mean", metadata={"help": "token-mean (DAPO) | seq-mean-token-mean (GRPO) | "
+                                                "seq-mean-token-sum-norm (Dr. GRPO)"})
+    max_steps_norm: Optional[int] = field(default=None, metadata={
+        "help": "the constant length of seq-mean-token-sum-norm; null = T, the rollout's step count"})
+    kl_coef: float = field(default=0.0, metadata={"help": "weight of the KL(policy || reference) term; 0 = no KL"})
+    kl_estimator: str = field(default="domain", metadata={
+        "help": "shared_rl.losses.KL_ESTIMATORS entry: domain (the domain's own KL, else k3) | k1 | k3"})
 
     def check(self, where: str) -> None:
+        from .losses import KL_ESTIMATORS, POLICY_LOSSES
+
+        for name, value, known in (("policy_loss", self.policy_loss, POLICY_LOSSES),
+                                   ("kl_estimator", self.kl_estimator, KL_ESTIMATORS)):
+            if value not in known:
+                close = difflib.get_close_matches(value, sorted(known), n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise ConfigError(f"{where}.{name} {value!r} is unknown{hint}; choose one of {sorted(known)}")
         _positive(f"{where}.", "clip_low", self.clip_low)
         if self.clip_high is not None:
             _positive(f"{where}.", "clip_high", self.clip_high)
         if self.dual_clip is not None and self.dual_clip <= 1:
             raise ConfigError(f"{where}.dual_clip must be > 1 (e.g. 3.0), got {self.dual_clip}")
+        _positive(f"{where}.", "sapo_tau_pos", self.sapo_tau_pos)
+        _positive(f"{where}.", "sapo_tau_neg", self.sapo_tau_neg)
         _positive(f"{where}.", "kl_coef", self.kl_coef, allow_zero=True)
 
 
 @dataclass
 class OptimConfig:
-    lr: float = 1e-4
-    weight_decay: float = 0.0
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    eps: float = 1e-8
-    grad_clip: Optional[float] = 1.0
-    warmup_steps: int = 0
-    schedule: Literal["constant", "cosine", "linear"] = "constant"
-    inner_epochs: int = 1
-    minibatches_per_epoch: int = 1  # optimizer steps per inner epoch
-    micro_batch_size: int = 0  # sequences per forward/backward; 0 = the whole minibatch
+    lr: float = field(default=1e-4, metadata={"help": "AdamW peak learning rate (after warm-up)"})
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW decoupled weight decay"})
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999], metadata={"help": "AdamW [beta1, beta2]"})
+    eps: float = field(default=1e-8, metadata={"help": "AdamW epsilon"})
+    grad_clip: Optional[float] = field(default=1.0, metadata={"help": "max global gradient norm; null = no clipping"})
+    warmup_steps: int = field(default=0, metadata={"help": "optimizer steps of linear warm-up to lr; 0 = none"})
+    schedule: Literal["constant", "cosine", "linear"] = field(
+        default="constant", metadata={"help": "lr after warm-up: constant | cosine | linear (decay to 0 at the end)"})
+    inner_epochs: int = field(default=1, metadata={"help": "passes over each iteration's rollouts (PPO epochs)"})
+    minibatches_per_epoch: int = field(default=1, metadata={"help": "optimizer steps per inner epoch"})
+    micro_batch_size: int = field(
+        default=0, metadata={"help": "sequences per forward/backward (gradient accumulation); 0 = the whole minibatch"})
 
     def check(self, where: str) -> None:
         _positive(f"{where}.", "lr", self.lr)
@@ -264,17 +314,24 @@ class OptimConfig:
 
 @dataclass
 class SelectionConfig:
-    filter: Literal["none", "zero_std", "band"] = "none"
-    band: list[float] = field(default_factory=lambda: [0.1, 0.9])
-    band_reward: Optional[str] = None  # reward name for the success band (default: the first reward)
-    max_refill_rounds: int = 0
-    sampler: Literal["uniform", "vade", "history"] = "uniform"
-    vade_prior: list[float] = field(default_factory=lambda: [1.0, 1.0])
-    vade_decay_fast: float = 0.7
-    vade_decay_slow: float = 0.95
-    vade_fast_weight: float = 0.5
-    history_window: int = 2
-    history_readmit_after: int = 5
+    filter: Literal["none", "zero_std", "band"] = field(
+        default="none", metadata={"help": "group filter: none | zero_std (drop equal-reward groups) | band"})
+    band: list[float] = field(default_factory=lambda: [0.1, 0.9],
+                              metadata={"help": "[lo, hi] mean success a group needs to be kept (filter: band)"})
+    band_reward: Optional[str] = field(
+        default=None, metadata={"help": "reward name for the success band; null = the first reward"})
+    max_refill_rounds: int = field(
+        default=0, metadata={"help": "extra rollout rounds to replace filtered-out groups; 0 = none"})
+    sampler: Literal["uniform", "vade", "history"] = field(
+        default="uniform", metadata={"help": "key sampler: uniform | vade (Beta posterior) | history (skip solved)"})
+    vade_prior: list[float] = field(default_factory=lambda: [1.0, 1.0],
+                                    metadata={"help": "VADE Beta prior [alpha0, beta0] of each key's success"})
+    vade_decay_fast: float = field(default=0.7, metadata={"help": "VADE fast pseudo-count decay per update, (0, 1]"})
+    vade_decay_slow: float = field(default=0.95, metadata={"help": "VADE slow pseudo-count decay per update, (0, 1]"})
+    vade_fast_weight: float = field(default=0.5, metadata={"help": "VADE weight of the fast posterior, in [0, 1]"})
+    history_window: int = field(
+        default=2, metadata={"help": "history: skip a key after this many all-success or all-fail groups"})
+    history_readmit_after: int = field(default=5, metadata={"help": "history: iterations until a skipped key returns"})
 
     def check(self, where: str) -> None:
         lo, hi = (self.band + [None, None])[:2]
@@ -289,8 +346,8 @@ class SelectionConfig:
 
 @dataclass
 class CheckpointConfig:
-    every: int = 0  # iterations between checkpoints; 0 = only at the end
-    keep_last: int = 2
+    every: int = field(default=0, metadata={"help": "iterations between checkpoints; 0 = only at the end"})
+    keep_last: int = field(default=2, metadata={"help": "newest checkpoints kept on disk (older ones are deleted)"})
 
     def check(self, where: str) -> None:
         _positive(f"{where}.", "every", self.every, allow_zero=True)
@@ -299,16 +356,16 @@ class CheckpointConfig:
 
 @dataclass
 class EvalConfig:
-    every: int = 0  # iterations between evaluations; 0 = before the first update and at the end only
-    at_start: bool = True
+    every: int = field(default=0, metadata={"help": "iterations between evaluations; 0 = at the start and end only"})
+    at_start: bool = field(default=True, metadata={"help": "evaluate once before the first update"})
 
 
 @dataclass
 class LoggingConfig:
-    progress: bool = True
-    tensorboard: bool = False
-    wandb: bool = False
-    wandb_project: str = "grove"
+    progress: bool = field(default=True, metadata={"help": "show a progress bar on the terminal"})
+    tensorboard: bool = field(default=False, metadata={"help": "also write TensorBoard events to RUN_DIR/tensorboard"})
+    wandb: bool = field(default=False, metadata={"help": "also log to Weights & Biases (needs wandb installed)"})
+    wandb_project: str = field(default="grove", metadata={"help": "Weights & Biases project name"})
 
 
 @dataclass
@@ -323,30 +380,40 @@ class DistributedConfig:
         costs one more all-gather per block in backward).
     """
 
-    strategy: Literal["replicate", "fsdp2"] = "replicate"
-    reshard_after_forward: bool = True
+    strategy: Literal["replicate", "fsdp2"] = field(
+        default="replicate", metadata={"help": "replicate (full copy per process) | fsdp2 (shard the policy)"})
+    reshard_after_forward: bool = field(
+        default=True, metadata={"help": "fsdp2: free gathered parameters after each forward (less memory)"})
 
 
 @dataclass
 class TrainConfig:
     """Everything the shared trainer needs; the domain's own section is ``domain_config``."""
 
-    domain: str = "toy"
-    kind: Literal["rl", "supervised"] = "rl"
-    seed: int = 0
-    iterations: int = 10
-    device: str = "auto"
-    max_nonfinite_steps: int = 3  # stop with a clear message after this many skipped non-finite steps
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
-    loss: LossConfig = field(default_factory=LossConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    selection: SelectionConfig = field(default_factory=SelectionConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
-    distributed: DistributedConfig = field(default_factory=DistributedConfig)
-    domain_config: Any = None
+    domain: str = field(default="toy", metadata={
+        "help": "domain name (shared_rl.registry): toy | visgen | llm | robotics | an entry point; its settings are "
+                "the section of that name"})
+    kind: Literal["rl", "supervised"] = field(default="rl", metadata={
+        "help": "rl (this trainer) | supervised (the domain's pretraining entry, grove pretrain)"})
+    seed: int = field(default=0, metadata={"help": "seed of every random draw (iterations reseed from it)"})
+    iterations: int = field(default=10, metadata={"help": "training iterations (rollout + updates each)"})
+    device: str = field(default="auto", metadata={"help": "torch device: auto (cuda if available) | cpu | cuda"})
+    max_nonfinite_steps: int = field(default=3, metadata={
+        "help": "stop with a clear message after this many skipped non-finite optimizer steps in a row"})
+    rollout: RolloutConfig = field(default_factory=RolloutConfig, metadata={"help": "what one iteration samples"})
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig, metadata={
+        "help": "rewards -> per-sequence advantages"})
+    loss: LossConfig = field(default_factory=LossConfig, metadata={"help": "policy loss, aggregation and KL"})
+    optim: OptimConfig = field(default_factory=OptimConfig, metadata={"help": "AdamW, schedule and batching"})
+    selection: SelectionConfig = field(default_factory=SelectionConfig, metadata={
+        "help": "group filters and key samplers"})
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig, metadata={"help": "checkpoint cadence"})
+    eval: EvalConfig = field(default_factory=EvalConfig, metadata={"help": "evaluation cadence"})
+    logging: LoggingConfig = field(default_factory=LoggingConfig, metadata={"help": "progress bar and loggers"})
+    distributed: DistributedConfig = field(default_factory=DistributedConfig, metadata={
+        "help": "how several processes share the policy"})
+    domain_config: Any = field(default=None, metadata={
+        "help": "the domain's own settings (the YAML section named after the domain), set by load_train_config"})
 
     def check(self, where: str) -> None:
         _positive("", "iterations", self.iterations, allow_zero=True)
@@ -361,7 +428,13 @@ class TrainConfig:
 
 
 def load_train_config(data: dict) -> TrainConfig:
-    """Validate a full YAML dict: trainer sections plus the domain section (``data[domain]``)."""
+    """Validate a full YAML dict: trainer sections plus the domain section (``data[domain]``).
+
+    Cross-checks with the domain: a tree advantage estimator needs tree rollouts, which the domain config's optional
+    hook ``rollout_structure(train_cfg) -> "flat" | "tree"`` reports (see ``shared_rl.domain``; a config without the
+    hook is not checked until every in-tree domain has it, then absent will mean flat); then the config's own
+    ``check_with(train_cfg)`` if it has one."""
+    from .advantages import ESTIMATORS, TREE_ESTIMATORS
     from .registry import resolve_domain
 
     data = dict(data)
@@ -372,6 +445,16 @@ def load_train_config(data: dict) -> TrainConfig:
     domain_section = data.pop(domain, None)
     cfg = from_dict(TrainConfig, data)
     cfg.domain_config = from_dict(domain_cls.config_class, domain_section or {}, domain)
+    hook = getattr(cfg.domain_config, "rollout_structure", None)
+    structure = hook(cfg) if callable(hook) else "flat"  # a domain without the hook has flat rollouts
+    if structure not in ("flat", "tree"):
+        raise ConfigError(f"{type(cfg.domain_config).__name__}.rollout_structure returned {structure!r}; it must "
+                          f"return 'flat' or 'tree'")
+    est = cfg.advantage.estimator
+    if structure == "flat" and est in TREE_ESTIMATORS:
+        raise ConfigError(f"advantage.estimator {est!r} needs tree rollouts; this config's {domain} rollouts are "
+                          f"flat: use a flat estimator ({', '.join(ESTIMATORS)}), or configure tree rollouts in the "
+                          f"{domain!r} section if the domain has them")
     check_domain = getattr(cfg.domain_config, "check_with", None)
     if callable(check_domain):
         check_domain(cfg)

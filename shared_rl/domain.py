@@ -5,14 +5,32 @@ A domain is found by name through ``shared_rl.registry`` (a string -> "module:Cl
 
 One training iteration, as the trainer runs it (see ``shared_rl/trainer.py``)::
 
-    keys    = selector.select(train_keys, groups_per_iteration)      # prompts / reset states
+    keys    = sampler.select(train_keys, groups_per_iteration)       # prompts / reset states
     rollout = domain.rollout(keys, group_size, generator, iteration)  # no grad; rewards included
+    rollout = selection filter by key (+ refill: more keys, domain.rollout again; trim to groups_per_iteration keys)
+    sampler.update(each drawn key once, successes summed over its groups)
     adv     = advantages(rollout.rewards, rollout.group_ids | rollout.parent)
-    rollout = selection filter (+ refill by calling domain.rollout again)
     for epoch, minibatch, micro-batch:
         out  = domain.log_probs(rollout, idx, need_kl)                # with grad, [n, T]
-        loss = policy_loss(out.logp, rollout.logp_old[idx], adv[idx], rollout.mask[idx]) + kl
+        loss = aggregate(POLICY_LOSSES[loss.policy_loss](out.logp, rollout.logp_old[idx], adv[idx],
+                                                         rollout.mask[idx], loss)) + kl_coef * aggregate(KL)
     optimizer step -> domain.after_optimizer_step() -> metrics -> domain.evaluate() -> checkpoint
+
+**Groups.** ``rollout.keys`` has one entry per group. A key may own several groups (E-GRPO: one per (prompt,
+consolidated step)); the trainer counts, filters, refills and trims by requested key, so a domain returning
+several groups per key lists the key once per group and, when one call may request the same key twice, says
+which request each group answers in ``Rollout.key_index``.
+
+**Deferred behaviour log-probs.** A domain whose rollout is sampled by the current weights may leave
+``logp_old`` to the trainer's first forward: it marks those steps in ``Rollout.logp_deferred``.
+
+**Config hooks.** A domain's ``config_class`` may define, besides ``check(where)``:
+
+- ``rollout_structure(self, train_cfg) -> "flat" | "tree"``: whether rollouts under ``train_cfg`` are trees
+  (``Rollout.parent`` set). ``load_train_config`` refuses a tree advantage estimator
+  (``advantages.TREE_ESTIMATORS``) with flat rollouts in one line. Absent means flat (for now: not checked, until
+  every in-tree domain has the hook).
+- ``check_with(self, train_cfg)``: any other cross-check against the trainer's sections (may fill defaults).
 """
 from __future__ import annotations
 

@@ -1,4 +1,17 @@
-"""Run-time errors with actionable messages (config errors live in ``shared_rl.config``)."""
+"""The error classes of grove, each with one actionable line as its message.
+
+They live in a module that imports nothing of the project, so every module (``config``, ``registry``, the
+domains) can raise them without import cycles. ``shared_rl.config`` re-exports ``ConfigError`` and
+``ResourceError``, so ``from shared_rl.config import ConfigError`` keeps working.
+"""
+
+
+class ConfigError(ValueError):
+    """A config problem; its message is one actionable line (the CLI prints it and exits with code 2)."""
+
+
+class ResourceError(RuntimeError):
+    """The run cannot continue for lack of a resource (out of memory); the message says what to change."""
 
 
 class NonFiniteError(RuntimeError):

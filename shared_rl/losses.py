@@ -1,15 +1,36 @@
-"""Policy losses: the clipped surrogate (PPO / GRPO / DAPO / GSPO), aggregation modes and KL estimators.
+"""Policy losses (a registry: clipped / GSPO / CISPO / SAPO), aggregation modes and KL estimators (a registry too).
 
 All losses take per-step tensors ``[n, T]`` with a step mask, so the same code trains denoising steps (visgen,
 robot action heads) and tokens (LLM). Aggregations are normalised by **global** counts of the whole optimizer
 step (``Normalizer``), so splitting a minibatch into micro-batches and accumulating gradients gives the same
 gradient as one big batch (``tests/core/test_losses.py`` checks it).
+
+**Policy losses** (``loss.policy_loss``), registered with ``@register_policy_loss(name)`` in ``POLICY_LOSSES``
+(the pattern of verl's ``register_policy_loss``). Every entry has the one signature::
+
+    fn(logp, logp_old, advantages, mask, cfg: LossConfig) -> (loss [n, T], stats)
+
+``logp`` ``[n, T]`` (with grad), ``logp_old`` ``[n, T]`` behaviour log-probs, ``advantages`` ``[n]`` (one per
+sequence) or ``[n, T]``, ``mask`` ``[n, T]`` trained steps; ``loss`` is per step and already multiplied by the
+mask (the trainer then ``aggregate``s it); ``stats`` holds detached ``[n, T]`` tensors ``ratio`` (the importance
+ratio the loss used), ``clipped`` (1.0 where the loss cut the step's gradient) and ``log_ratio``.
+
+**KL estimators** (``loss.kl_estimator``), registered with ``@register_kl_estimator(name)`` in ``KL_ESTIMATORS``,
+all ``fn(logp, ref_logp, domain_kl) -> [n, T]`` per-step KL(π‖π_ref) with grad: ``k1`` and ``k3`` estimate it from
+reference log-probs, ``domain`` takes the domain's own (``StepLogProbs.kl``, e.g. Flow-GRPO's Gaussian-mean KL).
 """
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
 
 import torch
+
+from .errors import ConfigError
+
+if TYPE_CHECKING:  # only for annotations: config imports this module lazily, never the other way at import time
+    from .config import LossConfig
 
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
@@ -76,7 +97,8 @@ def clipped_surrogate(
     dual_clip: float | None = None,
     ratio_level: str = "step",
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Per-step clipped surrogate loss (PPO, Schulman et al. 2017; GRPO; DAPO clip-higher, Yu et al. 2025).
+    """Per-step clipped surrogate loss (PPO, Schulman et al. 2017; GRPO; DAPO clip-higher, Yu et al. 2025): the
+    implementation of the registered ``clipped`` (``ratio_level="step"``) and ``gspo`` (``"sequence"``) losses.
 
     ρ = exp(log_ratio);  L = −min(ρ·A, clip(ρ, 1−ε_lo, 1+ε_hi)·A).
     Dual clip (Ye et al. 2020) for A < 0: L = min(L, −c·A).
@@ -99,15 +121,164 @@ def clipped_surrogate(
     return loss * mask, stats
 
 
-def kl_k1(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
-    """k1 estimator of KL(π‖π_ref) (Schulman 2020): log π − log π_ref."""
-    return logp - ref_logp
+# ---------------------------------------------------------------------------------------------------------------
+# Policy-loss registry
+
+PolicyLoss = Callable[..., "tuple[torch.Tensor, dict[str, torch.Tensor]]"]
+POLICY_LOSSES: dict[str, PolicyLoss] = {}
 
 
-def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+def register_policy_loss(name: str) -> Callable[[PolicyLoss], PolicyLoss]:
+    """Decorator: make ``fn(logp, logp_old, advantages, mask, cfg) -> (loss [n, T], stats)`` selectable as
+    ``loss.policy_loss: name`` (register before the config is loaded; the name is checked there)."""
+
+    def wrap(fn: PolicyLoss) -> PolicyLoss:
+        if name in POLICY_LOSSES and POLICY_LOSSES[name] is not fn:
+            raise ValueError(f"policy loss {name!r} is already registered ({POLICY_LOSSES[name].__qualname__})")
+        POLICY_LOSSES[name] = fn
+        return fn
+
+    return wrap
+
+
+def _unknown(kind: str, name: str, known) -> str:
+    close = difflib.get_close_matches(str(name), sorted(known), n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"{kind} {name!r} is unknown{hint}; choose one of {sorted(known)}"
+
+
+def get_policy_loss(name: str) -> PolicyLoss:
+    """The registered policy loss ``name`` (KeyError with a did-you-mean when there is none)."""
+    if name not in POLICY_LOSSES:
+        raise KeyError(_unknown("policy loss", name, POLICY_LOSSES))
+    return POLICY_LOSSES[name]
+
+
+def _per_step(advantages: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    adv = advantages.to(like.dtype)
+    return adv[:, None].expand_as(like) if adv.dim() == 1 else adv
+
+
+@register_policy_loss("clipped")
+def clipped_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                 cfg: "LossConfig") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped surrogate with a per-step ratio (PPO, Schulman et al. 2017; GRPO, Shao et al. 2024; DAPO
+    clip-higher, Yu et al. 2025; dual clip, Ye et al. 2020).
+
+    ρ_t = exp(logp_t − logp_old_t);  L_t = max(−A·ρ_t, −A·clip(ρ_t, 1−ε_lo, 1+ε_hi)) with ε_lo = ``clip_low``,
+    ε_hi = ``clip_high`` (default ε_lo); for A < 0 with ``dual_clip`` c: L_t = min(L_t, −c·A).
+    """
+    return clipped_surrogate(logp, logp_old, advantages, mask, cfg.clip_low, cfg.clip_high, cfg.dual_clip, "step")
+
+
+@register_policy_loss("gspo")
+def gspo_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+              cfg: "LossConfig") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization"): the clipped surrogate on the
+    length-normalised sequence ratio.
+
+    s_i = exp((1/|y_i|) Σ_t m_t·(logp_t − logp_old_t)), the same for every step of sequence i (gradient through
+    the mean); L_t = max(−A·s_i, −A·clip(s_i, 1−ε_lo, 1+ε_hi)) (+ dual clip as ``clipped``).
+    """
+    return clipped_surrogate(logp, logp_old, advantages, mask, cfg.clip_low, cfg.clip_high, cfg.dual_clip,
+                             "sequence")
+
+
+@register_policy_loss("cispo")
+def cispo_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+               cfg: "LossConfig") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """CISPO (MiniMax-M1, MiniMax 2025, "Scaling Test-Time Compute Efficiently with Lightning Attention"): clip
+    the importance weight, not the update — every step keeps a gradient.
+
+    ρ_t = exp(logp_t − logp_old_t);  L_t = −sg(clip(ρ_t, 1−ε_lo, 1+ε_hi))·A·logp_t  (sg = stop-gradient), so
+    ∇L_t = −clip(ρ_t)·A·∇logp_t; at ρ = 1 this equals the unclipped surrogate's gradient −A·∇ρ_t.
+    ``clipped`` marks the steps whose weight was clipped.
+    """
+    m = mask.to(logp.dtype)
+    adv = _per_step(advantages, logp)
+    hi = cfg.clip_low if cfg.clip_high is None else cfg.clip_high
+    lr = (logp - logp_old) * m
+    ratio = torch.exp(lr)
+    weight = ratio.detach().clamp(1.0 - cfg.clip_low, 1.0 + hi)
+    loss = -weight * adv * logp
+    is_clipped = (weight != ratio.detach()).to(logp.dtype)
+    return loss * m, {"ratio": ratio.detach(), "clipped": is_clipped, "log_ratio": lr.detach()}
+
+
+@register_policy_loss("sapo")
+def sapo_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+              cfg: "LossConfig") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """SAPO (Gao et al. 2025, Qwen team, "Soft Adaptive Policy Optimization"): a smooth sigmoid gate instead of the
+    hard clip.
+
+    ρ_t = exp(logp_t − logp_old_t);  L_t = −f(ρ_t)·A with f(ρ) = σ(τ(ρ−1))·4/τ, τ = ``sapo_tau_pos`` for A > 0 and
+    ``sapo_tau_neg`` for A ≤ 0 (the paper's 1.0 / 1.05: negative-advantage gradients fade faster).
+    f'(ρ) = 4σ(1−σ) is 1 at ρ = 1 (the unclipped surrogate's gradient) and decays smoothly away from it.
+    ``clipped`` marks the steps whose gate weight 4σ(1−σ) fell below 1/2 (gradient more than halved).
+    """
+    m = mask.to(logp.dtype)
+    adv = _per_step(advantages, logp)
+    lr = (logp - logp_old) * m
+    ratio = torch.exp(lr)
+    tau = torch.where(adv > 0, torch.full_like(adv, cfg.sapo_tau_pos), torch.full_like(adv, cfg.sapo_tau_neg))
+    gate = torch.sigmoid(tau * (ratio - 1.0))
+    loss = -gate * (4.0 / tau) * adv
+    weight = (4.0 * gate * (1.0 - gate)).detach()
+    return loss * m, {"ratio": ratio.detach(), "clipped": (weight < 0.5).to(logp.dtype), "log_ratio": lr.detach()}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# KL estimators: KL(π‖π_ref) per step, ``fn(logp, ref_logp, domain_kl) -> [n, T]``
+
+KLEstimator = Callable[..., torch.Tensor]
+KL_ESTIMATORS: dict[str, KLEstimator] = {}
+
+
+def register_kl_estimator(name: str) -> Callable[[KLEstimator], KLEstimator]:
+    """Decorator: make ``fn(logp, ref_logp, domain_kl) -> [n, T]`` selectable as ``loss.kl_estimator: name``."""
+
+    def wrap(fn: KLEstimator) -> KLEstimator:
+        KL_ESTIMATORS[name] = fn
+        return fn
+
+    return wrap
+
+
+def _need_ref(name: str, ref_logp: torch.Tensor | None) -> torch.Tensor:
+    if ref_logp is None:
+        raise ConfigError(f"loss.kl_coef > 0 with loss.kl_estimator {name!r}, but the domain returned neither its own "
+                          f"kl nor ref_logp; set loss.kl_coef: 0 or use a domain that computes a KL")
+    return ref_logp
+
+
+@register_kl_estimator("k1")
+def kl_k1(logp: torch.Tensor, ref_logp: torch.Tensor | None, domain_kl: torch.Tensor | None = None) -> torch.Tensor:
+    """k1 estimator of KL(π‖π_ref) (Schulman 2020, "Approximating KL divergence"): log π − log π_ref."""
+    return logp - _need_ref("k1", ref_logp)
+
+
+@register_kl_estimator("k3")
+def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor | None, domain_kl: torch.Tensor | None = None) -> torch.Tensor:
     """k3 estimator (Schulman 2020; GRPO): exp(log π_ref − log π) − (log π_ref − log π) − 1 ≥ 0."""
-    d = ref_logp - logp
+    d = _need_ref("k3", ref_logp) - logp
     return torch.exp(d) - d - 1.0
+
+
+@register_kl_estimator("domain")
+def kl_domain(logp: torch.Tensor, ref_logp: torch.Tensor | None, domain_kl: torch.Tensor | None = None) -> torch.Tensor:
+    """The domain's own per-step KL (``StepLogProbs.kl``, e.g. Flow-GRPO's Gaussian-mean KL ``gaussian_mean_kl``);
+    k3 on ``ref_logp`` for a domain that returns reference log-probs instead."""
+    return domain_kl if domain_kl is not None else kl_k3(logp, ref_logp)
+
+
+def kl_per_step(name: str, logp: torch.Tensor, ref_logp: torch.Tensor | None,
+                domain_kl: torch.Tensor | None) -> torch.Tensor:
+    """The KL term of ``loss.kl_estimator`` ``name``. A domain that computes its own KL (``domain_kl``, exact for
+    what it samples, e.g. the SDE-step Gaussians) is used whatever the estimator; the estimator then only
+    matters for domains that return reference log-probs."""
+    if name not in KL_ESTIMATORS:
+        raise KeyError(_unknown("KL estimator", name, KL_ESTIMATORS))
+    return KL_ESTIMATORS["domain" if domain_kl is not None else name](logp, ref_logp, domain_kl)
 
 
 def gaussian_mean_kl(mean: torch.Tensor, ref_mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
@@ -115,6 +286,3 @@ def gaussian_mean_kl(mean: torch.Tensor, ref_mean: torch.Tensor, std: torch.Tens
     non-batch dims. ``std`` broadcasts against ``mean``."""
     kl = (mean - ref_mean) ** 2 / (2.0 * std**2)
     return kl.flatten(1).mean(1)
-
-
-KL_ESTIMATORS = {"k1": kl_k1, "k3": kl_k3}

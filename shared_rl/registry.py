@@ -1,8 +1,9 @@
-"""Domains, supervised entry points and benchmarks, found by name.
+"""Domains, supervised entry points, benchmarks and CLI command groups, found by name.
 
 Strings (``"module:attr"``) keep the static layering clean: ``shared_rl`` never imports ``visgen`` or
-``robotics``; they are imported only when a config names them. Third-party packages add entries through the
-``grove.domains`` / ``grove.supervised`` / ``grove.benchmarks`` entry-point groups.
+``robotics``; they are imported only when a config or a command line names them. Third-party packages add
+entries through the ``grove.domains`` / ``grove.supervised`` / ``grove.benchmarks`` / ``grove.commands``
+entry-point groups (a built-in name wins over an entry point of the same name).
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import importlib
 from importlib.metadata import entry_points
 from typing import Any
 
-from .config import ConfigError
+from .errors import ConfigError
 
 DOMAINS: dict[str, str] = {
     "toy": "shared_rl.toy:ToyDomain",
@@ -30,13 +31,21 @@ BENCHMARKS: dict[str, str] = {
     "llm": "bench.llm_vs_trl:run",
     "robotics-sim": "bench.robotics_sim:run",
     "visgen-trees": "bench.visgen_trees:run",
-    "visgen-sampling": "bench.visgen_sampling:run",
     "scale": "bench.scale:run",
 }
 
+# ``grove NAME args...`` hands ``args`` to ``main(argv) -> exit code`` of the command group's module.
+COMMANDS: dict[str, str] = {
+    "robotics": "robotics.cli:main",
+}
 
-def _table(name: str, group: str) -> dict[str, str]:
-    table = dict({"domains": DOMAINS, "supervised": SUPERVISED, "benchmarks": BENCHMARKS}[name])
+_GROUPS = {"domains": (DOMAINS, "grove.domains"), "supervised": (SUPERVISED, "grove.supervised"),
+           "benchmarks": (BENCHMARKS, "grove.benchmarks"), "commands": (COMMANDS, "grove.commands")}
+
+
+def _table(name: str) -> dict[str, str]:
+    builtin, group = _GROUPS[name]
+    table = dict(builtin)
     try:
         for ep in entry_points(group=group):
             table.setdefault(ep.name, ep.value)
@@ -66,19 +75,28 @@ def _resolve(table: dict[str, str], what: str, name: str) -> Any:
 
 
 def resolve_domain(name: str) -> type:
-    cls = _resolve(_table("domains", "grove.domains"), "domain", name)
+    cls = _resolve(_table("domains"), "domain", name)
     if getattr(cls, "config_class", None) is None:
         raise ConfigError(f"domain {name!r} ({cls.__name__}) defines no config_class")
     return cls
 
 
 def resolve_supervised(name: str) -> Any:
-    return _resolve(_table("supervised", "grove.supervised"), "supervised job for domain", name)
+    return _resolve(_table("supervised"), "supervised job for domain", name)
 
 
 def resolve_benchmark(name: str) -> Any:
-    return _resolve(_table("benchmarks", "grove.benchmarks"), "benchmark", name)
+    return _resolve(_table("benchmarks"), "benchmark", name)
 
 
 def benchmark_names() -> list[str]:
-    return sorted(_table("benchmarks", "grove.benchmarks"))
+    return sorted(_table("benchmarks"))
+
+
+def resolve_command(name: str) -> Any:
+    """The ``main(argv) -> int`` of command group ``name`` (``grove robotics collect ...``)."""
+    return _resolve(_table("commands"), "command group", name)
+
+
+def command_names() -> list[str]:
+    return sorted(_table("commands"))

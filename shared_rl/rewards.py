@@ -6,14 +6,15 @@ from __future__ import annotations
 import concurrent.futures as cf
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
 import torch
 
 
-class RewardError(RuntimeError):
-    """A reward backend failed after all retries and the config says failures are fatal."""
+class RewardFailure(RuntimeError):
+    """A reward backend failed at run time after all retries and the config says failures are fatal (a bad
+    reward *input* is the domain's own ``ValueError``, e.g. ``visgen.rewards.RewardInputError``, never retried)."""
 
 
 @dataclass
@@ -22,15 +23,16 @@ class RewardGuardConfig:
 
     retries: extra attempts after a failure or time-out (exponential back-off from ``backoff_s``);
     timeout_s: seconds per attempt (0 = no time-out); on_failure: ``nan`` masks the batch (the trainer skips NaN
-    rewards and counts them in ``reward/nan_count``), ``fatal`` stops the run with ``RewardError``.
+    rewards and counts them in ``reward/nan_count``), ``fatal`` stops the run with ``RewardFailure``.
     Contract errors (``ValueError``/``TypeError``: a malformed batch, a wrong-length answer) are bugs, not
     transient faults: they are raised at once, never retried or masked.
     """
 
-    retries: int = 2
-    timeout_s: float = 0.0  # 0 = no time-out
-    backoff_s: float = 0.5
-    on_failure: Literal["nan", "fatal"] = "nan"
+    retries: int = field(default=2, metadata={"help": "extra attempts after a failure or time-out"})
+    timeout_s: float = field(default=0.0, metadata={"help": "seconds per attempt; 0 = no time-out"})
+    backoff_s: float = field(default=0.5, metadata={"help": "first retry delay in seconds (doubles each retry)"})
+    on_failure: Literal["nan", "fatal"] = field(default="nan", metadata={
+        "help": "after the last retry: nan (mask the batch, count it) | fatal (stop the run)"})
 
     def check(self, where: str) -> None:
         from .config import ConfigError
@@ -45,7 +47,7 @@ def guarded_reward(fn: Callable[..., dict[str, torch.Tensor]], name: str, cfg: R
                    batch_size: Callable[..., int], log=print,
                    output_names: list[str] | None = None) -> Callable[..., dict[str, torch.Tensor]]:
     """Wrap ``fn(*args) -> {name: tensor[B]}``: retry on exceptions and time-outs; after the last retry return
-    NaN for the whole batch (``on_failure: nan``) or raise ``RewardError`` (``fatal``). Non-finite values that
+    NaN for the whole batch (``on_failure: nan``) or raise ``RewardFailure`` (``fatal``). Non-finite values that
     the backend itself returns are passed through as NaN (the trainer masks and counts them). ``ValueError`` and
     ``TypeError`` (contract errors) propagate at once. The NaN batch carries ``output_names`` or, when not
     given, the names of the backend's last successful answer (else ``[name]``)."""
@@ -79,7 +81,7 @@ def guarded_reward(fn: Callable[..., dict[str, torch.Tensor]], name: str, cfg: R
                 log(f"WARNING: reward {name!r} failed ({last}); retry {attempt + 1}/{cfg.retries}")
                 time.sleep(cfg.backoff_s * (2**attempt))
         if cfg.on_failure == "fatal":
-            raise RewardError(f"reward {name!r} failed after {cfg.retries + 1} attempts: {last}") from last
+            raise RewardFailure(f"reward {name!r} failed after {cfg.retries + 1} attempts: {last}") from last
         log(f"WARNING: reward {name!r} failed after {cfg.retries + 1} attempts ({last}); its values are NaN "
             "for this batch (masked, counted in reward/nan_count)")
         n = batch_size(*args, **kwargs)

@@ -1,4 +1,4 @@
-"""The data one iteration produces: N sequences of T steps, grouped by key, optionally arranged as a tree.
+"""The data one iteration produces: N sequences of T steps in G groups, optionally arranged as trees.
 
 A *sequence* is the unit that carries one advantage: a denoising trajectory (visgen, flat GRPO), one tree edge
 (visgen BranchGRPO/TreeGRPO: a segment of denoising steps), a completion (LLM: steps are tokens) or an episode
@@ -6,9 +6,14 @@ A *sequence* is the unit that carries one advantage: a denoising trajectory (vis
 ``mask[n, t]`` says whether that step is trained. Rewards live on the sequences that end in an outcome
 (leaves); internal tree edges carry NaN rewards and get their value from the leaves below (``tree_values``).
 
+*Groups* are explicit: ``group_ids[n]`` says which group a sequence is in and ``keys[g]`` which key (prompt,
+reset state) group g was sampled for. A requested key usually owns one group, but may own several (E-GRPO: one
+group per (prompt, consolidated step)); ``key_index`` then says which requested key each group belongs to.
+
 ``payload`` holds whatever the domain needs to recompute log-probs (latents, token ids, observations): a dict of
 tensors / lists / numpy arrays whose first dimension is N. The trainer only ever indexes it and concatenates it,
-so refilling groups (dynamic sampling) and minibatching work for every domain without domain code.
+so refilling groups (dynamic sampling) and minibatching work for every domain without domain code. The trainer's
+own bookkeeping (``origin``) is a field of its own, never a payload key.
 """
 from __future__ import annotations
 
@@ -49,20 +54,32 @@ class Rollout:
     """Sequences sampled in one call of ``Domain.rollout``.
 
     Attributes:
-        keys: the group key of each group (prompt id, reset-state id); ``group_ids`` index into it.
-        group_ids: ``[N]`` long, which group each sequence belongs to (0..len(keys)-1).
+        keys: ``[G]`` the key of each group (prompt id, reset-state id); ``group_ids`` index into it. One entry per
+            *group*, so a key that owns several groups appears several times.
+        group_ids: ``[N]`` long, which group each sequence belongs to (0..G-1).
         rewards: name -> ``[N]`` float rewards; NaN where a sequence has no outcome (internal tree edge) or the
             reward failed (the trainer masks and counts those).
-        logp_old: ``[N, T]`` float32 behaviour log-probs of each step (0 where not stochastic). NaN means
-            *deferred*: the rollout was sampled by the current weights and the trainer takes the behaviour
-            log-probs from its first forward before any update (one forward saved, ratio exactly 1), or computes
-            them up front when an iteration has several minibatches.
+        logp_old: ``[N, T]`` float32 behaviour log-probs of each step (0 where not stochastic); placeholders where
+            ``logp_deferred``.
         mask: ``[N, T]`` bool, steps that are trained.
         parent: ``[N]`` long parent sequence index (-1 for roots) when the sequences form trees, else None.
             For a tree rollout, sequence i is the edge into node i; a root node has an all-False mask.
         payload: domain data indexed along dim 0.
         nfe: model forward evaluations spent producing this rollout (one per sample per model call).
         info: extra scalar metrics (summed on concatenation when numeric counts, else last wins).
+        logp_deferred: ``[N, T]`` bool, steps whose behaviour log-prob is *deferred*: the rollout was sampled by
+            the current weights and the trainer takes ``logp_old`` from its first forward before any update (one
+            forward saved, ratio exactly 1), or computes it up front when an iteration has several minibatches.
+            The ``logp_old`` values there are placeholders (NaN by convention, so an unfilled one cannot pass
+            unnoticed). None (the default) = nothing deferred, except that NaN steps of ``logp_old`` are read as
+            deferred (the contract before this field existed; set the field instead).
+        key_index: ``[G]`` long, for a rollout returned by ``Domain.rollout(keys, ...)``: the position in that
+            ``keys`` argument of the key each group was sampled for. Needed only when a key owns several groups
+            and the same key may be requested twice in one call; otherwise None and the trainer infers it
+            (``resolve_key_index``). ``cat`` of several rollouts drops it (positions into different requests).
+        origin: ``[N, 5]`` long, set by the trainer, never by a domain: (refill round, rollout call, group in
+            that call, position in that call, draw) of each sequence, where *draw* numbers the keys requested in
+            one iteration (all rounds); the trainer counts, filters, refills and trims by draw.
     """
 
     keys: list[int]
@@ -74,6 +91,9 @@ class Rollout:
     payload: dict[str, Any] = field(default_factory=dict)
     nfe: int = 0
     info: dict[str, float] = field(default_factory=dict)
+    logp_deferred: torch.Tensor | None = None
+    key_index: torch.Tensor | None = None
+    origin: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         n = self.group_ids.shape[0]
@@ -87,6 +107,19 @@ class Rollout:
                 raise ValueError(f"reward {name!r} has shape {tuple(r.shape)}, expected ({n},)")
         if self.parent is not None and self.parent.shape != (n,):
             raise ValueError(f"parent has shape {tuple(self.parent.shape)}, expected ({n},)")
+        if n and int(self.group_ids.max()) >= len(self.keys):
+            raise ValueError(f"group id {int(self.group_ids.max())} but only {len(self.keys)} keys: keys needs one "
+                             f"entry per group (repeat a key that owns several groups)")
+        if self.logp_deferred is None:
+            self.logp_deferred = torch.isnan(self.logp_old)
+        elif self.logp_deferred.shape != self.logp_old.shape or self.logp_deferred.dtype != torch.bool:
+            raise ValueError(f"logp_deferred must be a bool tensor shaped like logp_old {tuple(self.logp_old.shape)}, "
+                             f"got {self.logp_deferred.dtype} {tuple(self.logp_deferred.shape)}")
+        if self.key_index is not None and tuple(self.key_index.shape) != (len(self.keys),):
+            raise ValueError(f"key_index has shape {tuple(self.key_index.shape)}, expected ({len(self.keys)},): one "
+                             f"entry per group")
+        if self.origin is not None and tuple(self.origin.shape) != (n, 5):
+            raise ValueError(f"origin has shape {tuple(self.origin.shape)}, expected ({n}, 5)")
 
     def __len__(self) -> int:
         return int(self.group_ids.shape[0])
@@ -94,6 +127,32 @@ class Rollout:
     @property
     def num_steps(self) -> int:
         return int(self.logp_old.shape[1])
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.keys)
+
+    def resolve_key_index(self, requested: list[int]) -> torch.Tensor:
+        """``[G]`` the position in ``requested`` (the ``keys`` argument of the ``Domain.rollout`` call that returned
+        this rollout) of each group's key: ``key_index`` when the domain set it; else group g <-> position g when
+        the domain returned one group per requested key in order; else matched by value, which needs every
+        requested key to be distinct."""
+        if self.key_index is not None:
+            idx = self.key_index.long()
+            if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= len(requested)):
+                raise ValueError(f"key_index out of range for {len(requested)} requested keys")
+            return idx
+        if list(self.keys) == list(requested):
+            return torch.arange(len(self.keys))
+        pos = {k: i for i, k in enumerate(requested)}
+        if len(pos) != len(requested):
+            raise ValueError(f"the rollout has {len(self.keys)} groups for {len(requested)} requested keys with "
+                             f"repeats, so its groups cannot be matched to the requests; the domain must set "
+                             f"Rollout.key_index")
+        missing = sorted({k for k in self.keys if k not in pos})
+        if missing:
+            raise ValueError(f"the rollout has groups for keys {missing} that were not requested")
+        return torch.tensor([pos[k] for k in self.keys], dtype=torch.long)
 
     def select_groups(self, keep: torch.Tensor) -> "Rollout":
         """Keep the groups where ``keep[g]`` is True (whole trees stay whole); group ids are renumbered."""
@@ -129,6 +188,9 @@ class Rollout:
             payload=_index(self.payload, idx),
             nfe=self.nfe,
             info=dict(self.info),
+            logp_deferred=self.logp_deferred[idx],
+            key_index=self.key_index[torch.tensor(uniq, dtype=torch.long)] if self.key_index is not None else None,
+            origin=self.origin[idx] if self.origin is not None else None,
         )
 
     def index_payload(self, idx: torch.Tensor) -> dict[str, Any]:
@@ -166,4 +228,6 @@ class Rollout:
             payload=_cat([p.payload for p in parts]),
             nfe=sum(p.nfe for p in parts),
             info=info,
+            logp_deferred=torch.cat([p.logp_deferred for p in parts]),
+            origin=torch.cat([p.origin for p in parts]) if all(p.origin is not None for p in parts) else None,
         )

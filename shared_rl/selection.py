@@ -3,9 +3,13 @@
 Filters (after a rollout):
 - ``zero_std`` — DAPO dynamic sampling (Yu et al. 2025): drop groups whose rewards are all equal (no signal).
 - ``band`` — SimpleVLA-RL / RLinf: keep groups whose mean success lies in [lo, hi].
-The trainer refills dropped groups by sampling more keys, at most ``max_refill_rounds`` times.
+The trainer filters, refills and trims by *key* (a key may own several groups, e.g. E-GRPO's one per consolidated
+step): a drawn key is kept while any of its groups is, dropped keys are replaced by drawing more keys, at most
+``max_refill_rounds`` times, and the first ``groups_per_iteration`` kept keys are trained with all their kept groups.
 
-Key samplers (before a rollout), all with JSON-serialisable state for checkpoints:
+Key samplers (before a rollout), all with JSON-serialisable state for checkpoints. ``update(keys, successes,
+counts, iteration)`` is called once per iteration with every key drawn in it once (successes and counts summed over
+all its groups and refill rounds):
 - ``UniformSampler`` — keys drawn uniformly without replacement within an iteration.
 - ``VADESampler`` — per-key Beta(α, β) posterior on the success probability; Thompson-sample p̂ and take the
   keys with the largest information proxy p̂(1−p̂); pseudo-counts decay toward the prior on two time scales.

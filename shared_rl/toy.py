@@ -9,7 +9,7 @@ until a real domain exists.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -19,14 +19,20 @@ from .rollout import Rollout
 
 @dataclass
 class ToyConfig:
-    num_contexts: int = 8
-    num_actions: int = 4
-    horizon: int = 4
-    tree_branch: int = 1  # > 1: tree rollouts (group_size is then ignored)
-    tree_depth: int = 2
-    init_scale: float = 0.0
-    reward_noise: float = 0.0
-    deferred_logp: bool = False  # leave logp_old NaN: the trainer fills it from its first forward
+    num_contexts: int = field(default=8, metadata={"help": "contexts (keys) of the bandit"})
+    num_actions: int = field(default=4, metadata={"help": "actions per step"})
+    horizon: int = field(default=4, metadata={"help": "actions per sequence (per tree edge with tree_branch > 1)"})
+    tree_branch: int = field(default=1, metadata={
+        "help": "> 1: tree rollouts, this many children per node (group_size is then ignored)"})
+    tree_depth: int = field(default=2, metadata={"help": "tree rollouts: levels of branching"})
+    init_scale: float = field(default=0.0, metadata={"help": "std of the initial logits (0 = uniform policy)"})
+    reward_noise: float = field(default=0.0, metadata={"help": "std of Gaussian noise added to the reward"})
+    deferred_logp: bool = field(default=False, metadata={
+        "help": "leave logp_old NaN: the trainer fills it from its first forward"})
+
+    def rollout_structure(self, train_cfg) -> str:
+        """Tree rollouts when ``tree_branch > 1`` (the hook of ``shared_rl.domain``: tree estimators need them)."""
+        return "tree" if self.tree_branch > 1 else "flat"
 
     def check(self, where: str) -> None:
         from .config import ConfigError
@@ -87,11 +93,12 @@ class ToyDomain(DomainBase):
         gid = torch.arange(len(keys)).repeat_interleave(group_size)
         ctx = torch.tensor(keys)[gid]
         actions, logp = self._sample(ctx, generator)
+        deferred = torch.full(logp.shape, self.cfg.deferred_logp)
         if self.cfg.deferred_logp:
-            logp = torch.full_like(logp, float("nan"))
+            logp = torch.full_like(logp, float("nan"))  # placeholders: the trainer fills them
         return Rollout(keys=list(keys), group_ids=gid, rewards={"correct": self._reward(ctx, actions, generator)},
                        logp_old=logp, mask=torch.ones_like(logp, dtype=torch.bool),
-                       payload={"ctx": ctx, "actions": actions}, nfe=len(ctx))
+                       payload={"ctx": ctx, "actions": actions}, nfe=len(ctx), logp_deferred=deferred)
 
     def _tree_rollout(self, keys: list[int], generator: torch.Generator) -> Rollout:
         from .tree import RolloutTree

@@ -1,8 +1,10 @@
 """The domain-agnostic GRPO-family training loop.
 
-Read ``Trainer.iteration`` top to bottom: select keys → rollout → advantages → filter/refill groups → inner
-epochs of minibatches (micro-batched, globally normalised) → optimizer step → metrics. ``Trainer.fit`` adds
-evaluation, checkpoints, exact resume, SIGTERM handling and the end-of-run plot/summary.
+Read ``Trainer.iteration`` top to bottom: select keys → rollout → reward metrics → filter/refill (by key) →
+advantages → inner epochs of minibatches → loss (``Trainer._loss``: the registered policy loss, aggregated, plus
+kl_coef·KL) → optimizer step → metrics. ``Trainer.fit`` adds evaluation, checkpoints, exact resume, SIGTERM handling
+and the end-of-run plot/summary. The cross-process plumbing (global view, index maps, stats reduction, FSDP2
+padding forwards) lives in ``shared_rl.gather``.
 
 Determinism: every iteration draws its randomness from a generator seeded by (seed, iteration), so a resumed
 run replays exactly the iterations an uninterrupted run would (tested bitwise on CPU).
@@ -14,7 +16,6 @@ import math
 import os
 import signal
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +24,9 @@ import torch
 from .advantages import combine_rewards
 from .checkpoint import load_latest_checkpoint, rng_state, save_checkpoint, set_rng_state
 from .config import ConfigError, ResourceError, TrainConfig, dump_train_config
-from .domain import RunContext
-from .losses import KL_ESTIMATORS, Normalizer, aggregate, clipped_surrogate
+from .domain import RunContext, StepLogProbs
+from .gather import PER_STEP_STATS, StepStats, any_rank, global_view, local_index, padding_forward, reduce_stats
+from .losses import Normalizer, aggregate, get_policy_loss, kl_per_step
 from .metrics import MetricsLogger, plot_metrics
 from .registry import resolve_domain
 from .rollout import Rollout
@@ -61,25 +63,29 @@ def make_scheduler(optimizer: torch.optim.Optimizer, cfg, total_steps: int) -> t
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-@dataclass
-class _StepStats:
-    """Accumulates per-step statistics over one iteration's optimizer steps."""
+def group_draws(rollout: Rollout) -> torch.Tensor:
+    """``[G]`` the draw (requested key, numbered over the iteration's rounds; ``Rollout.origin``) of each group."""
+    draws = torch.full((len(rollout.keys),), -1, dtype=torch.long)
+    draws[rollout.group_ids] = rollout.origin[:, 4]
+    return draws
 
-    sums: dict[str, float] = field(default_factory=dict)
-    counts: dict[str, float] = field(default_factory=dict)
-    maxes: dict[str, float] = field(default_factory=dict)
 
-    def add(self, name: str, total: float, count: float = 1.0) -> None:
-        self.sums[name] = self.sums.get(name, 0.0) + float(total)
-        self.counts[name] = self.counts.get(name, 0.0) + float(count)
+def _num_draws(views: list[Rollout]) -> int:
+    """How many distinct draws (requested keys) own at least one group of ``views``."""
+    return len(set(torch.cat([group_draws(v) for v in views]).tolist())) if views else 0
 
-    def max(self, name: str, value: float) -> None:
-        self.maxes[name] = max(self.maxes.get(name, -math.inf), float(value))
 
-    def result(self) -> dict[str, float]:
-        out = {k: self.sums[k] / self.counts[k] for k in self.sums if self.counts[k] > 0}
-        out.update(self.maxes)
-        return out
+def _add_step_stats(stats: StepStats, st: dict[str, torch.Tensor], mask: torch.Tensor, out: StepLogProbs) -> None:
+    """Ratio, clip fraction, approximate KL (½·log-ratio²) and entropy of one micro-batch's trained steps."""
+    m = mask.bool()
+    n_steps = float(m.sum())
+    stats.add("ratio/mean", float(st["ratio"][m].sum()), n_steps)
+    stats.add("clip_frac", float(st["clipped"][m].sum()), n_steps)
+    stats.add("approx_kl", float((0.5 * st["log_ratio"][m] ** 2).sum()), n_steps)
+    if m.any():
+        stats.max("ratio/max", float(st["ratio"][m].max()))
+    if out.entropy is not None:
+        stats.add("entropy", float(out.entropy.detach()[m].sum()), n_steps)
 
 
 class Trainer:
@@ -158,78 +164,58 @@ class Trainer:
         return self.fsdp.gathered() if self.fsdp is not None else contextlib.nullcontext()
 
     def _any_rank(self, flag: bool) -> bool:
-        return bool(self.dist.all_reduce_(torch.tensor([1.0 if flag else 0.0]), "max")) if self.dist.enabled else flag
+        return any_rank(self.dist, flag)
 
     # ------------------------------------------------------------------------------------------------------------
     def iteration(self, it: int) -> dict[str, float]:
-        """One GRPO iteration; returns its metrics."""
-        cfg, dom = self.cfg, self.domain
-        gen = torch.Generator().manual_seed(iteration_seed(cfg.seed, it))
-        torch.manual_seed(iteration_seed(cfg.seed, it) + self.dist.rank)
-        n_groups, group_size = cfg.rollout.groups_per_iteration, cfg.rollout.group_size
-        pool = list(dom.train_keys())
-
-        # 1. rollout (rewards included); decisions use the global view (all ranks), training the local part
+        """One GRPO iteration; returns its metrics. Decisions (filter, refill, advantages, minibatches) are taken
+        on the global view of every rank's rollout (``view``); each rank trains on the sequences it sampled
+        (``local``, with the domain's payload)."""
+        cfg = self.cfg
+        seed = iteration_seed(cfg.seed, it)
+        gen = torch.Generator().manual_seed(seed)
+        torch.manual_seed(seed + self.dist.rank)
+        pool = list(self.domain.train_keys())
         t0 = time.perf_counter()
-        keys = self.sampler.select(pool, n_groups, gen)
-        local, view = self._rollout_round(keys, it, 0)
+
+        # 1. select keys, 2. rollout (rewards included)
+        keys = self.sampler.select(pool, cfg.rollout.groups_per_iteration, gen)
+        local, view = self._rollout_round(keys, it, 0, first_draw=0)
         if self.fsdp is not None and self._any_rank(local is None):  # _setup_fsdp checks this; sampler may differ
             raise RuntimeError(f"iteration {it}: a process sampled no sequence, so it cannot pad its FSDP2 training "
                                f"forwards; lower rollout.groups_per_call")
+
+        # 3. reward metrics of what was sampled first
         metrics = self._reward_metrics(view)
-        drawn_views = [view]
-        if cfg.selection.filter != "none":  # dynamic sampling: drop groups without signal, refill, trim
-            kept_views = [self._filtered(view)]
-            rounds = 0
-            while sum(len(v.keys) for v in kept_views) < n_groups and rounds < cfg.selection.max_refill_rounds:
-                rounds += 1
-                more_keys = self.sampler.select(pool, n_groups - sum(len(v.keys) for v in kept_views), gen)
-                more_local, more_view = self._rollout_round(more_keys, it, rounds)
-                local = Rollout.cat([p for p in (local, more_local) if p is not None]) if (local or more_local) else None
-                drawn_views.append(more_view)
-                kept_views.append(self._filtered(more_view))
-            view = Rollout.cat(kept_views)
-            if len(view.keys) > n_groups:
-                view = view.select_groups(torch.arange(len(view.keys)) < n_groups)
-        for part in drawn_views:
-            succ, cnt = group_success(self._filter_reward(part), part.group_ids, len(part.keys))
-            self.sampler.update(part.keys, succ, cnt, it)
+
+        # 4. filter / refill by key (dynamic sampling), then one key-sampler update with every drawn key
+        drawn = [view]
+        if cfg.selection.filter != "none":
+            local, view, drawn = self._filter_and_refill(local, view, len(keys), pool, it, gen)
+        self._update_sampler(drawn, it)
         metrics.update({
-            "groups/drawn": sum(len(v.keys) for v in drawn_views), "groups/kept": len(view.keys),
-            "nfe/rollout": sum(v.nfe for v in drawn_views),
+            "groups/drawn": sum(len(v.keys) for v in drawn), "groups/kept": len(view.keys),
+            "nfe/rollout": sum(v.nfe for v in drawn),
             "time/rollout": time.perf_counter() - t0,
         })
         if local is not None:
-            for k, v in local.info.items():
-                if isinstance(v, (int, float)):
-                    metrics[k] = v
-
-        # 2. advantages on the global view: one per sequence (tree estimators read the parent array)
+            metrics.update({k: v for k, v in local.info.items() if isinstance(v, (int, float))})
         if len(view) == 0:
             self.log(f"iteration {it}: every group was filtered out; no update")
             metrics.update({"time/train": 0.0, "lr": self.scheduler.get_last_lr()[0], "nfe/train": 0})
             return metrics
+
+        # 5. advantages on the global view: one per sequence (tree estimators read the parent array)
         a = cfg.advantage
         adv = combine_rewards(view.rewards, view.group_ids, a.estimator, a.weights, a.multi_reward,
                               view.parent, a.clip, a.eps)
         metrics["advantage/abs_mean"] = float(adv.abs().mean())
-        # map global sequence -> local sequence of this rank (or -1)
-        to_local = torch.full((len(view),), -1, dtype=torch.long)
-        if local is not None:
-            pos = {tuple(o): i for i, o in enumerate(local.payload["_order"].tolist())}
-            for gi, o in enumerate(view.payload["_order"].tolist()):
-                to_local[gi] = pos.get(tuple(o), -1)
 
-        # 3. inner epochs of minibatches; each minibatch is one optimizer step, split into micro-batches
+        # 6. inner epochs of minibatches; each minibatch is one optimizer step (loss: _loss), split in micro-batches
+        to_local = local_index(view, local)  # global sequence -> this rank's sequence, or -1
         t1 = time.perf_counter()
-        kept_local = to_local[to_local >= 0]
-        nfe_train = 0
-        if cfg.optim.minibatches_per_epoch > 1:
-            deferred = self._deferred_rows(local, kept_local)
-            if self._any_rank(deferred.numel() > 0):  # FSDP2: every rank gathers, the forwards are then local
-                with self._gathered():
-                    nfe_train = self._fill_deferred_logp(local, deferred)
-        stats = _StepStats()
+        nfe_train = self._prefill_deferred_logp(local, to_local)
+        stats = StepStats()
         trainable = torch.nonzero(view.mask.any(dim=1)).flatten()
         for _epoch in range(cfg.optim.inner_epochs):
             order = trainable[torch.randperm(trainable.numel(), generator=gen)]
@@ -238,144 +224,213 @@ class Trainer:
                     norm = Normalizer.from_mask(view.mask[mb], cfg.loss.max_steps_norm)
                     mine = mb[to_local[mb] >= 0]
                     nfe_train += self._optimizer_step(local, to_local[mine], adv[mine], norm, stats)
-        metrics.update(self._reduce_stats(stats))
+
+        # 7. metrics (summed over ranks)
+        metrics.update(reduce_stats(self.dist, stats))
         nfe = torch.tensor([float(nfe_train)])
         metrics.update({"nfe/train": float(self.dist.all_reduce_(nfe)), "time/train": time.perf_counter() - t1,
                         "lr": self.scheduler.get_last_lr()[0]})
         # wall time of the whole iteration (selection, rollout, gathers, advantages, updates), the same on every rank
         metrics["time/iteration"] = time.perf_counter() - t0
-        first = drawn_views[0]
+        first = drawn[0]
         leaves = int(torch.isfinite(next(iter(first.rewards.values()))).sum()) if first.rewards else len(first)
         metrics["samples_per_s"] = leaves / max(metrics["time/iteration"], 1e-9)
         return metrics
 
-    @staticmethod
-    def _deferred_rows(rollout: Rollout | None, rows: torch.Tensor) -> torch.Tensor:
-        """The kept, trained local sequences whose behaviour log-probs are deferred (NaN)."""
-        if rollout is None or rows.numel() == 0:
-            return rows[:0]
-        return rows[torch.isnan(rollout.logp_old[rows]).any(dim=1) & rollout.mask[rows].any(dim=1)]
+    # ---- the loss ----------------------------------------------------------------------------------------------
+    def _loss(self, out: StepLogProbs, logp_old: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
+              norm: Normalizer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
+        """One micro-batch's share of the minibatch loss: aggregate(policy loss) + kl_coef · aggregate(KL).
 
-    def _fill_deferred_logp(self, rollout: Rollout | None, idx: torch.Tensor) -> int:
-        """Deferred behaviour log-probs (NaN in ``logp_old``, see ``Rollout``) are normally taken from the first
-        loss forward, which runs before any update when the iteration has one minibatch per epoch. With several
-        minibatches, later ones would see updated weights, so compute them up front (rows ``idx`` from
-        ``_deferred_rows``) without grad instead."""
-        if rollout is None or idx.numel() == 0:
-            return 0
-        micro = self.cfg.optim.micro_batch_size or max(1, idx.numel())
+        Returns (loss to backpropagate, its policy part, its KL part or None, the policy loss's per-step stats)."""
+        lc = self.cfg.loss
+        per_step, st = get_policy_loss(lc.policy_loss)(out.logp, logp_old, adv, mask, lc)
+        policy = aggregate(per_step, mask, lc.aggregation, norm)
+        if lc.kl_coef <= 0:
+            return policy, policy, None, st
+        kl = aggregate(kl_per_step(lc.kl_estimator, out.logp, out.ref_logp, out.kl), mask, lc.aggregation, norm)
+        return policy + lc.kl_coef * kl, policy, kl, st
+
+    def _optimizer_step(self, rollout: Rollout | None, local_idx: torch.Tensor, adv: torch.Tensor,
+                        norm: Normalizer, stats: StepStats) -> int:
+        """One optimizer step over this rank's share ``local_idx`` of a global minibatch (normalised by ``norm``,
+        the minibatch's global counts), accumulated over micro-batches; gradients are summed across ranks.
+        Under FSDP2 every forward is a collective: ranks with fewer micro-batches than the busiest one add padding
+        forwards of loss weight 0 (``gather.padding_forward``) so that all ranks issue the same collectives."""
+        cfg = self.cfg
+        micro = cfg.optim.micro_batch_size or max(1, local_idx.numel())
+        need_kl = cfg.loss.kl_coef > 0
+        self.optimizer.zero_grad(set_to_none=True)
         nfe = 0
-        with torch.no_grad():
-            for part in torch.split(idx, micro):
-                out = self.domain.log_probs(rollout, part, False)
-                nfe += out.nfe
-                old = rollout.logp_old[part]
-                rollout.logp_old[part] = torch.where(torch.isnan(old), out.logp.detach().to(old), old)
+        splits = [(i, a) for i, a in zip(torch.split(local_idx, micro), torch.split(adv, micro)) if i.numel()]
+        n_calls = len(splits)
+        if self.fsdp is not None:
+            n_calls = int(self.dist.all_reduce_(torch.tensor([len(splits)]), "max"))
+        for call in range(n_calls):
+            if call >= len(splits):
+                padding_forward(self.domain, rollout, need_kl)
+                self.padding_forwards += 1
+                continue
+            idx, a = splits[call]
+            with _oom_hint("training", "lower optim.micro_batch_size (sequences per forward/backward) or enable "
+                                       "gradient checkpointing in the domain config"):
+                out = self.domain.log_probs(rollout, idx, need_kl)
+            nfe += out.nfe
+            mask = rollout.mask[idx].to(out.logp.device)
+            logp_old = self._behaviour_logp(rollout, idx, out)
+            loss, policy, kl, st = self._loss(out, logp_old, a.to(out.logp), mask, norm)
+            stats.add("loss/policy", float(policy.detach()), 0.0)
+            if kl is not None:
+                stats.add("loss/kl", float(kl.detach()), 0.0)
+            loss.backward()
+            _add_step_stats(stats, st, mask, out)
+        # the micro-batch losses summed (over ranks too) are the minibatch loss: count one per optimizer step
+        for k in PER_STEP_STATS:
+            stats.add(k, 0.0, 1.0)
+        self._clip_and_step(stats)
         return nfe
 
-    def _rollout_round(self, keys: list[int], it: int, rnd: int) -> tuple[Rollout | None, Rollout]:
-        """Sample ``keys`` in chunks of ``rollout.groups_per_call`` spread over ranks; every chunk draws from its
-        own generator seeded by (seed, iteration, round, chunk), so results do not depend on the process count.
-        Returns (this rank's rollout with payload, the global light view without payload)."""
+    def _clip_and_step(self, stats: StepStats) -> None:
+        """Sum gradients over ranks, clip, then step (or skip a non-finite step, stopping after too many)."""
+        cfg = self.cfg
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        self.dist.sum_gradients(params)  # FSDP2-sharded gradients (DTensors) are already summed: skipped
+        clip = cfg.optim.grad_clip if cfg.optim.grad_clip is not None else float("inf")
+        if self.fsdp is not None:
+            from .distributed import clip_grad_norm_global_
+
+            grad_norm = clip_grad_norm_global_(params, clip, self.dist)
+        else:
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, clip)
+        if not torch.isfinite(grad_norm):
+            self.nonfinite_steps += 1
+            self.nonfinite_total += 1
+            stats.add("nonfinite_steps", 1.0, 0.0)
+            self.optimizer.zero_grad(set_to_none=True)
+            self.log(f"WARNING: non-finite loss/gradient; optimizer step skipped ({self.nonfinite_steps} in a row)")
+            if self.nonfinite_steps >= cfg.max_nonfinite_steps:
+                raise NonFiniteError(
+                    f"{self.nonfinite_steps} optimizer steps in a row had NaN/Inf gradients; lower optim.lr, set "
+                    f"optim.grad_clip, or raise max_nonfinite_steps (now {cfg.max_nonfinite_steps})"
+                )
+            return
+        self.nonfinite_steps = 0
+        stats.add("grad_norm", float(grad_norm), 1.0)
+        self.optimizer.step()
+        self.scheduler.step()
+        after = getattr(self.domain, "after_optimizer_step", None)
+        if after:
+            after()
+
+    # ---- deferred behaviour log-probs (Rollout.logp_deferred) ----------------------------------------------------
+    @staticmethod
+    def _behaviour_logp(rollout: Rollout, idx: torch.Tensor, out: StepLogProbs) -> torch.Tensor:
+        """``logp_old`` of micro-batch ``idx``; its deferred steps are taken from ``out``, this first forward before
+        any update (so their ratio is exactly 1), and stored in the rollout for later epochs."""
+        logp_old = rollout.logp_old[idx].to(out.logp)
+        deferred = rollout.logp_deferred[idx].to(out.logp.device)
+        if deferred.any():
+            logp_old = torch.where(deferred, out.logp.detach(), logp_old)
+            rollout.logp_old[idx] = logp_old.to(rollout.logp_old)
+            rollout.logp_deferred[idx] = False
+        return logp_old
+
+    def _prefill_deferred_logp(self, rollout: Rollout | None, to_local: torch.Tensor) -> int:
+        """Deferred behaviour log-probs are normally taken from the first loss forward, which runs before any update
+        when the iteration has one minibatch per epoch. With several minibatches, later ones would see updated
+        weights, so compute those of the kept, trained local sequences up front, without grad. Returns the nfe."""
+        if self.cfg.optim.minibatches_per_epoch <= 1:
+            return 0
+        rows = to_local[to_local >= 0]
+        if rollout is not None and rows.numel():
+            rows = rows[rollout.logp_deferred[rows].any(dim=1) & rollout.mask[rows].any(dim=1)]
+        else:
+            rows = rows[:0]
+        if not self._any_rank(rows.numel() > 0):
+            return 0
+        nfe = 0
+        with self._gathered():  # FSDP2: every rank gathers, the forwards are then local
+            micro = self.cfg.optim.micro_batch_size or max(1, rows.numel())
+            with torch.no_grad():
+                for part in (torch.split(rows, micro) if rows.numel() else ()):
+                    out = self.domain.log_probs(rollout, part, False)
+                    nfe += out.nfe
+                    deferred, old = rollout.logp_deferred[part], rollout.logp_old[part]
+                    rollout.logp_old[part] = torch.where(deferred, out.logp.detach().to(old), old)
+                    rollout.logp_deferred[part] = False
+        return nfe
+
+    # ---- rollouts, filters, key sampler -------------------------------------------------------------------------
+    def _rollout_round(self, keys: list[int], it: int, rnd: int, first_draw: int) -> tuple[Rollout | None, Rollout]:
+        """Sample ``keys`` in calls of ``rollout.groups_per_call`` keys spread over ranks; every call draws from its
+        own generator seeded by (seed, iteration, round, call), so results do not depend on the process count.
+        Key ``j`` of this round is draw ``first_draw + j``. Returns (this rank's rollout with payload, the global
+        view without payload)."""
         per_call = self._groups_per_call(len(keys))
         chunks = [keys[i: i + per_call] for i in range(0, len(keys), per_call)]
         parts = []
         with self._gathered():  # FSDP2: ranks sample different numbers of chunks and tokens
-            self._sample_chunks(chunks, it, rnd, parts)
+            for c, chunk in enumerate(chunks):
+                if c % self.dist.world == self.dist.rank:
+                    parts.append(self._sample_chunk(chunk, it, rnd, c, first_draw + c * per_call))
         local = Rollout.cat(parts) if parts else None
-        return local, self._global_view(local, chunks)
+        return local, global_view(self.dist, local)
 
-    def _sample_chunks(self, chunks: list[list[int]], it: int, rnd: int, parts: list[Rollout]) -> None:
-        for c, chunk in enumerate(chunks):
-            if c % self.dist.world != self.dist.rank:
-                continue
-            chunk_seed = iteration_seed(self.cfg.seed, it) + 1_000_003 * (rnd + 1) + 7919 * c
-            g = torch.Generator().manual_seed(chunk_seed)
-            torch.manual_seed(chunk_seed)  # for domains that also draw from the global RNG: same on any layout
-            with torch.no_grad(), _oom_hint("rollout", "lower rollout.groups_per_call (groups per rollout call) or "
-                                             "the domain's rollout micro-batch size"):
-                part = self.domain.rollout(chunk, self.cfg.rollout.group_size, g, it)
-            n = len(part)
-            order = torch.stack([torch.full((n,), rnd), torch.full((n,), c), part.group_ids.long(), torch.arange(n)], 1)
-            part.payload["_order"] = order
-            part.payload["_parent_pos"] = part.parent.clone() if part.parent is not None else torch.full((n,), -1)
-            parts.append(part)
+    def _sample_chunk(self, chunk: list[int], it: int, rnd: int, c: int, first_draw: int) -> Rollout:
+        """One ``Domain.rollout`` call, stamped with ``Rollout.origin`` (round, call, group, position, draw)."""
+        chunk_seed = iteration_seed(self.cfg.seed, it) + 1_000_003 * (rnd + 1) + 7919 * c
+        g = torch.Generator().manual_seed(chunk_seed)
+        torch.manual_seed(chunk_seed)  # for domains that also draw from the global RNG: same on any layout
+        with torch.no_grad(), _oom_hint("rollout", "lower rollout.groups_per_call (groups per rollout call) or "
+                                         "the domain's rollout micro-batch size"):
+            part = self.domain.rollout(chunk, self.cfg.rollout.group_size, g, it)
+        try:
+            key_pos = part.resolve_key_index(list(chunk))
+        except ValueError as e:
+            raise ValueError(f"domain {self.cfg.domain!r}, rollout of keys {list(chunk)}: {e}") from None
+        n = len(part)
+        gid = part.group_ids.long()
+        part.origin = torch.stack([torch.full((n,), rnd), torch.full((n,), c), gid, torch.arange(n),
+                                   first_draw + key_pos[gid]], 1)
+        return part
 
-    def _global_view(self, local: Rollout | None, chunks: list[list[int]]) -> Rollout:
-        """Rewards, masks, log-probs and tree structure of every rank's sequences, in (round, chunk, pos) order."""
-        d = self.dist
-        if not d.enabled:
-            assert local is not None
-            light = Rollout(local.keys, local.group_ids, local.rewards, local.logp_old, local.mask, local.parent,
-                            {"_order": local.payload["_order"]}, local.nfe, {})
-            return light
-        names = sorted(local.rewards) if local is not None else []
-        # every rank must agree on reward names and the step count: take them from the gathered data
-        T = int(d.all_reduce_(torch.tensor([local.num_steps if local is not None else 0]), "max"))
-        n = len(local) if local is not None else 0
+    def _filter_and_refill(self, local: Rollout | None, view: Rollout, n_drawn: int, pool: list[int], it: int,
+                           gen: torch.Generator) -> tuple[Rollout | None, Rollout, list[Rollout]]:
+        """Dynamic sampling (DAPO, Yu et al. 2025) by key, where a key may own several groups: drop the groups
+        without signal (``selection.filter``); a drawn key is kept while any of its groups is; draw
+        (groups_per_iteration − kept keys) more keys, at most ``selection.max_refill_rounds`` times; then keep
+        every kept group of the first groups_per_iteration kept keys (in draw order).
+        Returns (this rank's rollout of all rounds, the kept global view, the global view of each round)."""
+        n_keys, max_rounds = self.cfg.rollout.groups_per_iteration, self.cfg.selection.max_refill_rounds
+        drawn, kept = [view], [self._filtered(view)]
+        rounds = 0
+        while _num_draws(kept) < n_keys and rounds < max_rounds:
+            rounds += 1
+            more = self.sampler.select(pool, n_keys - _num_draws(kept), gen)
+            more_local, more_view = self._rollout_round(more, it, rounds, first_draw=n_drawn)
+            n_drawn += len(more)
+            if more_local is not None:
+                local = more_local if local is None else Rollout.cat([local, more_local])
+            drawn.append(more_view)
+            kept.append(self._filtered(more_view))
+        view = Rollout.cat(kept)
+        draws = group_draws(view)
+        first = torch.unique(draws)  # sorted: draw order
+        if first.numel() > n_keys:
+            view = view.select_groups(torch.isin(draws, first[:n_keys]))
+        return local, view, drawn
 
-        def pad_t(x: torch.Tensor, fill) -> torch.Tensor:
-            out = torch.full((n, T), fill, dtype=x.dtype)
-            out[:, : x.shape[1]] = x
-            return out
-
-        if local is not None:
-            order, ppos = local.payload["_order"], local.payload["_parent_pos"]
-            rewards = torch.stack([local.rewards[k].float() for k in names], 1) if names else torch.zeros(n, 0)
-            logp, mask = pad_t(local.logp_old.float(), 0.0), pad_t(local.mask, False)
-        else:
-            order, ppos = torch.zeros(0, 4, dtype=torch.long), torch.zeros(0, dtype=torch.long)
-            rewards, logp, mask = torch.zeros(0, 0), torch.zeros(0, T), torch.zeros(0, T, dtype=torch.bool)
-        n_rewards = int(d.all_reduce_(torch.tensor([len(names)]), "max"))
-        if rewards.shape[1] != n_rewards:
-            rewards = torch.zeros(n, n_rewards)
-        g_order = d.gather_cat(order)
-        g_rewards = d.gather_cat(rewards)
-        g_logp = d.gather_cat(logp)
-        g_mask = d.gather_cat(mask.to(torch.uint8)).bool()
-        g_ppos = d.gather_cat(ppos)
-        g_nfe = d.all_reduce_(torch.tensor([float(local.nfe if local is not None else 0)]))
-        name_codes = d.gather_cat(torch.tensor([[ord(ch) for ch in "|".join(names).ljust(256)[:256]]]) if names
-                                  else torch.zeros(0, 256, dtype=torch.long))
-        names = "".join(chr(int(x)) for x in name_codes[0]).strip().split("|") if name_codes.numel() else []
-        # sort by (round, chunk, position); rebuild group ids, keys and parents
-        key = ((g_order[:, 0] * 100_000 + g_order[:, 1]) * 10_000_000 + g_order[:, 3])
-        perm = torch.argsort(key)
-        g_order, g_rewards, g_logp, g_mask, g_ppos = (x[perm] for x in (g_order, g_rewards, g_logp, g_mask, g_ppos))
-        group_of, keys, gids = {}, [], []
-        for rnd, c, gid, _pos in g_order.tolist():
-            k = (rnd, c, gid)
-            if k not in group_of:
-                group_of[k] = len(keys)
-                keys.append(chunks[c][gid])
-            gids.append(group_of[k])
-        parent = None
-        if bool((g_ppos >= 0).any()):
-            where = {(r, c, p): i for i, (r, c, _g, p) in enumerate(g_order.tolist())}
-            parent = torch.tensor([where[(r, c, int(pp))] if pp >= 0 else -1
-                                   for (r, c, _g, _p), pp in zip(g_order.tolist(), g_ppos.tolist())], dtype=torch.long)
-        return Rollout(keys, torch.tensor(gids, dtype=torch.long), {k: g_rewards[:, i] for i, k in enumerate(names)},
-                       g_logp, g_mask, parent, {"_order": g_order}, int(g_nfe), {})
-
-    _SUM_STATS = ("loss/policy", "loss/kl", "ratio/mean", "clip_frac", "approx_kl", "entropy", "grad_norm",
-                  "nonfinite_steps")
-
-    def _reduce_stats(self, stats: _StepStats) -> dict[str, float]:
-        """Merge per-rank step statistics (sums and counts added, maxima maxed)."""
-        if self.dist.enabled:
-            names = self._SUM_STATS
-            buf = torch.tensor([[stats.sums.get(k, 0.0), stats.counts.get(k, 0.0)] for k in names], dtype=torch.float64)
-            self.dist.all_reduce_(buf)
-            for i, k in enumerate(names):  # per-optimizer-step counts were added once per rank
-                if k in ("loss/policy", "loss/kl"):
-                    buf[i, 1] /= self.dist.world
-            mx = torch.tensor([stats.maxes.get("ratio/max", -math.inf)], dtype=torch.float64)
-            self.dist.all_reduce_(mx, "max")
-            # grad_norm is computed after the sum over ranks: identical everywhere, so average, don't add
-            stats = _StepStats({k: float(buf[i, 0]) for i, k in enumerate(names) if buf[i, 1] > 0},
-                               {k: float(buf[i, 1]) for i, k in enumerate(names) if buf[i, 1] > 0},
-                               {"ratio/max": float(mx)} if math.isfinite(float(mx)) else {})
-        return stats.result()
+    def _update_sampler(self, drawn: list[Rollout], it: int) -> None:
+        """One key-sampler update per iteration: every drawn key once, its successes and counts summed over all its
+        groups and rounds (VADE's decay and the history window then advance once per iteration)."""
+        successes: dict[Any, float] = {}
+        counts: dict[Any, int] = {}
+        for part in drawn:
+            succ, cnt = group_success(self._filter_reward(part), part.group_ids, len(part.keys))
+            for k, s, n in zip(part.keys, succ, cnt):
+                successes[k] = successes[k] + s if k in successes else s
+                counts[k] = counts[k] + n if k in counts else n
+        self.sampler.update(list(successes), list(successes.values()), [counts[k] for k in successes], it)
 
     def _filter_reward(self, rollout: Rollout) -> torch.Tensor:
         name = self.cfg.selection.band_reward or next(iter(rollout.rewards))
@@ -413,107 +468,6 @@ class Trainer:
                 leaves[rollout.parent[rollout.parent >= 0]] = False
             m["reward/nan_count"] = float((leaves & ~leaf).sum())
         return m
-
-    def _optimizer_step(self, rollout: Rollout | None, local_idx: torch.Tensor, adv: torch.Tensor,
-                        norm: Normalizer, stats: _StepStats) -> int:
-        """One optimizer step over this rank's share ``local_idx`` of a global minibatch (normalised by ``norm``,
-        the minibatch's global counts), accumulated over micro-batches; gradients are summed across ranks.
-        Under FSDP2 every forward is a collective: ranks with fewer micro-batches than the busiest one add padding
-        forwards of loss weight 0 (``_padding_forward``) so that all ranks issue the same collectives."""
-        cfg, lc = self.cfg, self.cfg.loss
-        micro = cfg.optim.micro_batch_size or max(1, local_idx.numel())
-        need_kl = lc.kl_coef > 0
-        self.optimizer.zero_grad(set_to_none=True)
-        nfe = 0
-        splits = [(i, a) for i, a in zip(torch.split(local_idx, micro), torch.split(adv, micro)) if i.numel()]
-        n_calls = len(splits)
-        if self.fsdp is not None:
-            n_calls = int(self.dist.all_reduce_(torch.tensor([len(splits)]), "max"))
-        for call in range(n_calls):
-            if call >= len(splits):
-                self._padding_forward(rollout, need_kl)
-                continue
-            idx, a = splits[call]
-            with _oom_hint("training", "lower optim.micro_batch_size (sequences per forward/backward) or enable "
-                                       "gradient checkpointing in the domain config"):
-                out = self.domain.log_probs(rollout, idx, need_kl)
-            nfe += out.nfe
-            mask = rollout.mask[idx].to(out.logp.device)
-            logp_old = rollout.logp_old[idx].to(out.logp)
-            if torch.isnan(logp_old).any():  # deferred: this is the first forward, before any update
-                logp_old = torch.where(torch.isnan(logp_old), out.logp.detach(), logp_old)
-                rollout.logp_old[idx] = logp_old.to(rollout.logp_old)
-            pg, st = clipped_surrogate(out.logp, logp_old, a.to(out.logp), mask, lc.clip_low, lc.clip_high,
-                                       lc.dual_clip, lc.ratio_level)
-            loss = aggregate(pg, mask, lc.aggregation, norm)
-            stats.add("loss/policy", float(loss.detach()), 0.0)
-            if need_kl:
-                if out.kl is not None:
-                    kl = out.kl
-                elif out.ref_logp is not None:
-                    kl = KL_ESTIMATORS["k3" if lc.kl_estimator == "domain" else lc.kl_estimator](out.logp, out.ref_logp)
-                else:
-                    raise ConfigError(f"loss.kl_coef > 0 but domain {cfg.domain!r} returned neither kl nor ref_logp")
-                kl_loss = aggregate(kl, mask, lc.aggregation, norm)
-                loss = loss + lc.kl_coef * kl_loss
-                stats.add("loss/kl", float(kl_loss.detach()), 0.0)
-            loss.backward()
-            m = mask.bool()
-            n_steps = float(m.sum())
-            stats.add("ratio/mean", float(st["ratio"][m].sum()), n_steps)
-            stats.add("clip_frac", float(st["clipped"][m].sum()), n_steps)
-            stats.add("approx_kl", float((0.5 * st["log_ratio"][m] ** 2).sum()), n_steps)
-            if m.any():
-                stats.max("ratio/max", float(st["ratio"][m].max()))
-            if out.entropy is not None:
-                stats.add("entropy", float(out.entropy.detach()[m].sum()), n_steps)
-        # the micro-batch losses summed (over ranks too) are the minibatch loss: count one per optimizer step
-        for k in ("loss/policy", "loss/kl"):
-            stats.add(k, 0.0, 1.0)
-        params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        self.dist.sum_gradients(params)  # FSDP2-sharded gradients (DTensors) are already summed: skipped
-        clip = cfg.optim.grad_clip if cfg.optim.grad_clip is not None else float("inf")
-        if self.fsdp is not None:
-            from .distributed import clip_grad_norm_global_
-
-            grad_norm = clip_grad_norm_global_(params, clip, self.dist)
-        else:
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, clip)
-        if not torch.isfinite(grad_norm):
-            self.nonfinite_steps += 1
-            self.nonfinite_total += 1
-            stats.add("nonfinite_steps", 1.0, 0.0)
-            self.optimizer.zero_grad(set_to_none=True)
-            self.log(f"WARNING: non-finite loss/gradient; optimizer step skipped ({self.nonfinite_steps} in a row)")
-            if self.nonfinite_steps >= cfg.max_nonfinite_steps:
-                raise NonFiniteError(
-                    f"{self.nonfinite_steps} optimizer steps in a row had NaN/Inf gradients; lower optim.lr, set "
-                    f"optim.grad_clip, or raise max_nonfinite_steps (now {cfg.max_nonfinite_steps})"
-                )
-            return nfe
-        self.nonfinite_steps = 0
-        stats.add("grad_norm", float(grad_norm), 1.0)
-        self.optimizer.step()
-        self.scheduler.step()
-        after = getattr(self.domain, "after_optimizer_step", None)
-        if after:
-            after()
-        return nfe
-
-    def _padding_forward(self, rollout: Rollout | None, need_kl: bool) -> None:
-        """FSDP2: forward + backward on one of this rank's own sequences (the first with trained steps, e.g. not a
-        tree root) with loss weight 0, which adds exactly zero to every gradient, only to take part in the same
-        all-gathers and reduce-scatters as the other ranks."""
-        if rollout is None or len(rollout) == 0:
-            raise RuntimeError("FSDP2 padding forward: this process holds no sequence (see _setup_fsdp)")
-        self.padding_forwards += 1
-        trained = torch.nonzero(rollout.mask.any(dim=1)).flatten()
-        row = trained[:1] if trained.numel() else torch.zeros(1, dtype=torch.long)
-        out = self.domain.log_probs(rollout, row, need_kl)
-        zero = out.logp.float().nan_to_num(0.0, 0.0, 0.0).sum() * 0.0
-        if out.kl is not None:
-            zero = zero + out.kl.float().nan_to_num(0.0, 0.0, 0.0).sum() * 0.0
-        zero.backward()
 
     # ------------------------------------------------------------------------------------------------------------
     def state(self, iteration: int) -> dict[str, Any]:

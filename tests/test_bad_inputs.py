@@ -32,8 +32,8 @@ CASES = {
     # visgen
     "visgen missing model": (_visgen(model="no/such/pipeline"), "no/such/pipeline"),
     "visgen unknown reward": (_visgen(rewards=[{"name": "pickscorr"}]), "pickscorr"),
-    "visgen unknown sampler": (_visgen(sampler="euler"), "visgen.sampler"),
-    "visgen unknown plan": (_visgen(plan={"name": "nope"}), "nope"),
+    "visgen unknown kernel": (_visgen(kernel="euler"), "visgen.kernel"),
+    "visgen unknown method": (_visgen(method={"name": "nope"}), "nope"),
     "visgen bad resolution": (_visgen(resolution=30), "resolution"),
     "visgen missing prompt file": (_visgen(task="file", train_prompts="TMP/none.txt"), "none.txt"),
     "visgen empty prompt file": (_visgen(task="file", train_prompts="TMP/empty.txt", eval_prompts="TMP/empty.txt"),

@@ -15,7 +15,7 @@ COMMON = {"seed": 3, "iterations": 2, "logging": {"progress": False}, "eval": {"
           "optim": {"lr": 1e-3, "minibatches_per_epoch": 2, "micro_batch_size": 2}}
 CONFIGS = {
     "visgen": {**COMMON, "domain": "visgen", "loss": {"clip_low": 1e-3},
-               "visgen": {"num_inference_steps": 4, "plan": {"name": "flow_grpo", "train_fraction": 0.5},
+               "visgen": {"num_inference_steps": 4, "method": {"name": "flow_grpo", "train_fraction": 0.5},
                           "lora": {"rank": 4, "alpha": 8}, "num_threads": 1}},
     "llm": {**COMMON, "domain": "llm", "llm": {"max_new_tokens": 4, "num_threads": 1}},
 }

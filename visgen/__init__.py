@@ -2,9 +2,9 @@
 
 Public sampling API (imported lazily so ``import visgen.tasks`` stays light):
 
-- ``visgen.sample(pipe, prompt, num_inference_steps, guidance_scale, generator, sampler="sde", noise_level=None,
-  plan=None, ...) -> Trajectory``
-- ``visgen.recompute_log_probs(pipe_or_adapter, traj, step_indices, return_means=False) -> RecomputedSteps``
+- ``visgen.sample(pipe, prompt, num_inference_steps, guidance_scale, generator, kernel="sde", noise_level=None,
+  plan=None, ...) -> Trajectory`` (the flat forest of the one rollout engine, ``visgen.engine``)
+- ``visgen.recompute_trajectory(pipe, traj, steps, reference=None) -> RecomputedEdges`` (``visgen.recompute``)
 - ``visgen.as_adapter(pipe)``; kernels in ``shared_rl.flow_kernels``; step plans in ``visgen.plans``.
 """
 from __future__ import annotations
@@ -14,9 +14,9 @@ from typing import Any
 
 _LAZY = {
     "sample": "visgen.trajectory",
-    "recompute_log_probs": "visgen.trajectory",
+    "recompute_trajectory": "visgen.recompute",
     "Trajectory": "visgen.trajectory",
-    "RecomputedSteps": "visgen.trajectory",
+    "RecomputedEdges": "visgen.recompute",
     "as_adapter": "visgen.pipelines",
     "Conditioning": "visgen.pipelines",
     "StepPlan": "visgen.plans",

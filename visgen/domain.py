@@ -1,23 +1,29 @@
 """The visgen training domain: GRPO-family RL of a flow-matching text-to-image pipeline against reward models.
 
-One class covers Flow-GRPO, DanceGRPO, Flow-GRPO-Fast and MixGRPO; they differ only in configuration:
+One class covers every visgen method; they differ only in ``visgen.method`` (a tagged union over the registry in
+``visgen.methods``) and ``visgen.kernel``:
 
-| method          | ``sampler`` | ``plan``                                      | what changes                              |
-|-----------------|-------------|-----------------------------------------------|-------------------------------------------|
-| Flow-GRPO       | ``sde``     | ``flow_grpo`` (all steps SDE, train a fraction)| Liu et al. 2025                           |
-| DanceGRPO       | ``dance``   | ``dance_grpo`` (random 60% of steps/sample)    | Xue et al. 2025                           |
-| Flow-GRPO-Fast  | ``sde``     | ``flow_grpo_fast`` (SDE in a 1-3 step window)  | ODE elsewhere, far fewer trained steps    |
-| MixGRPO         | ``sde``     | ``mix_grpo`` (sliding SDE window)              | Li et al. 2025, window moves with training|
+| method          | ``kernel`` | ``method``                                          | rollout shape                          |
+|-----------------|------------|-----------------------------------------------------|----------------------------------------|
+| Flow-GRPO       | ``sde``    | ``{name: flow_grpo, train_fraction: 0.3}``           | flat: group_size chains per prompt     |
+| DanceGRPO       | ``dance``  | ``{name: dance_grpo}`` (random 60% of steps/sample)  | flat                                   |
+| Flow-GRPO-Fast  | ``sde``    | ``{name: flow_grpo_fast}`` (SDE in a 1-3 step window)| flat, ODE elsewhere                    |
+| MixGRPO         | ``sde``    | ``{name: mix_grpo}`` (sliding SDE window)            | flat                                   |
+| BranchGRPO(-Mix)| ``sde``    | ``{name: branch_grpo, split_steps: [0, 2, 4, 6]}``   | one tree per prompt, pruning           |
+| TreeGRPO        | ``sde``    | ``{name: tree_grpo, branch: [2, 2, 2, 2]}``          | one tree per prompt, SDE window        |
+| E-GRPO          | ``sde``    | ``{name: egrpo}``                                    | one group per (prompt, merged step)    |
 
-An iteration, as the shared trainer drives it: ``rollout`` samples ``group_size`` images per prompt in one batched
-``visgen.sample`` call (SDE where the plan says so, log-probs recorded), decodes and scores them with the reward
-registry; the trainer turns rewards into group-relative advantages; ``log_probs`` recomputes the trained steps'
-log-probs with grad (``visgen.objectives``) for the clipped surrogate and, with ``loss.kl_coef > 0``, the
-Flow-GRPO Gaussian-mean KL to the base model (the LoRA adapter switched off). ``evaluate`` samples held-out prompts
-with the deterministic ODE and fixed seeds. The model stays in eval mode throughout (no dropout), so the first inner
-step's importance ratio is exactly 1 when the training batch layout equals the rollout's.
+An iteration, as the shared trainer drives it: ``rollout`` encodes the prompts, lets the method grow its forest on
+the one engine (``visgen.engine``: one batched transformer forward per level and step, SDE where the method says
+so, log-probs recorded), decodes and scores the leaves with the reward registry, lets the method prune, and returns
+the trainable edges; the trainer turns rewards into group-relative (or tree) advantages; ``log_probs`` recomputes
+the trained steps' log-probs with grad (``visgen.recompute``) for the policy loss and, with ``loss.kl_coef > 0``,
+the Flow-GRPO Gaussian-mean KL to the base model (the LoRA adapter switched off). ``evaluate`` samples held-out
+prompts with the deterministic ODE and fixed seeds. The model stays in eval mode throughout (no dropout), so the
+first inner step's importance ratio is exactly 1 when the training batch layout equals the rollout's.
 
-Config: see :class:`VisgenConfig`; recipes in ``configs/visgen/``; method pages in ``docs/methods/``.
+Config: see :class:`VisgenConfig` (``grove config show`` prints every field with its help); recipes in
+``configs/visgen/``; method pages in ``docs/methods/``.
 """
 from __future__ import annotations
 
@@ -28,7 +34,7 @@ import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, ClassVar, Literal, Optional
 
 import torch
 
@@ -38,7 +44,7 @@ from shared_rl.rewards import RewardGuardConfig, guarded_reward
 from shared_rl.rollout import Rollout
 
 from .policy import EmaSettings, FlowPolicy, LoraSettings
-from .trees import TreeContext, TreeRolloutEngine, TreeSettings
+from .rollout import VisgenRollouts
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHAPES_ASSET_HINT = ("build it with `python -m visgen.pretrain configs/visgen/shapes_pretrain.yaml --out "
@@ -49,14 +55,21 @@ EVAL_NAMES = {"shapes": "score", "shapes_strict": "strict"}
 
 
 # ------------------------------------------------------------------------------------------------------ config
+def _help(text: str, default: Any = None, factory: Any = None) -> Any:
+    """A dataclass field with help text (shown by ``grove config show``)."""
+    if factory is not None:
+        return field(default_factory=factory, metadata={"help": text})
+    return field(default=default, metadata={"help": text})
+
+
 @dataclass
 class RewardSpec:
     """A reward from ``visgen.rewards`` by name, with its factory's keyword arguments. Each reward may emit several
     named outputs (``shapes`` emits ``shapes`` and ``shapes_strict``); all go into the rollout's rewards, and
     ``advantage.weights`` (trainer section) decides which train (weight 0 = logged only)."""
 
-    name: str = "shapes"
-    kwargs: dict[str, Any] = field(default_factory=dict)
+    name: str = _help("registered reward name (visgen.rewards.available_rewards())", "shapes")
+    kwargs: dict[str, Any] = _help("keyword arguments of the reward's factory", factory=dict)
 
     def check(self, where: str) -> None:
         from .rewards import available_rewards
@@ -68,15 +81,15 @@ class RewardSpec:
 
 @dataclass
 class EvalSettings:
-    guidance_scale: Optional[float] = None  # None: the training guidance_scale
-    num_inference_steps: Optional[int] = None  # None: the training num_inference_steps
-    samples_per_prompt: int = 2
-    max_prompts: int = 0  # 0: every held-out prompt
-    seed: int = 1234
-    batch_size: int = 64
-    use_ema: bool = True  # evaluate (and export) the EMA weights when ema.enabled
-    grid_prompts: int = 8  # before/after sample grid written at the end of training
-    grid_samples: int = 4
+    guidance_scale: Optional[float] = _help("CFG scale of evaluation sampling; null: the training guidance_scale")
+    num_inference_steps: Optional[int] = _help("denoising steps of evaluation; null: the training num_inference_steps")
+    samples_per_prompt: int = _help("images per held-out prompt (ODE, fixed seeds)", 2)
+    max_prompts: int = _help("evaluate at most this many held-out prompts, evenly spaced (0: all)", 0)
+    seed: int = _help("seed of the evaluation noise (the same before and after training)", 1234)
+    batch_size: int = _help("images per evaluation sampling call", 64)
+    use_ema: bool = _help("evaluate (and export) the EMA weights when ema.enabled", True)
+    grid_prompts: int = _help("prompts in the before/after sample grid written at the end (0: no grid)", 8)
+    grid_samples: int = _help("images per prompt in that grid", 4)
 
     def check(self, where: str) -> None:
         for name in ("samples_per_prompt", "batch_size", "grid_samples"):
@@ -93,49 +106,54 @@ class EvalSettings:
 class VisgenConfig:
     """Settings of the ``visgen:`` section of a training YAML (validated without loading any model)."""
 
-    # model: a local diffusers pipeline directory (relative paths: the working directory, then the repo) or a
-    # Hugging Face hub id ("stabilityai/stable-diffusion-3.5-medium")
-    model: str = "assets/shapes-sd3-tiny"
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    # prompts: "shapes" = the embedded task (train/held-out split as in pretraining); "file" = train_prompts /
-    # eval_prompts files (.txt one prompt a line, or .jsonl with a "prompt" field and metadata for the rewards)
-    task: Literal["shapes", "file"] = "shapes"
-    train_prompts: Optional[str] = None
-    eval_prompts: Optional[str] = None
-    split_seed: Optional[int] = None  # None: the pretraining split recorded in the asset's grove.json (else 0)
-    eval_fraction: Optional[float] = None
-    train_subset: Optional[list[int]] = None  # train on these prompt indices only (overfitting checks, debugging)
-    resolution: Optional[int] = None  # None: the asset's grove.json, else the pipeline default
-    max_sequence_length: Optional[int] = None  # None: the asset's grove.json, else the pipeline default
-    # sampling during rollouts
-    num_inference_steps: int = 10
-    guidance_scale: float = 1.0  # CFG in training rollouts (1 = off, as Flow-GRPO now recommends); FLUX: embedding
-    sampler: Literal["sde", "cps", "dance"] = "sde"
-    noise_level: Optional[float] = None  # sde/cps: a (0.7); dance: eta (0.3)
-    reduction: Literal["mean", "sum"] = "mean"
-    plan: dict[str, Any] = field(default_factory=lambda: {"name": "flow_grpo"})  # see visgen.plans
-    rollout_micro_batch: int = 0  # samples per transformer forward while sampling; 0 = the whole call
-    # one initial noise per prompt for its whole group (DanceGRPO): samples differ only by their SDE steps, the
-    # trained actions, instead of by an untrained initial draw that the advantage would otherwise credit to them
-    shared_noise: bool = False
-    rewards: list[RewardSpec] = field(default_factory=lambda: [RewardSpec("shapes")])
-    # retries / time-out / NaN-or-fatal for every reward call (reward servers and models fail; see shared_rl.rewards)
-    reward_guard: RewardGuardConfig = field(default_factory=RewardGuardConfig)
-    kl_type: Literal["mean", "velocity"] = "mean"  # used when loss.kl_coef > 0
-    # what trains
-    train_mode: Literal["lora", "full"] = "lora"
-    lora: LoraSettings = field(default_factory=LoraSettings)
-    ema: EmaSettings = field(default_factory=EmaSettings)
-    full_reference: bool = True  # full fine-tuning: keep a frozen copy as the KL reference
-    gradient_checkpointing: bool = False
-    eval: EvalSettings = field(default_factory=EvalSettings)
-    num_threads: int = 0  # torch CPU threads (0 = leave as is)
-    # tree rollouts (BranchGRPO / TreeGRPO / E-GRPO, visgen/trees.py); method: none = the flat rollout above
-    tree: TreeSettings = field(default_factory=TreeSettings)
+    # keys of earlier configs and what replaced them (shared_rl.config.from_dict reports them in one line)
+    moved_keys: ClassVar[dict[str, str]] = {
+        "plan": "use visgen.method: {name: flow_grpo, train_fraction: ...} (the plan's fields go into method)",
+        "tree": "use visgen.method: {name: branch_grpo | branch_grpo_mix | tree_grpo | egrpo, ...that method's fields}",
+        "sampler": "the SDE kernel is visgen.kernel (sde, cps or dance)",
+    }
+
+    model: str = _help("local diffusers pipeline directory (relative: the working directory, then the repo) or a "
+                       "Hugging Face hub id", "assets/shapes-sd3-tiny")
+    dtype: Literal["float32", "bfloat16", "float16"] = _help("dtype the pipeline is loaded in", "float32")
+    task: Literal["shapes", "file"] = _help("prompts: 'shapes' = the embedded task (train/held-out split as in "
+                                            "pretraining); 'file' = train_prompts / eval_prompts files", "shapes")
+    train_prompts: Optional[str] = _help(".txt (one prompt a line) or .jsonl (objects with 'prompt' and reward "
+                                         "metadata) for task: file")
+    eval_prompts: Optional[str] = _help("held-out prompt file for task: file (null: no evaluation)")
+    split_seed: Optional[int] = _help("seed of the shapes train/held-out split; null: the asset's grove.json (else 0)")
+    eval_fraction: Optional[float] = _help("held-out fraction of the shapes prompts; null: the asset's grove.json")
+    train_subset: Optional[list[int]] = _help("train on these prompt indices only (overfitting checks, debugging)")
+    resolution: Optional[int] = _help("image size in pixels; null: the asset's grove.json, else the pipeline default")
+    max_sequence_length: Optional[int] = _help("text tokens; null: the asset's grove.json, else the pipeline default")
+    num_inference_steps: int = _help("denoising steps of a rollout (the last one is never trained)", 10)
+    guidance_scale: float = _help("CFG in training rollouts (1 = off, as Flow-GRPO recommends); FLUX: the "
+                                  "guidance embedding", 1.0)
+    method: dict[str, Any] = _help("the rollout method and its own fields, e.g. {name: flow_grpo, train_fraction: "
+                                   "0.3} (visgen.methods: flow_grpo, dance_grpo, flow_grpo_fast, mix_grpo, explicit, "
+                                   "branch_grpo, branch_grpo_mix, tree_grpo, egrpo)",
+                                   factory=lambda: {"name": "flow_grpo"})
+    kernel: Literal["sde", "cps", "dance"] = _help("SDE kernel of the stochastic steps (shared_rl.flow_kernels)", "sde")
+    noise_level: Optional[float] = _help("the kernel's noise level: sde/cps a (null: 0.7), dance eta (null: 0.3)")
+    reduction: Literal["mean", "sum"] = _help("log-prob reduction over latent elements (mean: Flow-GRPO)", "mean")
+    rollout_micro_batch: int = _help("samples per transformer forward while sampling (0: the whole call)", 0)
+    shared_noise: bool = _help("flat methods: one initial noise per prompt for its whole group (DanceGRPO), so "
+                               "samples differ only by their trained SDE steps", False)
+    rewards: list[RewardSpec] = _help("rewards by name; their outputs are weighted by advantage.weights",
+                                      factory=lambda: [RewardSpec("shapes")])
+    reward_guard: RewardGuardConfig = _help("retries / time-out / NaN-or-fatal for every reward call",
+                                            factory=RewardGuardConfig)
+    kl_type: Literal["mean", "velocity"] = _help("KL when loss.kl_coef > 0: Gaussian-mean (Flow-GRPO) or velocity",
+                                                 "mean")
+    train_mode: Literal["lora", "full"] = _help("train a LoRA adapter or the whole transformer", "lora")
+    lora: LoraSettings = _help("LoRA adapter settings (peft)", factory=LoraSettings)
+    ema: EmaSettings = _help("EMA of the trained weights", factory=EmaSettings)
+    full_reference: bool = _help("full fine-tuning: keep a frozen copy as the KL reference", True)
+    gradient_checkpointing: bool = _help("recompute transformer activations in backward (saves memory)", False)
+    eval: EvalSettings = _help("held-out evaluation", factory=EvalSettings)
+    num_threads: int = _help("torch CPU threads (0: leave as is)", 0)
 
     def check(self, where: str) -> None:
-        from .plans import plan_from_config
-
         if self.num_inference_steps < 2:
             raise ConfigError(f"{where}.num_inference_steps must be >= 2 (the last step is never trained), "
                               f"got {self.num_inference_steps}")
@@ -155,16 +173,35 @@ class VisgenConfig:
             raise ConfigError(f"{where}.train_prompts must name a prompt file when task is 'file'")
         if self.task == "shapes" and (self.train_prompts or self.eval_prompts):
             raise ConfigError(f"{where}: train_prompts/eval_prompts are for task: file; the shapes task has its own")
-        spec = plan_from_config(self.plan)
-        if spec.name == "ode":
-            raise ConfigError(f"{where}.plan: 'ode' trains nothing; use flow_grpo, dance_grpo, flow_grpo_fast or mix_grpo")
-        built = spec.build(self.num_inference_steps, 1, torch.Generator().manual_seed(0), 0)  # raises if it cannot fit
-        if not bool(built.train.any()):
-            raise ConfigError(f"{where}.plan trains no step of {self.num_inference_steps}; widen it")
-        self.tree.check_steps(self.num_inference_steps, f"{where}.tree")
+        method = self.rollout_method(f"{where}.method")
+        if self.shared_noise and method.structure != "flat":
+            raise ConfigError(f"{where}.shared_noise is for flat methods; {method.name} shares each tree's initial "
+                              "noise by construction")
+        method.check(self.num_inference_steps, None, f"{where}.method[{method.name}]")
+
+    def rollout_method(self, where: str = "visgen.method"):
+        """The configured ``visgen.methods`` method (a fresh object built from ``method``)."""
+        from .methods import method_from_config
+
+        return method_from_config(self.method, where)
+
+    def rollout_structure(self, train_cfg) -> str:
+        """``flat`` or ``tree``: what the core checks the advantage estimator against."""
+        return self.rollout_method().structure
 
     def check_with(self, cfg) -> None:
         """Checks that need the trainer sections too."""
+        from shared_rl.advantages import TREE_ESTIMATORS
+
+        method = self.rollout_method()
+        method.check(self.num_inference_steps, cfg.rollout.group_size, f"visgen.method[{method.name}]")
+        if getattr(method.settings, "prune_estimator", "unset") is None and (
+                method.settings.width_prune != "none"):
+            if cfg.advantage.estimator not in TREE_ESTIMATORS:
+                raise ConfigError(f"visgen.method[{method.name}].width_prune ranks edges by a tree estimator; "
+                                  f"advantage.estimator is {cfg.advantage.estimator!r}: set prune_estimator "
+                                  f"(one of {sorted(TREE_ESTIMATORS)})")
+            self.method = {**self.method, "prune_estimator": cfg.advantage.estimator}  # resolved: pruning = training
         if cfg.loss.kl_coef > 0 and self.train_mode == "full" and not self.full_reference:
             raise ConfigError("loss.kl_coef > 0 with visgen.train_mode: full needs visgen.full_reference: true "
                               "(a frozen copy of the transformer is the KL reference)")
@@ -255,7 +292,7 @@ class VisgenDomain(DomainBase):
     config_class = VisgenConfig
 
     def __init__(self, cfg: VisgenConfig, ctx: RunContext) -> None:
-        from . import plans
+        from .methods import KernelSettings
         from .pipelines import as_adapter
         from .rewards import get_reward
 
@@ -280,7 +317,6 @@ class VisgenDomain(DomainBase):
                 raise ConfigError(f"visgen.resolution {self.height} must be a multiple of {multiple} for this "
                                   f"pipeline (VAE downsampling x transformer patch size); try "
                                   f"{max(multiple, round(self.height / multiple) * multiple)}")
-        self.plan = plans.plan_from_config(cfg.plan)
         self.policy = FlowPolicy(self.pipe, cfg.train_mode, cfg.lora, cfg.ema, cfg.gradient_checkpointing,
                                  cfg.full_reference)
         self._load_prompts(settings)
@@ -293,12 +329,15 @@ class VisgenDomain(DomainBase):
         if cfg.task == "shapes" and not any(name == "shapes" for name, _ in self.rewards):
             # the task's own metric, always reported
             self.eval_rewards.append(("shapes", guarded("shapes", get_reward("shapes"))))
-        self._cond_meta: dict[str, Any] | None = None
-        self._calls = 0
+        self.method = cfg.rollout_method()
+        kernel = KernelSettings(cfg.kernel, self._noise_level(), cfg.reduction, cfg.rollout_micro_batch,
+                                cfg.shared_noise)
+        self.rollouts = VisgenRollouts(self.adapter, self.method, kernel, self.train_prompts, self.train_meta,
+                                       self.score, cfg.num_inference_steps, cfg.guidance_scale, self._sample_kwargs(),
+                                       reference=self.policy.reference, kl_type=cfg.kl_type)
         self._before_grid: torch.Tensor | None = None
         if not self.policy.has_base_switch and cfg.eval.grid_prompts:
             self._before_grid = self._grid_images()  # full tuning: no adapter to switch off later
-        self.tree_engine = TreeRolloutEngine(TreeContext.from_domain(self), cfg.tree) if cfg.tree.enabled else None
 
     # -------------------------------------------------------------------------------------------- setup helpers
     def _asset_settings(self, local: bool) -> dict:
@@ -377,77 +416,17 @@ class VisgenDomain(DomainBase):
         return out
 
     def rollout(self, keys: list[int], group_size: int, generator: torch.Generator, iteration: int) -> Rollout:
-        if self.tree_engine is not None:  # the tree decides the leaves; group_size is not used
-            return self.tree_engine.rollout(keys, generator, iteration)
-        from .trajectory import sample as visgen_sample
-
-        cfg = self.cfg
-        t0 = time.perf_counter()
-        prompts = [self.train_prompts[k] for k in keys]
-        traj = visgen_sample(
-            self.pipe, prompts, cfg.num_inference_steps, cfg.guidance_scale, generator, cfg.sampler,
-            cfg.noise_level, self.plan, num_images_per_prompt=group_size,
-            micro_batch_size=cfg.rollout_micro_batch or None, decode=True, reduction=cfg.reduction,
-            iteration=iteration, shared_noise=cfg.shared_noise, **self._sample_kwargs(),
-        )
-        t1 = time.perf_counter()
-        n = traj.batch_size
-        metas = [self.train_meta[k] for k in keys for _ in range(group_size)]
-        rewards = self.score(traj.images, traj.prompts, metas)
-        t2 = time.perf_counter()
-        c = traj.cond
-        meta = {"guidance_scale": c.guidance_scale, "do_cfg": c.do_cfg, "height": c.height, "width": c.width,
-                "shared": c.shared, "options": c.options}
-        self._cond_meta = meta
-        row = torch.arange(n, device=traj.latents.device)
-        per_forward = cfg.rollout_micro_batch or n
-        self._calls += 1
-        payload = {
-            "latents": traj.latents,
-            "sde_mask": traj.sde_mask,
-            "sigmas": traj.sigmas.unsqueeze(0).expand(n, -1).clone(),
-            "timesteps": traj.timesteps.unsqueeze(0).expand(n, -1).clone(),
-            "cond": dict(c.tensors),
-            # which rollout forward each row was in, and where: log_probs re-forms those batches (exact ratio 1)
-            "layout": self._calls * 1_000_000 + torch.div(row, per_forward, rounding_mode="floor"),
-            "slot": row,
-        }
-        return Rollout(
-            keys=list(keys),
-            group_ids=torch.arange(len(keys)).repeat_interleave(group_size),
-            rewards=rewards,
-            logp_old=traj.log_probs.detach().float().cpu(),
-            mask=traj.train_mask.bool().cpu(),
-            payload=payload,
-            nfe=traj.nfe,
-            info={"time/sample": t1 - t0, "time/reward": t2 - t1},
-        )
+        """The configured method's rollout on the one engine (``visgen.rollout.VisgenRollouts.rollout``)."""
+        return self.rollouts.rollout(keys, group_size, generator, iteration)
 
     def log_probs(self, rollout: Rollout, idx: torch.Tensor, need_kl: bool) -> StepLogProbs:
-        if self.tree_engine is not None:
-            return self.tree_engine.log_probs(rollout, idx, need_kl)
-        from .objectives import StepBatch, recompute_steps
-        from .pipelines import Conditioning
-
-        if self._cond_meta is None:
-            raise RuntimeError("log_probs before any rollout: the prompt-conditioning settings are unknown")
-        p = rollout.index_payload(idx)
-        batch = StepBatch(
-            latents=p["latents"], sde_mask=p["sde_mask"], sigmas=p["sigmas"], timesteps=p["timesteps"],
-            cond=Conditioning(p["cond"], **self._cond_meta), layout=p["layout"], slot=p["slot"],
-        )
-        rec = recompute_steps(
-            self.adapter, batch, rollout.mask[idx], self.cfg.sampler, self._noise_level(), self.cfg.reduction,
-            reference=self.policy.reference if need_kl else None, kl_type=self.cfg.kl_type,
-        )
-        dev = rollout.logp_old.device
-        return StepLogProbs(logp=rec.logp.to(dev), kl=None if rec.kl is None else rec.kl.to(dev),
-                            entropy=rec.entropy.to(dev), nfe=rec.nfe)
+        """Recompute the trained steps of edges ``idx`` with grad (``visgen.recompute``), plus the KL when asked."""
+        return self.rollouts.log_probs(rollout, idx, need_kl)
 
     def _noise_level(self) -> float:
         from shared_rl.flow_kernels import DEFAULT_NOISE_LEVEL
 
-        return DEFAULT_NOISE_LEVEL[self.cfg.sampler] if self.cfg.noise_level is None else float(self.cfg.noise_level)
+        return DEFAULT_NOISE_LEVEL[self.cfg.kernel] if self.cfg.noise_level is None else float(self.cfg.noise_level)
 
     # -------------------------------------------------------------------------------------------- evaluation
     def _eval_settings(self) -> tuple[int, float]:
@@ -509,7 +488,7 @@ class VisgenDomain(DomainBase):
         return self.sample_ode(prompts, self.cfg.eval.seed + 777) if prompts else torch.zeros(0, 3, 1, 1)
 
     def save_pretrained(self, out_dir: Path) -> None:
-        info = {"base_model": self.cfg.model, "plan": self.cfg.plan, "sampler": self.cfg.sampler,
+        info = {"base_model": self.cfg.model, "method": self.cfg.method, "kernel": self.cfg.kernel,
                 "num_inference_steps": self.cfg.num_inference_steps, "guidance_scale": self.cfg.guidance_scale,
                 "max_sequence_length": self.max_sequence_length, "resolution": self.height}
         self.policy.save_pretrained(Path(out_dir), use_ema=self.cfg.eval.use_ema, info=info)
@@ -530,7 +509,7 @@ class VisgenDomain(DomainBase):
                 after = self._grid_images()
             save_before_after(before, after, prompts, self.cfg.eval.grid_samples, run_dir / "samples_before_after.png")
         evals = [r for r in history if any(k.startswith("eval/") for k in r)]
-        lines = [f"visgen: {self.cfg.model} | sampler {self.cfg.sampler} | plan {self.plan.name} | "
+        lines = [f"visgen: {self.cfg.model} | kernel {self.cfg.kernel} | method {self.method.name} | "
                  f"{self.cfg.train_mode} ({sum(p.numel() for p in self.parameters()):,} trainable parameters)"]
         if len(evals) >= 2:
             first, last = evals[0], evals[-1]

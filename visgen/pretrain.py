@@ -85,7 +85,7 @@ class TransformerStage:
 
 
 @dataclass
-class EvalSettings:
+class PretrainEvalSettings:
     every: int = 1000
     samples_per_prompt: int = 1
     final_samples_per_prompt: int = 4
@@ -108,7 +108,7 @@ class PretrainConfig:
     log_every: int = 50
     vae: VaeStage = field(default_factory=VaeStage)
     transformer: TransformerStage = field(default_factory=TransformerStage)
-    eval: EvalSettings = field(default_factory=EvalSettings)
+    eval: PretrainEvalSettings = field(default_factory=PretrainEvalSettings)
 
 
 def _seed_everything(seed: int) -> None:
@@ -251,7 +251,7 @@ def evaluate_pipeline(directory: str | Path, samples_per_prompt: int = 4, guidan
     Uses the split recorded in its grove.json; sampling seeds and the training-prompt subset are the ones
     ``run`` uses for its final evaluation with the same ``seed``, so the numbers are comparable.
     """
-    pipe = tiny.load_pipeline(directory)
+    pipe = tiny.load_shapes_asset(directory)
     settings = tiny.asset_settings(directory)
     train_specs, eval_specs = shapes.split_prompts(settings.get("split_seed", 0), settings.get("eval_fraction", 0.2))
     rl_specs = [train_specs[i] for i in np.random.default_rng(seed + 1).permutation(len(train_specs))][:train_prompts]

@@ -183,7 +183,7 @@ def asset_settings(directory: str | Path = ASSET_DIR) -> dict:
     return json.loads(path.read_text())
 
 
-def load_pipeline(directory: str | Path = ASSET_DIR):
+def load_shapes_asset(directory: str | Path = ASSET_DIR):
     """``StableDiffusion3Pipeline.from_pretrained(directory, text_encoder_3=None, tokenizer_3=None)``, offline, CPU."""
     from diffusers import StableDiffusion3Pipeline
 

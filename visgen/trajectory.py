@@ -1,31 +1,32 @@
-"""Batched denoising trajectories with per-step log-probs over stock diffusers pipelines, and their recomputation.
+"""``visgen.sample``: batched denoising trajectories with per-step log-probs over stock diffusers pipelines.
 
-``sample`` runs the denoising chain of a pipeline through its adapter: one transformer forward per step for the
-whole batch (or per micro-batch), a step plan deciding per sample and step whether the step is stochastic (the
-chosen kernel) or deterministic (Euler ODE) and whether it is trained. It records everything needed to recompute
-the behaviour log-probs with grad: all latents, the sigmas/timesteps, the plan, the kernel settings and the prompt
-embeddings. ``recompute_log_probs`` re-runs the same step computation (the same ``flow_step`` code path) with grad;
-for the same batch layout the result equals the stored log-probs bit for bit (importance ratio exactly 1).
+``sample`` is the public face of the one rollout engine (``visgen.engine``): it grows the flat, depth-one forest
+of a step plan — one transformer forward per step for the whole batch (or per micro-batch), the plan deciding per
+sample and step whether the step is stochastic (the chosen kernel) or deterministic (Euler ODE) and whether it is
+trained — and returns it as a :class:`Trajectory`. Training recomputes stored steps through
+``visgen.recompute.recompute_edges`` (the same ``flow_step`` code path), which for the same batch layout equals the
+stored log-probs bit for bit (importance ratio exactly 1).
 
 Random numbers, all from ``generator``: first the initial noise (exactly as the pipeline draws it), then the step
 plan if it is random and no ``plan_generator`` is given, then one full-batch standard-normal tensor per denoising
-step (drawn at every step unless the sampler is ``ode``, so the same generator gives the same step noise whatever
+step (drawn at every step unless the kernel is ``ode``, so the same generator gives the same step noise whatever
 the plan). Noise is drawn for the whole batch before splitting into micro-batches, so the micro-batch size does
 not change which noise a sample gets.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Sequence
 
 import torch
-from diffusers.utils.torch_utils import randn_tensor
 
+from shared_rl.flow_kernels import DEFAULT_NOISE_LEVEL, REDUCTIONS, gaussian_entropy, get_kernel
+
+from .engine import flat_forest, forest_payload
 from .pipelines import Conditioning, FlowPipelineAdapter, as_adapter
 from .plans import FlowGRPOPlan, ODEPlan, PlanSpec, StepPlan, plan_from_config
-from shared_rl.flow_kernels import DEFAULT_NOISE_LEVEL, REDUCTIONS, flow_step, gaussian_entropy, get_kernel
 
-__all__ = ["Trajectory", "RecomputedSteps", "sample", "recompute_log_probs"]
+__all__ = ["Trajectory", "sample"]
 
 
 @dataclass
@@ -39,7 +40,8 @@ class Trajectory:
     sde_mask / train_mask: ``[B, T]`` the step plan (stochastic steps / trained steps).
     sigmas: ``[T+1]`` float32, from 1-ish to 0; timesteps: ``[T]`` the scheduler timesteps given to the model.
     cond: the prompt embeddings per sample (what the velocity call needs), plus guidance settings.
-    sampler, noise_level, reduction: the kernel settings (needed to recompute log-probs).
+    kernel, noise_level, reduction: the kernel settings (needed to recompute log-probs).
+    payload: what ``visgen.recompute.recompute_trajectory`` reads (the engine's per-step records of these chains).
     prompts: the prompt of each sample; nfe: model forward evaluations spent (per sample per call; CFG counts 2).
     means: ``[B, T, *latent]`` step means when ``keep_means`` was set, else None.
     images: ``[B, 3, H, W]`` in [0, 1] when decoding was asked for, else None.
@@ -53,11 +55,12 @@ class Trajectory:
     sigmas: torch.Tensor
     timesteps: torch.Tensor
     cond: Conditioning
-    sampler: str
+    kernel: str
     noise_level: float
     reduction: str
     prompts: list[str]
     nfe: int
+    payload: dict[str, Any]
     means: torch.Tensor | None = None
     images: torch.Tensor | None = None
 
@@ -101,6 +104,7 @@ class Trajectory:
             sde_mask=self.sde_mask[device_idx],
             train_mask=self.train_mask[device_idx],
             cond=self.cond[device_idx],
+            payload=_rows(self.payload, torch.as_tensor(rows, dtype=torch.long)),
             prompts=[self.prompts[i] for i in rows],
             nfe=int(round(self.nfe * len(rows) / max(self.batch_size, 1))),
             means=None if self.means is None else self.means[device_idx],
@@ -108,21 +112,20 @@ class Trajectory:
         )
 
 
-def _chunks(n: int, size: int | None) -> list[slice]:
-    size = n if not size or size >= n else size
-    return [slice(i, min(i + size, n)) for i in range(0, n, size)]
+def _rows(payload: dict[str, Any], rows: torch.Tensor) -> dict[str, Any]:
+    return {k: _rows(v, rows) if isinstance(v, dict) else v[rows.to(v.device)] for k, v in payload.items()}
 
 
 def _build_plan(
     plan: StepPlan | PlanSpec | dict | str | None,
-    sampler: str,
+    kernel: str,
     num_steps: int,
     batch_size: int,
     generator: torch.Generator | None,
     iteration: int,
 ) -> StepPlan:
     if plan is None:
-        plan = ODEPlan() if sampler == "ode" else FlowGRPOPlan()
+        plan = ODEPlan() if kernel == "ode" else FlowGRPOPlan()
     if not isinstance(plan, StepPlan):
         plan = plan_from_config(plan).build(num_steps, batch_size, generator, iteration)
     if plan.sde.shape != (batch_size, num_steps):
@@ -137,7 +140,7 @@ def sample(
     num_inference_steps: int = 10,
     guidance_scale: float | None = None,
     generator: torch.Generator | list[torch.Generator] | None = None,
-    sampler: str = "sde",
+    kernel: str = "sde",
     noise_level: float | None = None,
     plan: StepPlan | PlanSpec | dict | str | None = None,
     *,
@@ -167,9 +170,9 @@ def sample(
         guidance_scale: None uses the pipeline's default. SD3/SANA: CFG when > 1 (2 forwards per step); FLUX: the
             guidance embedding (true CFG via ``true_cfg_scale=`` and ``negative_prompt``).
         generator: a ``torch.Generator`` (or one per sample), consumed as described in the module docstring.
-        sampler: ``ode``, ``sde`` (Flow-GRPO), ``cps`` or ``dance`` (DanceGRPO) for the stochastic steps.
+        kernel: ``ode``, ``sde`` (Flow-GRPO), ``cps`` or ``dance`` (DanceGRPO) for the stochastic steps.
         noise_level: the kernel's noise level (None: 0.7 for sde/cps, 0.3 for dance).
-        plan: a built ``StepPlan``, a plan spec / config dict / name, or None (``ode`` sampler: all deterministic;
+        plan: a built ``StepPlan``, a plan spec / config dict / name, or None (``ode`` kernel: all deterministic;
             otherwise Flow-GRPO: all steps stochastic, all but the last trained).
         latents: initial noise to start from instead of drawing it (model layout, ``[B, ...]``).
         shared_noise: draw one initial noise per prompt and give it to all ``num_images_per_prompt`` samples of that
@@ -183,10 +186,10 @@ def sample(
             SANA ``complex_human_instruction``, ``clean_caption``).
     """
     adapter: FlowPipelineAdapter = as_adapter(pipe)
-    get_kernel(sampler)
+    get_kernel(kernel)
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    noise_level = DEFAULT_NOISE_LEVEL[sampler] if noise_level is None else float(noise_level)
+    noise_level = DEFAULT_NOISE_LEVEL[kernel] if noise_level is None else float(noise_level)
     prompts = [prompt] if isinstance(prompt, str) else list(prompt)
     batch_size = len(prompts) * num_images_per_prompt
     if isinstance(generator, list) and len(generator) != batch_size:
@@ -216,117 +219,33 @@ def sample(
     num_steps = int(timesteps.shape[0])
     if plan_generator is None and isinstance(generator, torch.Generator):
         plan_generator = generator
-    step_plan = _build_plan(plan, sampler, num_steps, batch_size, plan_generator, iteration)
-    sde_mask = step_plan.sde.to(x.device)
+    step_plan = _build_plan(plan, kernel, num_steps, batch_size, plan_generator, iteration)
 
-    device = x.device
-    all_latents = torch.empty((batch_size, num_steps + 1, *x.shape[1:]), dtype=torch.float32, device=device)
-    all_latents[:, 0] = x
-    log_probs = torch.zeros(batch_size, num_steps, dtype=torch.float32, device=device)
-    stds = torch.zeros(batch_size, num_steps, dtype=torch.float32, device=device)
-    means = torch.empty_like(all_latents[:, 1:]) if keep_means else None
-    chunks = _chunks(batch_size, micro_batch_size)
-    chunk_conds = [cond[c] for c in chunks]
-    forwards = 0
-    for i in range(num_steps):
-        noise = None
-        if sampler != "ode":
-            noise = randn_tensor(tuple(x.shape), generator=generator, device=device, dtype=torch.float32)
-        t = timesteps[i].expand(batch_size)
-        next_x = torch.empty_like(x)
-        for c, c_cond in zip(chunks, chunk_conds):
-            v = adapter.velocity(x[c], t[c], c_cond)
-            out = flow_step(
-                sampler, x[c], v, sigma_grid[i], sigma_grid[i + 1], noise_level,
-                noise=None if noise is None else noise[c], stochastic=sde_mask[c, i], reduction=reduction,
-            )
-            next_x[c] = out.next_sample
-            log_probs[c, i] = out.log_prob
-            stds[c, i] = out.std.reshape(-1)
-            if means is not None:
-                means[c, i] = out.mean
-            forwards += adapter.forwards_per_step(c_cond) * (c.stop - c.start)
-        x = next_x
-        all_latents[:, i + 1] = x
-
+    forest = flat_forest(adapter, cond, x, step_plan.sde, step_plan.train, sigma_grid, timesteps, generator, kernel,
+                         noise_level, reduction, micro_batch_size or 0, keep_means=keep_means)
+    leaves = forest.leaves().to(x.device)
+    final = forest.node_latent[leaves]
     images = None
     if decode:
-        images = torch.cat([adapter.decode(x[c], c_cond) for c, c_cond in zip(chunks, chunk_conds)])
+        size = micro_batch_size or batch_size
+        images = torch.cat([adapter.decode(final[i:i + size], cond[torch.arange(i, min(i + size, batch_size))])
+                            for i in range(0, batch_size, size)])
+    rows = leaves.cpu()
     return Trajectory(
-        latents=all_latents,
-        log_probs=log_probs,
-        stds=stds,
-        sde_mask=sde_mask,
-        train_mask=step_plan.train.to(device),
+        latents=forest.latents[leaves],
+        log_probs=forest.logp[rows].to(x.device),
+        stds=forest.std[rows].to(x.device),
+        sde_mask=step_plan.sde.to(x.device),
+        train_mask=step_plan.train.to(x.device),
         sigmas=sigma_grid,
         timesteps=timesteps,
         cond=cond,
-        sampler=sampler,
+        kernel=kernel,
         noise_level=noise_level,
         reduction=reduction,
         prompts=[p for p in prompts for _ in range(num_images_per_prompt)],
-        nfe=forwards,
-        means=means,
+        nfe=forest.nfe,
+        payload=forest_payload(forest, dict(cond.tensors), rows),
+        means=None if forest.means is None else forest.means[leaves],
         images=images,
-    )
-
-
-class RecomputedSteps(NamedTuple):
-    """log_prob, std: ``[n, k]``; mean: ``[n, k, *latent]`` (with grad) when asked for, else None; nfe: forwards."""
-
-    log_prob: torch.Tensor
-    std: torch.Tensor
-    mean: torch.Tensor | None
-    nfe: int
-
-
-def recompute_log_probs(
-    pipe: Any,
-    traj: Trajectory,
-    step_indices: int | Sequence[int] | torch.Tensor,
-    *,
-    return_means: bool = False,
-) -> RecomputedSteps:
-    """Log-probs of stored transitions ``latents[:, s] -> latents[:, s+1]`` under the current model, with grad.
-
-    ``step_indices``: an int, a ``[k]`` list/tensor (the same steps for every sample) or an ``[n, k]`` tensor (per
-    sample, e.g. DanceGRPO's random subsets). Column ``j`` is one batched forward over the ``n`` samples of ``traj``
-    (pass a sub-trajectory ``traj[idx]`` for a minibatch). For the same batch layout as the rollout (same samples
-    per forward, same step), the result equals ``traj.log_probs`` exactly: the same ``flow_step`` code computes the
-    mean from the same inputs and scores the stored next latent. Grad flows into the model through ``v``.
-    """
-    adapter = as_adapter(pipe)
-    n = traj.batch_size
-    device = traj.latents.device
-    steps = torch.as_tensor(step_indices, dtype=torch.long, device=device)
-    if steps.dim() == 0:
-        steps = steps.view(1)
-    if steps.dim() == 1:
-        steps = steps.unsqueeze(0).expand(n, -1)
-    if steps.shape[0] != n:
-        raise ValueError(f"step_indices has {steps.shape[0]} rows for a trajectory of {n} samples")
-    if bool((steps < 0).any()) or bool((steps >= traj.num_steps).any()):
-        raise ValueError(f"step_indices must be in 0..{traj.num_steps - 1}")
-    rows = torch.arange(n, device=device)
-    log_probs, stds, means = [], [], []
-    forwards = 0
-    for j in range(steps.shape[1]):
-        s = steps[:, j]
-        x = traj.latents[rows, s]
-        x_next = traj.latents[rows, s + 1]
-        v = adapter.velocity(x, traj.timesteps[s], traj.cond)
-        out = flow_step(
-            traj.sampler, x, v, traj.sigmas[s], traj.sigmas[s + 1], traj.noise_level,
-            next_sample=x_next, stochastic=traj.sde_mask[rows, s], reduction=traj.reduction,
-        )
-        log_probs.append(out.log_prob)
-        stds.append(out.std.reshape(-1))
-        if return_means:
-            means.append(out.mean)
-        forwards += adapter.forwards_per_step(traj.cond) * n
-    return RecomputedSteps(
-        log_prob=torch.stack(log_probs, 1),
-        std=torch.stack(stds, 1),
-        mean=torch.stack(means, 1) if return_means else None,
-        nfe=forwards,
     )

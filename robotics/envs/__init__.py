@@ -1,9 +1,8 @@
-"""Simulated environments for robotics RL: Meta-World v3 tasks (gymnasium, batched, multi-process)."""
-import os
+"""Simulated environments for robotics RL: Meta-World v3 tasks (gymnasium, batched, multi-process).
 
-os.environ.setdefault("MUJOCO_GL", "egl")
-
-from .metaworld_env import (  # noqa: E402
+The MuJoCo/OpenGL backend defaults are set in ``robotics/__init__.py``, which Python runs before this package.
+"""
+from .metaworld_env import (
     TASK_INSTRUCTIONS,
     EnvState,
     MetaWorldTaskEnv,
@@ -15,7 +14,8 @@ from .metaworld_env import (  # noqa: E402
     proprio_from_obs,
     reset_seed,
 )
-from .vector import DEFAULT_TASKS, BatchedMetaWorld, ChunkResult, EnvConfig, SubprocMetaWorld, make_vector_env  # noqa: E402
+from .results import ChunkResult
+from .vector import DEFAULT_TASKS, BatchedMetaWorld, EnvConfig, SubprocMetaWorld, make_vector_env
 
 __all__ = [
     "TASK_INSTRUCTIONS", "EnvState", "MetaWorldTaskEnv", "RenderSettings", "TaskRenderer", "decode_key",

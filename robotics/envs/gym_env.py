@@ -9,15 +9,12 @@ instruction text is ``env.instruction``. ``reset(options={"key": k})`` picks a r
 """
 from __future__ import annotations
 
-import os
 from typing import Any
 
-os.environ.setdefault("MUJOCO_GL", "egl")
+import gymnasium as gym
+import numpy as np
 
-import gymnasium as gym  # noqa: E402
-import numpy as np  # noqa: E402
-
-from .metaworld_env import (  # noqa: E402
+from .metaworld_env import (
     EnvState,
     MetaWorldTaskEnv,
     RenderSettings,

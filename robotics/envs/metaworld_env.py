@@ -27,10 +27,8 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-os.environ.setdefault("MUJOCO_GL", "egl")
-
-import mujoco  # noqa: E402
-import numpy as np  # noqa: E402
+import mujoco  # the headless backend (MUJOCO_GL) is chosen in robotics/__init__.py, which runs first
+import numpy as np
 
 # Task name -> natural-language instruction (the VLA's language input).
 TASK_INSTRUCTIONS: dict[str, str] = {

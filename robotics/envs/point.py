@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .metaworld_env import decode_key
+from .results import ChunkResult
 
 POINT_TASK = "point-reach"
 
@@ -75,8 +76,6 @@ class PointReachVec:
         return {"image": imgs, "proprio": pro, "state": state}
 
     def step_chunk(self, actions: np.ndarray, active: np.ndarray | None = None):
-        from .vector import ChunkResult
-
         b, k = actions.shape[:2]
         active = np.ones(b, bool) if active is None else np.asarray(active, bool)
         reward = np.zeros((b, k), np.float32)

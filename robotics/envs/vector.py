@@ -15,15 +15,12 @@ horizon, as success can be lost again).
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
-os.environ.setdefault("MUJOCO_GL", "egl")
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from .metaworld_env import (  # noqa: E402
+from .metaworld_env import (
     EnvState,
     MetaWorldTaskEnv,
     RenderSettings,
@@ -32,6 +29,9 @@ from .metaworld_env import (  # noqa: E402
     proprio_dim,
     proprio_from_obs,
 )
+from .results import ChunkResult
+
+__all__ = ["DEFAULT_TASKS", "EnvConfig", "ChunkResult", "BatchedMetaWorld", "SubprocMetaWorld", "make_vector_env"]
 
 DEFAULT_TASKS = ["reach-v3", "push-v3", "door-open-v3", "button-press-topdown-v3", "drawer-close-v3"]
 
@@ -40,15 +40,22 @@ DEFAULT_TASKS = ["reach-v3", "push-v3", "door-open-v3", "button-press-topdown-v3
 class EnvConfig:
     """Simulator settings (the ``env`` section of a robotics config)."""
 
-    kind: Literal["metaworld", "point"] = "metaworld"  # point = the synthetic reaching env (tests, templates)
-    tasks: list[str] = field(default_factory=lambda: list(DEFAULT_TASKS))
-    horizon: int = 150
-    success_mode: Literal["once", "end"] = "once"
-    image_size: int = 64
-    cameras: list[str] = field(default_factory=lambda: ["corner"])
-    render_tuned: bool = True
-    include_goal: bool = False  # append goal xyz to proprio (the reach goal is ~1 pixel at 64x64)
-    num_workers: int = 0  # 0 = in-process batched execution; >= 1 = that many worker processes
+    kind: Literal["metaworld", "point"] = field(
+        default="metaworld", metadata={"help": "metaworld | point (the synthetic reaching env: tests, templates)"})
+    tasks: list[str] = field(default_factory=lambda: list(DEFAULT_TASKS),
+                             metadata={"help": "Meta-World v3 task names, e.g. [reach-v3, push-v3]"})
+    horizon: int = field(default=150, metadata={"help": "env steps per episode at most"})
+    success_mode: Literal["once", "end"] = field(default="once", metadata={
+        "help": "once: any successful step (ends the episode) | end: the last step succeeded"})
+    image_size: int = field(default=64, metadata={"help": "rendered frame side in pixels"})
+    cameras: list[str] = field(default_factory=lambda: ["corner"],
+                               metadata={"help": "Meta-World cameras; their frames are stacked as channels"})
+    render_tuned: bool = field(default=True, metadata={
+        "help": "fast scene (no shadows, reflections, skybox); false = MuJoCo's default scene"})
+    include_goal: bool = field(default=False, metadata={
+        "help": "append the goal xyz to proprio (the reach goal is ~1 pixel at 64x64)"})
+    num_workers: int = field(default=0, metadata={
+        "help": "env worker processes; 0 = in-process batched execution"})
 
     def check(self, where: str = "env") -> None:
         from shared_rl.config import ConfigError
@@ -74,25 +81,6 @@ class EnvConfig:
 
     def render_settings(self) -> RenderSettings:
         return RenderSettings(size=self.image_size, cameras=list(self.cameras), tuned=self.render_tuned)
-
-
-@dataclass
-class ChunkResult:
-    """What ``step_chunk`` returns for a batch of B slots and chunk length K."""
-
-    image: np.ndarray  # [B, H, W, C] uint8, the frame after the chunk (zeros where not rendered)
-    proprio: np.ndarray  # [B, P] float32
-    state: np.ndarray  # [B, 39] Meta-World state after the chunk
-    reward: np.ndarray  # [B, K] float32 dense Meta-World reward of each executed step (0 if not executed)
-    success: np.ndarray  # [B, K] bool, per-step success flag
-    executed: np.ndarray  # [B, K] bool, which actions were executed
-    done: np.ndarray  # [B] bool, the episode has ended (now or before)
-    success_once: np.ndarray  # [B] bool
-    success_end: np.ndarray  # [B] bool, success flag of the last executed step
-
-    @staticmethod
-    def cat(parts: list["ChunkResult"]) -> "ChunkResult":
-        return ChunkResult(**{k: np.concatenate([getattr(p, k) for p in parts], 0) for k in ChunkResult.__dataclass_fields__})
 
 
 class BatchedMetaWorld:

@@ -41,24 +41,29 @@ def tokenize(text: str) -> list[str]:
 class VLAConfig:
     """Architecture of the tiny VLA (saved as ``config.json`` next to the weights)."""
 
-    image_size: int = 64
-    image_channels: int = 3
-    proprio_dim: int = 4
-    action_dim: int = 4
-    chunk: int = 4
-    head: Literal["flow", "discrete"] = "flow"
-    cnn_channels: list[int] = field(default_factory=lambda: [32, 64, 128, 128])
-    feature_dim: int = 256
-    text_dim: int = 64
-    hidden: int = 256
-    num_denoise_steps: int = 5
-    num_bins: int = 256
-    std_min: float = 0.02  # ReinFlow noise-head bounds
-    std_max: float = 0.3
-    std_init: float = 0.1
-    vocab: list[str] = field(default_factory=default_vocab)
-    proprio_mean: list[float] = field(default_factory=list)  # filled from the BC data; empty = no normalisation
-    proprio_std: list[float] = field(default_factory=list)
+    image_size: int = field(default=64, metadata={"help": "input frame side in pixels (a multiple of 16)"})
+    image_channels: int = field(default=3, metadata={"help": "input channels (3 per camera)"})
+    proprio_dim: int = field(default=4, metadata={"help": "proprioception vector length"})
+    action_dim: int = field(default=4, metadata={"help": "action dims (Meta-World: hand xyz + gripper)"})
+    chunk: int = field(default=4, metadata={"help": "actions predicted per chunk (K)"})
+    head: Literal["flow", "discrete"] = field(
+        default="flow", metadata={"help": "flow (flow matching, pi0-style) | discrete (256 bins, OpenVLA-style)"})
+    cnn_channels: list[int] = field(default_factory=lambda: [32, 64, 128, 128],
+                                    metadata={"help": "channels of the 4 stride-2 conv layers"})
+    feature_dim: int = field(default=256, metadata={"help": "image feature width"})
+    text_dim: int = field(default=64, metadata={"help": "instruction bag-of-words embedding width"})
+    hidden: int = field(default=256, metadata={"help": "fusion MLP and flow head width"})
+    num_denoise_steps: int = field(default=5, metadata={"help": "flow head denoising steps per chunk (>= 2)"})
+    num_bins: int = field(default=256, metadata={"help": "discrete head bins per action dim"})
+    std_min: float = field(default=0.02, metadata={"help": "ReinFlow noise head: lower bound of the std"})
+    std_max: float = field(default=0.3, metadata={"help": "ReinFlow noise head: upper bound of the std"})
+    std_init: float = field(default=0.1, metadata={"help": "ReinFlow noise head: initial std"})
+    vocab: list[str] = field(default_factory=default_vocab,
+                             metadata={"help": "instruction vocabulary of the bag-of-words encoder"})
+    proprio_mean: list[float] = field(default_factory=list, metadata={
+        "help": "proprio normalisation mean, filled from the BC data; [] = no normalisation"})
+    proprio_std: list[float] = field(default_factory=list, metadata={
+        "help": "proprio normalisation std, filled from the BC data; [] = no normalisation"})
 
     def check(self, where: str = "model") -> None:
         from shared_rl.config import ConfigError

@@ -24,11 +24,11 @@ from ..domain import DomainBase, RunContext, StepLogProbs
 from ..rewards import RewardGuardConfig, guarded_reward
 from ..rollout import Rollout
 from .engine import RolloutEngine, TorchRolloutEngine
-from .model import LoraSettings, load_causal_lm, load_tokenizer
+from .model import LLMLoraSettings, load_causal_lm, load_tokenizer
 from .policy import collate, collate_shared, reference_context, token_log_probs, token_log_probs_shared
-from .rewards import RewardSpec, build_reward, call_reward
+from .rewards import LLMRewardSpec, build_reward, call_reward
 from .tasks import DatasetSettings, format_prompt, load_task
-from .tree import TreeSettings, grow_trees
+from .tree import LLMTreeSettings, grow_trees
 
 
 @dataclass
@@ -37,11 +37,13 @@ class LLMEvalSettings:
     ``accuracy_reward``, default the first reward), plus one sample per prompt at the training temperature
     (``eval/sampled_accuracy``, the quantity GRPO's group variance depends on) when ``sampled``."""
 
-    num_prompts: int = 500
-    batch_size: int = 256
-    sampled: bool = True
-    accuracy_reward: str = ""
-    num_samples_logged: int = 8
+    num_prompts: int = field(default=500, metadata={"help": "held-out prompts per evaluation"})
+    batch_size: int = field(default=256, metadata={"help": "prompts per evaluation generate call"})
+    sampled: bool = field(default=True, metadata={
+        "help": "also sample once per prompt at the training temperature (eval/sampled_accuracy)"})
+    accuracy_reward: str = field(default="", metadata={
+        "help": "reward label that is eval/accuracy; '' = the first reward"})
+    num_samples_logged: int = field(default=8, metadata={"help": "evaluation completions written to the log"})
 
 
 @dataclass
@@ -72,26 +74,33 @@ class LLMConfig:
         so not with ``gradient_checkpointing``.
     """
 
-    model: str = "assets/llm-arith-tiny"
-    tokenizer: str = ""
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    lora: LoraSettings = field(default_factory=LoraSettings)
-    gradient_checkpointing: bool = False
-    keep_reference: bool = False
+    model: str = field(default="assets/llm-arith-tiny", metadata={"help": "causal LM directory or hub id"})
+    tokenizer: str = field(default="", metadata={"help": "tokenizer directory or hub id; '' = the model's"})
+    dtype: Literal["float32", "bfloat16", "float16"] = field(
+        default="float32", metadata={"help": "parameter dtype: float32 | bfloat16 | float16"})
+    lora: LLMLoraSettings = field(default_factory=LLMLoraSettings)
+    gradient_checkpointing: bool = field(default=False, metadata={
+        "help": "recompute activations in backward (less memory, slower)"})
+    keep_reference: bool = field(default=False, metadata={
+        "help": "without LoRA: keep a frozen copy of the start policy as the KL reference"})
     dataset: DatasetSettings = field(default_factory=DatasetSettings)
-    chat_template: Literal["auto", "always", "never"] = "auto"
-    max_new_tokens: int = 8
-    temperature: float = 1.0
-    rewards: list[RewardSpec] = field(default_factory=lambda: [RewardSpec("numeric_match", 1.0)])
+    chat_template: Literal["auto", "always", "never"] = field(
+        default="auto", metadata={"help": "use the chat template: auto (if the tokenizer has one) | always | never"})
+    max_new_tokens: int = field(default=8, metadata={"help": "completion length cap in tokens"})
+    temperature: float = field(default=1.0, metadata={"help": "sampling temperature of the rollouts"})
+    rewards: list[LLMRewardSpec] = field(default_factory=lambda: [LLMRewardSpec("numeric_match", 1.0)], metadata={
+        "help": "reward terms: [{name, weight, args, label}] (names: built-in or module:function)"})
     reward_guard: RewardGuardConfig = field(default_factory=RewardGuardConfig)  # retries / time-out / NaN or fatal
-    tree: TreeSettings = field(default_factory=TreeSettings)
+    tree: LLMTreeSettings = field(default_factory=LLMTreeSettings)
     eval: LLMEvalSettings = field(default_factory=LLMEvalSettings)
-    engine: str = "torch"
-    behaviour_logprobs: Literal["recompute", "engine", "deferred"] = "recompute"
-    share_prompt_forward: bool = False
-    engine_batch_rows: int = 256
-    logprob_batch_size: int = 64
-    num_threads: int = 0
+    engine: str = field(default="torch", metadata={"help": "rollout sampler: torch | fast | auto | module:Class"})
+    behaviour_logprobs: Literal["recompute", "engine", "deferred"] = field(default="recompute", metadata={
+        "help": "where behaviour log-probs come from: recompute | engine | deferred"})
+    share_prompt_forward: bool = field(default=False, metadata={
+        "help": "forward each distinct prompt once and its completions on its KV cache"})
+    engine_batch_rows: int = field(default=256, metadata={"help": "sequences per sampler batch at most"})
+    logprob_batch_size: int = field(default=64, metadata={"help": "sequences per no-grad log-prob forward"})
+    num_threads: int = field(default=0, metadata={"help": "torch CPU threads; 0 = torch's default"})
 
     def check(self, where: str) -> None:
         if self.max_new_tokens < 1:
@@ -121,17 +130,19 @@ class LLMConfig:
             raise ConfigError(f"{where}.share_prompt_forward needs the model's KV cache, which gradient checkpointing "
                               f"turns off; set one of {where}.share_prompt_forward / gradient_checkpointing to false")
 
+    def rollout_structure(self, cfg: Any) -> str:
+        """Tree rollouts when ``tree.enabled`` (the hook of ``shared_rl.domain``: tree estimators need them)."""
+        return "tree" if self.tree.enabled else "flat"
+
     def check_with(self, cfg: Any) -> None:
-        """Cross-checks against the trainer config (called by ``shared_rl.config.load_train_config``)."""
+        """Cross-checks against the trainer config (called by ``shared_rl.config.load_train_config``, after the core
+        check that a tree estimator has tree rollouts)."""
         from ..advantages import TREE_ESTIMATORS
 
         est = cfg.advantage.estimator
         if self.tree.enabled and est not in TREE_ESTIMATORS:
             raise ConfigError(f"llm.tree.enabled needs a tree advantage estimator; set advantage.estimator to one of "
                               f"{sorted(TREE_ESTIMATORS)} (got {est!r})")
-        if not self.tree.enabled and est in TREE_ESTIMATORS:
-            raise ConfigError(f"advantage.estimator {est!r} is a tree estimator; set llm.tree.enabled: true or use a "
-                              f"flat estimator such as grpo")
         weights = {build_reward(r)[0]: r.weight for r in self.rewards}
         if not cfg.advantage.weights:
             cfg.advantage.weights = weights
@@ -281,8 +292,8 @@ class LLMDomain(DomainBase):
 
     @staticmethod
     def _deferred_logp(mask: torch.Tensor) -> torch.Tensor:
-        """NaN on the trained tokens (the trainer fills them from its first forward, see ``Rollout.logp_old``), 0
-        elsewhere, so sequences without trained tokens (tree roots) never ask for a forward."""
+        """NaN placeholders on the trained tokens (marked in ``Rollout.logp_deferred``: the trainer fills them from
+        its first forward), 0 elsewhere, so sequences without trained tokens (tree roots) never ask for a forward."""
         return torch.where(mask, torch.full(mask.shape, math.nan), torch.zeros(mask.shape))
 
     def log_probs(self, rollout: Rollout, idx: torch.Tensor, need_kl: bool) -> StepLogProbs:
@@ -339,7 +350,8 @@ class LLMDomain(DomainBase):
         return Rollout(keys=list(keys), group_ids=torch.tensor(gen.prompt_index, dtype=torch.long), rewards=rewards,
                        logp_old=logp_old, mask=mask,
                        payload={"prompt_ids": prompt_rows, "completion_ids": completion_rows, "layout": layout},
-                       nfe=gen.nfe + (n if self.cfg.behaviour_logprobs == "recompute" else 0), info=info)
+                       nfe=gen.nfe + (n if self.cfg.behaviour_logprobs == "recompute" else 0), info=info,
+                       logp_deferred=mask.clone() if self.cfg.behaviour_logprobs == "deferred" else None)
 
     def _tree_rollout(self, keys, prompts, generator, iteration) -> Rollout:
         c = self.cfg
@@ -377,7 +389,8 @@ class LLMDomain(DomainBase):
         return Rollout(keys=list(keys), group_ids=torch.tensor(tree.group, dtype=torch.long), rewards=rewards,
                        logp_old=logp_old, mask=mask, parent=torch.tensor(tree.parent, dtype=torch.long),
                        payload={"prompt_ids": prompt_rows, "completion_ids": completion_rows, "layout": layout},
-                       nfe=tree.nfe + (n if c.behaviour_logprobs == "recompute" else 0), info=info)
+                       nfe=tree.nfe + (n if c.behaviour_logprobs == "recompute" else 0), info=info,
+                       logp_deferred=mask.clone() if c.behaviour_logprobs == "deferred" else None)
 
     # ---- evaluation ------------------------------------------------------------------------------------------
     @torch.no_grad()

@@ -13,15 +13,17 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 @dataclass
-class LoraSettings:
-    """LoRA adapter settings (Hu et al., "LoRA: Low-Rank Adaptation of Large Language Models")."""
+class LLMLoraSettings:
+    """LoRA adapter settings (Hu et al., "LoRA: Low-Rank Adaptation of Large Language Models"): the ``llm.lora``
+    section. ``LLM``-prefixed because the image domain has LoRA settings of its own; one name, one meaning."""
 
-    enabled: bool = False
-    r: int = 8
-    alpha: int = 16
-    dropout: float = 0.0
+    enabled: bool = field(default=False, metadata={"help": "train a peft LoRA adapter instead of all weights"})
+    r: int = field(default=8, metadata={"help": "adapter rank"})
+    alpha: int = field(default=16, metadata={"help": "LoRA alpha (the update is scaled by alpha / r)"})
+    dropout: float = field(default=0.0, metadata={"help": "dropout on the adapter input"})
     target_modules: list[str] = field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        metadata={"help": "names of the linear modules that get adapters"},
     )
 
 
@@ -81,7 +83,7 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
     return tok
 
 
-def load_causal_lm(path: str, dtype: str = "float32", device: torch.device | str = "cpu", lora: LoraSettings | None = None,
+def load_causal_lm(path: str, dtype: str = "float32", device: torch.device | str = "cpu", lora: LLMLoraSettings | None = None,
                    gradient_checkpointing: bool = False) -> torch.nn.Module:
     """Load any ``AutoModelForCausalLM``; wrap it with a peft LoRA adapter when ``lora.enabled``."""
     model = AutoModelForCausalLM.from_pretrained(resolve_model_path(path), dtype=DTYPES[dtype])

@@ -31,11 +31,11 @@ from .tokenizer import build_char_tokenizer
 
 @dataclass
 class TinyLlamaArch:
-    hidden_size: int = 64
-    num_layers: int = 4
-    num_heads: int = 4
-    intermediate_size: int = 0
-    max_position_embeddings: int = 32
+    hidden_size: int = field(default=64, metadata={"help": "model width"})
+    num_layers: int = field(default=4, metadata={"help": "transformer blocks"})
+    num_heads: int = field(default=4, metadata={"help": "attention heads"})
+    intermediate_size: int = field(default=0, metadata={"help": "MLP width; 0 = the Llama default for hidden_size"})
+    max_position_embeddings: int = field(default=32, metadata={"help": "longest sequence in tokens"})
 
 
 @dataclass
@@ -44,25 +44,26 @@ class SFTConfig:
     ``target_band``/``target``: sampled accuracy band at ``temperature`` and the preferred value inside it.
     ``max_steps``/``max_minutes``: hard limits. ``eval_every``: steps between checkpoint evaluations."""
 
-    out_dir: str = "assets/llm-arith-tiny"
+    out_dir: str = field(default="assets/llm-arith-tiny", metadata={"help": "where the chosen checkpoint is saved"})
     arch: TinyLlamaArch = field(default_factory=TinyLlamaArch)
     dataset: DatasetSettings = field(default_factory=DatasetSettings)
-    max_steps: int = 20000
-    max_minutes: float = 20.0
-    batch_size: int = 64
-    lr: float = 3e-3
-    weight_decay: float = 0.01
-    warmup_steps: int = 100
-    grad_clip: float = 1.0
-    eval_every: int = 250
-    eval_prompts: int = 500
-    max_new_tokens: int = 6
-    temperature: float = 1.0
-    target_band: list[float] = field(default_factory=lambda: [0.3, 0.5])
-    target: float = 0.4
-    stop_above_band: bool = True
-    seed: int = 0
-    num_threads: int = 1
+    max_steps: int = field(default=20000, metadata={"help": "optimizer steps at most"})
+    max_minutes: float = field(default=20.0, metadata={"help": "wall-clock minutes at most"})
+    batch_size: int = field(default=64, metadata={"help": "examples per step"})
+    lr: float = field(default=3e-3, metadata={"help": "AdamW peak learning rate"})
+    weight_decay: float = field(default=0.01, metadata={"help": "AdamW weight decay"})
+    warmup_steps: int = field(default=100, metadata={"help": "steps of linear warm-up"})
+    grad_clip: float = field(default=1.0, metadata={"help": "max global gradient norm"})
+    eval_every: int = field(default=250, metadata={"help": "steps between checkpoint evaluations"})
+    eval_prompts: int = field(default=500, metadata={"help": "held-out prompts per evaluation"})
+    max_new_tokens: int = field(default=6, metadata={"help": "completion length cap in tokens"})
+    temperature: float = field(default=1.0, metadata={"help": "temperature of the sampled accuracy (the RL one)"})
+    target_band: list[float] = field(default_factory=lambda: [0.3, 0.5],
+                                     metadata={"help": "[lo, hi] sampled accuracy the checkpoint should have"})
+    target: float = field(default=0.4, metadata={"help": "preferred sampled accuracy inside target_band"})
+    stop_above_band: bool = field(default=True, metadata={"help": "stop once the sampled accuracy passes the band"})
+    seed: int = field(default=0, metadata={"help": "seed of initialisation and data order"})
+    num_threads: int = field(default=1, metadata={"help": "torch CPU threads"})
 
     def check(self, where: str) -> None:
         lo, hi = (list(self.target_band) + [0, 0])[:2]

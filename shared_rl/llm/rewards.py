@@ -134,17 +134,18 @@ BUILTIN_REWARDS: dict[str, Callable[..., RewardFunction]] = {
 
 
 @dataclass
-class RewardSpec:
-    """One reward term: ``name`` (built-in or ``module:function``), its ``weight`` in the total, factory ``args``,
-    and ``label`` (the metric name ``reward/<label>/mean``; defaults to the name)."""
+class LLMRewardSpec:
+    """One reward term of ``llm.rewards``: ``name`` (built-in or ``module:function``), its ``weight`` in the total,
+    factory ``args``, and ``label`` (the metric name ``reward/<label>/mean``; defaults to the name).
+    ``LLM``-prefixed: the image domain has reward specs of its own."""
 
-    name: str = "numeric_match"
-    weight: float = 1.0
-    args: dict[str, Any] = field(default_factory=dict)
-    label: str = ""
+    name: str = field(default="numeric_match", metadata={"help": "built-in reward or 'module:function'"})
+    weight: float = field(default=1.0, metadata={"help": "weight of this term in the total reward"})
+    args: dict[str, Any] = field(default_factory=dict, metadata={"help": "keyword arguments of the reward factory"})
+    label: str = field(default="", metadata={"help": "metric name reward/<label>/mean; '' = the reward's name"})
 
 
-def build_reward(spec: RewardSpec) -> tuple[str, RewardFunction]:
+def build_reward(spec: LLMRewardSpec) -> tuple[str, RewardFunction]:
     if spec.name in BUILTIN_REWARDS:
         fn = BUILTIN_REWARDS[spec.name](**spec.args)
     elif ":" in spec.name:

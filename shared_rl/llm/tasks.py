@@ -29,21 +29,23 @@ class DatasetSettings:
     num_train / num_eval: caps (0 = all); for ``arith`` the number of problems drawn.
     """
 
-    source: str = "arith"
-    digits: int = 3
-    path: str = ""
-    name: str | None = None
-    split: str = "train"
-    eval_split: str | None = None
-    eval_path: str = ""
-    prompt_column: str = "prompt"
-    answer_column: str = "answer"
-    prompt_template: str = "{prompt}"
-    system_prompt: str | None = None
-    eval_fraction: float = 0.05
-    num_train: int = 20000
-    num_eval: int = 500
-    seed: int = 0
+    source: str = field(default="arith", metadata={"help": "arith (embedded) | jsonl | csv | json | hf (datasets)"})
+    digits: int = field(default=3, metadata={"help": "arith: operands below 10**digits"})
+    path: str = field(default="", metadata={"help": "file, saved-dataset directory or hub name of the rows"})
+    name: str | None = field(default=None, metadata={"help": "hf: dataset config name"})
+    split: str = field(default="train", metadata={"help": "training split"})
+    eval_split: str | None = field(default=None, metadata={
+        "help": "evaluation split; null = hold out eval_fraction of the rows"})
+    eval_path: str = field(default="", metadata={"help": "separate evaluation file; '' = from path"})
+    prompt_column: str = field(default="prompt", metadata={"help": "column renamed to prompt"})
+    answer_column: str = field(default="answer", metadata={"help": "column renamed to answer (built-in rewards read it)"})
+    prompt_template: str = field(default="{prompt}", metadata={
+        "help": "str.format template for string prompts ({prompt} and any column)"})
+    system_prompt: str | None = field(default=None, metadata={"help": "system message when a chat template is used"})
+    eval_fraction: float = field(default=0.05, metadata={"help": "rows held out for evaluation without an eval split"})
+    num_train: int = field(default=20000, metadata={"help": "training examples at most; 0 = all"})
+    num_eval: int = field(default=500, metadata={"help": "evaluation examples at most; 0 = all"})
+    seed: int = field(default=0, metadata={"help": "seed of the arith draw and the held-out hash"})
 
 
 @dataclass

@@ -24,13 +24,18 @@ from .engine import RolloutEngine
 
 
 @dataclass
-class TreeSettings:
-    enabled: bool = False
-    branching: list[int] = field(default_factory=lambda: [2, 2, 2])
-    segment_tokens: int = 2
-    branch_on: str = "fixed"            # fixed | entropy
-    entropy_threshold: float = 1.0
-    min_segment_tokens: int = 1
+class LLMTreeSettings:
+    """The ``llm.tree`` section (``LLM``-prefixed: the image domain has tree settings of its own)."""
+
+    enabled: bool = field(default=False, metadata={"help": "tree rollouts (TreePO / TreeRL) instead of flat groups"})
+    branching: list[int] = field(default_factory=lambda: [2, 2, 2],
+                                 metadata={"help": "children per node at each depth (leaves = their product)"})
+    segment_tokens: int = field(default=2, metadata={"help": "new tokens per segment at most (last depth: to the cap)"})
+    branch_on: str = field(default="fixed", metadata={
+        "help": "fixed (at segment boundaries) | entropy (also before a high-entropy token)"})
+    entropy_threshold: float = field(default=1.0, metadata={
+        "help": "branch_on entropy: next-token entropy (nats) that ends a segment"})
+    min_segment_tokens: int = field(default=1, metadata={"help": "branch_on entropy: tokens before a segment may end"})
 
 
 @dataclass
@@ -68,7 +73,7 @@ class TokenTree:
         return [p >= 0 and not e for p, e in zip(self.parent, self.expanded)]
 
 
-def grow_trees(engine: RolloutEngine, prompts: list[list[int]], settings: TreeSettings, max_new_tokens: int,
+def grow_trees(engine: RolloutEngine, prompts: list[list[int]], settings: LLMTreeSettings, max_new_tokens: int,
                temperature: float, generator: torch.Generator) -> TokenTree:
     """Grow one tree per prompt, level by level (one batched engine call per depth)."""
     if any(b < 1 for b in settings.branching) or not settings.branching:

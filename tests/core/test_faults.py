@@ -13,7 +13,7 @@ import torch
 import yaml
 
 from shared_rl.config import ResourceError, load_train_config
-from shared_rl.rewards import RewardError, RewardGuardConfig, guarded_reward
+from shared_rl.rewards import RewardFailure, RewardGuardConfig, guarded_reward
 from shared_rl.trainer import Trainer
 
 CFG = {
@@ -103,7 +103,7 @@ def test_reward_retries_then_nan_or_fatal():
     out = masked([0, 0, 0])
     assert set(out) == {"r", "r_strict"} and torch.isnan(out["r"]).all() and out["r"].shape == (3,)
     fatal = guarded_reward(dead, "r", RewardGuardConfig(retries=0, on_failure="fatal"), len, log=lambda *_: None)
-    with pytest.raises(RewardError, match="failed after 1 attempts"):
+    with pytest.raises(RewardFailure, match="failed after 1 attempts"):
         fatal([0])
 
     release, finished = threading.Event(), threading.Event()

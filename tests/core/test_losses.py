@@ -1,8 +1,11 @@
 import math
 
+import pytest
 import torch
 
-from shared_rl.losses import Normalizer, aggregate, clipped_surrogate, gaussian_mean_kl, kl_k1, kl_k3
+from shared_rl.config import ConfigError, LossConfig
+from shared_rl.losses import (KL_ESTIMATORS, POLICY_LOSSES, Normalizer, aggregate, clipped_surrogate, gaussian_mean_kl,
+                              get_policy_loss, kl_k1, kl_k3, kl_per_step)
 
 
 def test_clipped_surrogate_hand_computed():
@@ -50,25 +53,98 @@ def test_aggregations_hand_computed():
     assert torch.isclose(aggregate(x, m, "seq-mean-token-sum-norm", n), torch.tensor((6 / 4 + 4 / 4) / 2))
 
 
-def test_micro_batch_split_gives_same_gradient():
+@pytest.mark.parametrize("name", ["clipped", "gspo", "cispo", "sapo"])
+def test_micro_batch_split_gives_same_gradient(name):
     torch.manual_seed(0)
     n, T = 6, 5
     w = torch.randn(T, requires_grad=True)
     feats = torch.randn(n, T)
-    logp_old = (feats * w.detach()).detach() + 0.05 * torch.randn(n, T)
+    # ratios far enough from 1 that every loss clips / gates some steps (and not all)
+    logp_old = (feats * w.detach()).detach() + 1.2 * torch.randn(n, T)
     adv = torch.randn(n)
     mask = torch.rand(n, T) > 0.3
+    cfg, fn = LossConfig(clip_low=0.2, clip_high=0.28), POLICY_LOSSES[name]
+    _, st = fn(feats * w, logp_old, adv, mask, cfg)
+    assert 0 < float(st["clipped"][mask].mean()) < 1, name
     for mode in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
         norm = Normalizer.from_mask(mask)
         w.grad = None
-        loss, _ = clipped_surrogate(feats * w, logp_old, adv, mask)
+        loss, _ = fn(feats * w, logp_old, adv, mask, cfg)
         aggregate(loss, mask, mode, norm).backward()
         full = w.grad.clone()
         w.grad = None
         for idx in (torch.arange(0, 2), torch.arange(2, 5), torch.arange(5, 6)):
-            loss, _ = clipped_surrogate(feats[idx] * w, logp_old[idx], adv[idx], mask[idx])
+            loss, _ = fn(feats[idx] * w, logp_old[idx], adv[idx], mask[idx], cfg)
             aggregate(loss, mask[idx], mode, norm).backward()
-        assert torch.allclose(w.grad, full, atol=1e-6), mode
+        assert torch.allclose(w.grad, full, atol=1e-6), (name, mode)
+
+
+def test_registry_entries_share_one_signature_and_match_the_surrogate():
+    assert {"clipped", "gspo", "cispo", "sapo"} <= set(POLICY_LOSSES)
+    torch.manual_seed(1)
+    logp, logp_old = torch.randn(3, 4), torch.randn(3, 4)
+    adv, mask = torch.randn(3), torch.rand(3, 4) > 0.2
+    cfg = LossConfig(clip_low=0.2, clip_high=0.28, dual_clip=3.0)
+    for name, level in (("clipped", "step"), ("gspo", "sequence")):
+        got, st = POLICY_LOSSES[name](logp, logp_old, adv, mask, cfg)
+        want, st_want = clipped_surrogate(logp, logp_old, adv, mask, 0.2, 0.28, 3.0, level)
+        assert torch.equal(got, want) and all(torch.equal(st[k], st_want[k]) for k in st_want)
+    for name, fn in POLICY_LOSSES.items():
+        loss, st = fn(logp, logp_old, adv, mask, cfg)
+        assert loss.shape == (3, 4) and bool((loss[~mask] == 0).all()), name
+        assert {"ratio", "clipped", "log_ratio"} <= set(st), name
+    with pytest.raises(KeyError, match="did you mean 'sapo'"):
+        get_policy_loss("sappo")
+
+
+def test_cispo_hand_computed():
+    # ratios 1.5, 0.9 (A = +1) and 0.5, 1.1 (A = -1); clip [0.8, 1.2]: weights sg(clip(ρ)) = 1.2, 0.9, 0.8, 1.1
+    # L = -w·A·logp:  -1.2·ln1.5 = -0.486558,  -0.9·ln0.9 = +0.094824,  +0.8·ln0.5 = -0.554518,  +1.1·ln1.1 = +0.104841
+    # dL/dlogp = -w·A (the weight is a constant): -1.2, -0.9, +0.8, +1.1
+    logp = torch.log(torch.tensor([[1.5, 0.9], [0.5, 1.1]])).requires_grad_()
+    loss, st = POLICY_LOSSES["cispo"](logp, torch.zeros(2, 2), torch.tensor([1.0, -1.0]), torch.ones(2, 2),
+                                      LossConfig(clip_low=0.2))
+    assert torch.allclose(loss, torch.tensor([[-0.486558, 0.094824], [-0.554518, 0.104841]]), atol=1e-5)
+    assert st["clipped"].tolist() == [[1.0, 0.0], [1.0, 0.0]]
+    loss.sum().backward()
+    assert torch.allclose(logp.grad, torch.tensor([[-1.2, -0.9], [0.8, 1.1]]), atol=1e-6)
+
+
+def test_sapo_hand_computed():
+    # f(ρ) = σ(τ(ρ-1))·4/τ, L = -f(ρ)·A; τ = 1 for A = +1, 1.05 for A = -1; ratios 1, 2 and 1, 4
+    # A=+1: ρ=1 -> -σ(0)·4 = -2;            ρ=2 -> -σ(1)·4 = -0.731059·4 = -2.924234
+    # A=-1: ρ=1 -> +σ(0)·4/1.05 = 1.904762; ρ=4 -> +σ(3.15)·4/1.05 = 0.958909·3.809524 = 3.652985
+    # dL/dlogp = -A·f'(ρ)·ρ with f'(ρ) = 4σ(1-σ): ρ=1 -> -A (the unclipped surrogate's -A·ρ);
+    #   ρ=2: -4·0.731059·0.268941·2 = -1.572895;  ρ=4: +4·0.958909·0.041091·4 = +0.630445
+    # gate weights 4σ(1-σ): 1, 0.786448, 1, 0.157611 -> only the last is below 1/2 ("clipped")
+    logp = torch.log(torch.tensor([[1.0, 2.0], [1.0, 4.0]])).requires_grad_()
+    loss, st = POLICY_LOSSES["sapo"](logp, torch.zeros(2, 2), torch.tensor([1.0, -1.0]), torch.ones(2, 2),
+                                     LossConfig(sapo_tau_pos=1.0, sapo_tau_neg=1.05))
+    assert torch.allclose(loss, torch.tensor([[-2.0, -2.924234], [1.904762, 3.652985]]), atol=1e-5)
+    assert st["clipped"].tolist() == [[0.0, 0.0], [0.0, 1.0]]
+    loss.sum().backward()
+    assert torch.allclose(logp.grad, torch.tensor([[-1.0, -1.572895], [1.0, 0.630445]]), atol=1e-5)
+
+
+def test_every_loss_has_the_unclipped_gradient_at_ratio_one():
+    logp = torch.zeros(2, 3, requires_grad=True)
+    for name in ("clipped", "gspo", "cispo", "sapo"):
+        logp.grad = None
+        loss, st = POLICY_LOSSES[name](logp, torch.zeros(2, 3), torch.tensor([2.0, -1.0]), torch.ones(2, 3),
+                                       LossConfig())
+        assert torch.all(st["ratio"] == 1) and not st["clipped"].any(), name
+        loss.sum().backward()
+        want = torch.tensor([[-2.0] * 3, [1.0] * 3])  # gspo: 3 steps x (1/3 of the mean's gradient each)
+        assert torch.allclose(logp.grad, want), name
+
+
+def test_loss_config_checks_the_registry_names():
+    with pytest.raises(ConfigError, match="policy_loss 'cipso' is unknown \\(did you mean 'cispo'\\?\\)"):
+        LossConfig(policy_loss="cipso").check("loss")
+    with pytest.raises(ConfigError, match="kl_estimator 'k4' is unknown"):
+        LossConfig(kl_estimator="k4").check("loss")
+    with pytest.raises(ConfigError, match="sapo_tau_neg must be > 0"):
+        LossConfig(sapo_tau_neg=0.0).check("loss")
 
 
 def test_kl_estimators():
@@ -76,5 +152,13 @@ def test_kl_estimators():
     assert torch.allclose(kl_k1(logp, ref), torch.tensor([1.0]))
     assert torch.allclose(kl_k3(logp, ref), torch.tensor([math.exp(-1) + 1 - 1]))
     assert kl_k3(ref, ref).item() == 0.0
+    assert set(KL_ESTIMATORS) == {"k1", "k3", "domain"}
+    own = torch.tensor([0.25])
+    assert kl_per_step("k1", logp, ref, None) is not None and kl_per_step("k1", logp, ref, None).item() == 1.0
+    assert kl_per_step("domain", logp, ref, None).item() == kl_k3(logp, ref).item()  # no own KL: k3
+    for name in ("domain", "k1", "k3"):  # a domain's own (exact) KL is used whatever the estimator
+        assert kl_per_step(name, logp, None, own) is own
+    with pytest.raises(ConfigError, match="neither its own kl nor ref_logp"):
+        kl_per_step("k3", logp, None, None)
     mean = torch.tensor([[1.0, 3.0]])
     assert torch.allclose(gaussian_mean_kl(mean, torch.zeros(1, 2), torch.tensor(2.0)), torch.tensor([(1 / 8 + 9 / 8) / 2]))

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from shared_rl.checkpoint import list_checkpoints
-from shared_rl.config import load_train_config
+from shared_rl.config import ConfigError, load_train_config
 from shared_rl.trainer import NonFiniteError, Trainer
 
 
@@ -150,3 +150,34 @@ def test_deferred_behaviour_logp_equals_recomputed(minibatches):
     for x, y in zip(ma, mb):
         assert x["ratio/mean"] == pytest.approx(y["ratio/mean"], abs=1e-6)
         assert x["clip_frac"] == pytest.approx(y["clip_frac"], abs=1e-9)
+
+
+def test_a_registered_policy_loss_is_picked_by_name_from_the_config():
+    from shared_rl.losses import POLICY_LOSSES, clipped_loss, register_policy_loss
+
+    calls = []
+
+    @register_policy_loss("test_halved_clipped")
+    def halved(logp, logp_old, advantages, mask, cfg):
+        """Half the clipped surrogate: L = ½·L_clipped (same stats)."""
+        calls.append(tuple(logp.shape))
+        loss, stats = clipped_loss(logp, logp_old, advantages, mask, cfg)
+        return 0.5 * loss, stats
+
+    try:
+        over = {"optim.minibatches_per_epoch": 1, "optim.inner_epochs": 1, "optim.grad_clip": None}
+        base = Trainer(toy_cfg(**over), None, log=quiet).iteration(0)
+        m = Trainer(toy_cfg(**over, **{"loss.policy_loss": "test_halved_clipped"}), None, log=quiet).iteration(0)
+        assert calls and m["loss/policy"] == pytest.approx(0.5 * base["loss/policy"], rel=1e-6)
+        assert m["grad_norm"] == pytest.approx(0.5 * base["grad_norm"], rel=1e-6)
+    finally:
+        POLICY_LOSSES.pop("test_halved_clipped", None)
+    with pytest.raises(ConfigError, match="did you mean 'test_halved_clipped'|is unknown"):
+        toy_cfg(**{"loss.policy_loss": "test_halved_clipped"})
+
+
+@pytest.mark.parametrize("name", ["gspo", "cispo", "sapo"])
+def test_every_registered_loss_trains_the_toy(name):
+    tr = Trainer(toy_cfg(**{"iterations": 25, "loss.policy_loss": name}), None, log=quiet)
+    hist = tr.fit()
+    assert hist[-1]["eval/expected_reward"] > 0.6, name

@@ -6,7 +6,9 @@ metric with the recorded one. Regenerate (only when a change is *meant* to alter
     .venv/bin/python -m tests.golden.runs            # all
     .venv/bin/python -m tests.golden.runs visgen_flat
 
-Each run is a shipped recipe (its YAML) shrunk by overrides to seconds on a CPU.
+Each run is a shipped recipe (its YAML) shrunk by overrides to seconds on a CPU. The overrides follow the config
+schema of the day (the fixtures were recorded under the one before issue 12: ``visgen.plan``/``visgen.tree``/
+``visgen.sampler``, E-GRPO's own group_size); the recorded metrics are what must not change.
 """
 from __future__ import annotations
 
@@ -40,16 +42,20 @@ RUNS: dict[str, tuple[str, dict]] = {
                     "visgen": {**_VIS["visgen"], "num_inference_steps": 6}}),
     "visgen_branch": ("configs/visgen/shapes_branch.yaml",
                       {**_VIS, "visgen": {**_VIS["visgen"], "num_inference_steps": 5,
-                                          "tree": {"branch": {"split_steps": [0, 2], "factor": [2]}}}}),
+                                          "method": {"split_steps": [0, 2], "factor": [2]}},
+                      "rollout": {"groups_per_iteration": 2, "group_size": 4}}),
     "visgen_branch_prune": ("configs/visgen/shapes_branch_prune.yaml",
                             {**_VIS, "visgen": {**_VIS["visgen"], "num_inference_steps": 6,
-                                                "tree": {"branch": {"split_steps": [0, 2, 3], "factor": [2]}}}}),
+                                                "method": {"split_steps": [0, 2, 3], "factor": [2]}},
+                            "rollout": {"groups_per_iteration": 2, "group_size": 8}}),
     "visgen_tree": ("configs/visgen/shapes_tree.yaml",
                     {**_VIS, "visgen": {**_VIS["visgen"], "num_inference_steps": 6,
-                                        "tree": {"tree": {"branch": [2, 2]}}}}),
+                                        "method": {"branch": [2, 2]}},
+                    "rollout": {"groups_per_iteration": 2, "group_size": 4}}),
     "visgen_egrpo": ("configs/visgen/shapes_egrpo.yaml",
                      {**_VIS, "visgen": {**_VIS["visgen"], "num_inference_steps": 6,
-                                         "tree": {"egrpo": {"group_size": 3}}}}),
+                                         "method": {}},
+                     "rollout": {"groups_per_iteration": 2, "group_size": 3}}),
     "llm_flat": ("configs/llm/arith_grpo.yaml",
                  {"iterations": 2, "rollout": {"groups_per_iteration": 4, "group_size": 4},
                   "eval": {"at_start": True, "every": 0}, "checkpoint": {"every": 0}, "logging": {"progress": False},

@@ -13,10 +13,10 @@ from shared_rl.domain import RunContext
 from shared_rl.llm.domain import LLMConfig, LLMDomain
 from shared_rl.llm.engine import TorchRolloutEngine
 from shared_rl.llm.fast_llama import FastLlamaEngine, unsupported_reason
-from shared_rl.llm.model import LoraSettings, build_tiny_llama
+from shared_rl.llm.model import LLMLoraSettings, build_tiny_llama
 from shared_rl.llm.tasks import DatasetSettings
 from shared_rl.llm.tokenizer import build_char_tokenizer
-from shared_rl.llm.tree import TreeSettings, grow_trees
+from shared_rl.llm.tree import LLMTreeSettings, grow_trees
 
 ASSET = Path(__file__).resolve().parents[2] / "assets" / "llm-arith-tiny"
 PAD, EOS = 0, 2
@@ -115,7 +115,7 @@ def test_entropy_stops_and_trees_match_reference_engine():
     b = fast.generate(prompts, 3, 6, 1.0, torch.Generator().manual_seed(0), stop_entropy=4.4,
                       min_new_tokens_before_stop=2)
     assert b.completion_ids == a.completion_ids and b.stopped == a.stopped and any(b.stopped)
-    settings = TreeSettings(True, [2, 2], 2, "entropy", 4.4, 1)
+    settings = LLMTreeSettings(True, [2, 2], 2, "entropy", 4.4, 1)
     ta = grow_trees(ref, prompts, settings, 6, 1.0, torch.Generator().manual_seed(2))
     tb = grow_trees(fast, prompts, settings, 6, 1.0, torch.Generator().manual_seed(2))
     assert tb.path == ta.path and tb.parent == ta.parent and tb.nfe == ta.nfe
@@ -183,7 +183,7 @@ def make_domain(model_dir: Path, **overrides) -> LLMDomain:
 def test_engine_selected_by_config_and_ratio_still_exactly_one(tiny_dir):
     assert isinstance(make_domain(tiny_dir).engine, TorchRolloutEngine)          # the default is unchanged
     assert isinstance(make_domain(tiny_dir, engine="auto").engine, FastLlamaEngine)
-    dom = make_domain(tiny_dir, engine="fast", lora=LoraSettings(enabled=True, r=4, alpha=8))
+    dom = make_domain(tiny_dir, engine="fast", lora=LLMLoraSettings(enabled=True, r=4, alpha=8))
     assert isinstance(dom.engine, FastLlamaEngine)
     ro = dom.rollout([0, 1, 2], 4, torch.Generator().manual_seed(0), 0)
     out = dom.log_probs(ro, torch.arange(len(ro)), need_kl=False)

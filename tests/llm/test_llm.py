@@ -11,12 +11,12 @@ import torch
 from shared_rl.domain import RunContext
 from shared_rl.llm.domain import LLMConfig, LLMDomain
 from shared_rl.llm.engine import Generation, TorchRolloutEngine
-from shared_rl.llm.model import LoraSettings, build_tiny_llama
+from shared_rl.llm.model import LLMLoraSettings, build_tiny_llama
 from shared_rl.llm.policy import collate, token_log_probs
-from shared_rl.llm.rewards import RewardSpec, build_reward, call_reward, format_check, numeric_match, overlong
+from shared_rl.llm.rewards import LLMRewardSpec, build_reward, call_reward, format_check, numeric_match, overlong
 from shared_rl.llm.tasks import DatasetSettings, arith_problems, format_prompt, is_eval_pair, load_task
 from shared_rl.llm.tokenizer import build_char_tokenizer
-from shared_rl.llm.tree import TreeSettings, grow_trees
+from shared_rl.llm.tree import LLMTreeSettings, grow_trees
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -106,7 +106,7 @@ def test_temperature_scaling_of_log_probs(tiny_dir):
 
 
 def test_lora_reference_is_adapter_disabled(tiny_dir):
-    dom = make_domain(tiny_dir, lora=LoraSettings(enabled=True, r=4, alpha=8, target_modules=["q_proj", "v_proj"]))
+    dom = make_domain(tiny_dir, lora=LLMLoraSettings(enabled=True, r=4, alpha=8, target_modules=["q_proj", "v_proj"]))
     names = [n for n, p in dom.model.named_parameters() if p.requires_grad]
     assert names and all("lora_" in n for n in names)
     ro = dom.rollout([0, 1], 2, torch.Generator().manual_seed(0), 0)
@@ -149,7 +149,7 @@ def trl_style_reward(completions, answer, **kwargs):
 def test_trl_signature_reward_none_becomes_nan(tiny_dir, tmp_path, monkeypatch):
     (tmp_path / "my_trl_rewards.py").write_text(TRL_STYLE_MODULE)   # a user's module, imported by name
     monkeypatch.syspath_prepend(str(tmp_path))
-    label, fn = build_reward(RewardSpec(name="my_trl_rewards:trl_style_reward"))
+    label, fn = build_reward(LLMRewardSpec(name="my_trl_rewards:trl_style_reward"))
     assert label == "trl_style_reward"
     vals = call_reward(fn, label, ["1+1=", "2+2=", "3+3="], ["2", "", "5"], [[1], [], [1]],
                        {"answer": ["2", "4", "6"]}, {"trainer_state": None})
@@ -157,8 +157,8 @@ def test_trl_signature_reward_none_becomes_nan(tiny_dir, tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="returned 1 values for 2"):
         call_reward(lambda **k: [1.0], "bad", ["a", "b"], ["x", "y"], [[], []], {}, {})
     # inside the domain: dataset columns arrive as kwargs and None is NaN in the rollout
-    dom = make_domain(tiny_dir, rewards=[RewardSpec("numeric_match"),
-                                         RewardSpec("my_trl_rewards:trl_style_reward", 0.0)])
+    dom = make_domain(tiny_dir, rewards=[LLMRewardSpec("numeric_match"),
+                                         LLMRewardSpec("my_trl_rewards:trl_style_reward", 0.0)])
     ro = dom.rollout([0, 1], 8, torch.Generator().manual_seed(0), 0)
     r = ro.rewards["trl_style_reward"]
     empty = torch.tensor([not bool(dom._decode(c.tolist())) for c in ro.payload["completion_ids"]])
@@ -184,13 +184,13 @@ def dead_reward(completions, **kwargs):
 
 
 def test_reward_backends_are_retried_then_masked(tiny_dir, tmp_path, monkeypatch):
-    from shared_rl.rewards import RewardError, RewardGuardConfig
+    from shared_rl.rewards import RewardFailure, RewardGuardConfig
 
     (tmp_path / "flaky_llm_rewards.py").write_text(FLAKY_MODULE)
     monkeypatch.syspath_prepend(str(tmp_path))
     guard = RewardGuardConfig(retries=1, backoff_s=0.0)
     dom = make_domain(tiny_dir, reward_guard=guard,
-                      rewards=[RewardSpec("flaky_llm_rewards:flaky_reward"), RewardSpec("flaky_llm_rewards:dead_reward")])
+                      rewards=[LLMRewardSpec("flaky_llm_rewards:flaky_reward"), LLMRewardSpec("flaky_llm_rewards:dead_reward")])
     ro = dom.rollout([0, 1], 4, torch.Generator().manual_seed(0), 0)
     import flaky_llm_rewards
 
@@ -198,8 +198,8 @@ def test_reward_backends_are_retried_then_masked(tiny_dir, tmp_path, monkeypatch
     assert torch.equal(ro.rewards["flaky_reward"], torch.ones(8))
     assert torch.isnan(ro.rewards["dead_reward"]).all()                # masked: the trainer skips and counts it
     fatal = make_domain(tiny_dir, reward_guard=RewardGuardConfig(retries=0, on_failure="fatal"),
-                        rewards=[RewardSpec("flaky_llm_rewards:dead_reward")])
-    with pytest.raises(RewardError, match="dead_reward.*failed after 1 attempts"):
+                        rewards=[LLMRewardSpec("flaky_llm_rewards:dead_reward")])
+    with pytest.raises(RewardFailure, match="dead_reward.*failed after 1 attempts"):
         fatal.rollout([0], 2, torch.Generator().manual_seed(0), 0)
 
 
@@ -232,7 +232,7 @@ class ScriptedEngine:
 
 def test_tree_bookkeeping_counts_prefixes_parents():
     prompts = [[1, 5], [1, 6]]
-    tree = grow_trees(ScriptedEngine(), prompts, TreeSettings(enabled=True, branching=[2, 3], segment_tokens=2),
+    tree = grow_trees(ScriptedEngine(), prompts, LLMTreeSettings(enabled=True, branching=[2, 3], segment_tokens=2),
                       max_new_tokens=5, temperature=1.0, generator=torch.Generator())
     # per prompt: 1 root + 2 children + 3 grandchildren per unfinished child; the EOS child (node 2) is a leaf
     # prompt 0: root 0, children 2 (EOS) and 3; prompt 1: root 1, children 4, 5; grandchildren of 3, 4, 5
@@ -252,7 +252,7 @@ def test_tree_bookkeeping_counts_prefixes_parents():
 
 
 def test_tree_rollout_in_domain(tiny_dir):
-    tree = TreeSettings(enabled=True, branching=[2, 2, 2], segment_tokens=2)
+    tree = LLMTreeSettings(enabled=True, branching=[2, 2, 2], segment_tokens=2)
     dom = make_domain(tiny_dir, tree=tree)
     ro = dom.rollout([0, 1, 2], 0, torch.Generator().manual_seed(0), 0)
     parent = ro.parent
@@ -358,7 +358,7 @@ def test_config_errors_are_actionable():
 
 @pytest.mark.parametrize("tree", [False, True])
 def test_engine_behaviour_logprobs_match_recompute(tiny_dir, tree):
-    settings = TreeSettings(enabled=tree, branching=[2, 2], segment_tokens=2)
+    settings = LLMTreeSettings(enabled=tree, branching=[2, 2], segment_tokens=2)
     dom = make_domain(tiny_dir, tree=settings, behaviour_logprobs="engine")
     ro = dom.rollout([0, 1, 2], 4, torch.Generator().manual_seed(3), 0)
     out = dom.log_probs(ro, torch.arange(len(ro)), need_kl=False)
@@ -376,11 +376,11 @@ def test_entropy_branching_stops_before_uncertain_tokens(tiny_dir):
     assert all(len(c) == 2 for c, s in zip(g.completion_ids, g.stopped) if s)
     # a threshold above log(vocab) never fires: entropy trees equal fixed-segment trees for the same noise
     big = math.log(len(dom.tokenizer)) + 1
-    fixed = grow_trees(dom.engine, prompts, TreeSettings(True, [2, 2], 2, "fixed"), 6, 1.0,
+    fixed = grow_trees(dom.engine, prompts, LLMTreeSettings(True, [2, 2], 2, "fixed"), 6, 1.0,
                        torch.Generator().manual_seed(1))
-    entropy = grow_trees(dom.engine, prompts, TreeSettings(True, [2, 2], 2, "entropy", big), 6, 1.0,
+    entropy = grow_trees(dom.engine, prompts, LLMTreeSettings(True, [2, 2], 2, "entropy", big), 6, 1.0,
                          torch.Generator().manual_seed(1))
     assert entropy.path == fixed.path and entropy.parent == fixed.parent
-    low = grow_trees(dom.engine, prompts, TreeSettings(True, [2, 2], 3, "entropy", 0.0, 1), 6, 1.0,
+    low = grow_trees(dom.engine, prompts, LLMTreeSettings(True, [2, 2], 3, "entropy", 0.0, 1), 6, 1.0,
                      torch.Generator().manual_seed(1))
     assert all(len(low.path[i]) - low.start[i] == 1 for i in range(len(low)) if low.depth[i] == 1 and not low.finished[i])

@@ -11,11 +11,11 @@ import torch
 from shared_rl.config import ConfigError, load_train_config
 from shared_rl.domain import RunContext
 from shared_rl.llm.domain import LLMConfig, LLMDomain
-from shared_rl.llm.model import LoraSettings, build_tiny_llama
+from shared_rl.llm.model import LLMLoraSettings, build_tiny_llama
 from shared_rl.llm.policy import collate, collate_shared
 from shared_rl.llm.tasks import DatasetSettings
 from shared_rl.llm.tokenizer import build_char_tokenizer
-from shared_rl.llm.tree import TreeSettings
+from shared_rl.llm.tree import LLMTreeSettings
 from shared_rl.trainer import Trainer
 
 ASSET = Path(__file__).resolve().parents[2] / "assets" / "llm-arith-tiny"
@@ -75,9 +75,9 @@ def _loss_and_grads(dom: LLMDomain, ro, idx: torch.Tensor, share: bool, need_kl:
 def test_shared_prompt_forward_matches_one_pass(tiny_dir, variant):
     kwargs = {}
     if variant == "tree":
-        kwargs["tree"] = TreeSettings(enabled=True, branching=[2, 2], segment_tokens=2)
+        kwargs["tree"] = LLMTreeSettings(enabled=True, branching=[2, 2], segment_tokens=2)
     if variant == "lora_kl":
-        kwargs["lora"] = LoraSettings(enabled=True, r=4, alpha=8)
+        kwargs["lora"] = LLMLoraSettings(enabled=True, r=4, alpha=8)
     dom = make_domain(tiny_dir, **kwargs)
     if variant == "lora_kl":   # move the adapter off zero so the policy differs from the reference
         with torch.no_grad():
@@ -115,13 +115,13 @@ def test_recomputed_behaviour_logp_bitwise_with_sharing(tiny_dir, share):
 
 def test_deferred_rollout_leaves_nan_on_trained_tokens(tiny_dir):
     dom = make_domain(tiny_dir, behaviour_logprobs="deferred",
-                      tree=TreeSettings(enabled=True, branching=[2, 2], segment_tokens=2))
+                      tree=LLMTreeSettings(enabled=True, branching=[2, 2], segment_tokens=2))
     ro = dom.rollout([0, 1], 0, torch.Generator().manual_seed(0), 0)
     assert torch.equal(torch.isnan(ro.logp_old), ro.mask)
     assert (ro.logp_old[~ro.mask] == 0).all()
     roots = ro.parent < 0
     assert roots.any() and not torch.isnan(ro.logp_old[roots]).any()   # no forward is asked for the roots
-    recompute = make_domain(tiny_dir, tree=TreeSettings(enabled=True, branching=[2, 2], segment_tokens=2))
+    recompute = make_domain(tiny_dir, tree=LLMTreeSettings(enabled=True, branching=[2, 2], segment_tokens=2))
     ro_r = recompute.rollout([0, 1], 0, torch.Generator().manual_seed(0), 0)
     assert ro_r.nfe - ro.nfe == len(ro_r)                               # the saved forward, counted per row
 

@@ -191,3 +191,15 @@ def family(request) -> str:
 @pytest.fixture
 def tiny_pipe(family, request):
     return request.getfixturevalue(f"{family}_pipe")
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    """A tiny SD3 pipeline (shapes vocabulary, 16x16 images) saved like the project's asset."""
+    from visgen import tiny
+
+    path = tmp_path_factory.mktemp("visgen") / "tiny-sd3"
+    pipe = tiny.build_pipeline(seed=0, sample_size=16, vae_channels=(8, 16), num_layers=1, num_heads=2, head_dim=8,
+                               text_hidden=16)
+    tiny.save_pipeline(pipe, path)
+    return path

@@ -19,16 +19,6 @@ REPO = Path(__file__).resolve().parents[2]
 STEPS = 4
 
 
-@pytest.fixture(scope="session")
-def tiny_dir(tmp_path_factory) -> Path:
-    """A tiny SD3 pipeline (shapes vocabulary, 16x16 images) saved like the project's asset."""
-    path = tmp_path_factory.mktemp("visgen") / "tiny-sd3"
-    pipe = tiny.build_pipeline(seed=0, sample_size=16, vae_channels=(8, 16), num_layers=1, num_heads=2, head_dim=8,
-                               text_hidden=16)
-    tiny.save_pipeline(pipe, path)
-    return path
-
-
 def quiet(*_):
     pass
 
@@ -61,7 +51,7 @@ def test_first_inner_step_ratio_is_exactly_one_and_nfe_counts(tiny_dir, micro, g
     for bit even with rollout micro-batches of 3, CFG (2 forwards per step) and one group per rollout call."""
     cfg = make_cfg(tiny_dir, **{"visgen.rollout_micro_batch": micro, "visgen.guidance_scale": guidance,
                                 "rollout.groups_per_call": per_call,
-                                "visgen.plan": {"name": "flow_grpo", "train_fraction": 0.5}})
+                                "visgen.method": {"name": "flow_grpo", "train_fraction": 0.5}})
     tr = Trainer(cfg, None, log=quiet)
     m = tr.iteration(0)
     assert m["ratio/mean"] == 1.0 and m["ratio/max"] == 1.0 and m["clip_frac"] == 0.0
@@ -74,7 +64,7 @@ def test_first_inner_step_ratio_is_exactly_one_and_nfe_counts(tiny_dir, micro, g
 def test_log_probs_on_any_subset_match_rollout(tiny_dir):
     """DanceGRPO plan (random trained steps per sample): any subset in any order recomputes the stored log-probs
     on its trained steps (to float rounding: other batch layouts) and returns 0 elsewhere."""
-    cfg = make_cfg(tiny_dir, **{"visgen.sampler": "dance", "visgen.plan": {"name": "dance_grpo", "train_fraction": 0.5}})
+    cfg = make_cfg(tiny_dir, **{"visgen.kernel": "dance", "visgen.method": {"name": "dance_grpo", "train_fraction": 0.5}})
     dom = VisgenDomain(cfg.domain_config, _ctx())
     ro = dom.rollout([0, 3], 4, torch.Generator().manual_seed(0), 0)
     assert ro.mask.sum(1).tolist() == [2] * 8 and not ro.mask[:, -1].any()
@@ -115,7 +105,7 @@ def test_kl_is_zero_at_start_and_positive_after_an_update(tiny_dir, kl_type):
 def test_lora_save_and_diffusers_load_round_trip(tiny_dir, tmp_path):
     """Random LoRA weights (alpha != rank, so a lost scaling would show) -> save_pretrained -> a fresh stock
     pipeline's ``load_lora_weights`` gives the same ODE samples as the domain's adapted pipeline."""
-    from visgen.tiny import load_pipeline
+    from visgen.tiny import load_shapes_asset
 
     dom = VisgenDomain(make_cfg(tiny_dir).domain_config, _ctx())
     g = torch.Generator().manual_seed(0)
@@ -129,7 +119,7 @@ def test_lora_save_and_diffusers_load_round_trip(tiny_dir, tmp_path):
         return visgen.sample(pipe, ["a red circle", "two blue squares"], STEPS, 1.0, torch.Generator().manual_seed(3),
                              "ode", max_sequence_length=1, height=16, width=16).final_latents
 
-    fresh = load_pipeline(tiny_dir)
+    fresh = load_shapes_asset(tiny_dir)
     base = ode(fresh)
     fresh.load_lora_weights(tmp_path / "lora")
     trained = ode(dom.pipe)
@@ -172,10 +162,15 @@ def test_recipe_configs_parse_without_loading_models():
 
 
 @pytest.mark.parametrize("over, message", [
-    ({"visgen.samplr": "sde"}, "did you mean 'sampler'"),
-    ({"visgen.sampler": "euler"}, "not one of"),
-    ({"visgen.plan": {"name": "mix_grpo", "window_size": 6}}, "does not fit"),
-    ({"visgen.plan": {"name": "ode"}}, "trains nothing"),
+    ({"visgen.kernal": "sde"}, "did you mean 'kernel'"),
+    ({"visgen.kernel": "euler"}, "not one of"),
+    ({"visgen.sampler": "sde"}, "replaced: the SDE kernel is visgen.kernel"),
+    ({"visgen.plan": {"name": "flow_grpo"}}, "replaced: use visgen.method"),
+    ({"visgen.method": {"name": "mix_grpo", "window_size": 6}}, "does not fit"),
+    ({"visgen.method": {"name": "ode"}}, "trains nothing"),
+    ({"visgen.method": {"name": "branch_grpo", "split_steps": [0, 1, 2]}}, "set rollout.group_size: 8"),
+    ({"visgen.shared_noise": True, "visgen.method": {"name": "tree_grpo"}, "rollout.group_size": 16,
+      "advantage.estimator": "tree_leaf_zscore"}, "shared_noise is for flat methods"),
     ({"visgen.num_inference_steps": 1}, "num_inference_steps must be >= 2"),
     ({"visgen.rewards": [{"name": "aesthetics_v9"}]}, "unknown reward"),
     ({"visgen.lora": {"rank": 0}}, "rank must be >= 1"),
@@ -249,7 +244,7 @@ def _tiny_clip_dir(tmp_path: Path) -> Path:
 def test_pickscore_reward_on_a_tiny_clip(tmp_path):
     from transformers import AutoProcessor, CLIPModel
 
-    from visgen.rewards import RewardError, get_reward
+    from visgen.rewards import RewardInputError, get_reward
 
     path = _tiny_clip_dir(tmp_path)
     reward = get_reward("pickscore", model=str(path), processor=None, device="cpu", scale=0.5)
@@ -265,12 +260,12 @@ def test_pickscore_reward_on_a_tiny_clip(tmp_path):
     images[1, 0, 0, 0] = float("nan")
     again = reward(images, prompts)["pickscore"]
     assert torch.isnan(again[1]) and torch.allclose(again[[0, 2]], score[[0, 2]], atol=1e-5)
-    with pytest.raises(RewardError, match="cannot load"):
+    with pytest.raises(RewardInputError, match="cannot load"):
         get_reward("pickscore", model=str(tmp_path / "missing"), processor=None)
 
 
 def test_hps_reward_on_a_tiny_open_clip(tmp_path):
-    from visgen.rewards import RewardError, get_reward
+    from visgen.rewards import RewardInputError, get_reward
 
     open_clip = pytest.importorskip("open_clip", reason="the hps reward needs open_clip_torch")
     config = {"embed_dim": 8, "vision_cfg": {"image_size": 32, "layers": 1, "width": 16, "patch_size": 8, "head_width": 8},
@@ -290,7 +285,7 @@ def test_hps_reward_on_a_tiny_open_clip(tmp_path):
         img = torch.nn.functional.normalize(model.encode_image((images - mean) / std), dim=-1)
         txt = torch.nn.functional.normalize(model.encode_text(open_clip.get_tokenizer("hps-tiny")(prompts)), dim=-1)
     assert torch.allclose(score, (img * txt).sum(-1), atol=1e-5)
-    with pytest.raises(RewardError, match="neither a file"):
+    with pytest.raises(RewardInputError, match="neither a file"):
         get_reward("hps", checkpoint=str(tmp_path / "missing.pt"), arch=str(tmp_path / "hps-tiny.json"))
 
 
@@ -317,8 +312,8 @@ def test_shapes_soft_reward_margins_and_partial_credit():
 # ------------------------------------------------------------------------------------------ reward faults
 def test_failing_reward_backend_is_retried_then_masked_in_training(tiny_dir, monkeypatch):
     """A reward server that drops every call: the guard retries, the rollout carries NaN under the reward's own
-    output names, the trainer masks the batch and counts it, and ``fatal`` stops with a RewardError instead."""
-    from shared_rl.rewards import RewardError
+    output names, the trainer masks the batch and counts it, and ``fatal`` stops with a RewardFailure instead."""
+    from shared_rl.rewards import RewardFailure
     from visgen import rewards as vr
 
     calls = []
@@ -341,5 +336,5 @@ def test_failing_reward_backend_is_retried_then_masked_in_training(tiny_dir, mon
     cfg = make_cfg(tiny_dir, **{"visgen.rewards": [{"name": "test_unreachable_server"}],
                                "visgen.reward_guard": {"retries": 0, "on_failure": "fatal"},
                                "advantage.weights": {"test_unreachable_server": 1.0}})
-    with pytest.raises(RewardError, match="test_unreachable_server.*failed after 1 attempts"):
+    with pytest.raises(RewardFailure, match="test_unreachable_server.*failed after 1 attempts"):
         Trainer(cfg, None, log=quiet).iteration(0)

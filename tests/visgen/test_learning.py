@@ -34,7 +34,7 @@ def test_flow_grpo_raises_jpeg_compressibility_on_the_asset():
         "optim": {"lr": 3e-3, "minibatches_per_epoch": 2},
         "logging": {"progress": False},
         "visgen": {"model": str(ASSET), "train_subset": pairs, "num_inference_steps": 10,
-                   "plan": {"name": "flow_grpo", "train_fraction": 0.3},
+                   "method": {"name": "flow_grpo", "train_fraction": 0.3},
                    "rewards": [{"name": "jpeg_compressibility"}], "lora": {"rank": 16, "alpha": 32}},
     })
     trainer = Trainer(cfg, None, log=lambda *_: None)

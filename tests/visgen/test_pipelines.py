@@ -9,7 +9,8 @@ import visgen
 from visgen.pipelines import FluxAdapter, SanaAdapter, SD3Adapter, as_adapter
 from visgen.plans import DanceGRPOPlan, MixGRPOPlan
 from shared_rl.flow_kernels import sde_mean_kl
-from visgen.trajectory import recompute_log_probs, sample
+from visgen.recompute import recompute_trajectory
+from visgen.trajectory import sample
 
 STEPS = 4
 
@@ -26,10 +27,10 @@ def pipe_call(pipe, family, guidance, seed, output_type="latent", **extra):
     ).images
 
 
-def visgen_sample(pipe, family, guidance, seed, sampler="ode", **extra):
+def visgen_sample(pipe, family, guidance, seed, kernel="ode", **extra):
     size = SIZES[family]
     return sample(
-        pipe, PROMPTS, STEPS, guidance, torch.Generator().manual_seed(seed), sampler=sampler,
+        pipe, PROMPTS, STEPS, guidance, torch.Generator().manual_seed(seed), kernel=kernel,
         num_images_per_prompt=2, height=size, width=size, **CALL_OPTIONS[family], **extra,
     )
 
@@ -71,71 +72,76 @@ def test_flux_true_cfg_matches_pipeline(flux_pipe):
     assert traj.nfe_per_sample == 2 * STEPS
 
 
-@pytest.mark.parametrize("sampler", ["sde", "cps", "dance"])
-def test_noise_level_zero_sampling_equals_ode(sd3_pipe, sampler):
+@pytest.mark.parametrize("kernel", ["sde", "cps", "dance"])
+def test_noise_level_zero_sampling_equals_ode(sd3_pipe, kernel):
     ode = visgen_sample(sd3_pipe, "sd3", 3.0, seed=6)
-    stochastic = visgen_sample(sd3_pipe, "sd3", 3.0, seed=6, sampler=sampler, noise_level=0.0)
+    stochastic = visgen_sample(sd3_pipe, "sd3", 3.0, seed=6, kernel=kernel, noise_level=0.0)
     assert torch.equal(stochastic.latents, ode.latents)
     assert stochastic.log_probs.abs().sum() == 0
 
 
-@pytest.mark.parametrize("sampler", ["sde", "cps", "dance"])
-def test_recompute_reproduces_log_probs_exactly(tiny_pipe, family, sampler):
-    traj = visgen_sample(tiny_pipe, family, 3.0, seed=7, sampler=sampler)
+@pytest.mark.parametrize("kernel", ["sde", "cps", "dance"])
+def test_recompute_reproduces_log_probs_exactly(tiny_pipe, family, kernel):
+    traj = visgen_sample(tiny_pipe, family, 3.0, seed=7, kernel=kernel)
     assert traj.sde_mask.all() and traj.train_mask[:, :-1].all() and not traj.train_mask[:, -1].any()
-    stochastic_steps = traj.log_probs[:, :-1] if sampler == "cps" else traj.log_probs
+    stochastic_steps = traj.log_probs[:, :-1] if kernel == "cps" else traj.log_probs
     assert (stochastic_steps != 0).all()
-    recomputed = recompute_log_probs(tiny_pipe, traj, list(range(STEPS)))
-    assert recomputed.log_prob.requires_grad
-    ratio = torch.exp(recomputed.log_prob - traj.log_probs)
+    recomputed = recompute_trajectory(tiny_pipe, traj, list(range(STEPS)))
+    assert recomputed.logp.requires_grad
+    ratio = torch.exp(recomputed.logp - traj.log_probs)
     assert torch.equal(ratio, torch.ones_like(ratio))
-    assert torch.equal(recomputed.std, traj.stds)
+    assert torch.equal(recomputed.entropy, traj.entropies())
     assert recomputed.nfe == traj.nfe
 
 
 def test_recompute_gradient_reaches_the_transformer(sd3_pipe):
-    traj = visgen_sample(sd3_pipe, "sd3", 1.0, seed=8, sampler="sde")
+    traj = visgen_sample(sd3_pipe, "sd3", 1.0, seed=8, kernel="sde")
     sd3_pipe.transformer.zero_grad()
-    recompute_log_probs(sd3_pipe, traj, [0, 1]).log_prob.sum().backward()
+    recompute_trajectory(sd3_pipe, traj, [0, 1]).logp.sum().backward()
     grads = [p.grad for p in sd3_pipe.transformer.parameters() if p.grad is not None]
     assert grads and sum(g.abs().sum() for g in grads) > 0
     sd3_pipe.transformer.zero_grad(set_to_none=True)
 
 
 def test_micro_batches_match_whole_batch(tiny_pipe, family):
-    whole = visgen_sample(tiny_pipe, family, 3.0, seed=9, sampler="sde", keep_means=True)
+    whole = visgen_sample(tiny_pipe, family, 3.0, seed=9, kernel="sde", keep_means=True)
     for micro in (1, 3):
-        split = visgen_sample(tiny_pipe, family, 3.0, seed=9, sampler="sde", micro_batch_size=micro)
+        split = visgen_sample(tiny_pipe, family, 3.0, seed=9, kernel="sde", micro_batch_size=micro)
         assert torch.allclose(split.latents, whole.latents, atol=1e-5)
         assert torch.allclose(split.log_probs, whole.log_probs, atol=1e-5)
         assert split.nfe == whole.nfe
     # recomputing a rollout micro-batch with the same layout is exact
-    split = visgen_sample(tiny_pipe, family, 3.0, seed=9, sampler="sde", micro_batch_size=2)
+    split = visgen_sample(tiny_pipe, family, 3.0, seed=9, kernel="sde", micro_batch_size=2)
     for rows in (slice(0, 2), slice(2, 4)):
         part = split[rows]
-        assert torch.equal(recompute_log_probs(tiny_pipe, part, list(range(STEPS))).log_prob, part.log_probs)
-    # a different layout (whole batch at once) agrees to float tolerance
-    assert torch.allclose(recompute_log_probs(tiny_pipe, split, [0, 2]).log_prob, split.log_probs[:, [0, 2]],
+        assert torch.equal(recompute_trajectory(tiny_pipe, part, list(range(STEPS))).logp, part.log_probs)
+    # a different layout (rows of two rollout micro-batches in one call per step) agrees to float tolerance
+    assert torch.allclose(recompute_trajectory(tiny_pipe, split, [0, 2]).logp[:, [0, 2]], split.log_probs[:, [0, 2]],
                           atol=1e-4)
 
 
 def test_per_sample_step_indices_and_kl(sd3_pipe):
     plan = DanceGRPOPlan(train_fraction=0.5)
-    traj = visgen_sample(sd3_pipe, "sd3", 1.0, seed=10, sampler="dance", plan=plan, keep_means=True)
+    traj = visgen_sample(sd3_pipe, "sd3", 1.0, seed=10, kernel="dance", plan=plan, keep_means=True)
     steps = torch.stack([torch.nonzero(row).flatten()[:2] for row in traj.train_mask])  # [4, 2], per sample
     assert len({tuple(r.tolist()) for r in steps}) > 1
-    out = recompute_log_probs(sd3_pipe, traj, steps, return_means=True)
+    import contextlib
+
+    out = recompute_trajectory(sd3_pipe, traj, steps, reference=contextlib.nullcontext)
     rows = torch.arange(4).unsqueeze(1)
-    assert torch.allclose(out.log_prob, traj.log_probs[rows, steps], atol=1e-4)
-    assert torch.allclose(out.mean, traj.means[rows, steps], atol=1e-5)
-    kl = sde_mean_kl(out.mean[:, 0], traj.means[rows, steps][:, 0], out.std[:, 0])
-    assert kl.shape == (4,) and (kl < 1e-6).all()  # same model: no divergence from the reference
+    assert torch.allclose(out.logp[rows, steps], traj.log_probs[rows, steps], atol=1e-4)
+    assert (out.logp.ne(0).sum(1) == 2).all()  # only the asked steps
+    # the reference is the same model here: the Gaussian-mean KL of every recomputed step is 0
+    assert out.kl.shape == (4, STEPS) and out.kl.abs().max() < 1e-6
+    # means were kept while sampling: the step Gaussians the KL compares
+    std = traj.stds[rows, steps][:, 0]
+    assert sde_mean_kl(traj.means[rows, steps][:, 0], traj.means[rows, steps][:, 0], std).abs().max() == 0
 
 
 def test_mix_grpo_plan_runs_ode_outside_the_window(sd3_pipe):
     ode = visgen_sample(sd3_pipe, "sd3", 1.0, seed=11)
     plan = MixGRPOPlan(window_size=2, iters_per_shift=1)
-    traj = visgen_sample(sd3_pipe, "sd3", 1.0, seed=11, sampler="sde", plan=plan, iteration=1)
+    traj = visgen_sample(sd3_pipe, "sd3", 1.0, seed=11, kernel="sde", plan=plan, iteration=1)
     assert traj.sde_mask[0].tolist() == [False, True, True, False] == traj.train_mask[0].tolist()
     assert torch.equal(traj.latents[:, :2], ode.latents[:, :2])  # identical until the window starts
     assert not torch.equal(traj.latents[:, 2], ode.latents[:, 2])
@@ -143,7 +149,7 @@ def test_mix_grpo_plan_runs_ode_outside_the_window(sd3_pipe):
 
 
 def test_trajectory_layout_and_indexing(flux_pipe):
-    traj = visgen_sample(flux_pipe, "flux", 3.5, seed=12, sampler="sde")
+    traj = visgen_sample(flux_pipe, "flux", 3.5, seed=12, kernel="sde")
     assert traj.latents.shape == (4, STEPS + 1, 16, 16)  # packed FLUX tokens: (16/2/2)^2 = 16 tokens of 4*4 ch
     assert traj.sigmas.shape == (STEPS + 1,) and traj.sigmas[-1] == 0 and traj.sigmas[0] == 1
     assert traj.prompts == [PROMPTS[0], PROMPTS[0], PROMPTS[1], PROMPTS[1]]
@@ -191,4 +197,4 @@ def test_non_flow_scheduler_is_rejected():
 
 
 def test_public_api_is_exported():
-    assert visgen.sample is sample and visgen.recompute_log_probs is recompute_log_probs
+    assert visgen.sample is sample and visgen.recompute_trajectory is recompute_trajectory

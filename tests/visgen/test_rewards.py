@@ -6,14 +6,14 @@ import pytest
 import torch
 from PIL import Image
 
-from visgen.rewards import RewardError, available_rewards, get_reward, register
+from visgen.rewards import RewardInputError, available_rewards, get_reward, register
 from visgen.rewards.compressibility import jpeg_size_kb
 from visgen.tasks import shapes as S
 
 
 def test_registry_lists_builtins_and_rejects_unknown_and_duplicates():
     assert {"shapes", "jpeg_compressibility", "jpeg_incompressibility"} <= set(available_rewards())
-    with pytest.raises(RewardError, match="unknown reward 'nope'.*shapes"):
+    with pytest.raises(RewardInputError, match="unknown reward 'nope'.*shapes"):
         get_reward("nope")
 
     @register("test_constant_reward")
@@ -21,7 +21,7 @@ def test_registry_lists_builtins_and_rejects_unknown_and_duplicates():
         return lambda images, prompts, metadata=None: {"const": torch.full((len(prompts),), value)}
 
     assert get_reward("test_constant_reward", value=2.0)(torch.zeros(2, 3, 4, 4), ["a", "b"])["const"].tolist() == [2, 2]
-    with pytest.raises(RewardError, match="already registered"):
+    with pytest.raises(RewardInputError, match="already registered"):
         register("test_constant_reward")(lambda: None)
 
 
@@ -44,13 +44,13 @@ def test_shapes_reward_ground_truth_vs_wrong_and_metadata():
 
 def test_shapes_reward_errors_and_nan():
     reward = get_reward("shapes")
-    with pytest.raises(RewardError, match="not a shapes-task prompt"):
+    with pytest.raises(RewardInputError, match="not a shapes-task prompt"):
         reward(torch.zeros(1, 3, 32, 32), ["a photo of a cat"])
-    with pytest.raises(RewardError, match=r"\[B,3,H,W\]"):
+    with pytest.raises(RewardInputError, match=r"\[B,3,H,W\]"):
         reward(torch.zeros(3, 32, 32), ["a red circle"])
-    with pytest.raises(RewardError, match=r"in \[0,1\]"):
+    with pytest.raises(RewardInputError, match=r"in \[0,1\]"):
         reward(torch.full((1, 3, 32, 32), -1.0), ["a red circle"])
-    with pytest.raises(RewardError, match="2 prompts for 1 images"):
+    with pytest.raises(RewardInputError, match="2 prompts for 1 images"):
         reward(torch.zeros(1, 3, 32, 32), ["a red circle"] * 2)
     images = torch.zeros(2, 3, 32, 32)
     images[0, 0, 0, 0] = float("nan")

@@ -49,15 +49,15 @@ def test_build_save_load_round_trip(tmp_path):
         tmp_path / "pipe", text_encoder_3=None, tokenizer_3=None, local_files_only=True)
     loaded.set_progress_bar_config(disable=True)
     torch.testing.assert_close(sample(loaded, ["a red circle", "two blue squares"]), images)
-    assert torch.equal(tiny.load_pipeline(tmp_path / "pipe").transformer.pos_embed.proj.weight,
+    assert torch.equal(tiny.load_shapes_asset(tmp_path / "pipe").transformer.pos_embed.proj.weight,
                        pipe.transformer.pos_embed.proj.weight)
     with pytest.raises(FileNotFoundError, match="visgen.pretrain"):
-        tiny.load_pipeline(tmp_path / "missing")
+        tiny.load_shapes_asset(tmp_path / "missing")
 
 
 def test_committed_asset_loads_and_beats_noise():
     assert (tiny.ASSET_DIR / "model_index.json").exists(), "assets/shapes-sd3-tiny is missing"
-    pipe = tiny.load_pipeline(tiny.ASSET_DIR)
+    pipe = tiny.load_shapes_asset(tiny.ASSET_DIR)
     settings = tiny.asset_settings(tiny.ASSET_DIR)
     assert settings["max_sequence_length"] == tiny.MAX_SEQUENCE_LENGTH
     _, held_out = S.split_prompts(settings.get("split_seed", 0), settings.get("eval_fraction", 0.2))

@@ -1,5 +1,5 @@
-"""Tree rollouts (BranchGRPO, TreeGRPO, E-GRPO) over tiny random stock pipelines: bookkeeping, NFE, advantages,
-pruning, exact log-prob recomputation, the E-GRPO merge schedule, batched == node-by-node, and the trainer."""
+"""Tree methods (BranchGRPO, TreeGRPO, E-GRPO) on the one engine over tiny random stock pipelines: bookkeeping, NFE,
+advantages, pruning, exact log-prob recomputation, the E-GRPO merge schedule, batched == node-by-node, the trainer."""
 from __future__ import annotations
 
 import math
@@ -12,20 +12,14 @@ from .conftest import CALL_OPTIONS, SIZES
 from shared_rl.advantages import tree_advantages
 from shared_rl.config import ConfigError, from_dict
 from shared_rl.domain import DomainBase
-from visgen.egrpo import EGRPOSettings, grid_entropies, merge_schedule, step_entropy
-from visgen.pipelines import as_adapter
+from shared_rl.advantages import tree_leaf_zscore
 from shared_rl.flow_kernels import flow_step
-from visgen.trees import (
-    BranchSettings,
-    StepSegment,
-    TreeContext,
-    TreeGRPOSettings,
-    TreeRolloutEngine,
-    TreeSettings,
-    fused_values,
-    grow_forest,
-    tree_leaf_zscore,
-)
+from visgen.engine import StepSegment, grow_forest
+from visgen.methods import KernelSettings, method_from_config
+from visgen.methods.branch import fused_values
+from visgen.methods.egrpo import EGRPOSettings, grid_entropies, merge_schedule, step_entropy
+from visgen.pipelines import as_adapter
+from visgen.rollout import VisgenRollouts
 
 PROMPTS = ["a red square", "blue circle on the left", "a green star"]
 
@@ -34,19 +28,34 @@ def brightness(images, prompts, metas):
     return {"bright": images.mean((1, 2, 3)), "dark": -images.mean((1, 2, 3))}
 
 
-def context(pipe, family="sd3", steps=10, **kw) -> TreeContext:
+def rollouts(pipe, method: dict, family="sd3", steps=10, micro_batch=0) -> VisgenRollouts:
     size = SIZES[family]
-    return TreeContext(as_adapter(pipe), PROMPTS, [{} for _ in PROMPTS], brightness, num_inference_steps=steps,
-                       sample_kwargs={**CALL_OPTIONS[family], "height": size, "width": size}, **kw)
+    return VisgenRollouts(as_adapter(pipe), method_from_config(method), KernelSettings("sde", 0.7, "mean", micro_batch),
+                          PROMPTS, [{} for _ in PROMPTS], brightness, steps,
+                          sample_kwargs={**CALL_OPTIONS[family], "height": size, "width": size})
 
 
-def run(pipe, settings: TreeSettings, keys=(0, 1), seed=0, family="sd3", iteration=0, **kw):
-    engine = TreeRolloutEngine(context(pipe, family, **kw), settings)
-    return engine, engine.rollout(list(keys), torch.Generator().manual_seed(seed), iteration)
+def default_group_size(method: dict) -> int:
+    m = method_from_config(method)
+    return m.settings.leaves() if hasattr(m.settings, "leaves") else 4
 
 
-def branch(**kw) -> TreeSettings:
-    return TreeSettings(method="branch", branch=BranchSettings(**kw))
+def run(pipe, method: dict, keys=(0, 1), seed=0, family="sd3", iteration=0, group_size=None, **kw):
+    r = rollouts(pipe, method, family, **kw)
+    return r, r.rollout(list(keys), group_size or default_group_size(method), torch.Generator().manual_seed(seed),
+                        iteration)
+
+
+def branch(mix: bool = False, **kw) -> dict:
+    return {"name": "branch_grpo_mix" if mix else "branch_grpo", **kw}
+
+
+def tree_grpo(**kw) -> dict:
+    return {"name": "tree_grpo", **kw}
+
+
+def egrpo(**kw) -> dict:
+    return {"name": "egrpo", **kw}
 
 
 # ----------------------------------------------------------------------------------------------- bookkeeping / NFE
@@ -90,7 +99,7 @@ def test_prefix_level_when_first_split_is_late_and_mix(sd3_pipe):
 
 
 def test_treegrpo_window_and_nfe(sd3_pipe):
-    s = TreeSettings(method="tree", tree=TreeGRPOSettings(branch=[2, 2, 2], window_start=2))
+    s = tree_grpo(branch=[2, 2, 2], window_start=2)
     _, ro = run(sd3_pipe, s, keys=[0])
     # root -> ODE prefix (steps 0,1) -> 2 -> 4 -> 8 leaves (last edges: SDE step 4 + ODE tail 5..9)
     assert len(ro) == 1 + 1 + 2 + 4 + 8
@@ -100,7 +109,7 @@ def test_treegrpo_window_and_nfe(sd3_pipe):
     # window drawn from the generator inside [0, T/2 - 3] when not fixed
     starts = set()
     for seed in range(12):
-        _, r = run(sd3_pipe, TreeSettings(method="tree", tree=TreeGRPOSettings(branch=[2, 2])), keys=[0], seed=seed)
+        _, r = run(sd3_pipe, tree_grpo(branch=[2, 2]), keys=[0], seed=seed)
         starts.add(int(r.info["tree/window_start"]))
     assert starts <= {0, 1, 2, 3} and len(starts) > 1
 
@@ -109,8 +118,8 @@ def test_treegrpo_window_and_nfe(sd3_pipe):
 @pytest.mark.parametrize("settings", [
     branch(split_steps=[0, 2, 4, 6], factor=[2], split_noise_scale=4.0),
     branch(split_steps=[1, 5], factor=[3, 2], mix=True),
-    TreeSettings(method="tree", tree=TreeGRPOSettings(branch=[3, 2], window_start=1)),
-    TreeSettings(method="egrpo"),
+    tree_grpo(branch=[3, 2], window_start=1),
+    egrpo(),
 ], ids=["branch", "branch-mix", "tree", "egrpo"])
 def test_recompute_reproduces_stored_log_probs_exactly(sd3_pipe, settings):
     engine, ro = run(sd3_pipe, settings, micro_batch=5)
@@ -118,7 +127,7 @@ def test_recompute_reproduces_stored_log_probs_exactly(sd3_pipe, settings):
     assert torch.equal(out.logp[ro.mask], ro.logp_old[ro.mask])  # ratio exactly 1 for the same layout
     assert out.logp[~ro.mask].abs().sum() == 0 and ro.logp_old[ro.mask].abs().min() > 0
     # siblings share their parent's step-0 forward during training too: fewer forwards than trained steps
-    if settings.method in ("branch", "tree"):
+    if settings["name"] != "egrpo":
         assert out.nfe < int(ro.mask.sum())
     # a subset (other layout) still matches to float tolerance
     sub = torch.arange(0, len(ro), 2)
@@ -134,7 +143,7 @@ def test_scaled_split_noise_stores_the_log_prob_of_the_scaled_gaussian(sd3_pipe)
     assert torch.allclose(p["noise_level"][first_level, 0], torch.tensor(0.7 * scale))
     assert torch.allclose(p["noise_level"][first_level, 1], torch.tensor(0.7))  # non-split steps unscaled
     # re-score the stored transition by hand under both stds: only the scaled one matches the stored log-prob
-    adapter = engine.ctx.adapter
+    adapter = engine.adapter
     from visgen.pipelines import Conditioning
 
     cond = Conditioning({k: v[first_level] for k, v in p["cond"].items()}, **engine._cond_meta)
@@ -156,10 +165,9 @@ def test_scaled_split_noise_stores_the_log_prob_of_the_scaled_gaussian(sd3_pipe)
 # ----------------------------------------------------------------------------------------------- batched == node by node
 @pytest.mark.parametrize("method", ["branch", "egrpo"])
 def test_batched_expansion_equals_node_by_node(sd3_pipe, method):
-    s = branch(split_steps=[0, 2, 4, 6], factor=[2]) if method == "branch" else TreeSettings(method="egrpo")
+    s = branch(split_steps=[0, 2, 4, 6], factor=[2]) if method == "branch" else egrpo()
     e1, batched = run(sd3_pipe, s, seed=5)
-    s.node_by_node = True
-    e2, single = run(sd3_pipe, s, seed=5)
+    e2, single = run(sd3_pipe, s, seed=5, micro_batch=1)  # one node per forward
     assert torch.equal(batched.parent, single.parent) and batched.nfe == single.nfe
     assert torch.allclose(batched.payload["latents"], single.payload["latents"], atol=1e-5)
     assert torch.allclose(batched.logp_old, single.logp_old, atol=1e-5)
@@ -209,8 +217,8 @@ def test_fused_values_mean_and_logp_softmax():
 
 
 def test_egrpo_groups_share_a_consolidated_step_and_normalise_within_it(sd3_pipe):
-    s = TreeSettings(method="egrpo", egrpo=EGRPOSettings(group_size=3, schedule=[[0, 1], [2, 2], [4, 3]]))
-    _, ro = run(sd3_pipe, s, keys=[0, 1])
+    s = egrpo(schedule=[[0, 1], [2, 2], [4, 3]])
+    r, ro = run(sd3_pipe, s, keys=[0, 1], group_size=3)
     # one tree per (prompt, consolidated step): root = anchor latent, 3 members
     assert ro.keys == [0, 0, 0, 1, 1, 1] and len(ro) == 6 + 18
     # anchor 5 forwards (steps 0..4; its forward at each consolidated step is the members' step 0) + tails
@@ -219,7 +227,7 @@ def test_egrpo_groups_share_a_consolidated_step_and_normalise_within_it(sd3_pipe
     # every member trains exactly its one merged SDE step sigma_i -> sigma_{i+k}
     assert ro.mask[members].sum(1).eq(1).all() and ro.mask[members, 0].all()
     p = ro.payload
-    sigmas = as_adapter(sd3_pipe).schedule(10, TreeRolloutEngine(context(sd3_pipe), s).encode(["a"]))[0]
+    sigmas = r.adapter.schedule(10, r.adapter.encode_prompts(["a"], **r.sample_kwargs))[0]
     g1 = members[ro.group_ids[members] == 1]
     assert torch.allclose(p["sigma"][g1, 0], sigmas[2].expand(3)) and torch.allclose(p["sigma_next"][g1, 0], sigmas[4].expand(3))
     # all members of a group start from the same anchor latent
@@ -258,7 +266,7 @@ def test_depth_pruning_fixed_and_sliding(sd3_pipe):
     depth = torch.tensor([len(_path(ro.parent, i)) - 1 for i in range(len(ro))])
     trained = ro.mask.any(1)
     assert trained[depth == 1].all() and not trained[(depth == 2) | (depth == 3)].any() and trained[depth == 4].all()
-    s.branch.depth_prune_slide_every = 2
+    s["depth_prune_slide_every"] = 2
     _, ro = run(sd3_pipe, s, keys=[0], iteration=5)  # shifted by 5 // 2 = 2 depths: window [4, 6) -> depth 4
     trained = ro.mask.any(1)
     assert trained[(depth >= 1) & (depth <= 3)].all() and not trained[depth == 4].any()
@@ -296,23 +304,33 @@ def test_egrpo_merge_schedule_on_a_known_sigma_grid():
 
 # ----------------------------------------------------------------------------------------------- config
 def test_settings_validation():
-    s = from_dict(TreeSettings, {"method": "branch", "branch": {"split_steps": [0, 3, 6, 9], "factor": [2]}}, "visgen.tree")
-    s.check_steps(20)
-    assert s.branch.leaves() == 16
+    m = method_from_config(branch(split_steps=[0, 3, 6, 9], factor=[2]))
+    m.check(20, 16, "visgen.method")
+    assert m.settings.leaves() == 16
     with pytest.raises(ConfigError, match="final step cannot branch"):
-        s.check_steps(10)
+        m.check(10, 16, "visgen.method")
+    with pytest.raises(ConfigError, match="rollout.group_size: 16"):  # the one group-size knob must agree
+        m.check(20, 8, "visgen.method")
     with pytest.raises(ConfigError, match="strictly increasing"):
-        from_dict(TreeSettings, {"method": "branch", "branch": {"split_steps": [3, 1]}}, "visgen.tree")
+        method_from_config(branch(split_steps=[3, 1]))
     with pytest.raises(ConfigError, match="one number or one per split"):
-        from_dict(TreeSettings, {"method": "branch", "branch": {"factor": [2, 2]}}, "visgen.tree")
+        method_from_config(branch(factor=[2, 2]))
     with pytest.raises(ConfigError, match="logp_softmax"):
-        from_dict(TreeSettings, {"method": "branch", "branch": {"fusion": "logp_softmax"}}, "visgen.tree")
+        method_from_config(branch(fusion="logp_softmax"))
     with pytest.raises(ConfigError, match="unknown config key"):
-        from_dict(TreeSettings, {"method": "egrpo", "egrpo": {"groupsize": 4}}, "visgen.tree")
+        method_from_config(egrpo(groupsize=4))
+    with pytest.raises(ConfigError, match="unknown config key.*sde_windows"):  # only -Mix has SDE windows
+        method_from_config(branch(sde_windows=[[0, 2]]))
+    with pytest.raises(ConfigError, match="unknown config key.*split_steps"):  # another method's field
+        method_from_config(tree_grpo(split_steps=[0, 2]))
     with pytest.raises(ConfigError, match="final grid step"):
-        from_dict(TreeSettings, {"method": "egrpo", "egrpo": {"schedule": [[6, 4]]}}, "visgen.tree").check_steps(10)
+        method_from_config(egrpo(schedule=[[6, 4]])).check(10, 4, "visgen.method")
     with pytest.raises(ConfigError, match="does not fit"):
-        from_dict(TreeSettings, {"method": "tree", "tree": {"branch": [2] * 10}}, "visgen.tree").check_steps(10)
+        method_from_config(tree_grpo(branch=[2] * 10)).check(10, 2 ** 10, "visgen.method")
+    with pytest.raises(ConfigError, match="is now 'branch_grpo'"):
+        method_from_config({"name": "branch"})
+    with pytest.raises(ConfigError, match="did you mean 'tree_grpo'"):
+        method_from_config({"name": "tree_grp"})
 
 
 def test_branching_on_an_ode_step_is_refused(sd3_pipe):
@@ -336,26 +354,30 @@ def test_flux_tree_recompute_exact(flux_pipe):
 class _TinyCfg:
     method: str = "branch"
 
+    def rollout_structure(self, train_cfg) -> str:
+        return "tree"
+
 
 class _TinyTreeDomain(DomainBase):
-    """A visgen-like domain around the engine (full fine-tuning of a tiny SD3 transformer)."""
+    """A visgen-like domain around the rollouts glue (full fine-tuning of a tiny SD3 transformer)."""
 
     config_class = _TinyCfg
     pipe = None
 
     def __init__(self, cfg, ctx):
-        settings = {"branch": branch(split_steps=[0, 2], factor=[2]),
-                    "tree": TreeSettings(method="tree", tree=TreeGRPOSettings(branch=[2, 2], window_start=0)),
-                    "egrpo": TreeSettings(method="egrpo", egrpo=EGRPOSettings(group_size=2, schedule=[[0, 1], [2, 1]])),
-                    }[cfg.method]
-        self.engine = TreeRolloutEngine(context(self.pipe, steps=4), settings)
+        method = {"branch": branch(split_steps=[0, 2], factor=[2]),
+                  "tree": tree_grpo(branch=[2, 2], window_start=0),
+                  "egrpo": egrpo(schedule=[[0, 1], [2, 1]]),
+                  }[cfg.method]
+        self.group_size = 2 if cfg.method == "egrpo" else 4
+        self.engine = rollouts(self.pipe, method, steps=4)
         self.params = [p for p in self.pipe.transformer.parameters()]
 
     def train_keys(self):
         return [0, 1, 2]
 
     def rollout(self, keys, group_size, generator, iteration):
-        return self.engine.rollout(keys, generator, iteration)
+        return self.engine.rollout(keys, self.group_size, generator, iteration)
 
     def log_probs(self, rollout, idx, need_kl):
         return self.engine.log_probs(rollout, idx, need_kl)
@@ -370,7 +392,7 @@ class _TinyTreeDomain(DomainBase):
         pass
 
 
-def _tiny_trainer(pipe, monkeypatch, method, estimator, lr=1e-3, groups=2):
+def _tiny_trainer(pipe, monkeypatch, method, estimator, lr=1e-3, groups=2, selection=None):
     import copy
 
     from shared_rl import registry
@@ -387,6 +409,7 @@ def _tiny_trainer(pipe, monkeypatch, method, estimator, lr=1e-3, groups=2):
         "optim": {"lr": lr, "minibatches_per_epoch": 1, "inner_epochs": 1},
         "logging": {"progress": False}, "eval": {"at_start": False},
         "tiny_tree": {"method": method},
+        **({"selection": selection} if selection else {}),
     })
     return Trainer(cfg, None, log=lambda *_: None)
 
@@ -398,6 +421,21 @@ def test_trainer_runs_tree_rollouts_with_ratio_one(sd3_pipe, monkeypatch, method
     assert m["ratio/mean"] == pytest.approx(1.0, abs=1e-6) and m["ratio/max"] == pytest.approx(1.0, abs=1e-6)
     assert m["nfe/rollout"] > 0 and m["nfe/train"] > 0 and math.isfinite(m["loss/policy"])
     assert m["tree/leaves"] == 8 and m["grad_norm"] > 0
+
+
+def test_egrpo_groups_survive_a_selection_filter_and_vade_counts_each_key_once(sd3_pipe, monkeypatch):
+    """E-GRPO grows two groups per key (one per consolidated step). With dynamic sampling on, the trainer keeps every
+    group of the kept keys (it used to trim to groups_per_iteration *groups*, dropping half) and VADE updates each
+    drawn key once with all its images."""
+    tr = _tiny_trainer(sd3_pipe, monkeypatch, "egrpo", "depth_zscore", groups=3,
+                       selection={"filter": "zero_std", "sampler": "vade", "max_refill_rounds": 1})
+    m = tr.iteration(0)
+    assert m["groups/drawn"] >= 6 and m["groups/kept"] == 6, m  # 3 keys x 2 consolidated steps
+    counts = tr.sampler.counts
+    assert len(counts) == len(set(counts)) and 3 <= len(counts) <= 6
+    # one update: each key's pseudo-counts hold its 2 groups x 2 members (no decay applied between its groups)
+    first_round_keys = [k for k, c in counts.items() if c[0] + c[1] > 0]
+    assert all(counts[k][0] + counts[k][1] == pytest.approx(4.0) for k in first_round_keys)
 
 
 @pytest.mark.parametrize("method,estimator", [("branch", "depth_zscore"), ("tree", "tree_leaf_zscore"),
@@ -421,23 +459,23 @@ def tiny_asset(tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("tree,estimator,leaves", [
-    ({"method": "branch", "branch": {"split_steps": [0, 2], "factor": [2], "split_noise_scale": 2.0}}, "depth_zscore", 4),
-    ({"method": "tree", "tree": {"branch": [2, 2], "window_start": 1}}, "tree_leaf_zscore", 4),
-    ({"method": "egrpo", "egrpo": {"group_size": 2, "schedule": [[0, 1], [1, 2]]}}, "depth_zscore", 4),
+@pytest.mark.parametrize("method,estimator,group_size,leaves", [
+    (branch(split_steps=[0, 2], factor=[2], split_noise_scale=2.0), "depth_zscore", 4, 4),
+    (tree_grpo(branch=[2, 2], window_start=1), "tree_leaf_zscore", 4, 4),
+    (egrpo(schedule=[[0, 1], [1, 2]]), "depth_zscore", 2, 4),
 ], ids=["branch", "tree", "egrpo"])
-def test_visgen_domain_dispatches_tree_rollouts(tiny_asset, tree, estimator, leaves):
-    """``visgen.tree`` routes the domain's rollout and log_probs to the engine; LoRA training starts at ratio 1."""
+def test_visgen_domain_runs_tree_methods(tiny_asset, method, estimator, group_size, leaves):
+    """``visgen.method`` picks the tree method on the one engine; LoRA training starts at ratio 1."""
     from shared_rl.config import load_train_config
     from shared_rl.trainer import Trainer
 
     cfg = load_train_config({
         "domain": "visgen", "seed": 1, "iterations": 1,
-        "rollout": {"groups_per_iteration": 2, "group_size": leaves},
+        "rollout": {"groups_per_iteration": 2, "group_size": group_size},
         "advantage": {"estimator": estimator, "weights": {"shapes_strict": 0.0}},
         "loss": {"clip_low": 1e-3}, "optim": {"lr": 1e-2, "minibatches_per_epoch": 1, "inner_epochs": 1},
         "logging": {"progress": False}, "eval": {"at_start": False},
-        "visgen": {"model": str(tiny_asset), "num_inference_steps": 4, "lora": {"rank": 4, "alpha": 8}, "tree": tree,
+        "visgen": {"model": str(tiny_asset), "num_inference_steps": 4, "lora": {"rank": 4, "alpha": 8}, "method": method,
                    "eval": {"max_prompts": 2, "samples_per_prompt": 1, "grid_prompts": 0}},
     })
     tr = Trainer(cfg, None, log=lambda *_: None)
@@ -456,6 +494,6 @@ def test_tree_recipes_parse_without_loading_models():
     methods = {}
     for name in ("shapes_branch", "shapes_branch_prune", "shapes_branch_mix", "shapes_tree", "shapes_egrpo"):
         cfg = load_train_config(load_yaml(root / f"{name}.yaml"))
-        methods[name] = cfg.domain_config.tree.method
-    assert methods == {"shapes_branch": "branch", "shapes_branch_prune": "branch", "shapes_branch_mix": "branch",
-                       "shapes_tree": "tree", "shapes_egrpo": "egrpo"}
+        methods[name] = cfg.domain_config.method["name"]
+    assert methods == {"shapes_branch": "branch_grpo", "shapes_branch_prune": "branch_grpo",
+                       "shapes_branch_mix": "branch_grpo_mix", "shapes_tree": "tree_grpo", "shapes_egrpo": "egrpo"}

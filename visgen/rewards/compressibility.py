@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from . import check_batch, register
+from .base import check_batch, register
 
 
 def jpeg_size_kb(image: np.ndarray, quality: int = 95) -> float:

@@ -15,7 +15,7 @@ from typing import Sequence
 
 import torch
 
-from . import RewardError, check_batch, register
+from .base import RewardInputError, check_batch, register
 
 HPS_CHECKPOINT = "xswu/HPSv2:HPS_v2.1_compressed.pt"
 OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -26,7 +26,7 @@ def _import_open_clip():
     try:
         import open_clip
     except ImportError:
-        raise RewardError("the 'hps' reward needs the open_clip_torch package: pip install open_clip_torch") from None
+        raise RewardInputError("the 'hps' reward needs the open_clip_torch package: pip install open_clip_torch") from None
     return open_clip
 
 
@@ -40,9 +40,9 @@ def _checkpoint_path(checkpoint: str | None) -> str | None:
 
             return hf_hub_download(repo, filename)
         except Exception as exc:  # offline, unknown repo: one line that says what to do
-            raise RewardError(f"hps: cannot fetch {checkpoint!r} ({type(exc).__name__}); download the checkpoint "
+            raise RewardInputError(f"hps: cannot fetch {checkpoint!r} ({type(exc).__name__}); download the checkpoint "
                               "and pass its local path as checkpoint") from None
-    raise RewardError(f"hps: checkpoint {checkpoint!r} is neither a file nor '<hub repo>:<file>'")
+    raise RewardInputError(f"hps: checkpoint {checkpoint!r} is neither a file nor '<hub repo>:<file>'")
 
 
 class HPSv2:
@@ -50,10 +50,10 @@ class HPSv2:
                  batch_size: int = 32, name: str = "hps") -> None:
         open_clip = _import_open_clip()
         if batch_size < 1:
-            raise RewardError(f"hps batch_size must be >= 1, got {batch_size}")
+            raise RewardInputError(f"hps batch_size must be >= 1, got {batch_size}")
         if arch.endswith(".json"):
             if not Path(arch).is_file():
-                raise RewardError(f"hps: model config {arch!r} does not exist")
+                raise RewardInputError(f"hps: model config {arch!r} does not exist")
             open_clip.add_model_config(Path(arch))
             arch = Path(arch).stem
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -61,7 +61,7 @@ class HPSv2:
         try:
             model = open_clip.create_model(arch, pretrained=None, device="cpu")
         except RuntimeError as exc:
-            raise RewardError(f"hps: unknown open_clip architecture {arch!r} ({exc})") from None
+            raise RewardInputError(f"hps: unknown open_clip architecture {arch!r} ({exc})") from None
         if path is not None:
             if str(path).endswith(".safetensors"):
                 from safetensors.torch import load_file
@@ -71,13 +71,13 @@ class HPSv2:
                 try:  # never unpickle arbitrary objects from a downloaded file
                     state = torch.load(path, map_location="cpu", weights_only=True)
                 except Exception as exc:  # noqa: BLE001
-                    raise RewardError(f"hps: {path} is not a plain tensor state dict ({exc}); convert it to "
+                    raise RewardInputError(f"hps: {path} is not a plain tensor state dict ({exc}); convert it to "
                                       "safetensors with a trusted script") from None
             state = state.get("state_dict", state) if isinstance(state, dict) else state
             state = {k.removeprefix("module."): v for k, v in state.items()}
             missing, unexpected = model.load_state_dict(state, strict=False)
             if missing:
-                raise RewardError(f"hps: checkpoint {path} does not fit {arch} (missing {missing[:3]})")
+                raise RewardInputError(f"hps: checkpoint {path} does not fit {arch} (missing {missing[:3]})")
         self.model = model.to(self.device).eval().requires_grad_(False)
         self.tokenizer = open_clip.get_tokenizer(arch)
         size = self.model.visual.image_size

@@ -12,7 +12,7 @@ from typing import Sequence
 
 import torch
 
-from . import RewardError, check_batch, register
+from .base import RewardInputError, check_batch, register
 
 PICKSCORE_MODEL = "yuvalkirstain/PickScore_v1"
 PICKSCORE_PROCESSOR = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K"
@@ -31,15 +31,15 @@ class PickScore:
         from transformers import AutoProcessor, CLIPModel
 
         if dtype not in _DTYPES:
-            raise RewardError(f"pickscore dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+            raise RewardInputError(f"pickscore dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         if batch_size < 1:
-            raise RewardError(f"pickscore batch_size must be >= 1, got {batch_size}")
+            raise RewardInputError(f"pickscore batch_size must be >= 1, got {batch_size}")
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         try:
             self.processor = AutoProcessor.from_pretrained(processor or model)
             self.model = CLIPModel.from_pretrained(model, dtype=_DTYPES[dtype])
         except OSError as exc:
-            raise RewardError(f"pickscore: cannot load {model!r} / processor {processor or model!r} "
+            raise RewardInputError(f"pickscore: cannot load {model!r} / processor {processor or model!r} "
                               f"({str(exc).splitlines()[0]}); give local directories or download them first") from None
         self.model.to(self.device).eval().requires_grad_(False)
         self.dtype, self.batch_size, self.scale, self.name = _DTYPES[dtype], batch_size, float(scale), name

@@ -13,7 +13,7 @@ import torch
 
 from visgen.tasks import shapes as task
 
-from . import RewardError, check_batch, register
+from .base import RewardInputError, check_batch, register
 
 
 def _spec(prompt: str, meta: dict | None) -> task.PromptSpec:
@@ -24,7 +24,7 @@ def _spec(prompt: str, meta: dict | None) -> task.PromptSpec:
     try:
         return task.parse_prompt(prompt)
     except ValueError as exc:
-        raise RewardError(f"shapes reward: {exc}; pass PromptSpec.to_dict() as metadata") from exc
+        raise RewardInputError(f"shapes reward: {exc}; pass PromptSpec.to_dict() as metadata") from exc
 
 
 class ShapesReward:

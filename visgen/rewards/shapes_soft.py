@@ -29,7 +29,7 @@ import torch
 
 from visgen.tasks import shapes as task
 
-from . import check_batch, register
+from .base import check_batch, register
 from .shapes import _spec
 
 

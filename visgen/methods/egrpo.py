@@ -14,7 +14,7 @@ when given, else the entropy of the first eligible single step (the merged steps
 the noisiest step). ``schedule: [[i, k], ...]`` overrides the automatic result.
 
 **Rollout** (:func:`egrpo_forest`). Per prompt one initial noise and one deterministic ODE *anchor* path over the
-grid. For every consolidated step ``(i, k)`` a group of ``group_size`` members branches from the anchor latent
+grid. For every consolidated step ``(i, k)`` a group of ``rollout.group_size`` members branches from the anchor latent
 ``x_i``: one SDE step ``sigma_i -> sigma_{i+k}`` (its velocity is the anchor's own forward at ``x_i``, computed
 once), then ODE on grid steps ``i+k .. T-1`` to the image. As a ``Rollout`` every (prompt, consolidated step) pair
 is one tree: the root is the anchor latent (no edge), the members are its leaves, and only their SDE step trains.
@@ -33,13 +33,16 @@ from typing import Optional
 import torch
 
 from shared_rl.config import ConfigError
+from shared_rl.flow_kernels import flow_step, gaussian_entropy, get_kernel
 
-__all__ = ["EGRPOSettings", "step_entropy", "grid_entropies", "merge_schedule", "egrpo_forest"]
+from ..engine import Forwarder, Level, StepSegment, grow_forest
+from .base import Grown, RolloutMethod, register_method
+
+__all__ = ["EGRPOSettings", "EGRPO", "step_entropy", "grid_entropies", "merge_schedule", "egrpo_forest"]
 
 
 @dataclass
 class EGRPOSettings:
-    group_size: int = 4  # members per consolidated step (per prompt)
     threshold: Optional[float] = None  # per-element entropy tau (nats); None: the first eligible step's entropy
     max_merge: int = 4  # at most this many grid steps per consolidated step
     start: int = 0  # first eligible grid step
@@ -48,8 +51,6 @@ class EGRPOSettings:
     schedule: list[list[int]] = field(default_factory=list)  # manual [[i, k], ...] (overrides the threshold)
 
     def check(self, where: str) -> None:
-        if self.group_size < 2:
-            raise ConfigError(f"{where}.group_size must be >= 2 for group-relative advantages, got {self.group_size}")
         if self.max_merge < 1:
             raise ConfigError(f"{where}.max_merge must be >= 1, got {self.max_merge}")
         if not 0 < self.train_fraction <= 1:
@@ -61,7 +62,6 @@ class EGRPOSettings:
                 raise ConfigError(f"{where}.schedule entries must be [grid step i >= 0, merged steps k >= 1], got {item}")
 
     def check_steps(self, num_steps: int, where: str) -> None:
-        self.check(where)
         if self.schedule:
             end = -1
             for i, k in self.schedule:
@@ -81,8 +81,6 @@ def step_entropy(sigma: torch.Tensor | float, sigma_next: torch.Tensor | float, 
 
     The std does not depend on the latent or the velocity for any kernel, so it is read off a dummy step.
     """
-    from shared_rl.flow_kernels import gaussian_entropy, get_kernel
-
     sig = torch.as_tensor(sigma, dtype=torch.float32).reshape(-1)
     nxt = torch.as_tensor(sigma_next, dtype=torch.float32).reshape(-1).expand_as(sig)
     zeros = torch.zeros(sig.numel(), 1)
@@ -121,15 +119,12 @@ def merge_schedule(sigmas: torch.Tensor, kernel: str, noise_level: float, s: EGR
 
 @torch.no_grad()
 def egrpo_forest(adapter, cond, keys: list[int], sigmas: torch.Tensor, timesteps: torch.Tensor, s: EGRPOSettings,
-                 generator: torch.Generator | None, kernel: str, noise_level: float, reduction: str = "mean",
-                 micro_batch: int = 0, first_forward_id: int = 0):
+                 group_size: int, generator: torch.Generator | None, kernel: str, noise_level: float,
+                 reduction: str = "mean", micro_batch: int = 0, first_forward_id: int = 0):
     """Anchor paths + one group per (prompt, consolidated step); returns ``(forest, root_cond, root_keys, info)``.
 
     Root order is prompt-major: root ``p * J + j`` is prompt ``p`` at consolidated step ``j``.
     """
-    from shared_rl.flow_kernels import flow_step
-    from .trees import Level, StepSegment, _Forwarder, grow_forest
-
     T = int(timesteps.numel())
     sched, tau = merge_schedule(sigmas, kernel, noise_level, s)
     if not sched:
@@ -137,7 +132,7 @@ def egrpo_forest(adapter, cond, keys: list[int], sigmas: torch.Tensor, timesteps
     J, P = len(sched), len(keys)
     x = adapter.prepare_latents(P, cond, generator)
     device = x.device
-    fwd = _Forwarder(adapter, micro_batch, first_forward_id)
+    fwd = Forwarder(adapter, micro_batch, first_forward_id)
     starts = {i for i, _ in sched}
     last = max(starts)
     anchor: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
@@ -161,7 +156,7 @@ def egrpo_forest(adapter, cond, keys: list[int], sigmas: torch.Tensor, timesteps
     first_slots = torch.stack([anchor[sched[j][0]][3][p] for p, j in order])
     root_index = torch.tensor([p for p, _ in order], dtype=torch.long)
     root_cond = cond[root_index.to(device)]
-    level = Level.stack([s.group_size] * len(order), [segments[j] for _, j in order])
+    level = Level.stack([group_size] * len(order), [segments[j] for _, j in order])
     forest = grow_forest(adapter, root_cond, root_latents, [level], generator, kernel, reduction, micro_batch,
                          fwd.next_id, first_velocity=(first_v, first_ids, first_slots))
     forest.nfe += fwd.nfe
@@ -169,3 +164,24 @@ def egrpo_forest(adapter, cond, keys: list[int], sigmas: torch.Tensor, timesteps
     info = {"egrpo/groups_per_prompt": float(J), "egrpo/threshold": tau,
             "egrpo/mean_merge": sum(k for _, k in sched) / J}
     return forest, root_cond, [keys[p] for p, _ in order], info
+
+
+@register_method
+class EGRPO(RolloutMethod):
+    """E-GRPO: one group of ``rollout.group_size`` members per (prompt, consolidated SDE step)."""
+
+    name = "egrpo"
+    settings_class = EGRPOSettings
+
+    def check(self, num_steps: int, group_size: int, where: str) -> None:
+        self.settings.check_steps(num_steps, where)
+        if group_size is not None and group_size < 2:
+            raise ConfigError(f"rollout.group_size must be >= 2 (members per consolidated step), got {group_size}")
+
+    def grow(self, adapter, cond, keys, group_size, sigmas, timesteps, generator, iteration, k, first_forward_id):
+        forest, root_cond, root_keys, info = egrpo_forest(
+            adapter, cond, list(keys), sigmas, timesteps, self.settings, group_size, generator, k.kernel,
+            k.noise_level, k.reduction, k.micro_batch, first_forward_id)
+        R, J = len(root_keys), len(root_keys) // max(len(keys), 1)
+        # roots are prompt-major (root p * J + j: prompt p at consolidated step j); one group per root
+        return Grown(forest, root_cond, torch.arange(R), root_keys, torch.arange(len(keys)).repeat_interleave(J), info)

@@ -1,0 +1,192 @@
+"""BranchGRPO and BranchGRPO-Mix (Li et al., "BranchGRPO: Stable and Efficient GRPO with Structured Branching in
+Diffusion Models", 2025).
+
+Every prompt grows one tree: at each split step (grid step indices) every node branches ``factor`` ways, so 10
+steps with splits [0, 2, 4, 6] and factor 2 give 16 leaves (``rollout.group_size`` must be 16). Node value = the
+mean of its leaf rewards (reward fusion); the advantage of an edge is the configured tree estimator
+(``advantage.estimator``, ``depth_zscore`` in the paper: the child's value z-scored among the nodes of its depth
+in the same tree). BranchGRPO runs SDE (trained) on every step but the last; -Mix runs SDE only at split steps and
+inside ``sde_windows`` and ODE (untrained) elsewhere. Split steps may draw with a scaled noise level and then store
+the log-prob of that scaled Gaussian.
+
+Pruning (after the rewards): *width* — train only the top ``width_keep`` fraction (by |advantage|) or the best and
+worst of the leaf edges of each tree; *depth* — do not train the edges into depths ``[lo, hi)``, optionally sliding
+one depth deeper every ``depth_prune_slide_every`` iterations. Both rank by the configured estimator.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+import torch
+
+from shared_rl.advantages import TREE_ESTIMATORS, tree_advantages, tree_values
+from shared_rl.config import ConfigError
+from shared_rl.tree import is_leaf, tree_depth
+
+from ..engine import StepSegment, grow_forest
+from .base import Grown, RolloutMethod, register_method
+
+
+def _err(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+@dataclass
+class BranchSettings:
+    """BranchGRPO. ``split_steps`` branch ``factor`` ways (one number for all, or one per split)."""
+
+    split_steps: list[int] = field(default_factory=lambda: [0, 2, 4, 6])
+    factor: list[int] = field(default_factory=lambda: [2])
+    split_noise_scale: float = 1.0  # noise level multiplier on split steps (stored log-probs use the scaled std)
+    fusion: Literal["mean", "logp_softmax"] = "mean"
+    width_prune: Literal["none", "ratio", "best_worst"] = "none"  # on the leaf edges (after the last split)
+    width_keep: float = 0.5  # fraction of leaf edges trained per tree with width_prune: ratio (by |advantage|)
+    depth_prune: list[int] = field(default_factory=list)  # [lo, hi): edges into depths lo..hi-1 are not trained
+    depth_prune_slide_every: int = 0  # > 0: the window moves one depth deeper every this many iterations
+    prune_reward: Optional[str] = None  # reward output that pruning ranks by (None: the first)
+    # tree estimator that pruning ranks edges by; None: advantage.estimator (filled in when the config is loaded)
+    prune_estimator: Optional[str] = None
+
+    def factors(self) -> list[int]:
+        f = list(self.factor)
+        return f * len(self.split_steps) if len(f) == 1 else f
+
+    def leaves(self) -> int:
+        return math.prod(self.factors())
+
+    def check(self, where: str) -> None:
+        _err(len(self.split_steps) >= 1, f"{where}.split_steps must list at least one grid step, e.g. [0, 2, 4, 6]")
+        _err(sorted(set(self.split_steps)) == list(self.split_steps),
+             f"{where}.split_steps must be strictly increasing, got {self.split_steps}")
+        _err(len(self.factor) in (1, len(self.split_steps)),
+             f"{where}.factor must be one number or one per split step ({len(self.split_steps)}), got {self.factor}")
+        _err(all(f >= 1 for f in self.factor), f"{where}.factor values must be >= 1, got {self.factor}")
+        _err(self.split_noise_scale > 0, f"{where}.split_noise_scale must be > 0, got {self.split_noise_scale}")
+        _err(0 < self.width_keep <= 1, f"{where}.width_keep must be in (0, 1], got {self.width_keep}")
+        _err(len(self.depth_prune) in (0, 2), f"{where}.depth_prune must be [] or [lo, hi), got {self.depth_prune}")
+        if self.depth_prune:
+            _err(1 <= self.depth_prune[0] < self.depth_prune[1],
+                 f"{where}.depth_prune must be [lo, hi) with 1 <= lo < hi (depth 1 = the first edges), got {self.depth_prune}")
+        _err(self.fusion == "mean", f"{where}.fusion: 'logp_softmax' needs log-probs inside the shared trainer's tree "
+             "estimator, which it does not pass yet; use 'mean' (visgen.methods.branch.fused_values offers the "
+             "weighted form)")
+        if self.prune_estimator is not None:
+            _err(self.prune_estimator in TREE_ESTIMATORS, f"{where}.prune_estimator must be a tree estimator "
+                 f"({sorted(TREE_ESTIMATORS)}), got {self.prune_estimator!r}")
+
+
+@dataclass
+class BranchMixSettings(BranchSettings):
+    """BranchGRPO-Mix: SDE (trained) only at split steps and in ``sde_windows``; ODE (untrained) elsewhere."""
+
+    sde_windows: list[list[int]] = field(default_factory=list)  # [[lo, hi), ...] extra SDE grid steps
+
+    def check(self, where: str) -> None:
+        super().check(where)
+        for w in self.sde_windows:
+            _err(len(w) == 2 and 0 <= w[0] < w[1], f"{where}.sde_windows entries must be [lo, hi), got {w}")
+
+
+def fused_values(parent: torch.Tensor, leaf_reward: torch.Tensor, edge_logp: torch.Tensor | None = None,
+                 temperature: float = 1.0) -> torch.Tensor:
+    """BranchGRPO reward fusion: a node's value from its children's, bottom-up.
+
+    ``edge_logp`` None: ``v(i) = mean of the leaf rewards below i`` (uniform fusion = ``shared_rl`` ``tree_values``).
+    Given (``[N]``, the log-prob of the edge into each node), children are weighted by a softmax of their edge
+    log-probs: ``v(i) = sum_c softmax_c(logp_c / temperature) v(c)`` (the weighted variant of the paper). Leaves with
+    NaN reward are left out (a node with no finite child value is NaN).
+    """
+    parent = torch.as_tensor(parent, dtype=torch.long)
+    r = torch.as_tensor(leaf_reward, dtype=torch.float64)
+    if edge_logp is None:
+        return tree_values(parent, r)
+    logp = torch.as_tensor(edge_logp, dtype=torch.float64)
+    depth = tree_depth(parent)
+    value = torch.where(is_leaf(parent), r, torch.full_like(r, float("nan")))
+    for d in range(int(depth.max()) if depth.numel() else 0, 0, -1):
+        kids = torch.nonzero((depth == d) & torch.isfinite(value)).flatten()
+        for p in torch.unique(parent[kids]).tolist():
+            c = kids[parent[kids] == p]
+            w = torch.softmax(logp[c] / temperature, 0)
+            value[p] = (w * value[c]).sum()
+    return value.float()
+
+
+def branch_levels(s: BranchSettings, sigmas: torch.Tensor, timesteps: torch.Tensor, base_noise: float,
+                  mix: bool = False) -> list[tuple[int, StepSegment]]:
+    """BranchGRPO levels: segments between split steps (a factor-1 prefix when the first split is not step 0).
+
+    Non-mix: every grid step SDE and trained except the final one. Mix: SDE (trained) only at split steps and
+    inside ``sde_windows``; ODE (untrained) elsewhere. Split steps use ``base_noise * split_noise_scale``.
+    """
+    T = int(timesteps.numel())
+    splits = list(s.split_steps)
+    factor = dict(zip(splits, s.factors()))
+    bounds = sorted(set([0] + splits + [T]))
+    in_window = torch.zeros(T, dtype=torch.bool)
+    for lo, hi in getattr(s, "sde_windows", []):
+        in_window[lo:min(hi, T)] = True
+    levels = []
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        steps = [(i, 1) for i in range(a, b)]
+        sde = [(not mix) or (i in factor) or bool(in_window[i]) for i in range(a, b)]
+        train = [sd and i < T - 1 for sd, i in zip(sde, range(a, b))]
+        noise = [base_noise * (s.split_noise_scale if i in factor else 1.0) for i in range(a, b)]
+        levels.append((factor.get(a, 1), StepSegment.from_grid(sigmas, timesteps, steps, sde, train, noise)))
+    return levels
+
+
+@register_method
+class BranchGRPO(RolloutMethod):
+    """One tree per prompt, branching at ``split_steps``; SDE on every non-final step."""
+
+    name = "branch_grpo"
+    settings_class = BranchSettings
+    mix = False
+
+    def check(self, num_steps: int, group_size: int, where: str) -> None:
+        s = self.settings
+        _err(all(0 <= st < num_steps - 1 for st in s.split_steps),
+             f"{where}.split_steps must lie in 0..{num_steps - 2} (the final step cannot branch), got {s.split_steps}")
+        _err(group_size is None or group_size == s.leaves(), f"rollout.group_size is {group_size} but {where} grows {s.leaves()} leaves per "
+             f"tree (factors {s.factors()}); set rollout.group_size: {s.leaves()}")
+
+    def grow(self, adapter, cond, keys, group_size, sigmas, timesteps, generator, iteration, k, first_forward_id):
+        x0 = adapter.prepare_latents(len(keys), cond, generator)
+        levels = branch_levels(self.settings, sigmas, timesteps, k.noise_level, self.mix)
+        forest = grow_forest(adapter, cond, x0, levels, generator, k.kernel, k.reduction, k.micro_batch,
+                             first_forward_id)
+        return Grown(forest, cond, torch.arange(len(keys)), list(keys), torch.arange(len(keys)))
+
+    def after_rewards(self, forest, rewards, iteration):
+        """Width / depth pruning: edges whose steps are not trained this iteration."""
+        b = self.settings
+        tree = forest.tree
+        if b.depth_prune:
+            lo, hi = b.depth_prune
+            if b.depth_prune_slide_every:
+                D = int(tree.depth.max())
+                shift = iteration // b.depth_prune_slide_every
+                lo = 1 + (lo - 1 + shift) % D
+                hi = lo + (b.depth_prune[1] - b.depth_prune[0])
+            tree.mask_depth_window(lo, hi)
+        if b.width_prune != "none":
+            name = b.prune_reward or next(iter(rewards))
+            if name not in rewards:
+                raise ConfigError(f"prune_reward {name!r} is not a reward output; outputs are {sorted(rewards)}")
+            adv = tree_advantages(tree.parent, rewards[name], b.prune_estimator or "depth_zscore")
+            keep = "best_worst" if b.width_prune == "best_worst" else b.width_keep
+            tree.mask_width(adv, int(tree.depth.max()), keep)
+        return {}
+
+
+@register_method
+class BranchGRPOMix(BranchGRPO):
+    """BranchGRPO-Mix: SDE only at split steps and in ``sde_windows``; ODE (untrained) elsewhere."""
+
+    name = "branch_grpo_mix"
+    settings_class = BranchMixSettings
+    mix = True
