@@ -9,14 +9,14 @@ Contract mapping (``shared_rl/domain.py``):
 - sequences = episodes; steps = (chunk c, denoising step s) pairs flattened to t = c·S + s (S = denoising
   steps; S = 1 for the discrete head). ``logp_old[n, t]`` is the behaviour log-prob of that step and ``mask``
   marks stochastic steps of executed chunks (flow_sde: all but the last denoising step; flow_noise: all;
-  mix: the one random step per chunk; discrete: every chunk).
+  sde_one_step: the one random step per chunk; discrete: every chunk).
 - rewards: ``success`` (0/1; "success once" or "success at end" per ``env.success_mode``) and, with
   ``dense_reward``, ``dense``: the best Meta-World shaped reward of the episode / 10, in [0, 1] (weight it via
   ``advantage.weights``). The *best*, not the mean: with "success once" a fast success has a short episode of
   mostly approach steps, so a mean over steps would rank it below a failure that hovers near the goal.
 - ``evaluate``: deterministic (ODE / arg-max) episodes on held-out reset states -> ``eval/success`` and
   ``eval/success/<task>``; GIFs of one episode per task in ``run_dir/gifs``.
-- KL (``loss.kl_coef > 0``): flow_sde / mix return the Flow-GRPO mean KL ‖μ_θ − μ_ref‖²/(2σ²) per step;
+- KL (``loss.kl_coef > 0``): flow_sde / sde_one_step return the Flow-GRPO mean KL ‖μ_θ − μ_ref‖²/(2σ²) per step;
   flow_noise and discrete return reference log-probs (the trainer applies k1/k3). The reference is a frozen copy
   of the starting policy (1.3M parameters: a copy is cheaper than toggling adapters).
 """
@@ -56,9 +56,9 @@ class RoboticsConfig:
     checkpoint: str = field(default="assets/metaworld-vla-tiny",
                             metadata={"help": "pretrained VLA directory; '' = a freshly initialised `model`"})
     model: VLAConfig = field(default_factory=VLAConfig)  # only used when checkpoint is ""
-    head_mode: Literal["flow_sde", "flow_noise", "mix", "discrete"] = field(
-        default="flow_sde", metadata={"help": "exploration: flow_sde | flow_noise (ReinFlow) | mix | discrete"})
-    noise_level: float = field(default=0.7, metadata={"help": "Flow-GRPO SDE noise level a (flow_sde, mix)"})
+    head_mode: Literal["flow_sde", "flow_noise", "sde_one_step", "discrete"] = field(
+        default="flow_sde", metadata={"help": "exploration: flow_sde | flow_noise (ReinFlow) | sde_one_step | discrete"})
+    noise_level: float = field(default=0.7, metadata={"help": "Flow-GRPO SDE noise level a (flow_sde, sde_one_step)"})
     temperature: float = field(default=1.0, metadata={"help": "discrete head sampling temperature"})
     logp_reduce: Literal["sum", "mean"] = field(
         default="sum", metadata={"help": "sum | mean of log-probs over the chunk's action dims"})
@@ -80,7 +80,7 @@ class RoboticsConfig:
     def check(self, where: str = "robotics") -> None:
         if self.train_states_per_task < 1 or self.eval_states_per_task < 1:
             raise ConfigError(f"{where}: train_states_per_task and eval_states_per_task must be >= 1")
-        if self.noise_level <= 0 and self.head_mode in ("flow_sde", "mix"):
+        if self.noise_level <= 0 and self.head_mode in ("flow_sde", "sde_one_step"):
             raise ConfigError(f"{where}.noise_level must be > 0 for {self.head_mode} (0 is the deterministic ODE)")
         if self.init_noise < 0 or self.eval_init_noise < 0:
             raise ConfigError(f"{where}: init_noise and eval_init_noise must be >= 0 (1 = standard normal start)")
@@ -93,6 +93,10 @@ class RoboticsConfig:
     def rollout_structure(self, train_cfg) -> str:
         """Flat: a group is ``group_size`` episodes from one reset state (the hook of ``shared_rl.domain``)."""
         return "flat"
+
+    def reward_names(self, train_cfg) -> list[str]:
+        """The rewards a rollout emits (the core checks ``advantage.weights`` against them before loading)."""
+        return ["success"] + (["dense"] if self.dense_reward else [])
 
 
 def _resolve(path: str) -> Path:
@@ -144,7 +148,7 @@ class RoboticsDomain(DomainBase):
             raise ConfigError(f"robotics.train_tasks {extra} are not in robotics.env.tasks {cfg.env.tasks}")
         if (m.head == "discrete") != (cfg.head_mode == "discrete"):
             raise ConfigError(f"robotics.head_mode {cfg.head_mode!r} does not fit the checkpoint's {m.head!r} head; "
-                              f"use {'discrete' if m.head == 'discrete' else 'flow_sde, flow_noise or mix'}")
+                              f"use {'discrete' if m.head == 'discrete' else 'flow_sde, flow_noise or sde_one_step'}")
         for name, p in self.policy.named_parameters():
             encoder = name.split(".")[0] in ("cnn", "image_proj", "text", "proprio")
             p.requires_grad_(cfg.train_encoder or not encoder)
@@ -248,7 +252,7 @@ class RoboticsDomain(DomainBase):
                     h_ref = self._features(ref, p["images"][ep, ch], p["proprio"][ep, ch], text_ids)[rows]
                     ref_lp, _, ref_mean, _ = ref.flow.step_log_prob(h_ref, x, x_next, step, self.cfg.head_mode,
                                                                     self.cfg.noise_level, reduce)
-                if self.cfg.head_mode in ("flow_sde", "mix"):  # Flow-GRPO's KL of equal-std step Gaussians
+                if self.cfg.head_mode in ("flow_sde", "sde_one_step"):  # Flow-GRPO's KL of equal-std step Gaussians
                     kl = sde_mean_kl(mean, ref_mean, std.detach(), reduction=reduce)
                 else:
                     ref_logp = ref_lp

@@ -18,7 +18,7 @@ import torch
 from .envs.metaworld_env import instruction_for
 from .policies.vla import TinyVLA
 
-HeadMode = Literal["ode", "flow_sde", "flow_noise", "mix", "discrete", "greedy"]
+HeadMode = Literal["ode", "flow_sde", "flow_noise", "sde_one_step", "discrete", "greedy"]
 
 
 @dataclass
@@ -55,8 +55,8 @@ def sample_chunk(policy: TinyVLA, h: torch.Tensor, s: SamplingSettings, generato
     cfg = policy.cfg
     b = h.shape[0]
     if cfg.head == "flow":
-        if s.mode not in ("ode", "flow_sde", "flow_noise", "mix"):
-            raise ValueError(f"a flow head samples with ode/flow_sde/flow_noise/mix, not {s.mode!r}")
+        if s.mode not in ("ode", "flow_sde", "flow_noise", "sde_one_step"):
+            raise ValueError(f"a flow head samples with ode/flow_sde/flow_noise/sde_one_step, not {s.mode!r}")
         out = policy.flow.sample(h, s.mode, generator, s.noise_level, s.logp_reduce, s.init_noise)
         acts = out.actions.view(b, cfg.chunk, cfg.action_dim)
         return acts, out.chain, out.stochastic, out.logp, cfg.num_denoise_steps

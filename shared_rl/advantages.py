@@ -100,16 +100,6 @@ def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, method: str
     return out
 
 
-def zero_std_groups(rewards: torch.Tensor, group_ids: torch.Tensor, atol: float = 1e-8) -> torch.Tensor:
-    """Per-group flag (indexed by group id 0..G-1): True where all finite rewards in the group are equal."""
-    n = int(group_ids.max()) + 1 if group_ids.numel() else 0
-    out = torch.ones(n, dtype=torch.bool)
-    for gid in range(n):
-        vals = rewards[(group_ids == gid) & torch.isfinite(rewards)]
-        out[gid] = vals.numel() < 2 or bool((vals.max() - vals.min()).abs() <= atol)
-    return out
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # Trees: sequence/node i has parent[i] (−1 for a root); leaves carry rewards, internal nodes NaN.
 

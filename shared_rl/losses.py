@@ -266,7 +266,7 @@ def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor | None, domain_kl: torch.Te
 
 @register_kl_estimator("domain")
 def kl_domain(logp: torch.Tensor, ref_logp: torch.Tensor | None, domain_kl: torch.Tensor | None = None) -> torch.Tensor:
-    """The domain's own per-step KL (``StepLogProbs.kl``, e.g. Flow-GRPO's Gaussian-mean KL ``gaussian_mean_kl``);
+    """The domain's own per-step KL (``StepLogProbs.kl``, e.g. Flow-GRPO's Gaussian-mean KL ``shared_rl.flow_kernels.sde_mean_kl``);
     k3 on ``ref_logp`` for a domain that returns reference log-probs instead."""
     return domain_kl if domain_kl is not None else kl_k3(logp, ref_logp)
 
@@ -279,10 +279,3 @@ def kl_per_step(name: str, logp: torch.Tensor, ref_logp: torch.Tensor | None,
     if name not in KL_ESTIMATORS:
         raise KeyError(_unknown("KL estimator", name, KL_ESTIMATORS))
     return KL_ESTIMATORS["domain" if domain_kl is not None else name](logp, ref_logp, domain_kl)
-
-
-def gaussian_mean_kl(mean: torch.Tensor, ref_mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
-    """KL between Gaussians of equal std (Flow-GRPO, on SDE step means): ‖μ_θ − μ_ref‖² / (2σ²), mean over
-    non-batch dims. ``std`` broadcasts against ``mean``."""
-    kl = (mean - ref_mean) ** 2 / (2.0 * std**2)
-    return kl.flatten(1).mean(1)

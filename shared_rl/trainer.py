@@ -120,6 +120,10 @@ class Trainer:
         self.steps_per_iteration = o.inner_epochs * o.minibatches_per_epoch
         self.scheduler = make_scheduler(self.optimizer, o, cfg.iterations * self.steps_per_iteration)
         self.sampler = make_sampler(cfg.selection)
+        # reward name -> weight: advantage.weights, else the domain's own defaults (e.g. llm.rewards[].weight);
+        # read here, never written back into the trainer's config sections
+        defaults = getattr(cfg.domain_config, "default_reward_weights", None)
+        self.reward_weights = dict(cfg.advantage.weights or (defaults() if callable(defaults) else {}))
         self.start_iteration = 0
         self.nonfinite_steps = 0
         self.nonfinite_total = 0
@@ -207,7 +211,7 @@ class Trainer:
 
         # 5. advantages on the global view: one per sequence (tree estimators read the parent array)
         a = cfg.advantage
-        adv = combine_rewards(view.rewards, view.group_ids, a.estimator, a.weights, a.multi_reward,
+        adv = combine_rewards(view.rewards, view.group_ids, a.estimator, self.reward_weights, a.multi_reward,
                               view.parent, a.clip, a.eps)
         metrics["advantage/abs_mean"] = float(adv.abs().mean())
 
@@ -441,7 +445,7 @@ class Trainer:
     def _filtered(self, rollout: Rollout) -> Rollout:
         s = self.cfg.selection
         if len(rollout.rewards) > 1 and s.filter == "zero_std":
-            w = self.cfg.advantage.weights
+            w = self.reward_weights
             r = sum(w.get(k, 1.0) * v for k, v in rollout.rewards.items())
         else:
             r = self._filter_reward(rollout)
@@ -451,7 +455,7 @@ class Trainer:
     def _reward_metrics(self, rollout: Rollout) -> dict[str, float]:
         m: dict[str, float] = {}
         total = None
-        w = self.cfg.advantage.weights
+        w = self.reward_weights
         for name, r in rollout.rewards.items():
             ok = torch.isfinite(r)
             m[f"reward/{name}/mean"] = float(r[ok].mean()) if ok.any() else float("nan")

@@ -24,7 +24,7 @@ Specs (method -> name):
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -125,8 +125,13 @@ class FlowGRPOPlan(PlanSpec):
     """
 
     name: ClassVar[str] = "flow_grpo"
-    train_fraction: float = 1.0
-    select: Literal["first", "random"] = "first"
+    train_fraction: float = field(default=1.0,
+                                  metadata={"help": "fraction of the T denoising steps trained per sample (capped at "
+                                                    "T-1)"})
+    select: Literal["first", "random"] = field(default="first",
+                                               metadata={"help": "'first': the first (high-noise) steps, as "
+                                                                 "Flow-GRPO's timestep_fraction; 'random': a random "
+                                                                 "subset per sample"})
 
     def __post_init__(self) -> None:
         _check(0.0 < self.train_fraction <= 1.0, f"flow_grpo.train_fraction must be in (0, 1], got {self.train_fraction}")
@@ -160,7 +165,9 @@ class DanceGRPOPlan(PlanSpec):
     """All steps SDE; each sample trains its own random ``train_fraction`` of the steps (DanceGRPO: 0.6)."""
 
     name: ClassVar[str] = "dance_grpo"
-    train_fraction: float = 0.6
+    train_fraction: float = field(default=0.6,
+                                  metadata={"help": "fraction of the steps trained, a fresh random subset per sample "
+                                                    "(DanceGRPO: 0.6)"})
 
     def __post_init__(self) -> None:
         _check(0.0 < self.train_fraction <= 1.0, f"dance_grpo.train_fraction must be in (0, 1], got {self.train_fraction}")
@@ -186,11 +193,13 @@ class FlowGRPOFastPlan(PlanSpec):
     """
 
     name: ClassVar[str] = "flow_grpo_fast"
-    min_window: int = 1
-    max_window: int = 3
-    range_start: int = 0
-    range_end: int | None = None
-    per_sample: bool = False
+    min_window: int = field(default=1, metadata={"help": "smallest SDE window (consecutive steps)"})
+    max_window: int = field(default=3, metadata={"help": "largest SDE window"})
+    range_start: int = field(default=0, metadata={"help": "first grid step a window may start at"})
+    range_end: int | None = field(default=None,
+                                  metadata={"help": "windows end before this grid step (null: half the schedule)"})
+    per_sample: bool = field(default=False,
+                             metadata={"help": "draw a window per sample instead of one per rollout call"})
 
     def __post_init__(self) -> None:
         _check(1 <= self.min_window <= self.max_window,
@@ -225,13 +234,18 @@ class MixGRPOPlan(PlanSpec):
     """
 
     name: ClassVar[str] = "mix_grpo"
-    window_size: int = 4
-    shift: int = 1
-    iters_per_shift: int = 25
-    schedule: Literal["progressive", "random"] = "progressive"
-    left_boundary: int = 0
-    right_boundary: int | None = None
-    roll_back: bool = False
+    window_size: int = field(default=4, metadata={"help": "SDE steps in the sliding window"})
+    shift: int = field(default=1, metadata={"help": "steps the window moves toward low noise per move"})
+    iters_per_shift: int = field(default=25, metadata={"help": "iterations between moves (progressive schedule)"})
+    schedule: Literal["progressive", "random"] = field(default="progressive",
+                                                       metadata={"help": "'progressive': slide with the iteration; "
+                                                                         "'random': a uniform start every iteration"})
+    left_boundary: int = field(default=0, metadata={"help": "the window's first possible start step"})
+    right_boundary: int | None = field(default=None,
+                                       metadata={"help": "the window's last possible end step (null: T-1)"})
+    roll_back: bool = field(default=False,
+                            metadata={"help": "restart at the left boundary after reaching the right one (else stay "
+                                              "there)"})
 
     def __post_init__(self) -> None:
         _check(self.window_size >= 1, f"mix_grpo.window_size must be >= 1, got {self.window_size}")
@@ -271,8 +285,10 @@ class ExplicitPlan(PlanSpec):
     """Given step indices: ``sde_steps`` (None: all) and ``train_steps`` (None: all SDE steps but the last)."""
 
     name: ClassVar[str] = "explicit"
-    sde_steps: list[int] | None = None
-    train_steps: list[int] | None = None
+    sde_steps: list[int] | None = field(default=None, metadata={"help": "grid steps that are SDE (null: all)"})
+    train_steps: list[int] | None = field(default=None,
+                                          metadata={"help": "grid steps that are trained (null: every SDE step but the "
+                                                            "last)"})
 
     def build(self, num_steps, batch_size, generator=None, iteration=0) -> StepPlan:
         sde = torch.zeros(num_steps, dtype=torch.bool)

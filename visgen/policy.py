@@ -34,11 +34,16 @@ DEFAULT_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k
 
 @dataclass
 class LoraSettings:
-    rank: int = 8
-    alpha: float = 16.0
-    dropout: float = 0.0  # non-zero dropout makes recomputed log-probs differ from the rollout's (ratio != 1)
-    target_modules: list[str] = field(default_factory=lambda: list(DEFAULT_LORA_TARGETS))
-    init: Literal["default", "gaussian"] = "default"  # both start with B = 0 (adapter = identity)
+    rank: int = field(default=8, metadata={"help": "LoRA rank r"})
+    alpha: float = field(default=16.0, metadata={"help": "LoRA alpha (the update is scaled by alpha / r)"})
+    dropout: float = field(default=0.0,
+                           metadata={"help": "LoRA dropout (non-zero makes recomputed log-probs differ from the "
+                                             "rollout's: ratio != 1)"})
+    target_modules: list[str] = field(default_factory=lambda: list(DEFAULT_LORA_TARGETS),
+                                      metadata={"help": "transformer module names that get an adapter"})
+    init: Literal["default", "gaussian"] = field(default="default",
+                                                 metadata={"help": "adapter init: 'default' or 'gaussian' (both start "
+                                                                   "with B = 0, the adapter is the identity)"})
 
     def check(self, where: str) -> None:
         if self.rank < 1:
@@ -53,9 +58,11 @@ class LoraSettings:
 
 @dataclass
 class EmaSettings:
-    enabled: bool = False
-    decay: float = 0.9
-    update_every: int = 1  # optimizer steps between EMA updates
+    enabled: bool = field(default=False,
+                          metadata={"help": "keep an EMA of the trained weights (evaluated and exported when "
+                                            "eval.use_ema)"})
+    decay: float = field(default=0.9, metadata={"help": "EMA decay per update"})
+    update_every: int = field(default=1, metadata={"help": "optimizer steps between EMA updates"})
 
     def check(self, where: str) -> None:
         if not 0 <= self.decay < 1:

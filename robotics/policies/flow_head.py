@@ -14,7 +14,7 @@ Sampling modes (one *step* = one denoising step of one action chunk):
 - ``flow_noise`` (ReinFlow, Zhang et al. 2025, "ReinFlow: Fine-tuning Flow Matching Policy with Online RL"): a
   learned noise head gives a per-dimension std σ_θ(h, x, σ) ∈ [std_min, std_max]; x' = x + v·dt + σ_θ·ε. Every
   step is stochastic and trained (the std is bounded below, so the last step is safe too).
-- ``mix`` (the ODE–SDE mix of πRL's Flow-SDE / MixGRPO-style windows): one denoising step per chunk, chosen at
+- ``sde_one_step`` (the ODE–SDE mix of πRL's Flow-SDE / MixGRPO-style windows): one denoising step per chunk, chosen at
   random in [0, S−2], uses the flow_sde kernel; the others are ODE. The chain and the chosen index are stored so
   the log-prob of that one step is recomputed exactly.
 
@@ -34,7 +34,7 @@ from torch import nn
 
 from shared_rl.flow_kernels import StepOutput, flow_step, gaussian_entropy, gaussian_log_prob, ode_step
 
-MODES = ("ode", "flow_sde", "flow_noise", "mix")
+MODES = ("ode", "flow_sde", "flow_noise", "sde_one_step")
 
 
 @dataclass
@@ -95,14 +95,14 @@ class FlowActionHead(nn.Module):
         """Denoising step ``step`` (per row) of ``mode``: the one code path of sampling and of recomputation.
 
         Rows where ``stochastic`` is False take the ODE step (std 0, log-prob 0). Give ``noise`` to sample the
-        stochastic rows or ``next_sample`` to score stored transitions (with grad). ``flow_sde``/``mix`` use the shared
+        stochastic rows or ``next_sample`` to score stored transitions (with grad). ``flow_sde``/``sde_one_step`` use the shared
         Flow-GRPO kernel; ``flow_noise`` is the ODE mean with ReinFlow's learned per-dimension std; ``ode`` is Euler.
         """
         sig = self.sigmas.to(x.device)
         sigma, sigma_next = sig[step], sig[step + 1]
         v = self.velocity_at(h, x, sigma)
         if mode != "flow_noise":
-            kernel = "sde" if mode in ("flow_sde", "mix") else "ode"
+            kernel = "sde" if mode in ("flow_sde", "sde_one_step") else "ode"
             return flow_step(kernel, x, v, sigma, sigma_next, noise_level, noise=noise, next_sample=next_sample,
                              stochastic=stochastic, reduction=reduce)
         ode = ode_step(x, v, sigma, sigma_next)
@@ -113,14 +113,14 @@ class FlowActionHead(nn.Module):
         return StepOutput(next_sample, ode.mean, std, gaussian_log_prob(next_sample, ode.mean, std, reduce))
 
     def stochastic_steps(self, batch: int, mode: str, generator: torch.Generator | None, device) -> torch.Tensor:
-        """[B, S] bool: which steps are sampled in ``mode`` (mix draws one index per row from ``generator``)."""
+        """[B, S] bool: which steps are sampled in ``mode`` (sde_one_step draws one index per row from ``generator``)."""
         s = self.num_steps
         out = torch.zeros(batch, s, dtype=torch.bool, device=device)
         if mode == "flow_noise":
             out[:] = True
         elif mode == "flow_sde":
             out[:, : max(s - 1, 1)] = True
-        elif mode == "mix":
+        elif mode == "sde_one_step":
             idx = torch.randint(0, max(s - 1, 1), (batch,), generator=generator).to(device)
             out[torch.arange(batch, device=device), idx] = True
         return out
@@ -154,7 +154,7 @@ class FlowActionHead(nn.Module):
                       noise_level: float = 0.7, reduce: str = "sum") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Log-prob (with grad) of stored transitions x → x_next at denoising ``step`` (one per row, all trained).
 
-        Returns (logp [B], entropy [B], mean [B, D], std [B, 1 or D]); ``mix`` rows use the flow_sde kernel.
+        Returns (logp [B], entropy [B], mean [B, D], std [B, 1 or D]); ``sde_one_step`` rows use the flow_sde kernel.
         """
         out = self.transition(h, x, step, mode, noise_level, True, next_sample=x_next, reduce=reduce)
         return out.log_prob, gaussian_entropy(out.std, self.action_dim, reduce), out.mean, out.std

@@ -143,14 +143,14 @@ class LLMConfig:
         if self.tree.enabled and est not in TREE_ESTIMATORS:
             raise ConfigError(f"llm.tree.enabled needs a tree advantage estimator; set advantage.estimator to one of "
                               f"{sorted(TREE_ESTIMATORS)} (got {est!r})")
-        weights = {build_reward(r)[0]: r.weight for r in self.rewards}
-        if not cfg.advantage.weights:
-            cfg.advantage.weights = weights
-        else:
-            unknown = set(cfg.advantage.weights) - set(weights)
-            if unknown:
-                raise ConfigError(f"advantage.weights names {sorted(unknown)}, which are not llm.rewards labels "
-                                  f"{sorted(weights)}")
+        unknown = set(cfg.advantage.weights) - set(self.default_reward_weights())
+        if unknown:
+            raise ConfigError(f"advantage.weights names {sorted(unknown)}, which are not llm.rewards labels "
+                              f"{sorted(self.default_reward_weights())}")
+
+    def default_reward_weights(self) -> dict[str, float]:
+        """Reward label -> ``llm.rewards[].weight``: the trainer's weights when ``advantage.weights`` is empty."""
+        return {build_reward(r)[0]: r.weight for r in self.rewards}
 
 
 def _pad_steps(x: torch.Tensor, width: int, value: float = 0.0) -> torch.Tensor:

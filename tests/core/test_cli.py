@@ -159,6 +159,12 @@ DOCUMENTED = [
     "shared_rl.llm.pretrain:SFTConfig", "shared_rl.llm.pretrain:TinyLlamaArch",
     "robotics.domain:RoboticsConfig", "robotics.envs.vector:EnvConfig", "robotics.policies.vla:VLAConfig",
     "robotics.bc:BCConfig", "robotics.bc:CollectConfig",
+    "visgen.domain:VisgenConfig", "visgen.domain:EvalSettings", "visgen.domain:RewardSpec",
+    "visgen.policy:LoraSettings", "visgen.policy:EmaSettings",
+    "visgen.plans:FlowGRPOPlan", "visgen.plans:DanceGRPOPlan", "visgen.plans:FlowGRPOFastPlan",
+    "visgen.plans:MixGRPOPlan", "visgen.plans:ExplicitPlan",
+    "visgen.methods.branch:BranchSettings", "visgen.methods.branch:BranchMixSettings",
+    "visgen.methods.tree_grpo:TreeGRPOSettings", "visgen.methods.egrpo:EGRPOSettings",
 ]
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from shared_rl.config import ConfigError, LossConfig
-from shared_rl.losses import (KL_ESTIMATORS, POLICY_LOSSES, Normalizer, aggregate, clipped_surrogate, gaussian_mean_kl,
+from shared_rl.losses import (KL_ESTIMATORS, POLICY_LOSSES, Normalizer, aggregate, clipped_surrogate,
                               get_policy_loss, kl_k1, kl_k3, kl_per_step)
 
 
@@ -160,5 +160,8 @@ def test_kl_estimators():
         assert kl_per_step(name, logp, None, own) is own
     with pytest.raises(ConfigError, match="neither its own kl nor ref_logp"):
         kl_per_step("k3", logp, None, None)
+    # the domain-side Flow-GRPO KL (one copy, shared_rl.flow_kernels): ||mu - mu_ref||^2 / (2 std^2), mean over elements
+    from shared_rl.flow_kernels import sde_mean_kl
+
     mean = torch.tensor([[1.0, 3.0]])
-    assert torch.allclose(gaussian_mean_kl(mean, torch.zeros(1, 2), torch.tensor(2.0)), torch.tensor([(1 / 8 + 9 / 8) / 2]))
+    assert torch.allclose(sde_mean_kl(mean, torch.zeros(1, 2), torch.tensor([2.0])), torch.tensor([(1 / 8 + 9 / 8) / 2]))

@@ -24,7 +24,7 @@ def _domain(head_mode="flow_sde", env=None, **extra):
     return RoboticsDomain(cfg, RunContext(run_dir=None, device=torch.device("cpu"), seed=0))
 
 
-@pytest.mark.parametrize("mode,trained_per_chunk", [("flow_sde", 2), ("flow_noise", 3), ("mix", 1), ("discrete", 1)])
+@pytest.mark.parametrize("mode,trained_per_chunk", [("flow_sde", 2), ("flow_noise", 3), ("sde_one_step", 1), ("discrete", 1)])
 def test_rollout_layout_and_recompute_ratio_is_one(mode, trained_per_chunk):
     dom = _domain(mode)
     keys = dom.train_keys()[:3]
@@ -48,7 +48,7 @@ def test_rollout_layout_and_recompute_ratio_is_one(mode, trained_per_chunk):
 
 def test_metaworld_group_shares_its_reset_state_and_eval_states_are_held_out():
     env = {"tasks": ["reach-v3", "drawer-close-v3"], "horizon": 8}
-    dom = _domain("mix", env=env, train_states_per_task=3)
+    dom = _domain("sde_one_step", env=env, train_states_per_task=3)
     keys = [dom.train_keys()[0], dom.train_keys()[4]]
     ro = dom.rollout(keys, 3, torch.Generator().manual_seed(0), 0)
     first = ro.payload["images"][:, 0]

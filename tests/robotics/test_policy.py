@@ -76,16 +76,16 @@ def test_zero_init_noise_makes_the_ode_deterministic_and_mix_still_explores():
     assert torch.equal(a.actions, b.actions), "with no starting noise the ODE ignores the generator"
     c = policy.flow.sample(h, "ode", torch.Generator().manual_seed(4))
     assert not torch.allclose(a.actions, c.actions, atol=1e-3)
-    # mix from the origin: the SDE step is the only randomness, and its log-prob is recomputed exactly
-    m1 = policy.flow.sample(h, "mix", torch.Generator().manual_seed(5), noise_level=0.7, init_noise=0.0)
-    m2 = policy.flow.sample(h, "mix", torch.Generator().manual_seed(6), noise_level=0.7, init_noise=0.0)
+    # sde_one_step from the origin: the SDE step is the only randomness, and its log-prob is recomputed exactly
+    m1 = policy.flow.sample(h, "sde_one_step", torch.Generator().manual_seed(5), noise_level=0.7, init_noise=0.0)
+    m2 = policy.flow.sample(h, "sde_one_step", torch.Generator().manual_seed(6), noise_level=0.7, init_noise=0.0)
     assert not torch.allclose(m1.actions, m2.actions, atol=1e-3)
     rows, steps = torch.nonzero(m1.stochastic, as_tuple=True)
-    logp, _, _, _ = policy.flow.step_log_prob(h[rows], m1.chain[rows, steps], m1.chain[rows, steps + 1], steps, "mix", 0.7)
+    logp, _, _, _ = policy.flow.step_log_prob(h[rows], m1.chain[rows, steps], m1.chain[rows, steps + 1], steps, "sde_one_step", 0.7)
     assert torch.allclose(logp, m1.logp[rows, steps], atol=1e-4)
 
 
-@pytest.mark.parametrize("mode,expected_steps", [("flow_sde", 3), ("flow_noise", 4), ("mix", 1)])
+@pytest.mark.parametrize("mode,expected_steps", [("flow_sde", 3), ("flow_noise", 4), ("sde_one_step", 1)])
 def test_flow_head_recompute_ratio_is_one(mode, expected_steps):
     policy = _policy()
     h = _features(policy)

@@ -38,17 +38,35 @@ def _err(cond: bool, msg: str) -> None:
 class BranchSettings:
     """BranchGRPO. ``split_steps`` branch ``factor`` ways (one number for all, or one per split)."""
 
-    split_steps: list[int] = field(default_factory=lambda: [0, 2, 4, 6])
-    factor: list[int] = field(default_factory=lambda: [2])
-    split_noise_scale: float = 1.0  # noise level multiplier on split steps (stored log-probs use the scaled std)
-    fusion: Literal["mean", "logp_softmax"] = "mean"
-    width_prune: Literal["none", "ratio", "best_worst"] = "none"  # on the leaf edges (after the last split)
-    width_keep: float = 0.5  # fraction of leaf edges trained per tree with width_prune: ratio (by |advantage|)
-    depth_prune: list[int] = field(default_factory=list)  # [lo, hi): edges into depths lo..hi-1 are not trained
-    depth_prune_slide_every: int = 0  # > 0: the window moves one depth deeper every this many iterations
-    prune_reward: Optional[str] = None  # reward output that pruning ranks by (None: the first)
+    split_steps: list[int] = field(default_factory=lambda: [0, 2, 4, 6],
+                                   metadata={"help": "grid steps where every node branches (strictly increasing, "
+                                                     "before the final step)"})
+    factor: list[int] = field(default_factory=lambda: [2],
+                              metadata={"help": "children per split: one number for all splits, or one per split"})
+    split_noise_scale: float = field(default=1.0,
+                                     metadata={"help": "noise-level multiplier on split steps (the stored log-prob "
+                                                       "uses the scaled std)"})
+    fusion: Literal["mean", "logp_softmax"] = field(default="mean",
+                                                    metadata={"help": "node value from its leaves: mean "
+                                                                      "('logp_softmax' needs log-probs in the tree "
+                                                                      "estimator: not yet)"})
+    width_prune: Literal["none", "ratio", "best_worst"] = field(default="none",
+                                                                metadata={"help": "train only some leaf edges: 'ratio' "
+                                                                                  "(top width_keep by |advantage|) or "
+                                                                                  "'best_worst'"})
+    width_keep: float = field(default=0.5,
+                              metadata={"help": "fraction of leaf edges trained per tree with width_prune: ratio"})
+    depth_prune: list[int] = field(default_factory=list,
+                                   metadata={"help": "[lo, hi): edges into depths lo..hi-1 are not trained ([] = none)"})
+    depth_prune_slide_every: int = field(default=0,
+                                         metadata={"help": "> 0: the depth window moves one depth deeper every this "
+                                                           "many iterations"})
+    prune_reward: Optional[str] = field(default=None,
+                                        metadata={"help": "reward output pruning ranks by (null: the first)"})
     # tree estimator that pruning ranks edges by; None: advantage.estimator (filled in when the config is loaded)
-    prune_estimator: Optional[str] = None
+    prune_estimator: Optional[str] = field(default=None,
+                                           metadata={"help": "tree estimator pruning ranks edges by (null: "
+                                                             "advantage.estimator)"})
 
     def factors(self) -> list[int]:
         f = list(self.factor)
@@ -82,7 +100,9 @@ class BranchSettings:
 class BranchMixSettings(BranchSettings):
     """BranchGRPO-Mix: SDE (trained) only at split steps and in ``sde_windows``; ODE (untrained) elsewhere."""
 
-    sde_windows: list[list[int]] = field(default_factory=list)  # [[lo, hi), ...] extra SDE grid steps
+    sde_windows: list[list[int]] = field(default_factory=list,
+                                         metadata={"help": "[[lo, hi), ...] extra SDE (trained) grid steps besides the "
+                                                           "split steps"})
 
     def check(self, where: str) -> None:
         super().check(where)

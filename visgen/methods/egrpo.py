@@ -43,12 +43,18 @@ __all__ = ["EGRPOSettings", "EGRPO", "step_entropy", "grid_entropies", "merge_sc
 
 @dataclass
 class EGRPOSettings:
-    threshold: Optional[float] = None  # per-element entropy tau (nats); None: the first eligible step's entropy
-    max_merge: int = 4  # at most this many grid steps per consolidated step
-    start: int = 0  # first eligible grid step
-    train_fraction: float = 0.5  # consolidated steps start in the first ceil(fraction * T) grid steps
-    max_groups: int = 0  # keep only the first N consolidated steps (0: all)
-    schedule: list[list[int]] = field(default_factory=list)  # manual [[i, k], ...] (overrides the threshold)
+    threshold: Optional[float] = field(default=None,
+                                       metadata={"help": "per-element entropy tau in nats a merged step must reach "
+                                                         "(null: the first eligible step's entropy)"})
+    max_merge: int = field(default=4, metadata={"help": "at most this many grid steps per consolidated step"})
+    start: int = field(default=0, metadata={"help": "first eligible grid step"})
+    train_fraction: float = field(default=0.5,
+                                  metadata={"help": "consolidated steps start in the first ceil(fraction * T) grid "
+                                                    "steps"})
+    max_groups: int = field(default=0, metadata={"help": "keep only the first N consolidated steps (0: all)"})
+    schedule: list[list[int]] = field(default_factory=list,
+                                      metadata={"help": "manual [[i, k], ...]: SDE step sigma_i -> sigma_{i+k} "
+                                                        "(overrides the threshold)"})
 
     def check(self, where: str) -> None:
         if self.max_merge < 1:

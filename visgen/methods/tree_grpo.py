@@ -28,10 +28,16 @@ def _err(cond: bool, msg: str) -> None:
 
 @dataclass
 class TreeGRPOSettings:
-    branch: list[int] = field(default_factory=lambda: [2, 2, 2, 2])  # branch factor of each SDE-window step
-    window_start: Optional[int] = None  # first window step; None: random per rollout call within the range
-    range_start: int = 0
-    range_end: Optional[int] = None  # None: the first half of the schedule
+    branch: list[int] = field(default_factory=lambda: [2, 2, 2, 2],
+                              metadata={"help": "branch factor of each SDE-window step (leaves = their product = "
+                                                "rollout.group_size)"})
+    window_start: Optional[int] = field(default=None,
+                                        metadata={"help": "first window step (null: random per rollout call within the "
+                                                          "range)"})
+    range_start: int = field(default=0, metadata={"help": "first grid step a random window may start at"})
+    range_end: Optional[int] = field(default=None,
+                                     metadata={"help": "random windows end before this grid step (null: the first half "
+                                                       "of the schedule)"})
 
     def check(self, where: str) -> None:
         _err(len(self.branch) >= 1 and all(b >= 1 for b in self.branch),
