@@ -31,14 +31,13 @@ import contextlib
 import json
 import math
 import re
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal, Optional
 
 import torch
 
-from shared_rl.config import ConfigError, from_dict
+from shared_rl.config import ConfigError
 from shared_rl.domain import DomainBase, RunContext, StepLogProbs
 from shared_rl.rewards import RewardGuardConfig, guarded_reward
 from shared_rl.rollout import Rollout

@@ -11,7 +11,13 @@ from shared_rl.config import ConfigError, from_dict
 
 from ..engine import Forest
 
-__all__ = ["KernelSettings", "Grown", "RolloutMethod", "METHODS", "register_method", "method_from_config"]
+__all__ = ["KernelSettings", "Grown", "RolloutMethod", "METHODS", "register_method", "method_from_config", "require"]
+
+
+def require(condition: bool, message: str) -> None:
+    """A settings check: ``ConfigError(message)`` (one actionable line) unless ``condition``."""
+    if not condition:
+        raise ConfigError(message)
 
 
 @dataclass

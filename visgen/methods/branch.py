@@ -26,12 +26,7 @@ from shared_rl.config import ConfigError
 from shared_rl.tree import is_leaf, tree_depth
 
 from ..engine import StepSegment, grow_forest
-from .base import Grown, RolloutMethod, register_method
-
-
-def _err(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ConfigError(msg)
+from .base import Grown, RolloutMethod, register_method, require
 
 
 @dataclass
@@ -76,23 +71,23 @@ class BranchSettings:
         return math.prod(self.factors())
 
     def check(self, where: str) -> None:
-        _err(len(self.split_steps) >= 1, f"{where}.split_steps must list at least one grid step, e.g. [0, 2, 4, 6]")
-        _err(sorted(set(self.split_steps)) == list(self.split_steps),
+        require(len(self.split_steps) >= 1, f"{where}.split_steps must list at least one grid step, e.g. [0, 2, 4, 6]")
+        require(sorted(set(self.split_steps)) == list(self.split_steps),
              f"{where}.split_steps must be strictly increasing, got {self.split_steps}")
-        _err(len(self.factor) in (1, len(self.split_steps)),
+        require(len(self.factor) in (1, len(self.split_steps)),
              f"{where}.factor must be one number or one per split step ({len(self.split_steps)}), got {self.factor}")
-        _err(all(f >= 1 for f in self.factor), f"{where}.factor values must be >= 1, got {self.factor}")
-        _err(self.split_noise_scale > 0, f"{where}.split_noise_scale must be > 0, got {self.split_noise_scale}")
-        _err(0 < self.width_keep <= 1, f"{where}.width_keep must be in (0, 1], got {self.width_keep}")
-        _err(len(self.depth_prune) in (0, 2), f"{where}.depth_prune must be [] or [lo, hi), got {self.depth_prune}")
+        require(all(f >= 1 for f in self.factor), f"{where}.factor values must be >= 1, got {self.factor}")
+        require(self.split_noise_scale > 0, f"{where}.split_noise_scale must be > 0, got {self.split_noise_scale}")
+        require(0 < self.width_keep <= 1, f"{where}.width_keep must be in (0, 1], got {self.width_keep}")
+        require(len(self.depth_prune) in (0, 2), f"{where}.depth_prune must be [] or [lo, hi), got {self.depth_prune}")
         if self.depth_prune:
-            _err(1 <= self.depth_prune[0] < self.depth_prune[1],
+            require(1 <= self.depth_prune[0] < self.depth_prune[1],
                  f"{where}.depth_prune must be [lo, hi) with 1 <= lo < hi (depth 1 = the first edges), got {self.depth_prune}")
-        _err(self.fusion == "mean", f"{where}.fusion: 'logp_softmax' needs log-probs inside the shared trainer's tree "
+        require(self.fusion == "mean", f"{where}.fusion: 'logp_softmax' needs log-probs inside the shared trainer's tree "
              "estimator, which it does not pass yet; use 'mean' (visgen.methods.branch.fused_values offers the "
              "weighted form)")
         if self.prune_estimator is not None:
-            _err(self.prune_estimator in TREE_ESTIMATORS, f"{where}.prune_estimator must be a tree estimator "
+            require(self.prune_estimator in TREE_ESTIMATORS, f"{where}.prune_estimator must be a tree estimator "
                  f"({sorted(TREE_ESTIMATORS)}), got {self.prune_estimator!r}")
 
 
@@ -107,7 +102,7 @@ class BranchMixSettings(BranchSettings):
     def check(self, where: str) -> None:
         super().check(where)
         for w in self.sde_windows:
-            _err(len(w) == 2 and 0 <= w[0] < w[1], f"{where}.sde_windows entries must be [lo, hi), got {w}")
+            require(len(w) == 2 and 0 <= w[0] < w[1], f"{where}.sde_windows entries must be [lo, hi), got {w}")
 
 
 def fused_values(parent: torch.Tensor, leaf_reward: torch.Tensor, edge_logp: torch.Tensor | None = None,
@@ -169,9 +164,9 @@ class BranchGRPO(RolloutMethod):
 
     def check(self, num_steps: int, group_size: int, where: str) -> None:
         s = self.settings
-        _err(all(0 <= st < num_steps - 1 for st in s.split_steps),
+        require(all(0 <= st < num_steps - 1 for st in s.split_steps),
              f"{where}.split_steps must lie in 0..{num_steps - 2} (the final step cannot branch), got {s.split_steps}")
-        _err(group_size is None or group_size == s.leaves(), f"rollout.group_size is {group_size} but {where} grows {s.leaves()} leaves per "
+        require(group_size is None or group_size == s.leaves(), f"rollout.group_size is {group_size} but {where} grows {s.leaves()} leaves per "
              f"tree (factors {s.factors()}); set rollout.group_size: {s.leaves()}")
 
     def grow(self, adapter, cond, keys, group_size, sigmas, timesteps, generator, iteration, k, first_forward_id):

@@ -15,15 +15,9 @@ from typing import Optional
 
 import torch
 
-from shared_rl.config import ConfigError
 
 from ..engine import StepSegment, grow_forest
-from .base import Grown, RolloutMethod, register_method
-
-
-def _err(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ConfigError(msg)
+from .base import Grown, RolloutMethod, register_method, require
 
 
 @dataclass
@@ -40,9 +34,9 @@ class TreeGRPOSettings:
                                                        "of the schedule)"})
 
     def check(self, where: str) -> None:
-        _err(len(self.branch) >= 1 and all(b >= 1 for b in self.branch),
+        require(len(self.branch) >= 1 and all(b >= 1 for b in self.branch),
              f"{where}.branch must list factors >= 1 (one per window step), got {self.branch}")
-        _err(self.range_start >= 0, f"{where}.range_start must be >= 0, got {self.range_start}")
+        require(self.range_start >= 0, f"{where}.range_start must be >= 0, got {self.range_start}")
 
     def leaves(self) -> int:
         return math.prod(self.branch)
@@ -51,7 +45,7 @@ class TreeGRPOSettings:
         size = len(self.branch)
         end = self.range_end if self.range_end is not None else max(num_steps // 2, self.range_start + size)
         end = min(end, num_steps - 1)
-        _err(end - self.range_start >= size, f"{where}: a window of {size} steps does not fit in grid steps "
+        require(end - self.range_start >= size, f"{where}: a window of {size} steps does not fit in grid steps "
              f"[{self.range_start}, {end}) of {num_steps} (the final step is never trained)")
         return self.range_start, end
 
@@ -94,9 +88,9 @@ class TreeGRPO(RolloutMethod):
         s.bounds(num_steps, where)
         if s.window_start is not None:
             lo = s.window_start
-            _err(0 <= lo and lo + len(s.branch) <= num_steps - 1,
+            require(0 <= lo and lo + len(s.branch) <= num_steps - 1,
                  f"{where}.window_start {lo} + {len(s.branch)} steps must end before the final step")
-        _err(group_size is None or group_size == s.leaves(), f"rollout.group_size is {group_size} but {where} grows {s.leaves()} leaves per "
+        require(group_size is None or group_size == s.leaves(), f"rollout.group_size is {group_size} but {where} grows {s.leaves()} leaves per "
              f"tree (branch {s.branch}); set rollout.group_size: {s.leaves()}")
 
     def grow(self, adapter, cond, keys, group_size, sigmas, timesteps, generator, iteration, k, first_forward_id):
