@@ -15,7 +15,7 @@ export TOKENIZERS_PARALLELISM ?= false
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade "pip>=24"
-	$(PY) -m pip install -q -c constraints.txt -e ".[dev,robotics]"
+	$(PY) -m pip install -q -c constraints.txt -e ".[dev,robotics,ocr]"
 	$(PY) -m pip install -q --no-deps -c constraints.txt lerobot
 	@touch $(STAMP)
 

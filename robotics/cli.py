@@ -1,18 +1,27 @@
-"""``grove robotics <tool>``: collect demonstrations, convert to/from LeRobot v3.0."""
+"""``grove robotics <tool>``: collect demonstrations, convert to/from LeRobot v3.0.
+
+Every tool keeps grove's error contract: a mistake (an unknown task, a missing or garbage input, an output that
+exists already) is a ``ConfigError``, which ``grove`` prints as one line with exit code 2, and it is found before
+anything is written (``grove robotics collect`` checks its outputs before it spends minutes collecting).
+"""
 from __future__ import annotations
 
-import argparse
 import sys
+
+from shared_rl.cli import ArgumentParser, check_output_file
+from shared_rl.errors import ConfigError
 
 
 def _to_lerobot(argv: list[str]) -> int:
-    from .data import export_lerobot, load_episodes
+    from .data import check_new_dataset_dir, export_lerobot, lerobot_dataset_class, load_episodes
 
-    p = argparse.ArgumentParser(prog="grove robotics to-lerobot", description="export an episodes .npz as LeRobot v3.0")
-    p.add_argument("episodes")
-    p.add_argument("out_dir")
+    p = ArgumentParser(prog="grove robotics to-lerobot", description="export an episodes .npz as LeRobot v3.0")
+    p.add_argument("episodes", help="episodes .npz (from grove robotics collect)")
+    p.add_argument("out_dir", help="the new dataset directory (must not exist; LeRobot creates it)")
     p.add_argument("--repo-id", default="grove/metaworld")
     a = p.parse_args(argv)
+    check_new_dataset_dir(a.out_dir, "out_dir")
+    lerobot_dataset_class()  # installed? (before reading anything)
     export_lerobot(load_episodes(a.episodes), a.out_dir, a.repo_id)
     print(f"wrote {a.out_dir}")
     return 0
@@ -21,11 +30,14 @@ def _to_lerobot(argv: list[str]) -> int:
 def _from_lerobot(argv: list[str]) -> int:
     from .data import import_lerobot, save_episodes
 
-    p = argparse.ArgumentParser(prog="grove robotics from-lerobot", description="import a LeRobot v3.0 dataset (image features)")
-    p.add_argument("root")
-    p.add_argument("out")
+    p = ArgumentParser(prog="grove robotics from-lerobot", description="import a LeRobot v3.0 dataset (image features)")
+    p.add_argument("root", help="the LeRobot dataset directory (with meta/info.json)")
+    p.add_argument("out", help="the episodes .npz to write (must not exist)")
     a = p.parse_args(argv)
+    check_output_file(a.out, "out", suffix=".npz")
     eps = import_lerobot(a.root)
+    if not eps:
+        raise ConfigError(f"{a.root}: the dataset holds no episodes")
     save_episodes(eps, a.out)
     print(f"wrote {len(eps)} episodes to {a.out}")
     return 0
@@ -54,5 +66,4 @@ def main(argv: list[str] | None = None) -> int:
         return _to_lerobot(rest)
     if tool == "from-lerobot":
         return _from_lerobot(rest)
-    print(f"grove robotics: unknown tool {tool!r}; choose one of {', '.join(TOOLS)}", file=sys.stderr)
-    return 2
+    raise ConfigError(f"grove robotics: unknown tool {tool!r}; choose one of {', '.join(TOOLS)}")

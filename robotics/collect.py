@@ -8,11 +8,12 @@ success. With noise σ=0.3 the experts still solve reach, push, door-open, butto
 """
 from __future__ import annotations
 
-import argparse
 import time
 import warnings
 
 import numpy as np
+
+from shared_rl.errors import ConfigError
 
 from .data import Episode, export_lerobot, save_episodes
 from .envs.metaworld_env import (
@@ -85,10 +86,35 @@ def collect_demos(
     return episodes
 
 
+def _check_tasks(tasks: list[str]) -> None:
+    """Every task must be a Meta-World v3 task with a scripted expert (checked before any env is built)."""
+    from metaworld.policies import ENV_POLICY_MAP
+
+    from .envs.metaworld_env import known_tasks
+
+    known = known_tasks()
+    unknown = [t for t in tasks if t not in known]
+    if unknown:
+        import difflib
+
+        close = difflib.get_close_matches(unknown[0], known, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(f"--tasks: unknown Meta-World task(s) {unknown}{hint}; v3 names look like reach-v3 "
+                          f"(grove list shows them all)")
+    no_expert = [t for t in tasks if t not in ENV_POLICY_MAP]
+    if no_expert:
+        raise ConfigError(f"--tasks: no scripted expert for {no_expert} in metaworld.policies")
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``grove robotics collect``: write noisy expert demonstrations to an ``.npz`` (and optionally LeRobot v3.0)."""
-    p = argparse.ArgumentParser(prog="grove robotics collect", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", required=True, help="output .npz file")
+    """``grove robotics collect``: write noisy expert demonstrations to an ``.npz`` (and optionally LeRobot v3.0).
+
+    Every argument and both outputs are checked before collecting (minutes of simulation), and an existing
+    ``--out`` is never overwritten; nothing is written when no episode is kept."""
+    from shared_rl.cli import ArgumentParser, check_output_file
+
+    p = ArgumentParser(prog="grove robotics collect", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="output .npz file (must not exist)")
     p.add_argument("--tasks", nargs="+", default=list(DEFAULT_TASKS), help="Meta-World v3 task names")
     p.add_argument("--demos-per-task", type=int, default=40)
     p.add_argument("--noise", type=float, default=0.3, help="std of the Gaussian action noise")
@@ -100,10 +126,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep-failures", action="store_true")
     p.add_argument("--lerobot", help="also export a LeRobot v3.0 dataset to this (new) directory")
     args = p.parse_args(argv)
+    for flag, value, low in (("--demos-per-task", args.demos_per_task, 1), ("--horizon", args.horizon, 1),
+                             ("--image-size", args.image_size, 8)):
+        if value < low:
+            raise ConfigError(f"{flag} must be >= {low}, got {value}")
+    if not (args.noise >= 0 and np.isfinite(args.noise)):
+        raise ConfigError(f"--noise must be a finite number >= 0, got {args.noise}")
+    out = check_output_file(args.out, "--out", suffix=".npz")
+    if args.lerobot:
+        from .data import check_new_dataset_dir, lerobot_dataset_class
+
+        check_new_dataset_dir(args.lerobot, "--lerobot")
+        lerobot_dataset_class()
+    _check_tasks(args.tasks)
     cfg = EnvConfig(tasks=args.tasks, horizon=args.horizon, cameras=args.cameras, image_size=args.image_size,
                     include_goal=args.include_goal)
+    cfg.check("collect")
     eps = collect_demos(cfg, args.demos_per_task, args.noise, args.seed, only_successful=not args.keep_failures)
-    path = save_episodes(eps, args.out)
+    if not eps:
+        raise ConfigError(f"collect kept no episode: the noisy experts never succeeded within --horizon "
+                          f"{args.horizon}; raise --horizon, lower --noise, or pass --keep-failures (nothing was written)")
+    path = save_episodes(eps, out)
     print(f"wrote {len(eps)} episodes ({sum(len(e) for e in eps)} frames) to {path} ({path.stat().st_size / 1e6:.1f} MB)")
     if args.lerobot:
         export_lerobot(eps, args.lerobot)

@@ -9,7 +9,13 @@ images embedded as PNG): ``export_lerobot`` writes through the real ``lerobot`` 
 (``LeRobotDataset.create`` / ``add_frame`` / ``save_episode`` / ``finalize``), which is optional —
 ``pip install --no-deps lerobot==0.4.4 av`` (no lerobot release installs next to torch >= 2.12 with its
 dependencies; its dataset module works without them). ``import_lerobot`` reads the v3.0 files with pyarrow
-only, so importing works without lerobot.
+only, so importing works without lerobot. The reset-state key of each episode (which Meta-World reset produced it:
+what BC and RL use to keep demonstrations, training and evaluation states apart) has no LeRobot feature that
+survives its scalar encoding, so it travels in ``meta/grove.json`` (``{"reset_keys": [...]}``, one per episode),
+a file LeRobot itself ignores.
+
+Problems with the user's files (missing, not an episodes file, not a LeRobot dataset) raise ``ConfigError`` with
+one line, which ``grove robotics ...`` prints with exit code 2.
 """
 from __future__ import annotations
 
@@ -19,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from shared_rl.errors import ConfigError
 
 METAWORLD_FPS = 80  # frame_skip 5 x timestep 0.0025 s
 
@@ -45,7 +53,7 @@ class Episode:
 def save_episodes(episodes: list[Episode], path: str | Path) -> Path:
     """Write episodes to one compressed ``.npz`` (images compress ~5x: flat backgrounds)."""
     if not episodes:
-        raise ValueError("no episodes to save")
+        raise ConfigError("no episodes to save")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     lengths = np.array([len(e) for e in episodes], np.int64)
@@ -66,12 +74,24 @@ def save_episodes(episodes: list[Episode], path: str | Path) -> Path:
     return path
 
 
+EPISODE_ARRAYS = ("episode_starts", "episode_lengths", "images", "proprio", "actions", "success", "keys", "tasks",
+                  "instructions")
+
+
 def load_episodes(path: str | Path) -> list[Episode]:
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"episode file {str(path)!r} does not exist (make one with `grove robotics collect`)")
-    with np.load(path, allow_pickle=False) as z:
-        d = {k: z[k] for k in z.files}
+        raise ConfigError(f"episode file {str(path)!r} does not exist (make one with `grove robotics collect`)")
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            d = {k: z[k] for k in z.files}
+    except (OSError, ValueError, EOFError) as e:  # not a zip / truncated / pickled objects
+        raise ConfigError(f"{str(path)!r} is not an episodes .npz written by `grove robotics collect` (not a "
+                          f"NumPy .npz archive: {type(e).__name__})") from None
+    missing = sorted(set(EPISODE_ARRAYS) - set(d))
+    if missing:
+        raise ConfigError(f"{str(path)!r} is not an episodes .npz written by `grove robotics collect` (it lacks "
+                          f"{', '.join(missing)})")
     out = []
     for i, (s, n) in enumerate(zip(d["episode_starts"], d["episode_lengths"])):
         sl = slice(int(s), int(s + n))
@@ -87,6 +107,7 @@ def load_episodes(path: str | Path) -> list[Episode]:
 # LeRobot v3.0
 
 IMAGE_KEY = "observation.image"
+GROVE_META = "grove.json"  # meta/grove.json: what LeRobot's features do not carry (reset-state keys)
 
 
 def _lerobot_features(ep: Episode) -> dict:
@@ -109,16 +130,12 @@ def export_lerobot(episodes: list[Episode], root: str | Path, repo_id: str = "gr
 
     The task string of each frame is the instruction (LeRobot's ``task`` is the language annotation).
     """
-    try:
-        from lerobot.datasets.lerobot_dataset import LeRobotDataset
-    except ImportError as e:
-        raise ImportError(
-            f"exporting to LeRobot needs the lerobot dataset module ({e}); install it with "
-            "`pip install --no-deps lerobot==0.4.4 av` (its full dependency set conflicts with torch >= 2.12)"
-        ) from None
+    LeRobotDataset = lerobot_dataset_class()
     root = Path(root)
     if root.exists():
-        raise FileExistsError(f"{root} exists; LeRobot creates the dataset directory itself")
+        raise ConfigError(f"{root} exists; LeRobot creates the dataset directory itself: remove it or choose another")
+    if not episodes:
+        raise ConfigError("no episodes to export")
     ds = LeRobotDataset.create(repo_id, fps=fps, root=root, features=_lerobot_features(episodes[0]),
                                use_videos=False, image_writer_threads=0)
     for ep in episodes:
@@ -135,7 +152,30 @@ def export_lerobot(episodes: list[Episode], root: str | Path, repo_id: str = "gr
             ds.add_frame(frame)
         ds.save_episode()
     ds.finalize()
+    (root / "meta" / GROVE_META).write_text(json.dumps({"reset_keys": [int(ep.key) for ep in episodes]}) + "\n")
     return root
+
+
+def check_new_dataset_dir(path: str | Path, flag: str) -> None:
+    """A LeRobot dataset directory to be created: it must not exist and its folder must be writable."""
+    from shared_rl.cli import check_output_dir
+
+    if not str(path).strip():
+        raise ConfigError(f"{flag} is empty; give the new dataset's directory")
+    if Path(path).exists():
+        raise ConfigError(f"{flag} {str(path)!r} exists; LeRobot creates the dataset directory itself: remove it or "
+                          f"choose another")
+    check_output_dir(Path(path).parent, flag=flag)
+
+
+def lerobot_dataset_class():
+    """``LeRobotDataset``, or a ConfigError saying how to install it (checked before any work is done)."""
+    try:
+        from lerobot.datasets.lerobot_dataset import LeRobotDataset
+    except ImportError as e:
+        raise ConfigError(f"LeRobot export needs the lerobot dataset module ({e}); install it with `pip install "
+                          f"--no-deps lerobot==0.4.4 av` (its full dependency set conflicts with torch >= 2.12)") from None
+    return LeRobotDataset
 
 
 def _decode_image(cell) -> np.ndarray:
@@ -160,19 +200,30 @@ def import_lerobot(root: str | Path, image_key: str | None = None, task_names: d
     from .envs.metaworld_env import TASK_INSTRUCTIONS
 
     root = Path(root)
+    if not root.is_dir():
+        raise ConfigError(f"LeRobot dataset {str(root)!r} does not exist (give the dataset's root directory)")
     info_path = root / "meta" / "info.json"
     if not info_path.is_file():
-        raise FileNotFoundError(f"{root} is not a LeRobot dataset (no meta/info.json)")
-    info = json.loads(info_path.read_text())
-    if not str(info.get("codebase_version", "")).startswith("v3"):
-        raise ValueError(f"{root}: LeRobot format {info.get('codebase_version')!r}; only v3.x is supported")
-    feats = info["features"]
+        raise ConfigError(f"{str(root)!r} is not a LeRobot dataset (no meta/info.json)")
+    try:
+        info = json.loads(info_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{info_path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    if not isinstance(info, dict) or not str(info.get("codebase_version", "")).startswith("v3"):
+        version = info.get("codebase_version") if isinstance(info, dict) else None
+        raise ConfigError(f"{root}: LeRobot format {version!r}; only v3.x is supported")
+    feats = info.get("features") or {}
+    for need in ("observation.state", "action"):
+        if need not in feats:
+            raise ConfigError(f"{root}: the dataset has no {need!r} feature (features: {sorted(feats)})")
     image_keys = [k for k, f in feats.items() if f.get("dtype") in ("image", "video")]
     image_key = image_key or (IMAGE_KEY if IMAGE_KEY in feats else (image_keys[0] if image_keys else None))
-    if image_key is None:
-        raise ValueError(f"{root}: no image feature")
+    if image_key is None or image_key not in feats:
+        raise ConfigError(f"{root}: no image feature {image_key or ''} (features: {sorted(feats)})")
     if feats[image_key]["dtype"] == "video":
-        raise ValueError(f"{root}: {image_key!r} is stored as video; decode it with lerobot (needs torchcodec/FFmpeg)")
+        raise ConfigError(f"{root}: {image_key!r} is stored as video; decode it with lerobot (needs torchcodec/FFmpeg)")
+    if not (root / "meta" / "tasks.parquet").is_file():
+        raise ConfigError(f"{root}: no meta/tasks.parquet (an unfinished or non-v3 dataset?)")
     tasks_table = pq.read_table(root / "meta" / "tasks.parquet").to_pandas()
     # tasks.parquet is indexed by the task string with a task_index column
     index_to_task = {int(r["task_index"]): str(name) for name, r in tasks_table.iterrows()}
@@ -182,12 +233,14 @@ def import_lerobot(root: str | Path, image_key: str | None = None, task_names: d
     by_text.update(task_names or {})
     files = sorted((root / "data").glob("chunk-*/file-*.parquet"))
     if not files:
-        raise FileNotFoundError(f"{root}: no data/chunk-*/file-*.parquet files")
+        raise ConfigError(f"{root}: no data/chunk-*/file-*.parquet files (an unfinished or non-v3 dataset?)")
     import pandas as pd
 
     df = pd.concat([pq.read_table(f).to_pandas() for f in files], ignore_index=True)
     df = df.sort_values(["episode_index", "frame_index"])
     state_key = "observation.state"
+    meta_path = root / "meta" / GROVE_META
+    keys = json.loads(meta_path.read_text()).get("reset_keys", []) if meta_path.is_file() else []
     episodes = []
     for _, g in df.groupby("episode_index", sort=True):
         text = index_to_task[int(g["task_index"].iloc[0])]
@@ -201,5 +254,6 @@ def import_lerobot(root: str | Path, image_key: str | None = None, task_names: d
                      else np.zeros(len(g), bool)),
             states=(np.stack(g["observation.environment_state"].to_numpy()).astype(np.float32)
                     if "observation.environment_state" in g else None),
+            key=int(keys[len(episodes)]) if len(episodes) < len(keys) else -1,
         ))
     return episodes

@@ -124,12 +124,32 @@ def verify_checkpoint(path: Path) -> str | None:
     return None
 
 
-def load_latest_checkpoint(ckpt_root: Path, log=print) -> tuple[Path, dict[str, torch.Tensor], dict | None, dict] | None:
-    """Newest valid checkpoint as (path, model_state, optimizer_state, state); corrupt ones are skipped loudly."""
+def newest_usable_checkpoint(ckpt_root: Path) -> tuple[Path | None, list[str]]:
+    """(the newest checkpoint that passes its checksums or None, what is wrong with each newer one), without
+    loading anything: what ``--resume`` and ``grove eval`` check before a model loads."""
+    problems = []
     for path in reversed(list_checkpoints(ckpt_root)):
         problem = verify_checkpoint(path)
+        if problem is None:
+            return path, problems
+        problems.append(f"{path.name}: {problem}")
+    return None, problems
+
+
+def checkpoint_iteration(path: Path) -> int:
+    """The iteration a (verified) checkpoint was written after."""
+    return int(json.loads((path / "state.json").read_text())["iteration"])
+
+
+def load_latest_checkpoint(ckpt_root: Path, log=print) -> tuple[Path, dict[str, torch.Tensor], dict | None, dict] | None:
+    """Newest valid checkpoint as (path, model_state, optimizer_state, state); corrupt ones are skipped loudly."""
+    candidates = list(reversed(list_checkpoints(ckpt_root)))
+    for n, path in enumerate(candidates):
+        problem = verify_checkpoint(path)
         if problem:
-            msg = f"checkpoint {path} is unusable ({problem}); falling back to the previous one"
+            older = candidates[n + 1:]
+            then = f"trying the previous one, {older[0].name}" if older else "no older checkpoint is left"
+            msg = f"checkpoint {path} is unusable ({problem}); {then}"
             warnings.warn(msg)
             log(f"WARNING: {msg}")
             continue

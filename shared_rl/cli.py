@@ -1,11 +1,15 @@
 """The ``grove`` command line.
 
-    grove train [CONFIG] [--out DIR] [--resume DIR] [key=value ...]   RL (or supervised, by the config's kind)
-    grove pretrain CONFIG [--out DIR] [key=value ...]                  supervised pretraining (kind: supervised)
-    grove eval RUN_DIR [key=value ...]                                 evaluate a run's latest checkpoint
+    grove train [CONFIG] [--out DIR] [--dry-run] [key=value ...]     RL (or supervised, by the config's kind)
+    grove train --resume RUN_DIR [key=value ...]                       continue a run from its newest valid checkpoint
+    grove pretrain CONFIG [--out DIR] [--dry-run] [key=value ...]      supervised pretraining (kind: supervised)
+    grove eval RUN_DIR [--out DIR] [key=value ...]                     evaluate a run's newest checkpoint -> DIR
     grove bench NAME [--out DIR] [--quick]                             a benchmark -> DIR/results.json
     grove config show CONFIG [key=value ...]                           the resolved config, each field with its
                                                                        help text and default
+    grove list                                                         rewards, estimators, losses, methods,
+                                                                       benchmarks, domains, recipes
+    grove --version
     grove GROUP ...                                                    a domain's command group, e.g.
     grove robotics collect|to-lerobot|from-lerobot ...                 robotics tools (demonstrations, datasets)
 
@@ -13,7 +17,10 @@ Command groups are found by name like domains and benchmarks (``shared_rl.regist
 ``grove.commands`` entry-point group), so this module never imports a domain package; a domain that needs
 process-wide settings (``robotics``: the MuJoCo/OpenGL backend) sets them in its own package.
 
-Bad input exits with code 2 and one line ``grove: error: ...``; nothing half-written is left behind.
+The error contract, for every command: a user mistake raises ``ConfigError`` and becomes exit code 2 and one line
+``grove: error: ...`` naming what to change, and is found before anything is created (config, machine and input
+checks run before a model loads: ``shared_rl.preflight``). A failure after the run directory exists leaves it in
+a state ``--resume`` understands. Programming errors stay tracebacks.
 """
 from __future__ import annotations
 
@@ -21,6 +28,7 @@ import argparse
 import contextlib
 import dataclasses
 import importlib
+import json
 import os
 import shutil
 import sys
@@ -34,11 +42,18 @@ from .rewards import RewardFailure
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "visgen" / "shapes_grpo.yaml"
 FALLBACK_CONFIG = REPO_ROOT / "configs" / "toy.yaml"
+EXIT_INTERRUPTED = 130  # the shell's code for a process stopped by Ctrl-C (128 + SIGINT)
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # argparse's own errors: same one-line form, exit 2
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with grove's error contract: a bad command line raises ConfigError (one line, exit code 2) instead
+    of printing the usage and exiting. Command groups (``grove robotics ...``) use it too."""
+
+    def error(self, message: str) -> None:
         raise ConfigError(message)
+
+
+_Parser = ArgumentParser
 
 
 def _log(msg: str) -> None:
@@ -49,43 +64,110 @@ def _default_run_dir(config_path: Path) -> Path:
     return Path("runs") / f"{config_path.stem}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-class _RunDir:
-    """Create the run directory lazily; remove it again if setup fails before anything useful is written."""
+def check_output_dir(path: str | Path, flag: str = "--out") -> Path:
+    """``path`` as a directory grove can create or fill: not empty text, not a file, not under a file, in a
+    writable place. Checked before anything loads, so a typo costs no model load."""
+    text = str(path)
+    if not text.strip():
+        raise ConfigError(f"{flag} is empty; give a directory, e.g. {flag} runs/my-run")
+    p = Path(text)
+    if p.exists() and not p.is_dir():
+        raise ConfigError(f"{flag} {text!r} is a file, not a directory; choose another {flag}")
+    existing = p.absolute()
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"{flag} {text!r} is under {str(existing)!r}, which is a file; choose another {flag}")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"{flag} {text!r}: {str(existing)!r} is not writable; choose another {flag}")
+    if not p.exists() and int(os.environ.get("RANK", "0")) == 0:
+        # os.access cannot see read-only mounts or pseudo file systems: try the first missing folder, and undo it
+        probe = p.absolute()
+        while probe.parent != existing:
+            probe = probe.parent
+        try:
+            probe.mkdir()
+            probe.rmdir()
+        except OSError as e:
+            raise ConfigError(f"{flag} {text!r} cannot be created in {str(existing)!r} ({e.strerror}); choose "
+                              f"another {flag}") from None
+    return p
 
-    def __init__(self, path: Path, resume: bool) -> None:
-        self.path = path
-        self.created = False
+
+def check_output_file(path: str | Path, flag: str, suffix: str = "", overwrite: bool = False) -> Path:
+    """``path`` as a new file grove may write: not empty text, the right suffix, not an existing file (unless
+    ``overwrite``) or directory, its parent creatable and writable."""
+    text = str(path)
+    if not text.strip():
+        raise ConfigError(f"{flag} is empty; give a file name, e.g. {flag} out{suffix}")
+    p = Path(text)
+    if suffix and p.suffix != suffix:
+        raise ConfigError(f"{flag} {text!r} must end in {suffix}")
+    if p.is_dir():
+        raise ConfigError(f"{flag} {text!r} is a directory; give a file name")
+    if p.exists() and not overwrite:
+        raise ConfigError(f"{flag} {text!r} already exists; remove it or choose another {flag}")
+    existing = p.absolute().parent
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"{flag} {text!r} is under {str(existing)!r}, which is a file; choose another {flag}")
+    check_output_dir(p.parent, flag=flag)  # the folder it goes into: creatable and writable
+    return p
+
+
+class _RunDir:
+    """Create the run directory lazily (after validation and model loading); remove what was created again when
+    setup fails before anything useful is written."""
+
+    def __init__(self, path: Path, resume: bool, if_not_empty: str = "") -> None:
+        self.path = Path(path)
+        self.created: Path | None = None  # the outermost directory this process created
         self.main = int(os.environ.get("RANK", "0")) == 0  # under accelerate/torchrun only rank 0 writes
-        if self.main and not resume and path.exists() and any(path.iterdir()):
-            raise ConfigError(f"run directory {str(path)!r} is not empty; pass --resume {path} to continue it or choose another --out")
-        if resume and not (path / "config.yaml").is_file():
-            raise ConfigError(f"--resume {str(path)!r}: no config.yaml there (not a grove run directory)")
+        if not resume:
+            check_output_dir(path)
+            if self.main and self.path.exists() and any(self.path.iterdir()):
+                raise ConfigError(f"{str(path)!r} is not empty; "
+                                  + (if_not_empty or f"pass --resume {path} to continue that run or choose another --out"))
 
     def create(self) -> Path:
         if self.main and not self.path.exists():
-            self.path.mkdir(parents=True)
-            self.created = True
+            outer = self.path.absolute()
+            while not outer.parent.exists():
+                outer = outer.parent
+            try:
+                self.path.mkdir(parents=True)
+            except OSError as e:  # os.access cannot see every reason (read-only mounts, quotas, root squash)
+                raise ConfigError(f"cannot create run directory {str(self.path)!r} ({e.strerror}); choose another "
+                                  f"--out") from None
+            self.created = outer
         return self.path
 
     def discard(self) -> None:
-        if self.created:
-            shutil.rmtree(self.path, ignore_errors=True)
+        if self.created is not None:
+            shutil.rmtree(self.created, ignore_errors=True)
+            self.created = None
+
+    def has_checkpoint(self) -> bool:
+        from .checkpoint import list_checkpoints
+
+        return bool(list_checkpoints(self.path / "checkpoints"))
 
 
 @contextlib.contextmanager
 def _input_errors(domain: str):
-    """Errors raised while a domain loads its inputs (paths, data files, model configs) are input problems: report
-    them as one line with exit code 2. ``GROVE_DEBUG=1`` re-raises with the traceback."""
+    """File-system errors raised while a domain loads its inputs (a path that vanished, a permission) are input
+    problems: one line with exit code 2. Domains raise ConfigError for everything else they can name; other
+    exceptions (KeyError, AssertionError, ...) are programming errors and keep their traceback.
+    ``GROVE_DEBUG=1`` re-raises with the traceback."""
     try:
         yield
     except ConfigError:
         raise
-    except (FileNotFoundError, NotADirectoryError, KeyError, ValueError, OSError, AssertionError) as e:
+    except OSError as e:
         if os.environ.get("GROVE_DEBUG"):
             raise
-        msg = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
-        msg = " ".join(msg.split())  # one line
-        raise ConfigError(f"{domain}: {msg}") from e
+        raise ConfigError(f"{domain}: {' '.join(str(e).split())}") from e
 
 
 def _quiet_loading() -> None:
@@ -100,9 +182,7 @@ def _quiet_loading() -> None:
 
 
 def _load_config(args) -> tuple[dict, Path]:
-    if args.resume:
-        config_path = Path(args.resume) / "config.yaml"
-    elif args.config:
+    if args.config:
         config_path = Path(args.config)
     else:
         config_path = DEFAULT_CONFIG if DEFAULT_CONFIG.is_file() else FALLBACK_CONFIG
@@ -111,12 +191,74 @@ def _load_config(args) -> tuple[dict, Path]:
     return data, config_path
 
 
+def batch_arithmetic(cfg) -> list[str]:
+    """What one iteration and the whole run sample and step, in words (``--dry-run`` and the docs)."""
+    r, o = cfg.rollout, cfg.optim
+    hook = getattr(cfg.domain_config, "rollout_structure", None)
+    structure = hook(cfg) if callable(hook) else "flat"
+    seqs = r.groups_per_iteration * r.group_size
+    per_call = r.groups_per_call or r.groups_per_iteration
+    calls = -(-r.groups_per_iteration // per_call)
+    steps = o.inner_epochs * o.minibatches_per_epoch
+    if structure == "flat":
+        sampled = f"{r.groups_per_iteration} groups x {r.group_size} samples = {seqs} sequences"
+        per_step = f"~{seqs / o.minibatches_per_epoch:.4g} sequences each"
+    else:
+        sampled = f"{r.groups_per_iteration} trees (the method's branching sets their size)"
+        per_step = "a share of the trees' edges each"
+    micro = (f"micro-batches of {o.micro_batch_size} sequences" if o.micro_batch_size
+             else "one forward/backward per minibatch")
+    every = f"every {cfg.eval.every} iterations and at the end" if cfg.eval.every else "at the end"
+    ckpt = f"every {cfg.checkpoint.every} iterations and at the end" if cfg.checkpoint.every else "at the end"
+    return [
+        f"per iteration: {sampled}, in {calls} rollout call(s) of <= {per_call} groups",
+        f"optimizer: {o.inner_epochs} epoch(s) x {o.minibatches_per_epoch} minibatch(es) = {steps} optimizer "
+        f"step(s) per iteration, {per_step} ({micro})",
+        f"whole run: {cfg.iterations} iterations = {cfg.iterations * steps} optimizer steps"
+        + (f", {cfg.iterations * seqs:,} sequences" if structure == "flat" else ""),
+        f"evaluation: {'before the first update, ' if cfg.eval.at_start else ''}{every}; checkpoints: {ckpt} "
+        f"(keep the newest {cfg.checkpoint.keep_last})",
+    ]
+
+
+def _dry_run(cfg, config_path: Path, run_dir: Path, what: str) -> int:
+    from .preflight import preflight, resolve_device
+
+    with _input_errors(cfg.domain):
+        preflight(cfg)
+    print(f"# grove {what} --dry-run: {config_path} is valid; nothing was written. The resolved config:")
+    print("\n".join(format_config(cfg)))
+    print("# batch arithmetic:")
+    print("\n".join(f"#   {line}" for line in batch_arithmetic(cfg)))
+    print(f"#   device: {resolve_device(cfg.device)}; run directory: {run_dir}")
+    return 0
+
+
+def _fit(trainer, run: _RunDir) -> int:
+    """Run the trainer; map how it stopped to the exit code (Ctrl-C: 130 after its checkpoint)."""
+    try:
+        trainer.fit(resume=trainer.restored_from is not None)
+    except KeyboardInterrupt:  # a second Ctrl-C: abort without saving
+        if run.created is not None and not run.has_checkpoint():
+            run.discard()  # nothing resumable was made by this command: leave nothing behind
+            _log(f"grove: interrupted before the first checkpoint; removed {run.path}")
+        else:
+            _log(f"grove: interrupted; the newest checkpoint is kept: resume with: grove train --resume {run.path}")
+        return EXIT_INTERRUPTED
+    return EXIT_INTERRUPTED if trainer.stop_signal == "SIGINT" else 0
+
+
 def cmd_train(args, force_supervised: bool = False) -> int:
+    if args.resume:
+        return cmd_resume(args)
     import yaml
 
     data, config_path = _load_config(args)
     kind = "supervised" if force_supervised else data.get("kind", "rl")
-    run = _RunDir(Path(args.resume or args.out or _default_run_dir(config_path)), bool(args.resume))
+    if args.out is not None and not str(args.out).strip():
+        raise ConfigError("--out is empty; give a directory, e.g. --out runs/my-run (or leave --out out for "
+                          "runs/<config>-<time>)")
+    run = _RunDir(Path(args.out or _default_run_dir(config_path)), resume=False)
     if kind == "supervised":
         from .registry import resolve_supervised
 
@@ -125,6 +267,11 @@ def cmd_train(args, force_supervised: bool = False) -> int:
             raise ConfigError(f"{config_path}: a supervised config needs 'domain: NAME'")
         fn = resolve_supervised(domain)
         body = {k: v for k, v in data.items() if k not in ("kind", "domain")}
+        if args.dry_run:
+            print(f"# grove pretrain --dry-run: {config_path} (kind: supervised; the {domain} job validates its "
+                  f"settings when it starts); nothing was written; run directory: {run.path}")
+            print(yaml.safe_dump(data, sort_keys=False).rstrip())
+            return 0
         try:
             run_dir = run.create()
             (run_dir / "config.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
@@ -139,33 +286,134 @@ def cmd_train(args, force_supervised: bool = False) -> int:
 
     with _input_errors(str(data.get("domain", "config"))):
         cfg = load_train_config(data)
+    if args.dry_run:
+        return _dry_run(cfg, config_path, run.path, "train")
     _quiet_loading()
     try:
         with _input_errors(cfg.domain):
             trainer = Trainer(cfg, run.path, log=_log)  # builds the domain (loads models) before writing anything
         run_dir = run.create()
-        if not args.resume and run.main:
+        if run.main:
             (run_dir / "config.yaml").write_text(yaml.safe_dump(dump_train_config(cfg), sort_keys=False))
     except ConfigError:
         run.discard()
         raise
-    trainer.fit(resume=bool(args.resume))
-    return 0
+    return _fit(trainer, run)
+
+
+def _usable_checkpoint(run_dir: Path, flag: str) -> Path:
+    """The newest checkpoint of ``run_dir`` that passes its checksums; a ConfigError saying why when none does."""
+    from .checkpoint import newest_usable_checkpoint
+
+    found, problems = newest_usable_checkpoint(run_dir / "checkpoints")
+    if found is None:
+        why = "; ".join(problems) if problems else "it has none yet (it stopped before its first checkpoint)"
+        raise ConfigError(f"{flag} {str(run_dir)!r}: no usable checkpoint ({why}); nothing was changed. Start the "
+                          f"run afresh with: grove train {run_dir / 'config.yaml'} --out NEW_DIR")
+    return found
+
+
+def _run_config(run_dir: Path, flag: str, overrides: list[str]):
+    if not run_dir.is_dir():
+        raise ConfigError(f"{flag} {str(run_dir)!r} is not a grove run directory (it does not exist)")
+    if not (run_dir / "config.yaml").is_file():
+        raise ConfigError(f"{flag} {str(run_dir)!r}: no config.yaml there (not a grove run directory)")
+    data = apply_overrides(load_yaml(run_dir / "config.yaml"), overrides)
+    if data.get("kind", "rl") == "supervised":
+        raise ConfigError(f"{flag} {str(run_dir)!r} is a supervised run; {flag} works on RL runs (grove pretrain "
+                          f"starts supervised jobs afresh)")
+    with _input_errors(str(data.get("domain", "config"))):
+        return load_train_config(data)
+
+
+def _restore(trainer, checkpoints: Path, flag: str) -> None:
+    """Load the newest checkpoint into ``trainer``; one that does not fit the config (an override changed the
+    model) is a ConfigError naming the checkpoint, before anything is written."""
+    try:
+        ok = trainer.resume(checkpoints)
+    except (ValueError, KeyError, RuntimeError) as e:  # load_state_dict of a checkpoint: shapes or names differ
+        raise ConfigError(f"{flag}: checkpoint in {checkpoints} does not fit this config ({' '.join(str(e).split())[:300]}); "
+                          f"drop the overrides that change the model") from None
+    if not ok:
+        raise ConfigError(f"{flag}: no usable checkpoint left in {checkpoints}; nothing was changed")
+
+
+def cmd_resume(args) -> int:
+    """``grove train --resume RUN [key=value ...]``: refuse what would destroy or silently ignore anything (no
+    usable checkpoint, a CONFIG or --out, nothing left to train), then continue from the newest checkpoint. The
+    overrides are written into RUN/config.yaml (with a comment saying when) and into the next metrics record."""
+    import yaml
+
+    from .checkpoint import checkpoint_iteration
+    from .trainer import Trainer
+
+    run_path = Path(args.resume)
+    if args.config:
+        raise ConfigError(f"--resume continues {str(run_path)!r} with its own config.yaml; drop {args.config!r} "
+                          f"(change settings with key=value overrides)")
+    if args.out:
+        raise ConfigError(f"--resume writes into {str(run_path)!r} itself; drop --out (to branch a run, copy its "
+                          f"directory and resume the copy)")
+    cfg = _run_config(run_path, "--resume", args.overrides)
+    checkpoint = _usable_checkpoint(run_path, "--resume")
+    done = checkpoint_iteration(checkpoint)
+    if done >= cfg.iterations:
+        raise ConfigError(f"--resume {str(run_path)!r}: its newest checkpoint is at iteration {done} of "
+                          f"{cfg.iterations}, nothing is left to train; pass iterations=N with N > {done} to continue")
+    if args.dry_run:
+        return _dry_run(cfg, run_path / "config.yaml", run_path, "train --resume")
+    _quiet_loading()
+    with _input_errors(cfg.domain):
+        trainer = Trainer(cfg, run_path, log=_log)
+    _restore(trainer, run_path / "checkpoints", "--resume")
+    trainer.log(f"resumed from {trainer.restored_from} at iteration {trainer.start_iteration}")
+    run = _RunDir(run_path, resume=True)
+    if args.overrides and run.main:
+        old = (run_path / "config.yaml").read_text().splitlines()
+        notes = [line for line in old if line.startswith("#")]
+        notes.append(f"# resumed at iteration {done} ({time.strftime('%Y-%m-%d %H:%M:%S')}) with: "
+                     f"{' '.join(args.overrides)}")
+        text = "\n".join(notes) + "\n" + yaml.safe_dump(dump_train_config(cfg), sort_keys=False)
+        tmp = run_path / ".config.yaml.tmp"
+        tmp.write_text(text)
+        os.replace(tmp, run_path / "config.yaml")
+        trainer.resume_note = {"resume/overrides": " ".join(args.overrides)}
+    return _fit(trainer, run)
 
 
 def cmd_eval(args) -> int:
-    import json
-
+    """``grove eval RUN [--out DIR]``: evaluate the newest checkpoint into DIR (results.json plus whatever the
+    domain's evaluation draws, e.g. GIFs); the run directory is only read."""
     from .trainer import Trainer
 
     run_dir = Path(args.run_dir)
-    if not (run_dir / "config.yaml").is_file():
-        raise ConfigError(f"{str(run_dir)!r} is not a grove run directory (no config.yaml)")
-    cfg = load_train_config(apply_overrides(load_yaml(run_dir / "config.yaml"), args.overrides))
-    trainer = Trainer(cfg, run_dir, log=_log)
-    if not trainer.resume():
-        raise ConfigError(f"{str(run_dir)!r} has no usable checkpoint")
-    print(json.dumps(trainer._evaluate(trainer.start_iteration), indent=1))
+    cfg = _run_config(run_dir, "eval", args.overrides)
+    checkpoint = _usable_checkpoint(run_dir, "eval")
+    if args.out is not None:
+        check_output_dir(args.out)  # the text as given: Path("") would silently be "."
+    out = Path(args.out) if args.out is not None else Path("runs") / (
+        f"eval-{run_dir.absolute().name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    target = _RunDir(out, resume=False, if_not_empty="choose another --out for the results")
+    inside = out.absolute().resolve()
+    if inside == run_dir.absolute().resolve() or run_dir.absolute().resolve() in inside.parents:
+        raise ConfigError(f"eval --out {str(out)!r} is inside the run {str(run_dir)!r}; grove eval never changes a "
+                          f"run: choose a directory outside it")
+    _quiet_loading()
+    try:
+        with _input_errors(cfg.domain):
+            trainer = Trainer(cfg, out, log=_log)
+        _restore(trainer, run_dir / "checkpoints", "eval")
+        _log(f"grove eval: {checkpoint} (iteration {trainer.start_iteration})")
+        out_dir = target.create()
+    except ConfigError:
+        target.discard()
+        raise
+    metrics = trainer._evaluate(trainer.start_iteration)
+    result = {"run": str(run_dir), "checkpoint": str(checkpoint), "iteration": trainer.start_iteration,
+              "overrides": list(args.overrides), "metrics": metrics}
+    (out_dir / "results.json").write_text(json.dumps(result, indent=1, default=float) + "\n")
+    print(json.dumps(metrics, indent=1))
+    _log(f"grove: results in {out_dir / 'results.json'}")
     return 0
 
 
@@ -174,7 +422,10 @@ def cmd_bench(args) -> int:
     from .registry import resolve_benchmark
 
     fn = resolve_benchmark(args.name)
-    out = Path(args.out or Path("runs") / f"bench-{args.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    if args.out is not None:
+        check_output_dir(args.out)  # the text as given: Path("") would silently be "."
+    out = Path(args.out) if args.out is not None else Path("runs") / f"bench-{args.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    check_output_dir(out)
     result = fn(out, args.quick)
     print(markdown_table(result["rows"]))
     _log(f"grove: results in {out / 'results.json'}")
@@ -239,7 +490,61 @@ def cmd_group(name: str, argv: list[str]) -> int:
     return int(resolve_command(name)(argv) or 0)
 
 
-BUILTIN_COMMANDS = ("train", "pretrain", "eval", "bench", "config")
+def catalog() -> list[tuple[str, list[str]]]:
+    """(what, names) for ``grove list``: the core's registries, then each domain's (found by name through
+    ``shared_rl.registry.CATALOGS``, so this module imports no domain; a domain whose packages are missing says so)."""
+    import typing
+
+    from . import registry
+    from .advantages import ESTIMATORS, TREE_ESTIMATORS
+    from .config import LossConfig, SelectionConfig
+    from .losses import KL_ESTIMATORS, POLICY_LOSSES
+
+    def literal(cls, name: str) -> list[str]:
+        return [str(a) for a in typing.get_args(typing.get_type_hints(cls)[name])]
+
+    rows = [
+        ("domains (domain:)", registry.domain_names()),
+        ("supervised jobs (grove pretrain, kind: supervised)", registry.supervised_names()),
+        ("benchmarks (grove bench NAME)", registry.benchmark_names()),
+        ("command groups (grove NAME ...)", registry.command_names()),
+        ("advantage estimators, flat (advantage.estimator)", sorted(ESTIMATORS)),
+        ("advantage estimators, tree rollouts (advantage.estimator)", sorted(TREE_ESTIMATORS)),
+        ("policy losses (loss.policy_loss)", sorted(POLICY_LOSSES)),
+        ("KL estimators (loss.kl_estimator)", sorted(KL_ESTIMATORS)),
+        ("loss aggregations (loss.aggregation)", literal(LossConfig, "aggregation")),
+        ("group filters (selection.filter)", literal(SelectionConfig, "filter")),
+        ("key samplers (selection.sampler)", literal(SelectionConfig, "sampler")),
+    ]
+    for name in registry.catalog_names():
+        try:
+            rows += [(f"{name}: {what}", list(names)) for what, names in registry.resolve_catalog(name)().items()]
+        except (ConfigError, ImportError) as e:  # e.g. the robotics extra is not installed
+            rows.append((name, [f"(unavailable: {e})"]))
+    recipes = sorted(str(p.relative_to(REPO_ROOT)) for p in (REPO_ROOT / "configs").rglob("*.yaml")
+                     if "accelerate" not in p.parts)
+    rows.append(("recipes (grove train CONFIG; docs: README 'Recipes')", recipes))
+    return rows
+
+
+def cmd_list(args) -> int:
+    for what, names in catalog():
+        print(f"{what}:\n  " + ", ".join(names))
+    return 0
+
+
+def version() -> str:
+    try:
+        from importlib.metadata import version as installed
+
+        return installed("grove")
+    except Exception:  # noqa: BLE001 — running from a checkout that is not installed
+        from . import __version__
+
+        return __version__
+
+
+BUILTIN_COMMANDS = ("train", "pretrain", "eval", "bench", "config", "list")
 
 
 def _command_groups() -> list[str]:
@@ -249,28 +554,36 @@ def _command_groups() -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="grove", description="Group-relative RL post-training for image generators, robot policies and LLMs.")
-    sub = p.add_subparsers(dest="command", parser_class=_Parser)
+    p = ArgumentParser(prog="grove", description="Group-relative RL post-training for image generators, robot "
+                                                  "policies and LLMs.")
+    p.add_argument("--version", action="store_true", help="print grove's version and exit")
+    sub = p.add_subparsers(dest="command", parser_class=ArgumentParser)
     for name, help_ in (("train", "train with a YAML config (RL by default; supervised when kind: supervised)"),
                         ("pretrain", "supervised pretraining of an embedded model")):
         t = sub.add_parser(name, help=help_)
         t.add_argument("config", nargs="?", help="YAML config (default: the embedded shapes GRPO recipe)")
         t.add_argument("--out", help="run directory (default runs/<config>-<time>)")
         if name == "train":
-            t.add_argument("--resume", help="continue the run in this directory from its newest valid checkpoint")
+            t.add_argument("--resume", help="continue the run in this directory from its newest valid checkpoint "
+                                            "(overrides are recorded in its config.yaml)")
+        t.add_argument("--dry-run", action="store_true",
+                       help="validate everything, print the resolved config and batch arithmetic, write nothing")
         t.add_argument("overrides", nargs="*", help="dotted overrides such as optim.lr=1e-4")
-    e = sub.add_parser("eval", help="evaluate the newest checkpoint of a run directory")
+    e = sub.add_parser("eval", help="evaluate the newest checkpoint of a run into its own directory")
     e.add_argument("run_dir")
-    e.add_argument("overrides", nargs="*")
+    e.add_argument("--out", help="results directory (default runs/eval-<run>-<time>); the run is never changed")
+    e.add_argument("overrides", nargs="*", help="dotted overrides of the run's config, e.g. eval.every=0")
     b = sub.add_parser("bench", help="run a benchmark; writes DIR/results.json, plots and a Markdown table")
-    b.add_argument("name", help="benchmark name")
+    b.add_argument("name", help="benchmark name (grove list shows them)")
     b.add_argument("--out")
     b.add_argument("--quick", action="store_true", help="tiny settings that only check the plumbing")
     c = sub.add_parser("config", help="inspect configs: grove config show CONFIG [key=value ...]")
-    csub = c.add_subparsers(dest="config_command", parser_class=_Parser)
+    csub = c.add_subparsers(dest="config_command", parser_class=ArgumentParser)
     show = csub.add_parser("show", help="print the resolved config section by section, with help texts and defaults")
     show.add_argument("config", nargs="?", help="YAML config")
     show.add_argument("overrides", nargs="*", help="dotted overrides such as optim.lr=1e-4")
+    sub.add_parser("list", help="what can be named in a config: rewards, estimators, losses, methods, benchmarks, "
+                                "domains, recipes")
     for name in _command_groups():
         sub.add_parser(name, help=f"the {name} command group (grove {name} --help lists its tools)", add_help=False)
     return p
@@ -293,6 +606,9 @@ def _main(argv: list[str] | None = None) -> int:
     for name in ("torch.utils._pytree", "diffusers.quantizers.torchao.torchao_quantizer"):
         logging.getLogger(name).setLevel(logging.ERROR)
     try:
+        if argv[:1] == ["--version"]:
+            print(f"grove {version()}")
+            return 0
         if argv and argv[0] not in BUILTIN_COMMANDS and argv[0] in _command_groups():
             return cmd_group(argv[0], argv[1:])
         parser = build_parser()
@@ -306,6 +622,9 @@ def _main(argv: list[str] | None = None) -> int:
             if bad:
                 raise ConfigError(f"unrecognized arguments: {' '.join(bad)}")
             args.overrides = list(getattr(args, "overrides", []) or []) + unknown
+        if args.version:
+            print(f"grove {version()}")
+            return 0
         if args.command == "train":
             if args.config and "=" in args.config and not Path(args.config).exists():
                 args.overrides = [args.config] + list(args.overrides)
@@ -322,17 +641,19 @@ def _main(argv: list[str] | None = None) -> int:
             return cmd_bench(args)
         if args.command == "config":
             return cmd_config(args)
+        if args.command == "list":
+            return cmd_list(args)
         parser.print_help()
         return 2
     except ConfigError as e:
-        print(f"grove: error: {e}", file=sys.stderr)
+        print(f"grove: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     except (ResourceError, NonFiniteError, RewardFailure) as e:
-        print(f"grove: error: {e}", file=sys.stderr)
+        print(f"grove: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("grove: interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

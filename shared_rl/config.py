@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -72,14 +74,17 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             return value
         raise ConfigError(f"{where}: expected an integer, got {type(value).__name__} {value!r}")
     if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML reads "1e-4" as a string
+        number = None
+        if isinstance(value, (int, float, str)) and not isinstance(value, bool):  # YAML reads "1e-4" as a string
             try:
-                return float(value)
-            except ValueError:
-                pass
-        raise ConfigError(f"{where}: expected a number, got {type(value).__name__} {value!r}")
+                number = float(value)
+            except (ValueError, OverflowError):  # an integer past float range is reported as not finite below
+                number = math.inf if isinstance(value, int) else None
+        if number is None:
+            raise ConfigError(f"{where}: expected a number, got {type(value).__name__} {value!r}")
+        if not math.isfinite(number):  # nan/inf (also "1e309", which overflows) would start a run that cannot learn
+            raise ConfigError(f"{where}: expected a finite number, got {value!r}")
+        return number
     if tp is str:
         if isinstance(value, str):
             return value
@@ -260,6 +265,12 @@ class LossConfig:
         "help": "dual clip constant c > 1 bounding the loss of negative advantages (clipped, gspo); null = off"})
     sapo_tau_pos: float = field(default=1.0, metadata={"help": "sapo: gate temperature for positive advantages"})
     sapo_tau_neg: float = field(default=1.05, metadata={"help": "sapo: gate temperature for advantages <= 0"})
+    guard_center: bool = field(default=True, metadata={"help": "guard (GRPO-Guard): centre each step's normalised "
+                                                               "log-ratio (removes the ratio-below-1 bias)"})
+    guard_reweight: bool = field(default=True, metadata={"help": "guard: restore each unclipped step's gradient scale "
+                                                                 "(sigma_mean / sigma_t)"})
+    objective_adv_max: float = field(default=5.0, metadata={
+        "help": "nft: A_max, the advantage clip that maps A to DiffusionNFT's optimality weight r in [0, 1]"})
     aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = field(
         default="token-mean", metadata={"help": "token-mean (DAPO) | seq-mean-token-mean (GRPO) | "
                                                 "seq-mean-token-sum-norm (Dr. GRPO)"})
@@ -285,7 +296,10 @@ class LossConfig:
             raise ConfigError(f"{where}.dual_clip must be > 1 (e.g. 3.0), got {self.dual_clip}")
         _positive(f"{where}.", "sapo_tau_pos", self.sapo_tau_pos)
         _positive(f"{where}.", "sapo_tau_neg", self.sapo_tau_neg)
+        _positive(f"{where}.", "objective_adv_max", self.objective_adv_max)
         _positive(f"{where}.", "kl_coef", self.kl_coef, allow_zero=True)
+        if self.max_steps_norm is not None:
+            _positive(f"{where}.", "max_steps_norm", self.max_steps_norm)
 
 
 @dataclass
@@ -308,8 +322,13 @@ class OptimConfig:
         _positive(f"{where}.", "inner_epochs", self.inner_epochs)
         _positive(f"{where}.", "minibatches_per_epoch", self.minibatches_per_epoch)
         _positive(f"{where}.", "micro_batch_size", self.micro_batch_size, allow_zero=True)
-        if len(self.betas) != 2:
-            raise ConfigError(f"{where}.betas must be two numbers like [0.9, 0.999], got {self.betas}")
+        _positive(f"{where}.", "weight_decay", self.weight_decay, allow_zero=True)
+        _positive(f"{where}.", "eps", self.eps)
+        _positive(f"{where}.", "warmup_steps", self.warmup_steps, allow_zero=True)
+        if self.grad_clip is not None:
+            _positive(f"{where}.", "grad_clip", self.grad_clip)
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ConfigError(f"{where}.betas must be two numbers in [0, 1) like [0.9, 0.999], got {self.betas}")
 
 
 @dataclass
@@ -342,6 +361,12 @@ class SelectionConfig:
             v = getattr(self, name)
             if not 0 < v <= 1:
                 raise ConfigError(f"{where}.{name} must be in (0, 1], got {v}")
+        if not 0 <= self.vade_fast_weight <= 1:
+            raise ConfigError(f"{where}.vade_fast_weight must be in [0, 1], got {self.vade_fast_weight}")
+        if len(self.vade_prior) != 2 or not all(v > 0 for v in self.vade_prior):
+            raise ConfigError(f"{where}.vade_prior must be two positive numbers [alpha0, beta0], got {self.vade_prior}")
+        _positive(f"{where}.", "history_window", self.history_window)
+        _positive(f"{where}.", "history_readmit_after", self.history_readmit_after, allow_zero=True)
 
 
 @dataclass
@@ -359,6 +384,9 @@ class EvalConfig:
     every: int = field(default=0, metadata={"help": "iterations between evaluations; 0 = at the start and end only"})
     at_start: bool = field(default=True, metadata={"help": "evaluate once before the first update"})
 
+    def check(self, where: str) -> None:
+        _positive(f"{where}.", "every", self.every, allow_zero=True)
+
 
 @dataclass
 class LoggingConfig:
@@ -366,6 +394,8 @@ class LoggingConfig:
     tensorboard: bool = field(default=False, metadata={"help": "also write TensorBoard events to RUN_DIR/tensorboard"})
     wandb: bool = field(default=False, metadata={"help": "also log to Weights & Biases (needs wandb installed)"})
     wandb_project: str = field(default="grove", metadata={"help": "Weights & Biases project name"})
+    step_clip_frac: bool = field(default=False, metadata={"help": "also log clip_frac/step<j>: the clipped fraction "
+                                                                  "of each step column (GRPO-Guard's measurement)"})
 
 
 @dataclass
@@ -386,6 +416,9 @@ class DistributedConfig:
         default=True, metadata={"help": "fsdp2: free gathered parameters after each forward (less memory)"})
 
 
+DEVICE_PATTERN = re.compile(r"auto|cpu|mps|cuda(:\d+)?")
+
+
 @dataclass
 class TrainConfig:
     """Everything the shared trainer needs; the domain's own section is ``domain_config``."""
@@ -397,7 +430,8 @@ class TrainConfig:
         "help": "rl (this trainer) | supervised (the domain's pretraining entry, grove pretrain)"})
     seed: int = field(default=0, metadata={"help": "seed of every random draw (iterations reseed from it)"})
     iterations: int = field(default=10, metadata={"help": "training iterations (rollout + updates each)"})
-    device: str = field(default="auto", metadata={"help": "torch device: auto (cuda if available) | cpu | cuda"})
+    device: str = field(default="auto", metadata={
+        "help": "torch device: auto (the first GPU if torch sees one, else cpu) | cpu | cuda | cuda:N | mps"})
     max_nonfinite_steps: int = field(default=3, metadata={
         "help": "stop with a clear message after this many skipped non-finite optimizer steps in a row"})
     rollout: RolloutConfig = field(default_factory=RolloutConfig, metadata={"help": "what one iteration samples"})
@@ -417,6 +451,10 @@ class TrainConfig:
 
     def check(self, where: str) -> None:
         _positive("", "iterations", self.iterations, allow_zero=True)
+        _positive("", "max_nonfinite_steps", self.max_nonfinite_steps)
+        if not DEVICE_PATTERN.fullmatch(self.device):
+            raise ConfigError(f"device {self.device!r} is not a device grove runs on; use auto, cpu, cuda, cuda:N "
+                              f"(N = GPU index) or mps")
         mb = self.optim.micro_batch_size
         if mb and self.rollout.group_size * self.rollout.groups_per_iteration % self.optim.minibatches_per_epoch:
             raise ConfigError(
@@ -455,10 +493,37 @@ def load_train_config(data: dict) -> TrainConfig:
         raise ConfigError(f"advantage.estimator {est!r} needs tree rollouts; this config's {domain} rollouts are "
                           f"flat: use a flat estimator ({', '.join(ESTIMATORS)}), or configure tree rollouts in the "
                           f"{domain!r} section if the domain has them")
+    sequences = cfg.rollout.groups_per_iteration * cfg.rollout.group_size
+    if structure == "flat" and cfg.optim.minibatches_per_epoch > sequences:
+        raise ConfigError(f"optim.minibatches_per_epoch={cfg.optim.minibatches_per_epoch} is more than the "
+                          f"{cfg.rollout.groups_per_iteration}x{cfg.rollout.group_size}={sequences} sequences an "
+                          f"iteration samples (each optimizer step needs one); use at most {sequences}")
     check_domain = getattr(cfg.domain_config, "check_with", None)
     if callable(check_domain):
         check_domain(cfg)
+    _check_reward_names(cfg)
     return cfg
+
+
+def _check_reward_names(cfg: TrainConfig) -> None:
+    """Names that must be reward outputs (``advantage.weights`` keys, ``selection.band_reward``), checked against
+    the domain config's optional hook ``reward_names(train_cfg) -> list[str] | None`` before any model loads (a
+    domain without the hook, or whose hook returns None because a reward's outputs are only known when it runs, is
+    checked at its first rollout)."""
+    hook = getattr(cfg.domain_config, "reward_names", None)
+    names = hook(cfg) if callable(hook) else None
+    if names is None:
+        return
+    names = list(names)
+    unknown = sorted(set(cfg.advantage.weights) - set(names))
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], names, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(f"advantage.weights names {unknown}, which this config's {cfg.domain} rewards do not "
+                          f"emit{hint}; its rewards are {names}")
+    band = cfg.selection.band_reward
+    if band is not None and band not in names:
+        raise ConfigError(f"selection.band_reward {band!r} is not a reward of this config; its rewards are {names}")
 
 
 def dump_train_config(cfg: TrainConfig) -> dict:

@@ -31,6 +31,12 @@ which request each group answers in ``Rollout.key_index``.
   (``advantages.TREE_ESTIMATORS``) with flat rollouts in one line. Absent means flat (for now: not checked, until
   every in-tree domain has the hook).
 - ``check_with(self, train_cfg)``: any other cross-check against the trainer's sections (may fill defaults).
+- ``reward_names(self, train_cfg) -> list[str] | None``: the reward names a rollout will emit (None: not knowable
+  before a rollout); ``load_train_config`` checks ``advantage.weights`` and ``selection.band_reward`` against them
+  (without it, only the first rollout would find a typo).
+- ``preflight(self, train_cfg)``: checks that read the run's small inputs (prompt files, datasets, importable
+  ``module:function`` rewards, reward arguments) and whether the configured rewards can score them, run by
+  ``shared_rl.preflight`` before any model loads and before the run directory exists; raise ``ConfigError``.
 """
 from __future__ import annotations
 
@@ -53,6 +59,9 @@ class StepLogProbs:
     ref_logp: ``[n, T]`` reference-policy log-probs (no grad) when asked for KL and ``kl`` is None; the trainer
         then applies the configured estimator (k1/k3).
     entropy: ``[n, T]`` per-step entropy (for logging), or None.
+    objective_pos, objective_neg: ``[n, T]`` (with grad) the two per-step terms of a likelihood-free objective,
+        for the policy losses that combine them with the advantage (``nft``: DiffusionNFT's positive/negative
+        branch losses; ``awm``: the flow-matching loss in ``objective_pos``). ``logp`` is then zeros. None otherwise.
     """
 
     logp: torch.Tensor
@@ -60,6 +69,9 @@ class StepLogProbs:
     ref_logp: torch.Tensor | None = None
     entropy: torch.Tensor | None = None
     nfe: int = 0  # model forward evaluations spent on this call (per sample; CFG counts 2)
+    objective_pos: torch.Tensor | None = None
+    objective_neg: torch.Tensor | None = None
+    step_std: torch.Tensor | None = None  # [n, T] each step's transition std (flow domains; GRPO-Guard's RatioNorm)
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""Policy losses (a registry: clipped / GSPO / CISPO / SAPO), aggregation modes and KL estimators (a registry too).
+"""Policy losses (a registry: clipped / GSPO / CISPO / SAPO, and the likelihood-free NFT / AWM), aggregation modes
+and KL estimators (a registry too).
 
 All losses take per-step tensors ``[n, T]`` with a step mask, so the same code trains denoising steps (visgen,
 robot action heads) and tokens (LLM). Aggregations are normalised by **global** counts of the whole optimizer
@@ -14,6 +15,8 @@ gradient as one big batch (``tests/core/test_losses.py`` checks it).
 sequence) or ``[n, T]``, ``mask`` ``[n, T]`` trained steps; ``loss`` is per step and already multiplied by the
 mask (the trainer then ``aggregate``s it); ``stats`` holds detached ``[n, T]`` tensors ``ratio`` (the importance
 ratio the loss used), ``clipped`` (1.0 where the loss cut the step's gradient) and ``log_ratio``.
+Likelihood-free losses (``nft``, ``awm``; registered with ``uses_domain_terms=True``) also get ``terms=`` the
+domain's ``StepLogProbs`` and combine its ``objective_pos``/``objective_neg`` with the advantage instead of a ratio.
 
 **KL estimators** (``loss.kl_estimator``), registered with ``@register_kl_estimator(name)`` in ``KL_ESTIMATORS``,
 all ``fn(logp, ref_logp, domain_kl) -> [n, T]`` per-step KL(π‖π_ref) with grad: ``k1`` and ``k3`` estimate it from
@@ -128,13 +131,17 @@ PolicyLoss = Callable[..., "tuple[torch.Tensor, dict[str, torch.Tensor]]"]
 POLICY_LOSSES: dict[str, PolicyLoss] = {}
 
 
-def register_policy_loss(name: str) -> Callable[[PolicyLoss], PolicyLoss]:
+def register_policy_loss(name: str, uses_domain_terms: bool = False) -> Callable[[PolicyLoss], PolicyLoss]:
     """Decorator: make ``fn(logp, logp_old, advantages, mask, cfg) -> (loss [n, T], stats)`` selectable as
-    ``loss.policy_loss: name`` (register before the config is loaded; the name is checked there)."""
+    ``loss.policy_loss: name`` (register before the config is loaded; the name is checked there).
+
+    ``uses_domain_terms``: the loss is likelihood-free and combines the domain's per-step objective terms
+    (``StepLogProbs.objective_pos/neg``), which the trainer then passes as the keyword ``terms=``."""
 
     def wrap(fn: PolicyLoss) -> PolicyLoss:
         if name in POLICY_LOSSES and POLICY_LOSSES[name] is not fn:
             raise ValueError(f"policy loss {name!r} is already registered ({POLICY_LOSSES[name].__qualname__})")
+        fn.uses_domain_terms = uses_domain_terms
         POLICY_LOSSES[name] = fn
         return fn
 
@@ -169,6 +176,43 @@ def clipped_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.T
     ε_hi = ``clip_high`` (default ε_lo); for A < 0 with ``dual_clip`` c: L_t = min(L_t, −c·A).
     """
     return clipped_surrogate(logp, logp_old, advantages, mask, cfg.clip_low, cfg.clip_high, cfg.dual_clip, "step")
+
+
+@register_policy_loss("guard", uses_domain_terms=True)
+def guard_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+               cfg: "LossConfig", terms=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GRPO-Guard (Wang et al., "GRPO-Guard: Mitigating Implicit Over-Optimization in Flow Matching via Regulated
+    Clipping", 2025): the clipped surrogate on a per-step *normalised* ratio, so that one clip range acts on high-
+    and low-noise denoising steps alike. grove's reading of the paper's RatioNorm and gradient reweighting:
+
+    - For a Gaussian step of std σ_t the log-ratio scales like Δμ/σ_t (and its mean is the negative bias
+      −‖Δμ‖²/(2σ_t²)): low-noise steps get wide ratios that the clip cuts, high-noise steps narrow ones it never
+      touches. RatioNorm: ``ℓ̂_t = (ℓ_t − c_t)·σ_t/σ̄`` with ℓ_t the log-ratio, σ_t the step's transition std (the
+      domain's ``StepLogProbs.step_std``), σ̄ its mean over the call's trained steps, and c_t the mean of ``ℓ_t·σ_t/σ̄``
+      over the call's rows at step t (detached; ``loss.guard_center``), which removes the bias so ρ̂ centres at 1.
+    - Gradient reweighting (``loss.guard_reweight``): each step's loss is multiplied by σ̄/σ_t, which restores the
+      unclipped gradient of the plain surrogate — normalisation then changes *which* steps clip, not how hard the
+      unclipped ones pull.
+
+    ρ̂ = 1 exactly at the first inner step (ℓ = 0), like the plain surrogate. The centring statistic is over the rows
+    of one forward call (the whole minibatch with ``optim.micro_batch_size: 0``)."""
+    if terms is None or terms.step_std is None:
+        raise ConfigError("loss.policy_loss 'guard' (GRPO-Guard) needs a domain that reports each step's transition "
+                          "std (StepLogProbs.step_std): the visgen flow domains do")
+    m = mask.to(logp.dtype)
+    std = terms.step_std.to(logp).detach()
+    trained = m.bool() & (std > 0)
+    mean_std = std[trained].mean() if trained.any() else torch.ones((), dtype=logp.dtype, device=logp.device)
+    scale = torch.where(trained, std / mean_std, torch.ones_like(std))
+    lr = (logp - logp_old) * m * scale
+    if cfg.guard_center:
+        centre = (lr.detach() * m).sum(0, keepdim=True) / m.sum(0, keepdim=True).clamp(min=1)
+        lr = (lr - centre) * m
+    loss, st = clipped_surrogate(logp_old + lr, logp_old, advantages, mask, cfg.clip_low, cfg.clip_high,
+                                 cfg.dual_clip, "step")
+    if cfg.guard_reweight:
+        loss = loss / scale
+    return loss, st
 
 
 @register_policy_loss("gspo")
@@ -227,11 +271,55 @@ def sapo_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tens
     return loss * m, {"ratio": ratio.detach(), "clipped": (weight < 0.5).to(logp.dtype), "log_ratio": lr.detach()}
 
 
+def _no_ratio_stats(logp: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A likelihood-free loss has no importance ratio: report ratio 1, nothing clipped."""
+    zeros = torch.zeros_like(logp).detach()
+    return {"ratio": zeros + 1.0, "clipped": zeros, "log_ratio": zeros}
+
+
+def _domain_terms(name: str, terms, need_neg: bool):
+    if terms is None or terms.objective_pos is None or (need_neg and terms.objective_neg is None):
+        raise ConfigError(f"loss.policy_loss {name!r} is likelihood-free: it needs a domain that computes its "
+                          f"objective terms (visgen: visgen.objective: {{name: {name}}})")
+    return terms.objective_pos, terms.objective_neg
+
+
+@register_policy_loss("nft", uses_domain_terms=True)
+def nft_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, cfg,
+             terms=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """DiffusionNFT (Zheng et al., "DiffusionNFT: Online Diffusion Reinforcement with Forward Process", NVlabs,
+    ICLR 2026): the optimality weight r = clip(clip(A, ±A_max)/A_max/2 + 1/2, 0, 1) mixes the domain's implicit
+    positive and negative branch losses, L = A_max · [r · P + (1 − r) · N] (P, N already divided by NFT's β and
+    their adaptive weights by the domain). A_max = ``loss.objective_adv_max``."""
+    pos, neg = _domain_terms("nft", terms, need_neg=True)
+    a_max = float(cfg.objective_adv_max)
+    adv = advantages.to(pos.dtype)
+    adv = adv[:, None].expand_as(pos) if adv.dim() == 1 else adv
+    r = (adv.clamp(-a_max, a_max) / a_max / 2 + 0.5).clamp(0.0, 1.0)
+    loss = a_max * (r * pos + (1 - r) * neg)
+    return loss * mask.to(loss.dtype), _no_ratio_stats(logp)
+
+
+@register_policy_loss("awm", uses_domain_terms=True)
+def awm_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, cfg,
+             terms=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Advantage Weighted Matching (Xue et al., "Advantage Weighted Matching: Aligning RL with Pretraining in
+    Diffusion Models", 2025): the pretraining flow-matching loss on the policy's own samples, weighted by the
+    advantage, L = A · ‖v_θ(x_t, t) − (ε − x0)‖² (the domain's ``objective_pos``; mean over latent elements)."""
+    pos, _ = _domain_terms("awm", terms, need_neg=False)
+    adv = advantages.to(pos.dtype)
+    adv = adv[:, None].expand_as(pos) if adv.dim() == 1 else adv
+    loss = adv * pos
+    return loss * mask.to(loss.dtype), _no_ratio_stats(logp)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # KL estimators: KL(π‖π_ref) per step, ``fn(logp, ref_logp, domain_kl) -> [n, T]``
 
 KLEstimator = Callable[..., torch.Tensor]
 KL_ESTIMATORS: dict[str, KLEstimator] = {}
+
+
 
 
 def register_kl_estimator(name: str) -> Callable[[KLEstimator], KLEstimator]:

@@ -1,4 +1,5 @@
-"""Metrics: JSONL always, TensorBoard when installed and asked for, wandb when asked; plots of the curves.
+"""Metrics: JSONL always, TensorBoard and wandb when asked for (``shared_rl.preflight`` checks they are installed);
+``curves.png`` with one axis per kind of metric.
 
 One JSON object per line with ``step`` and the metric names of DESIGN.md §4 (``reward/mean``, ``loss/policy``,
 ``eval/<metric>``, ...). Step 0 holds the evaluation before the first update.
@@ -69,37 +70,93 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     return [json.loads(ln) for ln in Path(path).read_text().splitlines() if ln.strip()]
 
 
+def _numeric(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
+    pts = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool)]
+    return [p[0] for p in pts], [float(p[1]) for p in pts]
+
+
+def _is_length(key: str) -> bool:
+    return "length" in key or key in ("completion/tokens",)
+
+
+# (panel title, which metric names go on it): each kind of metric gets its own axis, since their scales differ by
+# orders of magnitude (a KL of 1e-4 is invisible next to a loss of 0.3 or a grad norm of 40)
+PANELS: list[tuple[str, Any]] = [
+    ("held-out evaluation", lambda k: k.startswith("eval/") and not _is_length(k)),
+    ("rates (fractions of groups / completions)", lambda k: k in ("frac_zero_std", "completion/truncated",
+                                                                  "groups/kept_fraction")),
+    ("lengths", _is_length),
+    ("losses", lambda k: k.startswith("loss/") and k != "loss/kl"),
+    ("KL", lambda k: k in ("loss/kl", "approx_kl")),
+    ("clip fraction", lambda k: k == "clip_frac"),
+    ("importance ratio", lambda k: k.startswith("ratio/")),
+    ("grad norm", lambda k: k == "grad_norm"),
+    ("entropy", lambda k: k == "entropy"),
+]
+
+
+def _with_rates(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    records = [dict(r) for r in records]
+    for r in records:  # the kept share of drawn groups is a rate; the raw counts are not
+        if isinstance(r.get("groups/kept"), (int, float)) and r.get("groups/drawn"):
+            r["groups/kept_fraction"] = r["groups/kept"] / r["groups/drawn"]
+    return records
+
+
+def curve_panels(records: list[dict[str, Any]]) -> list[tuple[str, list[str]]]:
+    """(panel title, metric names) of ``curves.png``: the training reward, then each kind of ``PANELS`` the
+    records hold a number for."""
+    records = _with_rates(records)
+    keys = sorted({k for r in records for k in r if k != "step"})
+    panels: list[tuple[str, list[str]]] = []
+    if any(isinstance(r.get("reward/mean"), (int, float)) for r in records):
+        panels.append(("training reward", [k for k in keys if k.startswith("reward/") and k.endswith("/mean")]))
+    for name, wants in PANELS:
+        chosen = [k for k in keys if wants(k) and _numeric(records, k)[0]]
+        if chosen:
+            panels.append((name, chosen[:8]))
+    return panels
+
+
 def plot_metrics(records: list[dict[str, Any]], out_png: Path, title: str = "") -> Path | None:
-    """Reward curve (mean ± std) and every ``eval/*`` metric against the iteration."""
+    """``curves.png``: the training reward (mean ± std and each named reward), then one axis per kind of metric
+    that the records hold (``curve_panels``: evaluation, rates, lengths, losses, KL, clip fraction, ratio, grad
+    norm, entropy), each against the iteration."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    train = [r for r in records if r.get("reward/mean") is not None]
-    evals = sorted({k for r in records for k in r if k.startswith("eval/") and isinstance(r[k], (int, float))})
-    if not train and not evals:
+    records = _with_rates(records)
+    train = [r for r in records if isinstance(r.get("reward/mean"), (int, float))]
+    panels = curve_panels(records)
+    if not panels:
         return None
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
-    if train:
-        s = [r["step"] for r in train]
-        m = [r["reward/mean"] for r in train]
-        sd = [r.get("reward/std") or 0.0 for r in train]
-        axes[0].plot(s, m, label="reward/mean")
-        axes[0].fill_between(s, [a - b for a, b in zip(m, sd)], [a + b for a, b in zip(m, sd)], alpha=0.2)
-        axes[0].set_xlabel("iteration")
-        axes[0].set_title("training reward")
-        axes[0].legend()
-    for k in evals[:8]:
-        pts = [(r["step"], r[k]) for r in records if isinstance(r.get(k), (int, float))]
-        axes[1].plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=k)
-    axes[1].set_xlabel("iteration")
-    axes[1].set_title("evaluation (held out)")
-    if evals:
-        axes[1].legend(fontsize=7)
+    cols = min(3, len(panels))
+    rows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, 3.1 * rows), squeeze=False)
+    for ax, (name, chosen) in zip(axes.flat, panels):
+        for k in chosen:
+            s, v = _numeric(records, k)
+            ax.plot(s, v, marker="o" if len(s) < 12 else None, markersize=3, label=k)
+        if name == "training reward":
+            s = [r["step"] for r in train]
+            m = [r["reward/mean"] for r in train]
+            sd = [r.get("reward/std") or 0.0 for r in train]
+            ax.fill_between(s, [a - b for a, b in zip(m, sd)], [a + b for a, b in zip(m, sd)], alpha=0.2)
+        if name == "KL" and all(v > 0 for k in chosen for v in _numeric(records, k)[1]):
+            ax.set_yscale("log")
+        else:
+            ax.ticklabel_format(axis="y", useOffset=False)  # near-constant series (a ratio of 1) read as values
+        ax.set_title(name, fontsize=10)
+        ax.set_xlabel("iteration")
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
     if title:
         fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(out_png, dpi=100)
+    # fixed margins: tight_layout costs about a second per call on a busy CPU, at the end of every run
+    fig.subplots_adjust(left=0.07, right=0.98, bottom=0.08, top=0.9 if title else 0.95, wspace=0.28, hspace=0.45)
+    fig.savefig(out_png, dpi=90)
     plt.close(fig)
     return out_png

@@ -2,8 +2,8 @@
 
 Strings (``"module:attr"``) keep the static layering clean: ``shared_rl`` never imports ``visgen`` or
 ``robotics``; they are imported only when a config or a command line names them. Third-party packages add
-entries through the ``grove.domains`` / ``grove.supervised`` / ``grove.benchmarks`` / ``grove.commands``
-entry-point groups (a built-in name wins over an entry point of the same name).
+entries through the ``grove.domains`` / ``grove.supervised`` / ``grove.benchmarks`` / ``grove.commands`` /
+``grove.catalogs`` entry-point groups (a built-in name wins over an entry point of the same name).
 """
 from __future__ import annotations
 
@@ -31,16 +31,30 @@ BENCHMARKS: dict[str, str] = {
     "llm": "bench.llm_vs_trl:run",
     "robotics-sim": "bench.robotics_sim:run",
     "visgen-trees": "bench.visgen_trees:run",
+    "visgen-rewards": "bench.visgen_rewards:run",
+    "visgen-methods": "bench.visgen_methods:run",
+    "visgen-two-stage": "bench.visgen_two_stage:run",
     "scale": "bench.scale:run",
 }
 
 # ``grove NAME args...`` hands ``args`` to ``main(argv) -> exit code`` of the command group's module.
 COMMANDS: dict[str, str] = {
     "robotics": "robotics.cli:main",
+    "rewards": "visgen.cli:rewards_main",
+    "reward-server": "visgen.cli:reward_server_main",
+}
+
+# ``grove list``: a domain's own registries, ``catalog() -> {"what (config key)": [names]}`` (methods, rewards,
+# tasks), imported only when listed.
+CATALOGS: dict[str, str] = {
+    "llm": "shared_rl.llm.rewards:catalog",
+    "visgen": "visgen.catalog:catalog",
+    "robotics": "robotics.catalog:catalog",
 }
 
 _GROUPS = {"domains": (DOMAINS, "grove.domains"), "supervised": (SUPERVISED, "grove.supervised"),
-           "benchmarks": (BENCHMARKS, "grove.benchmarks"), "commands": (COMMANDS, "grove.commands")}
+           "benchmarks": (BENCHMARKS, "grove.benchmarks"), "commands": (COMMANDS, "grove.commands"),
+           "catalogs": (CATALOGS, "grove.catalogs")}
 
 
 def _table(name: str) -> dict[str, str]:
@@ -59,6 +73,9 @@ def _load(target: str, what: str, name: str) -> Any:
     try:
         mod = importlib.import_module(module)
     except ModuleNotFoundError as e:
+        missing = e.name or ""
+        if missing != module and missing.split(".")[0] == module.split(".")[0]:
+            raise  # the package imports a module of its own that is missing: a bug, keep the traceback
         raise ConfigError(f"{what} {name!r} needs module {module!r}, which cannot be imported ({e})") from None
     try:
         return getattr(mod, attr)
@@ -83,6 +100,23 @@ def resolve_domain(name: str) -> type:
 
 def resolve_supervised(name: str) -> Any:
     return _resolve(_table("supervised"), "supervised job for domain", name)
+
+
+def domain_names() -> list[str]:
+    return sorted(_table("domains"))
+
+
+def supervised_names() -> list[str]:
+    return sorted(_table("supervised"))
+
+
+def resolve_catalog(name: str) -> Any:
+    """``catalog() -> {what: [names]}`` of domain ``name`` (``grove list``)."""
+    return _resolve(_table("catalogs"), "catalog of domain", name)
+
+
+def catalog_names() -> list[str]:
+    return sorted(_table("catalogs"))
 
 
 def resolve_benchmark(name: str) -> Any:

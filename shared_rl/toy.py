@@ -34,6 +34,10 @@ class ToyConfig:
         """Tree rollouts when ``tree_branch > 1`` (the hook of ``shared_rl.domain``: tree estimators need them)."""
         return "tree" if self.tree_branch > 1 else "flat"
 
+    def reward_names(self, train_cfg) -> list[str]:
+        """The one reward a rollout emits (the core checks ``advantage.weights`` names against it)."""
+        return ["correct"]
+
     def check(self, where: str) -> None:
         from .config import ConfigError
 
@@ -59,6 +63,8 @@ class ToyDomain(DomainBase):
 
     def __init__(self, cfg: ToyConfig, ctx: RunContext) -> None:
         self.cfg = cfg
+        if ctx.device.type != "cpu":  # said once, so that device= is never silently ignored
+            ctx.log(f"toy: the bandit's logit table stays on the CPU (device={ctx.device} applies to the other domains)")
         g = torch.Generator().manual_seed(ctx.seed)
         self.policy = LogitTable(cfg.init_scale * torch.randn(cfg.num_contexts, cfg.num_actions, generator=g))
         self.ref_logits = self.logits.detach().clone()

@@ -95,8 +95,10 @@ class Trainer:
         self.cfg = cfg
         self.run_dir = Path(run_dir) if run_dir else None
         self.log = log
-        device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-        self.device = torch.device(device)
+        from .preflight import preflight, resolve_device
+
+        preflight(cfg)  # the device, optional loggers and the domain's inputs, before any model loads
+        self.device = resolve_device(cfg.device)
         from .distributed import Dist
 
         self.dist = Dist(self.device)
@@ -130,6 +132,9 @@ class Trainer:
         self.padding_forwards = 0  # FSDP2: weight-0 forwards run to keep collectives paired (see _optimizer_step)
         self.history: list[dict[str, Any]] = []
         self._stop_requested = False
+        self.stop_signal: str | None = None  # "SIGINT" / "SIGTERM" once one asked the run to stop
+        self.restored_from: Path | None = None
+        self.resume_note: dict[str, Any] = {}  # merged into the first record after a resume (e.g. its overrides)
 
     def _setup_fsdp(self):
         """Shard the domain's ``fsdp_modules()`` with FSDP2 (several processes) after checking the layout."""
@@ -248,7 +253,9 @@ class Trainer:
 
         Returns (loss to backpropagate, its policy part, its KL part or None, the policy loss's per-step stats)."""
         lc = self.cfg.loss
-        per_step, st = get_policy_loss(lc.policy_loss)(out.logp, logp_old, adv, mask, lc)
+        policy_loss = get_policy_loss(lc.policy_loss)
+        terms = {"terms": out} if getattr(policy_loss, "uses_domain_terms", False) else {}  # likelihood-free: NFT, AWM
+        per_step, st = policy_loss(out.logp, logp_old, adv, mask, lc, **terms)
         policy = aggregate(per_step, mask, lc.aggregation, norm)
         if lc.kl_coef <= 0:
             return policy, policy, None, st
@@ -288,6 +295,10 @@ class Trainer:
                 stats.add("loss/kl", float(kl.detach()), 0.0)
             loss.backward()
             _add_step_stats(stats, st, mask, out)
+            if cfg.logging.step_clip_frac:  # which denoising steps the clip acts on (GRPO-Guard's diagnosis)
+                m = mask.bool()
+                for j in torch.nonzero(m.any(0)).flatten().tolist():
+                    stats.add(f"clip_frac/step{j}", float(st["clipped"][m[:, j], j].sum()), float(m[:, j].sum()))
         # the micro-batch losses summed (over ranks too) are the minibatch loss: count one per optimizer step
         for k in PER_STEP_STATS:
             stats.add(k, 0.0, 1.0)
@@ -500,9 +511,11 @@ class Trainer:
         return save_checkpoint(self.run_dir / "checkpoints", iteration, model_state, opt_state, self.state(iteration),
                                self.cfg.checkpoint.keep_last)
 
-    def resume(self) -> bool:
-        """Restore the newest valid checkpoint of ``run_dir``; False when there is none."""
-        found = load_latest_checkpoint(self.run_dir / "checkpoints", self.log) if self.run_dir else None
+    def resume(self, checkpoints: Path | None = None) -> bool:
+        """Restore the newest valid checkpoint of ``checkpoints`` (default ``run_dir/checkpoints``; ``grove eval``
+        reads another run's); False when there is none."""
+        root = Path(checkpoints) if checkpoints else (self.run_dir / "checkpoints" if self.run_dir else None)
+        found = load_latest_checkpoint(root, self.log) if root else None
         if found is None:
             return False
         path, model_state, opt_state, state = found
@@ -524,7 +537,9 @@ class Trainer:
         set_rng_state(state["rng"])
         self.nonfinite_total = int(state.get("nonfinite_total", 0))
         self.start_iteration = int(state["iteration"])
-        self.log(f"resumed from {path} at iteration {self.start_iteration}")
+        self.restored_from = path
+        if checkpoints is None:
+            self.log(f"resumed from {path} at iteration {self.start_iteration}")
         return True
 
     def _evaluate(self, it: int) -> dict[str, float]:
@@ -545,17 +560,29 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         logger = MetricsLogger(self.run_dir if main else None, cfg.logging.tensorboard, cfg.logging.wandb, cfg.logging.wandb_project,
                                dump_train_config(cfg))
-        if resume and self.resume():
-            logger.truncate_after(self.start_iteration)
+        if resume:
+            # the CLI restores (and checks) before anything is written; a checkpoint may have vanished since
+            if self.restored_from is None and not self.resume():
+                raise ConfigError(f"--resume {self.run_dir}: no usable checkpoint left; nothing was changed")
+            # records after the checkpoint are replayed; a checkpoint at 0 (stopped in the first evaluation) too
+            logger.truncate_after(self.start_iteration if self.start_iteration else -1)
         elif self.run_dir and main:
             logger.truncate_after(-1)
-        old_handler = signal.getsignal(signal.SIGTERM)
+        old_handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
 
-        def on_sigterm(signum, frame):  # finish the current iteration, checkpoint, exit cleanly
+        def on_signal(signum, frame):  # finish the current iteration, checkpoint, exit; a second Ctrl-C aborts
+            name = signal.Signals(signum).name
+            if name == "SIGINT" and self.stop_signal is not None:
+                raise KeyboardInterrupt
+            if self.stop_signal is None and main:
+                self.log(f"{name}: finishing this iteration, then checkpointing"
+                         + (" (Ctrl-C again to abort without saving)" if name == "SIGINT" else ""))
             self._stop_requested = True
+            self.stop_signal = self.stop_signal or name
 
         try:
-            signal.signal(signal.SIGTERM, on_sigterm)
+            for sig in old_handlers:
+                signal.signal(sig, on_signal)
         except ValueError:  # not in the main thread
             pass
         n = sum(p.numel() for p in self.domain.parameters() if p.requires_grad)
@@ -567,10 +594,19 @@ class Trainer:
             logger.log(0, rec)
             self.history.append({"step": 0, **rec})
             self.log("eval before training: " + _fmt(rec))
+        # a signal during the first evaluation: checkpoint the untouched start, so --resume picks up from there
+        stop_first = self._any_rank(self._stop_requested)
+        if stop_first:
+            self._stop_requested = True
+            self.save(self.start_iteration)
+            self._log_stop(self.start_iteration)
         bar = _progress(cfg.logging.progress and main, self.start_iteration, cfg.iterations)
         try:
-            for it in range(self.start_iteration, cfg.iterations):
+            for it in range(self.start_iteration, cfg.iterations if not stop_first else self.start_iteration):
                 metrics = self.iteration(it)
+                if self.resume_note:
+                    metrics.update(self.resume_note)
+                    self.resume_note = {}
                 step = it + 1
                 last = step == cfg.iterations
                 if last or (cfg.eval.every and step % cfg.eval.every == 0):
@@ -589,14 +625,15 @@ class Trainer:
                 if last or self._stop_requested or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
                     self.save(step)
                 if self._stop_requested:
-                    self.log(f"SIGTERM: checkpoint saved at iteration {step}; resume with --resume {self.run_dir}")
+                    self._log_stop(step)
                     break
         finally:
             if bar is not None:
                 bar.close()
             logger.close()
             try:
-                signal.signal(signal.SIGTERM, old_handler)
+                for sig, handler in old_handlers.items():
+                    signal.signal(sig, handler)
             except (ValueError, TypeError):
                 pass
         self.dist.barrier()
@@ -605,6 +642,11 @@ class Trainer:
         if not self._stop_requested:
             self._finish()
         return self.history
+
+    def _log_stop(self, step: int) -> None:
+        if self.dist.is_main:
+            self.log(f"{self.stop_signal or 'stop'}: checkpoint saved at iteration {step}; resume with: grove train "
+                     f"--resume {self.run_dir}")
 
     def _memory_line(self) -> str:
         """What this process holds of the trained state (bytes of its local shards under FSDP2)."""
@@ -659,7 +701,11 @@ def _fmt(m: dict[str, Any], short: bool = False) -> str:
 
 
 def _progress(enabled: bool, start: int, total: int):
-    if not enabled:
+    """A tqdm bar on a terminal; None otherwise (a log file gets one plain line per iteration instead of a
+    carriage-return update per refresh)."""
+    import sys
+
+    if not enabled or not sys.stderr.isatty():
         return None
     try:
         from tqdm.auto import tqdm

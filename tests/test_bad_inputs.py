@@ -1,11 +1,27 @@
-"""The bad-input corpus across domains: every case exits with code 2, prints one actionable line, and leaves the
-run directory unwritten. (Trainer-level cases: tests/core/test_cli.py.)"""
+"""The bad-input corpus: every user mistake grove knows of, for every command, exits with code 2, prints exactly
+one line ``grove: error: ...`` naming what to change, and leaves the file system exactly as it was (every file and
+folder under the test's directory, which is also the working directory, so a default ``runs/...`` would show).
+
+Categories: the trainer's config (types, ranges, non-finite numbers, names, batch arithmetic; the corpus of
+``tests/core/test_cli.py`` is run here too), the machine (devices, optional loggers), output paths (``--out``
+empty, a file, under a file, not creatable), each domain's inputs (models, prompt files, datasets, rewards, reward
+arguments, reward/prompt fit, ``advantage.weights`` names) found before a model loads, command lines of ``train``,
+``pretrain``, ``eval``, ``bench``, ``config``, ``--resume`` (more in ``tests/core/test_resume.py``) and the
+``grove robotics`` tools.
+"""
+import hashlib
+import importlib.util
 import json
+from pathlib import Path
 
 import pytest
 import yaml
 
 from shared_rl.cli import main
+
+from .core.test_cli import BAD_CONFIGS, GOOD
+
+HAS_CUDA = importlib.util.find_spec("torch") is not None and __import__("torch").cuda.is_available()
 
 
 def _visgen(**domain):
@@ -20,14 +36,57 @@ def _robotics(**domain):
     return {"domain": "robotics", "iterations": 1, "logging": {"progress": False}, "robotics": domain}
 
 
+def _toy(**over):
+    data = json.loads(json.dumps(GOOD))
+    for key, value in over.items():
+        node = data
+        *parents, last = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[last] = value
+    return data
+
+
 def _files(tmp):
     (tmp / "empty.jsonl").write_text("")
     (tmp / "broken.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", "answer": \n')
     (tmp / "nocol.jsonl").write_text(json.dumps({"question": "1+1=", "answer": "2"}) + "\n")
+    (tmp / "noanswer.jsonl").write_text("".join(json.dumps({"prompt": f"{i}+1=", "solution": str(i + 1)}) + "\n"
+                                                for i in range(4)))
     (tmp / "empty.txt").write_text("\n\n")
+    (tmp / "cats.txt").write_text("a photo of a cat\na red circle\n")
+    (tmp / "a_file").write_text("not a directory\n")
+    (tmp / "garbage.npz").write_text("not an archive\n")
+    (tmp / "not_a_dataset").mkdir()
+    (tmp / "not_a_dataset" / "notes.txt").write_text("hello\n")
     return tmp
 
 
+def tree_state(root: Path) -> dict[str, str]:
+    """Every file (relative path -> sha256) and folder under ``root``."""
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "<dir>"
+            for p in sorted(root.rglob("*"))}
+
+
+def assert_one_line_error(argv, expect, root: Path, capsys) -> None:
+    """``grove argv`` exits 2 with one ``grove: error:`` line containing ``expect`` and changes nothing in ``root``."""
+    before = tree_state(root)
+    capsys.readouterr()
+    code = main(argv)
+    captured = capsys.readouterr()
+    err = [line for line in captured.err.strip().splitlines() if line.strip()]
+    assert code == 2, (code, err[-5:])
+    assert len(err) == 1 and err[0].startswith("grove: error: ") and expect in err[0], err
+    assert tree_state(root) == before
+
+
+@pytest.fixture
+def tmp(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # default run directories (runs/...) land here, where the snapshot sees them
+    return _files(tmp_path)
+
+
+# ------------------------------------------------------------------------------------- domains' inputs
 CASES = {
     # visgen
     "visgen missing model": (_visgen(model="no/such/pipeline"), "no/such/pipeline"),
@@ -40,6 +99,14 @@ CASES = {
                                  "empty.txt"),
     "visgen negative noise": (_visgen(noise_level=-0.5), "noise_level"),
     "visgen lora rank zero": (_visgen(lora={"rank": 0}), "rank"),
+    "visgen prompts the reward cannot score": (_visgen(task="file", train_prompts="TMP/cats.txt"),
+                                               "prompt 1 cannot be scored by reward 'shapes'"),
+    "visgen unknown advantage weight": ({**_visgen(), "advantage": {"weights": {"shapes_strictt": 1.0}}},
+                                        "did you mean 'shapes_strict'?"),
+    "visgen reward argument it does not take": (_visgen(rewards=[{"name": "pickscore", "kwargs": {"modle": "x"}}]),
+                                                "unexpected keyword argument 'modle'"),
+    "visgen reward argument value": (_visgen(rewards=[{"name": "shapes_soft", "kwargs": {"temperature": -1}}]),
+                                     "temperature must be > 0"),
     # llm
     "llm missing model": (_llm(model="no/such/model"), "no/such/model"),
     "llm unknown reward": (_llm(rewards=[{"name": "exact_matchh"}]), "exact_matchh"),
@@ -51,6 +118,16 @@ CASES = {
     "llm missing dataset file": (_llm(dataset={"source": "jsonl", "path": "TMP/none.jsonl"}), "none.jsonl"),
     "llm zero new tokens": (_llm(max_new_tokens=0), "max_new_tokens"),
     "llm negative temperature": (_llm(temperature=-1.0), "temperature"),
+    "llm custom reward that does not import": (_llm(rewards=[{"name": "no_such_module_xyz:score"}]),
+                                               "module 'no_such_module_xyz' does not import"),
+    "llm custom reward attribute missing": (_llm(rewards=[{"name": "json:no_such_function"}]),
+                                            "has no 'no_such_function'"),
+    "llm dataset the reward cannot score": (_llm(dataset={"source": "jsonl", "path": "TMP/noanswer.jsonl"}),
+                                            "numeric_match scores column 'answer'"),
+    "llm unknown accuracy reward": (_llm(eval={"accuracy_reward": "nope"}), "accuracy_reward 'nope'"),
+    "llm unknown advantage weight": ({**_llm(), "advantage": {"weights": {"numeric": 1.0}}}, "numeric"),
+    "llm reward factory argument": (_llm(rewards=[{"name": "numeric_match", "args": {"tolerence": 1}}]),
+                                    "unexpected keyword argument 'tolerence'"),
     # robotics
     "robotics unknown task": (_robotics(env={"tasks": ["reach-v9"]}), "reach-v9"),
     "robotics missing checkpoint": (_robotics(checkpoint="no/such/vla"), "no/such/vla"),
@@ -58,6 +135,8 @@ CASES = {
     "robotics action dim mismatch": (_robotics(checkpoint="", model={"action_dim": 3}), "action_dim"),
     "robotics unknown head mode": (_robotics(head_mode="gaussian"), "head_mode"),
     "robotics bad horizon": (_robotics(env={"horizon": 0}), "horizon"),
+    "robotics unknown advantage weight": ({**_robotics(), "advantage": {"weights": {"dense": 0.5}}},
+                                          "'dense'"),
     # supervised entry points
     "pretrain without domain": ({"kind": "supervised"}, "domain"),
     "pretrain unknown domain": ({"kind": "supervised", "domain": "audio"}, "audio"),
@@ -65,15 +144,142 @@ CASES = {
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_domain_bad_input(tmp_path, capsys, name):
+def test_domain_bad_input(tmp, capsys, name):
     data, expect = CASES[name]
-    tmp = _files(tmp_path)
-    text = yaml.safe_dump(data).replace("TMP/", f"{tmp}/")
+    if name.startswith("robotics"):
+        pytest.importorskip("mujoco")
     cfg = tmp / "bad.yaml"
-    cfg.write_text(text)
-    out = tmp / "run"
-    code = main(["train", str(cfg), "--out", str(out)])
-    err = [l for l in capsys.readouterr().err.strip().splitlines() if l.strip()]
-    assert code == 2, err[-5:]
-    assert len(err) == 1 and err[0].startswith("grove: error: ") and expect in err[0], err
-    assert not out.exists()
+    cfg.write_text(yaml.safe_dump(data).replace("TMP/", f"{tmp}/"))
+    assert_one_line_error(["train", str(cfg), "--out", str(tmp / "run")], expect, tmp, capsys)
+
+
+# ------------------------------------------------------------------------------------- the trainer's config
+TRAINER_CASES = {
+    **BAD_CONFIGS,
+    "lr overflows to inf": (_toy(**{"optim.lr": "1e309"}), "optim.lr: expected a finite number"),
+    "grad clip nan": (_toy(**{"optim.grad_clip": float("nan")}), "optim.grad_clip: expected a finite number"),
+    "kl coef inf": (_toy(**{"loss.kl_coef": float("inf")}), "loss.kl_coef: expected a finite number"),
+    "weight nan": (_toy(**{"advantage.weights": {"correct": float("nan")}}), "expected a finite number"),
+    "minibatches beyond sequences": (_toy(**{"optim.minibatches_per_epoch": 1000}),
+                                     "is more than the 2x4=8 sequences"),
+    "negative eval cadence": (_toy(**{"eval.every": -5}), "eval.every must be >= 0"),
+    "negative weight decay": (_toy(**{"optim.weight_decay": -0.1}), "optim.weight_decay must be >= 0"),
+    "beta of one": (_toy(**{"optim.betas": [0.9, 1.0]}), "betas must be two numbers in [0, 1)"),
+    "zero nonfinite budget": (_toy(max_nonfinite_steps=0), "max_nonfinite_steps must be > 0"),
+    "unknown device": (_toy(device="tpu"), "device 'tpu' is not a device grove runs on"),
+    "gpu index out of range": (_toy(device="cuda:99"), "device 'cuda:99' is not available"),
+    "unknown advantage weight": (_toy(**{"advantage.weights": {"corect": 1.0}}), "did you mean 'correct'?"),
+    "unknown band reward": (_toy(**{"selection.band_reward": "succes"}), "selection.band_reward 'succes'"),
+}
+if not HAS_CUDA:
+    TRAINER_CASES["cuda without a gpu"] = (_toy(device="cuda"), "torch sees no CUDA GPU")
+if importlib.util.find_spec("wandb") is None:
+    TRAINER_CASES["wandb not installed"] = (_toy(**{"logging.wandb": True}), "needs the wandb package")
+
+
+@pytest.mark.parametrize("name", sorted(TRAINER_CASES))
+def test_trainer_config_bad_input(tmp, capsys, name):
+    data, expect = TRAINER_CASES[name]
+    cfg = tmp / "bad.yaml"
+    cfg.write_text(data if isinstance(data, str) else yaml.safe_dump(data))
+    assert_one_line_error(["train", str(cfg), "--out", str(tmp / "run")], expect, tmp, capsys)
+    if name in ("unknown device", "unknown advantage weight"):  # --dry-run finds the same, also writing nothing
+        assert_one_line_error(["train", str(cfg), "--dry-run"], expect, tmp, capsys)
+
+
+# ------------------------------------------------------------------------------------- command lines
+def _unwritable() -> str:
+    """A folder nobody may create (``/proc`` refuses new entries, also for root)."""
+    return "/proc/grove-corpus/run" if Path("/proc/self").exists() else "/dev/null/run"
+
+
+COMMAND_LINES = {
+    # train
+    "config missing": (["train", "missing.yaml"], "does not exist"),
+    "override without =": (["train", "CFG", "optim.lr"], "must look like key.sub=value"),
+    "unknown flag": (["train", "CFG", "--bogus-flag"], "unrecognized arguments"),
+    "--out empty": (["train", "CFG", "--out", ""], "--out is empty"),
+    "--out a file": (["train", "CFG", "--out", "TMP/a_file"], "is a file, not a directory"),
+    "--out under a file": (["train", "CFG", "--out", "TMP/a_file/run"], "which is a file"),
+    "--out not creatable": (["train", "CFG", "--out", "UNWRITABLE"], "choose another --out"),
+    "--out not empty": (["train", "CFG", "--out", "TMP/not_a_dataset"], "is not empty"),
+    "--dry-run out a file": (["train", "CFG", "--dry-run", "--out", "TMP/a_file"], "is a file"),
+    # pretrain
+    "pretrain without config": (["pretrain"], "pretrain needs a config"),
+    "pretrain --out a file": (["pretrain", "SUPERVISED", "--out", "TMP/a_file"], "is a file"),
+    # resume (more in tests/core/test_resume.py)
+    "resume nowhere": (["train", "--resume", "nowhere"], "does not exist"),
+    "resume not a run": (["train", "--resume", "TMP/not_a_dataset"], "no config.yaml there"),
+    "resume with a config": (["train", "CFG", "--resume", "TMP/not_a_dataset"], "drop"),
+    # eval
+    "eval nowhere": (["eval", "nowhere"], "not a grove run directory"),
+    "eval not a run": (["eval", "TMP/not_a_dataset"], "not a grove run directory"),
+    # bench
+    "bench unknown": (["bench", "nosuchbench"], "unknown benchmark"),
+    "bench --out a file": (["bench", "llm", "--out", "TMP/a_file"], "is a file"),
+    "bench --out empty": (["bench", "llm", "--out", ""], "--out is empty"),
+    # config show
+    "config without sub-command": (["config"], "config needs a sub-command"),
+    "config show without config": (["config", "show"], "config show needs a config"),
+    # robotics command group (argument checks run before any simulation)
+    "robotics unknown tool": (["robotics", "dance"], "unknown tool 'dance'"),
+    "collect without --out": (["robotics", "collect"], "required: --out"),
+    "collect unknown task": (["robotics", "collect", "--out", "TMP/d.npz", "--tasks", "reach-v9"],
+                             "unknown Meta-World task(s) ['reach-v9']"),
+    "collect --out exists": (["robotics", "collect", "--out", "TMP/garbage.npz"], "already exists"),
+    "collect --out not npz": (["robotics", "collect", "--out", "TMP/demos"], "must end in .npz"),
+    "collect --out under a file": (["robotics", "collect", "--out", "TMP/a_file/d.npz"], "which is a file"),
+    "collect lerobot dir exists": (["robotics", "collect", "--out", "TMP/d.npz", "--lerobot", "TMP/not_a_dataset"],
+                                   "exists"),
+    "collect zero demos": (["robotics", "collect", "--out", "TMP/d.npz", "--demos-per-task", "0"],
+                           "--demos-per-task must be >= 1"),
+    "collect nothing kept": (["robotics", "collect", "--out", "TMP/d.npz", "--tasks", "reach-v3",
+                              "--demos-per-task", "1", "--horizon", "1"], "kept no episode"),
+    "collect bad number": (["robotics", "collect", "--out", "TMP/d.npz", "--horizon", "long"], "invalid int value"),
+    "to-lerobot missing episodes": (["robotics", "to-lerobot", "TMP/none.npz", "TMP/lr"], "does not exist"),
+    "to-lerobot garbage episodes": (["robotics", "to-lerobot", "TMP/garbage.npz", "TMP/lr"],
+                                    "is not an episodes .npz"),
+    "to-lerobot target exists": (["robotics", "to-lerobot", "TMP/garbage.npz", "TMP/not_a_dataset"], "exists"),
+    "from-lerobot missing dataset": (["robotics", "from-lerobot", "TMP/none", "TMP/out.npz"], "does not exist"),
+    "from-lerobot not a dataset": (["robotics", "from-lerobot", "TMP/not_a_dataset", "TMP/out.npz"],
+                                   "is not a LeRobot dataset"),
+    "from-lerobot output exists": (["robotics", "from-lerobot", "TMP/not_a_dataset", "TMP/garbage.npz"],
+                                   "already exists"),
+    "from-lerobot output not npz": (["robotics", "from-lerobot", "TMP/not_a_dataset", "TMP/out.txt"],
+                                    "must end in .npz"),
+}
+
+
+def _bench_must_not_run(out, quick):
+    raise AssertionError("the benchmark ran although its --out was refused")
+
+
+@pytest.mark.parametrize("name", sorted(COMMAND_LINES))
+def test_bad_command_line(tmp, capsys, monkeypatch, name):
+    argv, expect = COMMAND_LINES[name]
+    if argv[0] == "bench":  # a refused --out must stop it before any work: a stub instead of minutes of benchmark
+        from shared_rl import registry
+
+        monkeypatch.setitem(registry.BENCHMARKS, "llm", f"{__name__}:_bench_must_not_run")
+    if argv[0] == "robotics":
+        pytest.importorskip("mujoco")
+        if name.startswith("collect") and name not in ("collect without --out",):
+            pytest.importorskip("metaworld")
+    cfg = tmp / "good.yaml"
+    cfg.write_text(yaml.safe_dump(GOOD))
+    supervised = Path(__file__).resolve().parents[1] / "configs" / "llm" / "arith_sft.yaml"
+    subst = {"CFG": str(cfg), "SUPERVISED": str(supervised), "UNWRITABLE": _unwritable()}
+    argv = [subst.get(a, a.replace("TMP/", f"{tmp}/")) for a in argv]
+    assert_one_line_error(argv, expect, tmp, capsys)
+
+
+def test_a_run_directory_given_twice_is_refused_and_left_alone(tmp, capsys):
+    """A finished run: training into it again, resuming it with --out, and evaluating into it all refuse."""
+    cfg = tmp / "good.yaml"
+    cfg.write_text(yaml.safe_dump(GOOD))
+    assert main(["train", str(cfg), "--out", str(tmp / "run")]) == 0
+    assert_one_line_error(["train", str(cfg), "--out", str(tmp / "run")], "is not empty", tmp, capsys)
+    assert_one_line_error(["train", "--resume", str(tmp / "run"), "--out", str(tmp / "x"), "iterations=4"],
+                          "drop --out", tmp, capsys)
+    assert_one_line_error(["eval", str(tmp / "run"), "--out", str(tmp / "run" / "ev")], "inside the run", tmp, capsys)
+    assert_one_line_error(["eval", str(tmp / "run"), "toy.num_contexts=5"], "does not fit this config", tmp, capsys)

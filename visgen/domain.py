@@ -42,6 +42,8 @@ from shared_rl.domain import DomainBase, RunContext, StepLogProbs
 from shared_rl.rewards import RewardGuardConfig, guarded_reward
 from shared_rl.rollout import Rollout
 
+from .lowprec import TwoStageSettings
+from .pipelines.memory import MemorySettings
 from .policy import EmaSettings, FlowPolicy, LoraSettings
 from .rollout import VisgenRollouts
 
@@ -115,8 +117,9 @@ class VisgenConfig:
     model: str = _help("local diffusers pipeline directory (relative: the working directory, then the repo) or a "
                        "Hugging Face hub id", "assets/shapes-sd3-tiny")
     dtype: Literal["float32", "bfloat16", "float16"] = _help("dtype the pipeline is loaded in", "float32")
-    task: Literal["shapes", "file"] = _help("prompts: 'shapes' = the embedded task (train/held-out split as in "
-                                            "pretraining); 'file' = train_prompts / eval_prompts files", "shapes")
+    task: Literal["shapes", "words", "file"] = _help("prompts: 'shapes' / 'words' = an embedded task (train/held-out "
+                                                     "split as in pretraining); 'file' = train_prompts / eval_prompts "
+                                                     "files", "shapes")
     train_prompts: Optional[str] = _help(".txt (one prompt a line) or .jsonl (objects with 'prompt' and reward "
                                          "metadata) for task: file")
     eval_prompts: Optional[str] = _help("held-out prompt file for task: file (null: no evaluation)")
@@ -132,7 +135,13 @@ class VisgenConfig:
                                    "0.3} (visgen.methods: flow_grpo, dance_grpo, flow_grpo_fast, mix_grpo, explicit, "
                                    "branch_grpo, branch_grpo_mix, tree_grpo, egrpo)",
                                    factory=lambda: {"name": "flow_grpo"})
+    objective: dict[str, Any] = _help("what training recomputes (visgen.objectives): {name: log_prob} (Flow-GRPO "
+                                      "family, ratio-based loss.policy_loss), {name: nft, beta: 1.0} (DiffusionNFT, "
+                                      "loss.policy_loss: nft) or {name: awm} (loss.policy_loss: awm)",
+                                      factory=lambda: {"name": "log_prob"})
     kernel: Literal["sde", "cps", "dance"] = _help("SDE kernel of the stochastic steps (shared_rl.flow_kernels)", "sde")
+    two_stage: TwoStageSettings = _help("Sol-RL two-stage rollout: low-precision explore, full-precision train "
+                                        "(visgen.lowprec)", factory=TwoStageSettings)
     noise_level: Optional[float] = _help("the kernel's noise level: sde/cps a (null: 0.7), dance eta (null: 0.3)")
     reduction: Literal["mean", "sum"] = _help("log-prob reduction over latent elements (mean: Flow-GRPO)", "mean")
     rollout_micro_batch: int = _help("samples per transformer forward while sampling (0: the whole call)", 0)
@@ -142,6 +151,13 @@ class VisgenConfig:
                                       factory=lambda: [RewardSpec("shapes")])
     reward_guard: RewardGuardConfig = _help("retries / time-out / NaN-or-fatal for every reward call",
                                             factory=RewardGuardConfig)
+    gold_rewards: list[RewardSpec] = _help("held-out 'gold' rewards: scored on the evaluation images only, never "
+                                           "trained on (eval/gold/<output>); a warning when a trained reward rises "
+                                           "while one falls (reward hacking, visgen.rewards.gold)", factory=list)
+    score_chunks: int = _help("split each rollout call into this many sub-chunks, each sampled with its own "
+                              "generator seeded from the call's (1: one batch, the default path)", 1)
+    overlap_rewards: bool = _help("score sub-chunk i in a worker thread while sub-chunk i+1 samples (needs "
+                                  "score_chunks >= 2; same metrics as without)", False)
     kl_type: Literal["mean", "velocity"] = _help("KL when loss.kl_coef > 0: Gaussian-mean (Flow-GRPO) or velocity",
                                                  "mean")
     train_mode: Literal["lora", "full"] = _help("train a LoRA adapter or the whole transformer", "lora")
@@ -149,6 +165,12 @@ class VisgenConfig:
     ema: EmaSettings = _help("EMA of the trained weights", factory=EmaSettings)
     full_reference: bool = _help("full fine-tuning: keep a frozen copy as the KL reference", True)
     gradient_checkpointing: bool = _help("recompute transformer activations in backward (saves memory)", False)
+    num_frames: Optional[int] = _help("video pipelines: frames per clip; null: the asset's grove.json, else the "
+                                      "pipeline default")
+    encode_options: dict[str, Any] = _help("model-specific prompt-encoding options for the adapter, e.g. "
+                                           "{negative_prompt: ' ', true_cfg_scale: 4.0} (Qwen-Image)", factory=dict)
+    memory: MemorySettings = _help("memory controls: prompt cache, offloading, VAE slicing/tiling, frame-chunked "
+                                   "decode, context parallel (visgen.pipelines.memory)", factory=MemorySettings)
     eval: EvalSettings = _help("held-out evaluation", factory=EvalSettings)
     num_threads: int = _help("torch CPU threads (0: leave as is)", 0)
 
@@ -170,13 +192,29 @@ class VisgenConfig:
             raise ConfigError(f"{where}.rewards must list at least one reward, e.g. [{{name: shapes}}]")
         if self.task == "file" and not self.train_prompts:
             raise ConfigError(f"{where}.train_prompts must name a prompt file when task is 'file'")
-        if self.task == "shapes" and (self.train_prompts or self.eval_prompts):
-            raise ConfigError(f"{where}: train_prompts/eval_prompts are for task: file; the shapes task has its own")
+        if self.task in ("shapes", "words") and (self.train_prompts or self.eval_prompts):
+            raise ConfigError(f"{where}: train_prompts/eval_prompts are for task: file; the {self.task} task has its own")
+        if self.score_chunks < 1:
+            raise ConfigError(f"{where}.score_chunks must be >= 1, got {self.score_chunks}")
+        if self.overlap_rewards and self.score_chunks < 2:
+            raise ConfigError(f"{where}.overlap_rewards needs score_chunks >= 2 (sub-chunks to overlap), got "
+                              f"{self.score_chunks}; e.g. visgen.score_chunks=4")
+        from .rewards.gold import check_gold_rewards
+
+        check_gold_rewards(self, where)
         method = self.rollout_method(f"{where}.method")
         if self.shared_noise and method.structure != "flat":
             raise ConfigError(f"{where}.shared_noise is for flat methods; {method.name} shares each tree's initial "
                               "noise by construction")
         method.check(self.num_inference_steps, None, f"{where}.method[{method.name}]")
+        if self.two_stage.enabled and method.structure != "flat":
+            raise ConfigError(f"{where}.two_stage works with flat methods (independent candidates per prompt); "
+                              f"{method.name} grows trees")
+        objective = self.training_objective(f"{where}.objective")
+        if not objective.likelihood_free and not method.trains_steps(self.num_inference_steps):
+            raise ConfigError(f"{where}.method {method.name!r} trains nothing under the log_prob objective (no trained "
+                              f"SDE step of {self.num_inference_steps}); widen it, or use visgen.objective nft/awm, "
+                              "which train on clean samples from any sampler")
 
     def rollout_method(self, where: str = "visgen.method"):
         """The configured ``visgen.methods`` method (a fresh object built from ``method``)."""
@@ -184,9 +222,27 @@ class VisgenConfig:
 
         return method_from_config(self.method, where)
 
+    def training_objective(self, where: str = "visgen.objective"):
+        """The configured ``visgen.objectives`` objective (a fresh object built from ``objective``)."""
+        from .objectives import objective_from_config
+
+        return objective_from_config(self.objective, where)
+
     def rollout_structure(self, train_cfg) -> str:
         """``flat`` or ``tree``: what the core checks the advantage estimator against."""
         return self.rollout_method().structure
+
+    def reward_names(self, train_cfg) -> list[str] | None:
+        """The outputs the configured rewards emit (``advantage.weights`` may name only these); None: unknowable."""
+        from .preflight import reward_names
+
+        return reward_names(self, _import_optional_rewards)
+
+    def preflight(self, train_cfg) -> None:
+        """Prompt files, reward arguments and reward/prompt fit, before a pipeline loads (``visgen.preflight``)."""
+        from .preflight import preflight
+
+        preflight(self, train_cfg, read_prompt_file, resolve_model_location, _import_optional_rewards)
 
     def check_with(self, cfg) -> None:
         """Checks that need the trainer sections too."""
@@ -194,6 +250,20 @@ class VisgenConfig:
 
         method = self.rollout_method()
         method.check(self.num_inference_steps, cfg.rollout.group_size, f"visgen.method[{method.name}]")
+        self._advantage_weights = dict(cfg.advantage.weights or {})  # which outputs train (the hacking guard)
+        from shared_rl.losses import get_policy_loss
+
+        from .objectives import OBJECTIVES
+
+        objective = self.training_objective()
+        get_policy_loss(cfg.loss.policy_loss)  # a known name (checked with a did-you-mean in the loss section)
+        likelihood_free_loss = cfg.loss.policy_loss in {c.policy_loss for c in OBJECTIVES.values() if c.likelihood_free}
+        if objective.likelihood_free and cfg.loss.policy_loss != objective.policy_loss:
+            raise ConfigError(f"visgen.objective {objective.name!r} trains with loss.policy_loss: "
+                              f"{objective.policy_loss} (got {cfg.loss.policy_loss!r})")
+        if not objective.likelihood_free and likelihood_free_loss:
+            raise ConfigError(f"loss.policy_loss {cfg.loss.policy_loss!r} needs visgen.objective: "
+                              f"{{name: {cfg.loss.policy_loss}}}")
         if getattr(method.settings, "prune_estimator", "unset") is None and (
                 method.settings.width_prune != "none"):
             if cfg.advantage.estimator not in TREE_ESTIMATORS:
@@ -201,6 +271,14 @@ class VisgenConfig:
                                   f"advantage.estimator is {cfg.advantage.estimator!r}: set prune_estimator "
                                   f"(one of {sorted(TREE_ESTIMATORS)})")
             self.method = {**self.method, "prune_estimator": cfg.advantage.estimator}  # resolved: pruning = training
+        if self.two_stage.enabled:
+            from .lowprec import check_precision
+
+            check_precision(self.two_stage.precision, "cuda" if cfg.device in ("auto", "cuda") and torch.cuda.is_available()
+                            else (cfg.device if cfg.device != "auto" else "cpu"))
+            if self.two_stage.candidates < cfg.rollout.group_size:
+                raise ConfigError(f"visgen.two_stage.candidates ({self.two_stage.candidates}) must be >= "
+                                  f"rollout.group_size ({cfg.rollout.group_size}), the candidates kept per prompt")
         if cfg.loss.kl_coef > 0 and self.train_mode == "full" and not self.full_reference:
             raise ConfigError("loss.kl_coef > 0 with visgen.train_mode: full needs visgen.full_reference: true "
                               "(a frozen copy of the transformer is the KL reference)")
@@ -211,7 +289,7 @@ class VisgenConfig:
 
 def _import_optional_rewards() -> None:
     """Register the reward-model rewards (they import nothing heavy until built)."""
-    from .rewards import hps, pickscore, shapes_soft  # noqa: F401
+    from .rewards import hps, pickscore, shapes_soft, video  # noqa: F401
 
 
 # ------------------------------------------------------------------------------------------------------ loading
@@ -293,7 +371,9 @@ class VisgenDomain(DomainBase):
     def __init__(self, cfg: VisgenConfig, ctx: RunContext) -> None:
         from .methods import KernelSettings
         from .pipelines import as_adapter
+        from .pipelines.memory import apply_memory_settings
         from .rewards import get_reward
+        from .rewards.video import OffloadedReward
 
         self.cfg, self.ctx = cfg, ctx
         if cfg.num_threads:
@@ -308,19 +388,22 @@ class VisgenDomain(DomainBase):
         resolution = cfg.resolution or settings.get("resolution")
         self.height = self.width = int(resolution) if resolution else None
         if self.height:
-            multiple = int(getattr(self.pipe, "vae_scale_factor", 8)) * int(
-                getattr(self.pipe.transformer.config, "patch_size", 1) or 1)
-            if type(self.pipe).__name__.startswith("Flux"):
-                multiple *= 2  # FLUX packs 2x2 latent patches
+            multiple = self.adapter.size_multiple()  # VAE downsampling x patch size (x 2 for 2x2-packed latents)
             if self.height % multiple:
                 raise ConfigError(f"visgen.resolution {self.height} must be a multiple of {multiple} for this "
                                   f"pipeline (VAE downsampling x transformer patch size); try "
                                   f"{max(multiple, round(self.height / multiple) * multiple)}")
         self.policy = FlowPolicy(self.pipe, cfg.train_mode, cfg.lora, cfg.ema, cfg.gradient_checkpointing,
                                  cfg.full_reference)
+        self.num_frames = cfg.num_frames or settings.get("num_frames")
+        if cfg.num_frames and not self.adapter.is_video:
+            raise ConfigError(f"visgen.num_frames is for video pipelines; {type(self.pipe).__name__} makes images")
+        self.fps = int(settings.get("fps", 8))
+        self.memory = apply_memory_settings(self.pipe, self.adapter, cfg.memory)
         self._load_prompts(settings)
         _import_optional_rewards()
         def guarded(name: str, fn: Any) -> Any:
+            fn = OffloadedReward(fn, ctx.device) if cfg.memory.offload_rewards else fn
             return guarded_reward(fn, name, cfg.reward_guard, lambda images, prompts, metas: len(prompts), log=ctx.log)
 
         self.rewards = [(spec.name, guarded(spec.name, get_reward(spec.name, **spec.kwargs))) for spec in cfg.rewards]
@@ -328,12 +411,27 @@ class VisgenDomain(DomainBase):
         if cfg.task == "shapes" and not any(name == "shapes" for name, _ in self.rewards):
             # the task's own metric, always reported
             self.eval_rewards.append(("shapes", guarded("shapes", get_reward("shapes"))))
+        if cfg.task == "words" and not any(name == "ocr" for name, _ in self.rewards):
+            from .tasks.words import OCR_SETTINGS
+
+            self.eval_rewards.append(("ocr", guarded("ocr", get_reward("ocr", **OCR_SETTINGS))))
+        self.gold_rewards = [(spec.name, guarded(spec.name, get_reward(spec.name, **spec.kwargs)))
+                             for spec in cfg.gold_rewards]
         self.method = cfg.rollout_method()
         kernel = KernelSettings(cfg.kernel, self._noise_level(), cfg.reduction, cfg.rollout_micro_batch,
                                 cfg.shared_noise)
+        self.objective = cfg.training_objective()
+        if self.objective.name == "nft":  # DiffusionNFT's lagging "old" adapter (v_old)
+            self.policy.enable_old_policy(self.objective.settings.old_decay_max, self.objective.settings.old_decay_ramp)
         self.rollouts = VisgenRollouts(self.adapter, self.method, kernel, self.train_prompts, self.train_meta,
                                        self.score, cfg.num_inference_steps, cfg.guidance_scale, self._sample_kwargs(),
-                                       reference=self.policy.reference, kl_type=cfg.kl_type)
+                                       reference=self.policy.reference, kl_type=cfg.kl_type, objective=self.objective,
+                                       old=self.policy.old_weights if self.policy.old is not None else None)
+        if cfg.two_stage.enabled:  # Sol-RL: the explorer copy, re-synced from the live weights every rollout call
+            from .lowprec import LowPrecisionExplorer
+
+            self.rollouts.two_stage = (cfg.two_stage, LowPrecisionExplorer(self.pipe, cfg.two_stage.precision))
+        self.rollouts.score_chunks, self.rollouts.overlap_rewards = cfg.score_chunks, cfg.overlap_rewards
         self._before_grid: torch.Tensor | None = None
         if not self.policy.has_base_switch and cfg.eval.grid_prompts:
             self._before_grid = self._grid_images()  # full tuning: no adapter to switch off later
@@ -347,7 +445,15 @@ class VisgenDomain(DomainBase):
 
     def _load_prompts(self, settings: dict) -> None:
         cfg = self.cfg
-        if cfg.task == "shapes":
+        if cfg.task == "words":
+            from .tasks import words
+
+            seed = cfg.split_seed if cfg.split_seed is not None else int(settings.get("split_seed", 0))
+            fraction = cfg.eval_fraction if cfg.eval_fraction is not None else float(settings.get("eval_fraction", 0.2))
+            train, held_out = words.split_prompts(seed, fraction)
+            self.train_prompts, self.train_meta = [s.prompt for s in train], [s.to_dict() for s in train]
+            self.eval_prompts, self.eval_meta = [s.prompt for s in held_out], [s.to_dict() for s in held_out]
+        elif cfg.task == "shapes":
             from .tasks import shapes
 
             seed = cfg.split_seed if cfg.split_seed is not None else int(settings.get("split_seed", 0))
@@ -379,6 +485,9 @@ class VisgenDomain(DomainBase):
         kw: dict[str, Any] = {"max_sequence_length": self.max_sequence_length}
         if self.height:
             kw.update(height=self.height, width=self.width)
+        if getattr(self, "num_frames", None) and self.adapter.is_video:
+            kw["num_frames"] = int(self.num_frames)
+        kw.update(self.cfg.encode_options)
         return kw
 
     # -------------------------------------------------------------------------------------------- protocol
@@ -402,6 +511,7 @@ class VisgenDomain(DomainBase):
 
     def after_optimizer_step(self) -> None:
         self.policy.update_ema()
+        self.policy.update_old_policy()  # no-op unless the objective keeps an old policy (NFT)
 
     def score(self, images: torch.Tensor, prompts: list[str], metas: list[dict],
               rewards: list[tuple[str, Any]] | None = None) -> dict[str, torch.Tensor]:
@@ -421,6 +531,11 @@ class VisgenDomain(DomainBase):
     def log_probs(self, rollout: Rollout, idx: torch.Tensor, need_kl: bool) -> StepLogProbs:
         """Recompute the trained steps of edges ``idx`` with grad (``visgen.recompute``), plus the KL when asked."""
         return self.rollouts.log_probs(rollout, idx, need_kl)
+
+    def trained_outputs(self) -> list[str]:
+        """The reward outputs with a non-zero ``advantage.weights`` entry (all when no weights are given)."""
+        weights = getattr(self.cfg, "_advantage_weights", {})
+        return [n for n in self.cfg.reward_names(None) if weights.get(n, 1.0) != 0]  # combine_rewards' default: 1
 
     def _noise_level(self) -> float:
         from shared_rl.flow_kernels import DEFAULT_NOISE_LEVEL
@@ -465,6 +580,13 @@ class VisgenDomain(DomainBase):
         for name, values in scores.items():
             ok = torch.isfinite(values)
             out[f"eval/{EVAL_NAMES.get(name, name)}"] = float(values[ok].mean()) if ok.any() else float("nan")
+        if self.cfg.task == "words" and "ocr" in scores:  # words read exactly (OCR score 1)
+            ok = torch.isfinite(scores["ocr"])
+            out["eval/ocr_exact"] = float((scores["ocr"][ok] == 1).float().mean()) if ok.any() else float("nan")
+        if self.gold_rewards:  # held-out gold rewards on the same images (never trained on)
+            from .rewards.gold import gold_metrics
+
+            out.update(gold_metrics(self.score(images, prompts, metas, self.gold_rewards)))
         if "shapes_strict" in scores:
             kinds = [m.get("kind") for m in metas]
             for kind in ("single", "count", "pair"):
@@ -487,7 +609,8 @@ class VisgenDomain(DomainBase):
         return self.sample_ode(prompts, self.cfg.eval.seed + 777) if prompts else torch.zeros(0, 3, 1, 1)
 
     def save_pretrained(self, out_dir: Path) -> None:
-        info = {"base_model": self.cfg.model, "method": self.cfg.method, "kernel": self.cfg.kernel,
+        # the resolved location: a path relative to the repo would not load from anywhere else
+        info = {"base_model": self.model_location, "method": self.cfg.method, "kernel": self.cfg.kernel,
                 "num_inference_steps": self.cfg.num_inference_steps, "guidance_scale": self.cfg.guidance_scale,
                 "max_sequence_length": self.max_sequence_length, "resolution": self.height}
         self.policy.save_pretrained(Path(out_dir), use_ema=self.cfg.eval.use_ema, info=info)
@@ -506,7 +629,13 @@ class VisgenDomain(DomainBase):
                     before = self._grid_images()
             with self.policy.ema_weights() if self.cfg.eval.use_ema else contextlib.nullcontext():
                 after = self._grid_images()
-            save_before_after(before, after, prompts, self.cfg.eval.grid_samples, run_dir / "samples_before_after.png")
+            if before.dim() == 5:  # video clips [N, F, 3, H, W]: a GIF (and an MP4 when an encoder is installed)
+                from .tasks.video import save_before_after_clips
+
+                save_before_after_clips(before, after, prompts, self.cfg.eval.grid_samples, run_dir, fps=self.fps)
+            else:
+                save_before_after(before, after, prompts, self.cfg.eval.grid_samples,
+                                  run_dir / "samples_before_after.png")
         evals = [r for r in history if any(k.startswith("eval/") for k in r)]
         lines = [f"visgen: {self.cfg.model} | kernel {self.cfg.kernel} | method {self.method.name} | "
                  f"{self.cfg.train_mode} ({sum(p.numel() for p in self.parameters()):,} trainable parameters)"]
@@ -521,6 +650,10 @@ class VisgenDomain(DomainBase):
             lines.append(f"iterations: {len(timed)}, rollout+train+eval time {total:.0f} s")
         if prompts:
             lines.append("grid: samples_before_after.png (left: before, right: after; one prompt per row, see .txt)")
+        if self.cfg.gold_rewards:  # the hacking guard: trained vs gold rewards, in curves.png and here
+            from .rewards.gold import hacking_report
+
+            lines += hacking_report(run_dir, history, self.trained_outputs(), self.ctx.log)
         (run_dir / "visgen_summary.txt").write_text("\n".join(lines) + "\n")
 
 

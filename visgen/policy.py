@@ -118,6 +118,8 @@ class FlowPolicy:
         self.transformer.eval()  # diffusers checkpoints blocks whenever grad is enabled, in eval mode too
         self._names = [n for n, p in self.transformer.named_parameters() if p.requires_grad]
         self.ema: dict[str, torch.Tensor] | None = None
+        self.old: dict[str, torch.Tensor] | None = None  # DiffusionNFT's old policy (enable_old_policy)
+        self._old_steps = 0
         self._ema_steps = 0
         if self.ema_settings.enabled:
             self.ema = {n: p.detach().clone() for n, p in self._named_trainable()}
@@ -188,16 +190,16 @@ class FlowPolicy:
                 self.ema[name].lerp_(p.detach(), 1.0 - self.ema_settings.decay)
 
     @contextlib.contextmanager
-    def ema_weights(self) -> Iterator[None]:
-        """Swap the EMA weights in (no-op without EMA); the live weights come back on exit."""
-        if self.ema is None:
+    def _swapped(self, shadow: dict[str, torch.Tensor] | None) -> Iterator[None]:
+        """Swap ``shadow`` copies of the trainable weights in (no-op for None); the live weights come back on exit."""
+        if shadow is None:
             yield
             return
         live = {}
         with torch.no_grad():
             for name, p in self._named_trainable():
                 live[name] = p.detach().clone()
-                p.copy_(self.ema[name])
+                p.copy_(shadow[name])
         try:
             yield
         finally:
@@ -205,15 +207,47 @@ class FlowPolicy:
                 for name, p in self._named_trainable():
                     p.copy_(live[name])
 
+    def ema_weights(self) -> contextlib.AbstractContextManager:
+        """Swap the EMA weights in (no-op without EMA); the live weights come back on exit."""
+        return self._swapped(self.ema)
+
+    # ------------------------------------------------------------------------------------------------ old policy
+    def enable_old_policy(self, decay_max: float, decay_ramp: float) -> None:
+        """Keep an "old" copy of the trainable weights, θ_old ← decay_k·θ_old + (1 − decay_k)·θ after optimizer step
+        k with the ramped decay decay_k = min(decay_max, decay_ramp·k) (DiffusionNFT's old policy: it starts equal
+        to the policy and lags it more as training proceeds)."""
+        self.old = {n: p.detach().clone() for n, p in self._named_trainable()}
+        self._old_decay = (float(decay_max), float(decay_ramp))
+        self._old_steps = 0
+
+    def update_old_policy(self) -> None:
+        if self.old is None:
+            return
+        decay = min(self._old_decay[0], self._old_decay[1] * self._old_steps)
+        with torch.no_grad():
+            for name, p in self._named_trainable():
+                self.old[name].lerp_(p.detach(), 1.0 - decay)
+        self._old_steps += 1
+
+    def old_weights(self) -> contextlib.AbstractContextManager:
+        """Swap the old-policy weights in (``enable_old_policy`` first)."""
+        if self.old is None:
+            raise RuntimeError("old_weights() before enable_old_policy()")
+        return self._swapped(self.old)
+
     # ------------------------------------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, torch.Tensor]:
         state = {name: p.detach().clone() for name, p in self._named_trainable()}
         if self.ema is not None:
             state.update({f"ema.{name}": t.clone() for name, t in self.ema.items()})
+        if self.old is not None:
+            state.update({f"old.{name}": t.clone() for name, t in self.old.items()})
         return state
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         names = set(self._names) | ({f"ema.{n}" for n in self._names} if self.ema is not None else set())
+        if self.old is not None:
+            names |= {f"old.{n}" for n in self._names}
         missing, unexpected = names - set(state), set(state) - names
         if missing or unexpected:
             raise ValueError(f"visgen policy state mismatch: missing {sorted(missing)[:3]}, unexpected "
@@ -223,12 +257,16 @@ class FlowPolicy:
                 p.copy_(state[name])
                 if self.ema is not None:
                     self.ema[name].copy_(state[f"ema.{name}"])
+                if self.old is not None:
+                    self.old[name].copy_(state[f"old.{name}"])
 
     def extra_state(self) -> dict:
-        return {"ema_steps": self._ema_steps}
+        return {"ema_steps": self._ema_steps, "old_steps": self._old_steps}
 
     def load_extra_state(self, state: dict) -> None:
         self._ema_steps = int(state.get("ema_steps", 0))
+        if self.old is not None:
+            self._old_steps = int(state.get("old_steps", 0))
 
     # ------------------------------------------------------------------------------------------------ export
     def save_pretrained(self, out_dir: Path, use_ema: bool = True, info: dict | None = None) -> Path:

@@ -13,6 +13,11 @@ Periodic evaluation samples held-out prompts with the stock pipeline (10 Euler O
 scale in the config and scores them with the analytic shapes checker: ``eval/<split>_g<g>/score`` (mean
 fraction of attributes correct) and ``.../strict`` (all correct).
 
+The ``words`` task (``task: words``, ``visgen.tasks.words``) trains the same way on rendered signs with a
+tokenizer that spells the quoted word letter by letter; its evaluation reads the samples with the OCR reward
+(``visgen.rewards.ocr``): ``.../ocr`` (1 - normalised edit distance) and ``.../exact`` (read exactly), and
+``vae/ocr`` checks that the VAE's reconstructions of held-out renders stay legible.
+
 Entry points: ``run(cfg, run_dir, log)`` (``grove pretrain``) and
 ``python -m visgen.pretrain configs/visgen/shapes_pretrain.yaml --out assets/shapes-sd3-tiny``.
 """
@@ -98,7 +103,7 @@ class PretrainEvalSettings:
 
 @dataclass
 class PretrainConfig:
-    task: str = "shapes"
+    task: str = "shapes"  # or "words"
     seed: int = 0
     threads: int = 1  # one thread was ~10x faster than two on 2 shared cores
     split_seed: int = 0
@@ -106,6 +111,8 @@ class PretrainConfig:
     dataset_size: int = 16384
     output_dir: str | None = None
     log_every: int = 50
+    resolution: int = 32  # image side (words only; the shapes renderer draws 32x32)
+    pipeline: dict = field(default_factory=dict)  # extra tiny.build_pipeline arguments (words only)
     vae: VaeStage = field(default_factory=VaeStage)
     transformer: TransformerStage = field(default_factory=TransformerStage)
     eval: PretrainEvalSettings = field(default_factory=PretrainEvalSettings)
@@ -117,10 +124,11 @@ def _seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _render_dataset(specs: list, n: int, seed: int) -> tuple[torch.Tensor, list[str]]:
+def _render_dataset(specs: list, n: int, seed: int, render=None) -> tuple[torch.Tensor, list[str]]:
     rng = np.random.default_rng(seed)
     chosen = [specs[i] for i in rng.integers(len(specs), size=n)]
-    images = np.stack([shapes.render(s, rng) for s in chosen])
+    render = render or shapes.render
+    images = np.stack([render(s, rng) for s in chosen])
     return torch.from_numpy(images), [s.prompt for s in chosen]
 
 
@@ -154,7 +162,7 @@ def train_vae(pipe, images: torch.Tensor, cfg: VaeStage, generator: torch.Genera
     vae.train()
     optimizer = torch.optim.AdamW(vae.parameters(), lr=cfg.lr, weight_decay=0.0)
     data = images * 2.0 - 1.0
-    bar = tqdm(range(cfg.steps), desc="vae", mininterval=5.0)
+    bar = tqdm(range(cfg.steps), desc="vae", mininterval=5.0, disable=None)
     recent = []
     for step in bar:
         for group in optimizer.param_groups:
@@ -210,14 +218,33 @@ def sample_images(pipe, prompts: list[str], guidance: float, steps: int, seed: i
     return torch.cat(out)
 
 
+_OCR = None
+
+
+def words_scores(images: torch.Tensor, specs: list) -> dict[str, float]:
+    """OCR score (1 - normalised edit distance) and exact-read rate of word images (``visgen.rewards.ocr``)."""
+    global _OCR
+    from visgen.rewards.ocr import OcrReward
+    from visgen.tasks import words
+
+    if _OCR is None:
+        _OCR = OcrReward(**words.OCR_SETTINGS)
+    score = _OCR(images, [s.prompt for s in specs])["ocr"]
+    return {"ocr": float(score.nanmean()), "exact": float((score == 1).float().mean())}
+
+
 def evaluate(pipe, specs: list, guidance_scales, samples_per_prompt: int, steps: int, seed: int,
-             batch_size: int, prefix: str) -> dict[str, float]:
-    """Mean attribute score and strict accuracy of pipeline samples for ``specs`` at each guidance scale."""
+             batch_size: int, prefix: str, task: str = "shapes") -> dict[str, float]:
+    """Mean attribute score and strict accuracy of pipeline samples for ``specs`` at each guidance scale
+    (words: OCR score and exact-read rate)."""
     prompts = [s.prompt for s in specs for _ in range(samples_per_prompt)]
     expanded = [s for s in specs for _ in range(samples_per_prompt)]
     results = {}
     for g in guidance_scales:
         images = sample_images(pipe, prompts, float(g), steps, seed, batch_size)
+        if task == "words":
+            results.update({f"eval/{prefix}_g{g:g}/{k}": v for k, v in words_scores(images, expanded).items()})
+            continue
         score, strict = shapes.score_batch(images.numpy(), expanded)
         tag = f"eval/{prefix}_g{g:g}"
         results[f"{tag}/score"] = float(np.nanmean(score))
@@ -253,25 +280,53 @@ def evaluate_pipeline(directory: str | Path, samples_per_prompt: int = 4, guidan
     """
     pipe = tiny.load_shapes_asset(directory)
     settings = tiny.asset_settings(directory)
-    train_specs, eval_specs = shapes.split_prompts(settings.get("split_seed", 0), settings.get("eval_fraction", 0.2))
+    task = settings.get("task", "shapes")
+    module = _task_module(task)
+    train_specs, eval_specs = module.split_prompts(settings.get("split_seed", 0), settings.get("eval_fraction", 0.2))
     rl_specs = [train_specs[i] for i in np.random.default_rng(seed + 1).permutation(len(train_specs))][:train_prompts]
-    values = evaluate(pipe, eval_specs, guidance_scales, samples_per_prompt, steps, seed + 10_000, batch_size, "heldout")
-    values.update(evaluate(pipe, rl_specs, guidance_scales, samples_per_prompt, steps, seed + 20_000, batch_size, "train"))
+    values = evaluate(pipe, eval_specs, guidance_scales, samples_per_prompt, steps, seed + 10_000, batch_size, "heldout",
+                      task)
+    values.update(evaluate(pipe, rl_specs, guidance_scales, samples_per_prompt, steps, seed + 20_000, batch_size, "train",
+                           task))
     t0 = time.time()
     sample_images(pipe, [eval_specs[0].prompt] * 64, 1.0, steps, 0, 16)
     values["samples_per_s"] = 64 / (time.time() - t0)
     return values
 
 
+def _task_module(task: str):
+    if task == "words":
+        from visgen.tasks import words
+
+        return words
+    return shapes
+
+
+def _words_vae_check(vae, specs: list, size: int) -> float:
+    """OCR score of the VAE's reconstructions of 64 held-out renders (is the latent space legible?)."""
+    from visgen.tasks import words
+
+    truth = torch.from_numpy(words.render_batch(specs[:64], seed=123, size=size))
+    with torch.no_grad():
+        recon = (vae.decode(vae.encode(truth * 2 - 1).latent_dist.mean).sample / 2 + 0.5).clamp(0, 1)
+    return words_scores(recon, specs[:64])["ocr"]
+
+
 def run(cfg: dict, run_dir: Path, log: Callable[[str], Any] = print) -> dict[str, float]:
     """Pretrain the tiny pipeline (VAE, then transformer + text encoders), evaluate, save; returns final metrics."""
     from tqdm import tqdm
 
+    if dict(cfg).get("task") == "video_shapes":  # the tiny Wan on the moving-shapes video task
+        from visgen.tasks.video_pretrain import run as run_video
+
+        return run_video(cfg, run_dir, log)
     conf: PretrainConfig = from_dict(PretrainConfig, dict(cfg), where="pretrain")
     if conf.transformer.lr_schedule not in ("constant", "cosine"):
         raise ConfigError(f"pretrain.transformer.lr_schedule: 'constant' or 'cosine', got {conf.transformer.lr_schedule!r}")
-    if conf.task != "shapes":
-        raise ConfigError(f"pretrain.task: only 'shapes' is implemented, got {conf.task!r}")
+    if conf.task not in ("shapes", "words"):
+        raise ConfigError(f"pretrain.task: 'shapes', 'words' or 'video_shapes', got {conf.task!r}")
+    if conf.task == "shapes" and (conf.resolution != 32 or conf.pipeline):
+        raise ConfigError("pretrain.resolution and pretrain.pipeline are for task: words (shapes is 32x32, fixed)")
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     out_dir = Path(conf.output_dir) if conf.output_dir else run_dir / "pipeline"
@@ -283,11 +338,18 @@ def run(cfg: dict, run_dir: Path, log: Callable[[str], Any] = print) -> dict[str
     (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(conf), indent=2) + "\n")
     started = time.time()
 
-    train_specs, eval_specs = shapes.split_prompts(conf.split_seed, conf.eval_fraction)
-    log(f"shapes: {len(train_specs)} train prompts, {len(eval_specs)} held-out eval prompts")
-    images, prompts = _render_dataset(train_specs, conf.dataset_size, conf.seed)
-
-    pipe = tiny.build_pipeline(seed=conf.seed)
+    module = _task_module(conf.task)
+    train_specs, eval_specs = module.split_prompts(conf.split_seed, conf.eval_fraction)
+    log(f"{conf.task}: {len(train_specs)} train prompts, {len(eval_specs)} held-out eval prompts")
+    if conf.task == "words":
+        images, prompts = _render_dataset(train_specs, conf.dataset_size, conf.seed,
+                                          lambda s, rng: module.render(s.word, rng, conf.resolution))
+        pipe = tiny.build_pipeline(words=module.vocabulary(), seed=conf.seed, sample_size=conf.resolution,
+                                   **conf.pipeline)
+        pipe.tokenizer = pipe.tokenizer_2 = module.build_tokenizer()  # same ids; spells the quoted word
+    else:
+        images, prompts = _render_dataset(train_specs, conf.dataset_size, conf.seed)
+        pipe = tiny.build_pipeline(seed=conf.seed)
     pipe.set_progress_bar_config(disable=True)
     vae_mse = train_vae(pipe, images, conf.vae, generator, log, metrics)
     for p in pipe.vae.parameters():
@@ -297,6 +359,11 @@ def run(cfg: dict, run_dir: Path, log: Callable[[str], Any] = print) -> dict[str
     scale = float(1.0 / (lat_mean - shift).std())
     pipe.vae.register_to_config(shift_factor=shift, scaling_factor=scale)
     log(f"vae latents: shift_factor {shift:.4f}, scaling_factor {scale:.4f} ({time.time() - started:.0f}s)")
+    vae_extra = {}
+    if conf.task == "words":
+        vae_extra["vae/ocr"] = _words_vae_check(pipe.vae, eval_specs, conf.resolution)
+        metrics.write(conf.vae.steps, vae_extra)
+        log(f"vae: OCR score of reconstructed held-out renders {vae_extra['vae/ocr']:.3f}")
 
     # ---- transformer + text encoders -------------------------------------------------------------------------
     tc = conf.transformer
@@ -313,22 +380,22 @@ def run(cfg: dict, run_dir: Path, log: Callable[[str], Any] = print) -> dict[str
     rl_specs = [train_specs[i] for i in np.random.default_rng(conf.seed + 1).permutation(len(train_specs))]
     rl_specs = rl_specs[: conf.eval.train_prompts]
     ev = conf.eval
-    result: dict[str, float] = {"vae/mse": vae_mse}
+    result: dict[str, float] = {"vae/mse": vae_mse, **vae_extra}
 
     def run_eval(step: int, samples: int) -> dict[str, float]:
         t0 = time.time()
         values = evaluate(ema_pipe, eval_specs, ev.guidance_scales, samples, ev.num_inference_steps,
-                          conf.seed + 10_000, ev.batch_size, "heldout")
+                          conf.seed + 10_000, ev.batch_size, "heldout", conf.task)
         values.update(evaluate(ema_pipe, rl_specs, ev.guidance_scales, samples, ev.num_inference_steps,
-                               conf.seed + 20_000, ev.batch_size, "train"))
+                               conf.seed + 20_000, ev.batch_size, "train", conf.task))
         values["time/eval"] = time.time() - t0
         metrics.write(step, values)
         summary = ", ".join(f"{k.removeprefix('eval/')} {v:.3f}" for k, v in values.items()
-                            if k.endswith("/score") or k.endswith("/strict"))
+                            if k.endswith(("/score", "/strict", "/ocr", "/exact")))
         log(f"step {step}: {summary}")
         return values
 
-    bar = tqdm(range(tc.steps), desc="transformer", mininterval=5.0)
+    bar = tqdm(range(tc.steps), desc="transformer", mininterval=5.0, disable=None)
     losses = []
     for step in bar:
         lr = tc.lr * _lr_factor(step, tc.warmup_steps, tc.steps, tc.lr_schedule)
@@ -370,7 +437,9 @@ def run(cfg: dict, run_dir: Path, log: Callable[[str], Any] = print) -> dict[str
         if ev.every and (step + 1) % ev.every == 0 and step + 1 < tc.steps:
             run_eval(step + 1, ev.samples_per_prompt)
             if ev.save_snapshots:
-                tiny.save_pipeline(ema_pipe, run_dir / f"step_{step + 1:06d}", {"step": step + 1})
+                tiny.save_pipeline(ema_pipe, run_dir / f"step_{step + 1:06d}", {"step": step + 1, **(
+                    {"task": "words", "split_seed": conf.split_seed, "eval_fraction": conf.eval_fraction}
+                    if conf.task == "words" else {})})
 
     result["loss/flow"] = float(np.mean(losses[-200:]))
     result["time/train"] = time.time() - started
@@ -387,6 +456,7 @@ def run(cfg: dict, run_dir: Path, log: Callable[[str], Any] = print) -> dict[str
         live.load_state_dict(ema.state_dict())
         live.eval()
     extra = {
+        **({"task": "words"} if conf.task == "words" else {}),
         "split_seed": conf.split_seed,
         "eval_fraction": conf.eval_fraction,
         "num_inference_steps": ev.num_inference_steps,

@@ -38,6 +38,7 @@ class RecomputedEdges:
     kl: torch.Tensor | None
     entropy: torch.Tensor  # [n, L]
     nfe: int
+    std: torch.Tensor | None = None  # [n, L] each recomputed step's transition std (0 elsewhere)
 
 
 def recompute_edges(
@@ -104,6 +105,7 @@ def recompute_edges(
     logp = torch.zeros(n, L, device=device)
     kl = torch.zeros(n, L, device=device) if reference is not None else None
     entropy = torch.zeros(n, L, device=device)
+    std = torch.zeros(n, L, device=device)
     for w, item in enumerate(work):
         j, members = item[0], item[1]
         v, out = run(*item)
@@ -112,6 +114,7 @@ def recompute_edges(
         col = torch.full_like(d_m, j)
         logp = logp.index_put((d_m, col), out.log_prob)
         entropy[d_m, j] = gaussian_entropy(out.std.detach().reshape(-1), numel, reduction)
+        std[d_m, j] = out.std.detach().reshape(-1).float()
         if kl is not None:
             v_ref, mean_ref = refs[w]
             if kl_type == "mean":
@@ -119,7 +122,7 @@ def recompute_edges(
             else:
                 value = ((v - v_ref.float()) ** 2).flatten(1).mean(1)
             kl = kl.index_put((d_m, col), value)
-    return RecomputedEdges(logp, kl, entropy, nfe)
+    return RecomputedEdges(logp, kl, entropy, nfe, std)
 
 
 def recompute_trajectory(pipe, traj, steps, reference: Callable[[], ContextManager] | None = None,

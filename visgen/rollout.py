@@ -17,8 +17,9 @@ import torch
 from shared_rl.domain import StepLogProbs
 from shared_rl.rollout import Rollout
 
-from .engine import forest_payload
-from .methods import KernelSettings, RolloutMethod
+from .engine import flat_forest, forest_payload
+from .methods import Grown, KernelSettings, RolloutMethod
+from .objectives import LogProbObjective, Objective
 from .pipelines import Conditioning
 from .recompute import recompute_edges
 
@@ -35,27 +36,50 @@ class VisgenRollouts:
     def __init__(self, adapter, method: RolloutMethod, kernel: KernelSettings, prompts: list[str], metas: list[dict],
                  score: Callable[..., dict[str, torch.Tensor]], num_inference_steps: int, guidance_scale: float = 1.0,
                  sample_kwargs: dict[str, Any] | None = None, reference: Callable[[], ContextManager] | None = None,
-                 kl_type: str = "mean") -> None:
+                 kl_type: str = "mean", objective: Objective | None = None,
+                 old: Callable[[], ContextManager] | None = None) -> None:
         self.adapter, self.method, self.kernel = adapter, method, kernel
         self.prompts, self.metas, self.score = prompts, metas, score
         self.num_inference_steps, self.guidance_scale = num_inference_steps, guidance_scale
         self.sample_kwargs = dict(sample_kwargs or {})
         self.reference, self.kl_type = reference, kl_type
+        self.objective = objective or LogProbObjective(None)
+        self.old = old  # the old policy's weights (DiffusionNFT)
+        self.two_stage: tuple[Any, Any] | None = None  # (TwoStageSettings, LowPrecisionExplorer): Sol-RL rollouts
         self._cond_meta: dict[str, Any] | None = None
         self._next_forward = 0  # forward ids stay unique across rollout calls (refills concatenate payloads)
+
+    # Overlapped scoring (``visgen.score_chunks`` / ``visgen.overlap_rewards``, set by the domain): see
+    # ``_chunked_rollout`` at the end of this module.
+    score_chunks: int = 1
+    overlap_rewards: bool = False
 
     @torch.no_grad()
     def rollout(self, keys: list[int], group_size: int, generator: torch.Generator, iteration: int) -> Rollout:
         """Grow the configured method's forest for prompts ``keys`` (one batched forward per level and step),
         decode and score its leaves, let the method prune, and return the trainable edges as a ``Rollout``: the
-        leaf chains for flat methods, every node (parents, rewards on leaves) for tree methods."""
+        leaf chains for flat methods, every node (parents, rewards on leaves) for tree methods. With
+        ``score_chunks > 1`` the keys are sampled in sub-chunks, each scored (in a worker thread when
+        ``overlap_rewards``) while the next one samples."""
+        if self.score_chunks > 1 and len(keys) > 1:
+            return _chunked_rollout(self, list(keys), group_size, generator, iteration)
+        steps = self._rollout_steps(keys, group_size, generator, iteration)
+        return _resume(steps, self.score(*next(steps)))
+
+    @torch.no_grad()
+    def _rollout_steps(self, keys: list[int], group_size: int, generator: torch.Generator, iteration: int):
+        """``rollout`` as a generator: sample and decode, yield ``(images, prompts, metas)`` once, receive their
+        scores, finish and return the ``Rollout`` (so a caller can score while the next chunk samples)."""
         method = self.method
         t0 = time.perf_counter()
         cond = self.adapter.encode_prompts([self.prompts[k] for k in keys], num_images_per_prompt=1,
                                            guidance_scale=self.guidance_scale, **self.sample_kwargs)
         sigmas, timesteps = self.adapter.schedule(self.num_inference_steps, cond)
-        grown = method.grow(self.adapter, cond, list(keys), group_size, sigmas, timesteps, generator, iteration,
-                            self.kernel, self._next_forward)
+        if self.two_stage is not None:
+            grown = self._two_stage(cond, list(keys), group_size, sigmas, timesteps, generator, iteration)
+        else:
+            grown = method.grow(self.adapter, cond, list(keys), group_size, sigmas, timesteps, generator, iteration,
+                                self.kernel, self._next_forward)
         forest, tree = grown.forest, grown.forest.tree
         self._next_forward += forest.forwards + 1
         leaves = forest.leaves()
@@ -66,11 +90,16 @@ class VisgenRollouts:
                             for i in range(0, x.shape[0], size)])
         t1 = time.perf_counter()
         leaf_keys = [grown.group_keys[g] for g in grown.root_group[leaf_root].tolist()]
-        scores = self.score(images, [self.prompts[k] for k in leaf_keys], [self.metas[k] for k in leaf_keys])
+        scores = yield images, [self.prompts[k] for k in leaf_keys], [self.metas[k] for k in leaf_keys]
         for name, value in scores.items():
             tree.set_leaf_rewards(name, leaves, torch.as_tensor(value).float().reshape(-1))
         t2 = time.perf_counter()
         info = {**grown.info, **method.after_rewards(forest, tree.rewards, iteration)}
+        if self.two_stage is not None:  # how well the explorer's ranking of the kept seeds survives full precision
+            spearman, kept_agreement = self._two_stage_stats
+            fp = scores[self._kept_reward].reshape(self._kept_explore.shape)
+            info["two_stage/rank_spearman"] = spearman(self._kept_explore, fp)
+            info["two_stage/kept_agreement"] = kept_agreement(self._kept_explore, fp)
         c = grown.root_cond
         self._cond_meta = {"guidance_scale": c.guidance_scale, "do_cfg": c.do_cfg, "height": c.height,
                            "width": c.width, "shared": c.shared, "options": c.options}
@@ -78,6 +107,18 @@ class VisgenRollouts:
         flat = method.structure == "flat"
         rows = leaves if flat else torch.arange(len(tree))
         node_cond = {k: v[tree.group[rows].to(v.device)] for k, v in c.tensors.items()}
+        payload = forest_payload(forest, node_cond, rows)
+        logp_old = forest.logp[rows].clone()
+        if self.objective.likelihood_free:  # NFT / AWM: train on each leaf's clean sample at drawn grid timesteps
+            is_leaf = torch.zeros(len(tree), dtype=torch.bool)
+            is_leaf[leaves] = True
+            mask, extra = self.objective.training_slots(is_leaf[rows], forest.node_latent[rows.to(forest.node_latent.device)],
+                                                        mask.shape[1], sigmas, timesteps, generator)
+            payload.update(extra)
+            logp_old = torch.zeros_like(logp_old)
+            rows_mask = mask
+        else:
+            rows_mask = mask[rows]
         info.update({"time/sample": t1 - t0, "time/reward": t2 - t1})
         if not flat:
             n_leaves = int(leaves.numel())
@@ -85,19 +126,150 @@ class VisgenRollouts:
                          "tree/trained_edges": float(mask.any(1).sum()),
                          "nfe/rollout_per_leaf": forest.nfe / max(n_leaves, 1)})
         return Rollout(keys=list(grown.group_keys), group_ids=grown.root_group[tree.group[rows]].clone(),
-                       rewards={k: v[rows] for k, v in tree.rewards.items()}, logp_old=forest.logp[rows].clone(),
-                       mask=mask[rows], parent=None if flat else tree.parent.clone(),
-                       payload=forest_payload(forest, node_cond, rows), nfe=forest.nfe, info=info,
+                       rewards={k: v[rows] for k, v in tree.rewards.items()}, logp_old=logp_old,
+                       mask=rows_mask, parent=None if flat else tree.parent.clone(),
+                       payload=payload, nfe=forest.nfe, info=info,
                        key_index=grown.key_index.clone())
+
+    def _two_stage(self, cond, keys: list[int], group_size: int, sigmas: torch.Tensor, timesteps: torch.Tensor,
+                   generator: torch.Generator, iteration: int) -> Grown:
+        """Sol-RL ("FP4 Explore, BF16 Train"): stage 1 samples ``candidates`` chains per prompt by ODE with the
+        low-precision explorer, each from its own recorded seed, and scores them; the selector keeps
+        ``group_size`` per prompt; stage 2 regenerates exactly those seeds with the full-precision policy (same
+        initial noise; SDE noise from each candidate's own generator, so the regeneration is replayable) under the
+        method's step plan. Only stage 2 becomes the rollout; stage 1's forwards are ``nfe/explore``."""
+        from shared_rl.two_stage import kept_agreement, select_candidates, spearman
+
+        settings, explorer = self.two_stage
+        P, N, G = len(keys), settings.candidates, group_size
+        T = int(timesteps.numel())
+        seeds = torch.randint(0, 2**62, (P, N), generator=generator)
+        explorer.sync()
+        cand_cond = cond[torch.arange(P).repeat_interleave(N)]
+        gens = [torch.Generator().manual_seed(int(x)) for x in seeds.flatten().tolist()]
+        x = self.adapter.prepare_latents(P * N, cand_cond, gens)
+        off = torch.zeros(P * N, T, dtype=torch.bool)
+        explore = flat_forest(explorer.adapter, cand_cond, x, off, off, sigmas, timesteps, None, "ode", 0.0,
+                              micro_batch=self.kernel.micro_batch)
+        leaves = explore.leaves()
+        z = explore.node_latent[leaves.to(explore.node_latent.device)]
+        size = self.kernel.micro_batch or z.shape[0]
+        images = torch.cat([self.adapter.decode(z[i:i + size], cand_cond[torch.arange(i, min(i + size, z.shape[0]))])
+                            for i in range(0, z.shape[0], size)])
+        cand_keys = [k for k in keys for _ in range(N)]
+        scores = self.score(images, [self.prompts[k] for k in cand_keys], [self.metas[k] for k in cand_keys])
+        name = settings.select_reward or next(iter(scores))
+        r_explore = scores[name].reshape(P, N)
+        keep = select_candidates(r_explore, G, settings.selector)  # [P, G]
+        kept_seeds = seeds.gather(1, keep).flatten().tolist()
+        kept_cond = cond[torch.arange(P).repeat_interleave(G)]
+        gens = [torch.Generator().manual_seed(int(x)) for x in kept_seeds]  # replay: the same streams
+        x = self.adapter.prepare_latents(P * G, kept_cond, gens)
+        plan = self.method.settings.build(T, P * G, generator, iteration)
+        forest = flat_forest(self.adapter, kept_cond, x, plan.sde, plan.train, sigmas, timesteps, gens,
+                             self.kernel.kernel, self.kernel.noise_level, self.kernel.reduction, self.kernel.micro_batch,
+                             self._next_forward)
+        self._kept_explore = r_explore.gather(1, keep)  # compared with the regenerated rewards after scoring
+        self._kept_reward = name
+        info = {"nfe/explore": float(explore.nfe), "two_stage/quantized_fraction": explorer.quantized_fraction}
+        self._two_stage_stats = (spearman, kept_agreement)
+        return Grown(forest, kept_cond, torch.arange(P).repeat_interleave(G), list(keys), torch.arange(P), info)
 
     def log_probs(self, rollout: Rollout, idx: torch.Tensor, need_kl: bool) -> StepLogProbs:
         """Recompute the trained steps of edges ``idx`` with grad (``visgen.recompute``), plus the KL when asked."""
         if self._cond_meta is None:
             raise RuntimeError("log_probs before any rollout: the prompt-conditioning settings are unknown")
         p = rollout.index_payload(idx)
+        if self.objective.likelihood_free:
+            out = self.objective.terms(self.adapter, p, rollout.mask[idx], Conditioning(p["cond"], **self._cond_meta),
+                                       self.reference if need_kl else None, self.old)
+            dev = rollout.logp_old.device
+            return StepLogProbs(logp=out.logp.to(dev), kl=None if out.kl is None else out.kl.to(dev), nfe=out.nfe,
+                                objective_pos=out.objective_pos.to(dev),
+                                objective_neg=None if out.objective_neg is None else out.objective_neg.to(dev))
         rec = recompute_edges(self.adapter, p, rollout.mask[idx], Conditioning(p["cond"], **self._cond_meta),
                               self.kernel.kernel, self.kernel.reduction,
                               reference=self.reference if need_kl else None, kl_type=self.kl_type)
         dev = rollout.logp_old.device
         return StepLogProbs(logp=rec.logp.to(dev), kl=None if rec.kl is None else rec.kl.to(dev),
-                            entropy=rec.entropy.to(dev), nfe=rec.nfe)
+                            entropy=rec.entropy.to(dev), nfe=rec.nfe, step_std=rec.std.to(dev))
+
+
+# ---------------------------------------------------------------------------------------------- overlapped scoring
+def _resume(steps, scores) -> Rollout:
+    """Send the scores into a suspended ``_rollout_steps`` generator and return its ``Rollout``."""
+    try:
+        steps.send(scores)
+    except StopIteration as done:
+        return done.value
+    raise RuntimeError("_rollout_steps yielded twice")
+
+
+_SUMMED_INFO = ("tree/nodes", "tree/leaves", "tree/trained_edges")
+
+
+def _chunked_rollout(r: VisgenRollouts, keys: list[int], group_size: int, generator: torch.Generator,
+                     iteration: int) -> Rollout:
+    """One rollout call in ``r.score_chunks`` contiguous sub-chunks of ``keys``. Sub-chunk i samples with its own
+    generator, seeded from ``generator`` up front, so the result does not depend on when each chunk is scored:
+    with ``r.overlap_rewards`` chunk i is scored in a worker thread while chunk i+1 samples, and the metrics equal
+    the sequential sub-chunked run bit for bit (tests/visgen/test_rewards_overlap.py). ``time/reward`` is the
+    reward compute time, ``time/reward_wait`` the part the sampler waited for."""
+    import concurrent.futures as cf
+
+    n = min(r.score_chunks, len(keys))
+    chunks = [c.tolist() for c in torch.tensor_split(torch.tensor(keys), n)]
+    seeds = torch.randint(0, 2**62, (n,), generator=generator, device=generator.device).tolist()
+    gens = [torch.Generator(device=generator.device).manual_seed(int(s)) for s in seeds]
+    compute = [0.0] * n
+
+    def score(i: int, request):
+        with torch.no_grad():  # grad mode is per thread
+            t = time.perf_counter()
+            out = r.score(*request)
+            compute[i] = time.perf_counter() - t
+            return out
+
+    parts: list[Rollout] = []
+    wait = 0.0
+    pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="grove-reward") if r.overlap_rewards else None
+    try:
+        pending = None
+        for i, chunk in enumerate(chunks):
+            steps = r._rollout_steps(chunk, group_size, gens[i], iteration)
+            request = next(steps)  # samples and decodes chunk i
+            if pool is None:
+                parts.append(_resume(steps, score(i, request)))
+                wait += compute[i]  # sequential: the sampler waits for every reward call
+                continue
+            future = pool.submit(score, i, request)
+            if pending is not None:
+                t = time.perf_counter()
+                scores = pending[1].result()
+                wait += time.perf_counter() - t
+                parts.append(_resume(pending[0], scores))
+            pending = (steps, future)
+        if pending is not None:
+            t = time.perf_counter()
+            scores = pending[1].result()
+            wait += time.perf_counter() - t
+            parts.append(_resume(pending[0], scores))
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=True)
+    merged = Rollout.cat(parts)
+    offsets = [0]
+    for c in chunks[:-1]:
+        offsets.append(offsets[-1] + len(c))
+    merged.key_index = torch.cat([p.key_index + o for p, o in zip(parts, offsets)])
+    info: dict[str, float] = {}
+    for key in parts[0].info:
+        values = [p.info[key] for p in parts if isinstance(p.info.get(key), (int, float))]
+        if values:
+            summed = key.startswith("time/") or key in _SUMMED_INFO
+            info[key] = float(sum(values)) if summed else float(sum(values) / len(values))
+    if "nfe/rollout_per_leaf" in info and info.get("tree/leaves"):
+        info["nfe/rollout_per_leaf"] = merged.nfe / info["tree/leaves"]
+    info.update({"time/reward": float(sum(compute)), "time/reward_wait": wait, "score_chunks": float(n)})
+    merged.info = info
+    return merged

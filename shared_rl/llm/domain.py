@@ -130,6 +130,31 @@ class LLMConfig:
             raise ConfigError(f"{where}.share_prompt_forward needs the model's KV cache, which gradient checkpointing "
                               f"turns off; set one of {where}.share_prompt_forward / gradient_checkpointing to false")
 
+    def reward_names(self, cfg: Any) -> list[str]:
+        """The reward labels a rollout emits (the core checks ``advantage.weights`` / ``selection.band_reward``)."""
+        return [build_reward(r)[0] for r in self.rewards]
+
+    def preflight(self, cfg: Any) -> None:
+        """Before the model loads: the dataset reads, each built-in reward finds the column it scores in every
+        row, and ``eval.accuracy_reward`` is one of the rewards (else the first held-out evaluation fails)."""
+        from .rewards import required_columns
+
+        labels = self.reward_names(cfg)
+        if self.eval.accuracy_reward and self.eval.accuracy_reward not in labels:
+            raise ConfigError(f"llm.eval.accuracy_reward {self.eval.accuracy_reward!r} is not a reward label; "
+                              f"labels: {labels}")
+        if self.dataset.source == "hf":  # may download; the domain reads it after the model
+            return
+        task = load_task(self.dataset)
+        for spec in self.rewards:
+            for column in required_columns(spec):
+                for split, rows in (("train", task.train), ("eval", task.eval)):
+                    bad = next((i for i, row in enumerate(rows) if column not in row), None)
+                    if bad is not None:
+                        raise ConfigError(f"llm.rewards: {spec.name} scores column {column!r}, which {split} row "
+                                          f"{bad} lacks (columns: {sorted(rows[bad])}); set "
+                                          f"llm.dataset.answer_column or the reward's args.column")
+
     def rollout_structure(self, cfg: Any) -> str:
         """Tree rollouts when ``tree.enabled`` (the hook of ``shared_rl.domain``: tree estimators need them)."""
         return "tree" if self.tree.enabled else "flat"

@@ -19,6 +19,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from ..errors import ConfigError
+
 RewardFunction = Callable[..., list]
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
@@ -124,6 +126,14 @@ def overlong(max_length: int | None = None, buffer: int = 4) -> RewardFunction:
     return overlong_reward
 
 
+def required_columns(spec: LLMRewardSpec) -> list[str]:
+    """Dataset columns a built-in reward reads (``exact_match``/``numeric_match``: their ``column``, default
+    ``answer``); a ``module:function`` reward declares none, so only built-ins are checked before loading."""
+    if spec.name in ("exact_match", "numeric_match"):
+        return [str(spec.args.get("column", "answer"))]
+    return []
+
+
 BUILTIN_REWARDS: dict[str, Callable[..., RewardFunction]] = {
     "exact_match": exact_match,
     "numeric_match": numeric_match,
@@ -145,15 +155,31 @@ class LLMRewardSpec:
     label: str = field(default="", metadata={"help": "metric name reward/<label>/mean; '' = the reward's name"})
 
 
+def _import_reward(name: str) -> Any:
+    """The object ``module:function`` names; a module that does not import or lacks the attribute is a config
+    mistake (a typo, a file not on the Python path), reported before any model loads."""
+    module, attr = name.split(":", 1)
+    try:
+        mod = importlib.import_module(module)
+    except ImportError as e:
+        raise ConfigError(f"llm.rewards: reward {name!r}: module {module!r} does not import ({e}); put it on the "
+                          f"Python path (PYTHONPATH) or fix the name") from None
+    if not hasattr(mod, attr):
+        raise ConfigError(f"llm.rewards: reward {name!r}: module {module!r} has no {attr!r}")
+    return getattr(mod, attr)
+
+
 def build_reward(spec: LLMRewardSpec) -> tuple[str, RewardFunction]:
     if spec.name in BUILTIN_REWARDS:
-        fn = BUILTIN_REWARDS[spec.name](**spec.args)
+        try:
+            fn = BUILTIN_REWARDS[spec.name](**spec.args)
+        except TypeError as e:  # an argument the factory does not take
+            raise ConfigError(f"llm.rewards: {spec.name} args {spec.args}: {e}") from None
     elif ":" in spec.name:
-        module, attr = spec.name.split(":", 1)
-        obj = getattr(importlib.import_module(module), attr)
+        obj = _import_reward(spec.name)
         fn = obj(**spec.args) if spec.args else obj
     else:
-        raise ValueError(f"unknown reward {spec.name!r}: use one of {sorted(BUILTIN_REWARDS)} or 'module:function'")
+        raise ConfigError(f"unknown reward {spec.name!r}: use one of {sorted(BUILTIN_REWARDS)} or 'module:function'")
     label = spec.label or (spec.name if spec.name in BUILTIN_REWARDS else getattr(fn, "__name__", spec.name))
     return label, fn
 
@@ -166,3 +192,9 @@ def call_reward(fn: RewardFunction, label: str, prompts: list, completions: list
     if len(values) != len(completions):
         raise ValueError(f"reward {label!r} returned {len(values)} values for {len(completions)} completions")
     return [math.nan if v is None else float(v) for v in values]
+
+
+def catalog() -> dict[str, list[str]]:
+    """The LLM domain's names for ``grove list`` (``shared_rl.registry.CATALOGS``)."""
+    return {"rewards (llm.rewards[].name; or module:function)": sorted(BUILTIN_REWARDS),
+            "rollout engines (llm.engine; or module:Class)": ["auto", "fast", "torch"]}

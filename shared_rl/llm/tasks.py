@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..errors import ConfigError
+
 
 @dataclass
 class DatasetSettings:
@@ -76,7 +78,8 @@ def arith_problems(split: str, count: int, digits: int = 3, seed: int = 0) -> li
     want_eval = split == "eval"
     capacity = limit * limit * (0.05 if want_eval else 0.95)
     if count > 0.5 * capacity:
-        raise ValueError(f"asked for {count} {split} problems with {digits} digits; at most {int(0.5 * capacity)}")
+        raise ConfigError(f"llm.dataset: asked for {count} {split} problems with {digits} digits; at most "
+                          f"{int(0.5 * capacity)} (lower num_train/num_eval or raise digits)")
     rng = random.Random(_stable_hash("arith-draw", split, seed, digits))
     seen: set[tuple[int, int]] = set()
     out = []
@@ -92,7 +95,7 @@ def arith_problems(split: str, count: int, digits: int = 3, seed: int = 0) -> li
 def _read_rows(path: str, fmt: str) -> list[dict[str, Any]]:
     p = Path(path)
     if not p.exists():
-        raise FileNotFoundError(f"dataset file {path!r} not found")
+        raise ConfigError(f"dataset file {path!r} not found (llm.dataset.path / eval_path)")
     if fmt == "jsonl":
         rows = []
         for n, line in enumerate(p.read_text().splitlines(), 1):
@@ -100,18 +103,22 @@ def _read_rows(path: str, fmt: str) -> list[dict[str, Any]]:
                 try:
                     rows.append(json.loads(line))
                 except json.JSONDecodeError as e:
-                    raise ValueError(f"{p}: line {n} is not valid JSON ({e.msg} at column {e.colno})") from None
+                    raise ConfigError(f"{p}: line {n} is not valid JSON ({e.msg} at column {e.colno})") from None
         return rows
     if fmt == "json":
         try:
             data = json.loads(p.read_text())
         except json.JSONDecodeError as e:
-            raise ValueError(f"{p}: not valid JSON ({e.msg} at line {e.lineno})") from None
-        return data if isinstance(data, list) else data["data"]
+            raise ConfigError(f"{p}: not valid JSON ({e.msg} at line {e.lineno})") from None
+        if isinstance(data, dict) and isinstance(data.get("data"), list):
+            return data["data"]
+        if not isinstance(data, list):
+            raise ConfigError(f"{p}: expected a JSON list of rows (or an object with a 'data' list)")
+        return data
     if fmt == "csv":
         with p.open(newline="") as f:
             return list(csv.DictReader(f))
-    raise ValueError(f"unknown file format {fmt!r}")
+    raise ConfigError(f"unknown dataset file format {fmt!r}; use jsonl, json or csv")
 
 
 def _read_hf(settings: DatasetSettings, split: str) -> list[dict[str, Any]]:
@@ -130,12 +137,18 @@ def _normalise(rows: list[dict[str, Any]], s: DatasetSettings, where: str) -> li
     out = []
     for i, row in enumerate(rows):
         row = dict(row)
+        if not isinstance(row, dict):
+            raise ConfigError(f"{where}: row {i} is a {type(row).__name__}, not an object with named columns")
         if s.prompt_column not in row:
-            raise KeyError(f"{where}: row {i} has no prompt column {s.prompt_column!r} (columns: {sorted(row)}); "
+            raise ConfigError(f"{where}: row {i} has no prompt column {s.prompt_column!r} (columns: {sorted(row)}); "
                            f"set llm.dataset.prompt_column")
         prompt = row.pop(s.prompt_column)
         if isinstance(prompt, str):
-            prompt = s.prompt_template.format(prompt=prompt, **row)
+            try:
+                prompt = s.prompt_template.format(prompt=prompt, **row)
+            except (KeyError, IndexError) as e:
+                raise ConfigError(f"llm.dataset.prompt_template {s.prompt_template!r} names {e}, which {where} row "
+                                  f"{i} lacks (columns: {sorted(row)})") from None
         row["prompt"] = prompt
         if s.answer_column != "answer" and s.answer_column in row:
             row["answer"] = row.pop(s.answer_column)
@@ -155,7 +168,7 @@ def load_task(s: DatasetSettings) -> TaskData:
         rows = _read_hf(s, s.split)
         eval_rows = _read_hf(s, s.eval_split) if s.eval_split else None
     else:
-        raise ValueError(f"llm.dataset.source must be arith, jsonl, csv, json or hf; got {s.source!r}")
+        raise ConfigError(f"llm.dataset.source must be arith, jsonl, csv, json or hf; got {s.source!r}")
     if eval_rows is None:
         held = [_stable_hash("holdout", s.seed, i) % 10_000 < s.eval_fraction * 10_000 for i in range(len(rows))]
         eval_rows = [r for r, h in zip(rows, held) if h]
@@ -167,7 +180,7 @@ def load_task(s: DatasetSettings) -> TaskData:
     if s.num_eval:
         evaluation = evaluation[:s.num_eval]
     if not train:
-        raise ValueError(f"dataset {s.path!r} gave no training rows")
+        raise ConfigError(f"dataset {s.path!r} gave no training rows")
     return TaskData(train, evaluation)
 
 
@@ -177,10 +190,10 @@ def format_prompt(tokenizer, prompt: Any, system_prompt: str | None = None, use_
     has_template = bool(getattr(tokenizer, "chat_template", None))
     conversational = isinstance(prompt, list)
     if use_chat_template == "always" and not has_template:
-        raise ValueError("llm.chat_template is 'always' but the tokenizer has no chat template")
+        raise ConfigError("llm.chat_template is 'always' but the tokenizer has no chat template")
     if conversational or (has_template and use_chat_template != "never"):
         if not has_template:
-            raise ValueError("conversational prompts (lists of messages) need a tokenizer with a chat template")
+            raise ConfigError("conversational prompts (lists of messages) need a tokenizer with a chat template")
         messages = list(prompt) if conversational else [{"role": "user", "content": prompt}]
         if system_prompt and messages[0].get("role") != "system":
             messages = [{"role": "system", "content": system_prompt}] + messages

@@ -89,8 +89,14 @@ def test_registry_entries_share_one_signature_and_match_the_surrogate():
         got, st = POLICY_LOSSES[name](logp, logp_old, adv, mask, cfg)
         want, st_want = clipped_surrogate(logp, logp_old, adv, mask, 0.2, 0.28, 3.0, level)
         assert torch.equal(got, want) and all(torch.equal(st[k], st_want[k]) for k in st_want)
+    from shared_rl.domain import StepLogProbs
+
+    # likelihood-free / domain-informed losses also take the domain's terms (objective values, step stds)
+    terms = StepLogProbs(logp=logp, objective_pos=torch.rand(3, 4), objective_neg=torch.rand(3, 4),
+                         step_std=torch.rand(3, 4) + 0.1)
     for name, fn in POLICY_LOSSES.items():
-        loss, st = fn(logp, logp_old, adv, mask, cfg)
+        extra = {"terms": terms} if getattr(fn, "uses_domain_terms", False) else {}
+        loss, st = fn(logp, logp_old, adv, mask, cfg, **extra)
         assert loss.shape == (3, 4) and bool((loss[~mask] == 0).all()), name
         assert {"ratio", "clipped", "log_ratio"} <= set(st), name
     with pytest.raises(KeyError, match="did you mean 'sapo'"):

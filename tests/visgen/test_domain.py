@@ -152,7 +152,7 @@ def test_ema_state_round_trip_and_eval_swap(tiny_dir):
 
 # ------------------------------------------------------------------------------------------ configs
 def test_recipe_configs_parse_without_loading_models():
-    paths = sorted(p for p in (REPO / "configs" / "visgen").glob("*.yaml") if p.name != "shapes_pretrain.yaml")
+    paths = sorted(p for p in (REPO / "configs" / "visgen").glob("*.yaml") if not p.name.endswith("pretrain.yaml"))
     names = {p.stem for p in paths}
     assert {"shapes_grpo", "shapes_dance", "shapes_fast", "shapes_mix", "shapes_compressibility",
             "sd35_pickscore", "flux_hps"} <= names
@@ -251,9 +251,18 @@ def test_pickscore_reward_on_a_tiny_clip(tmp_path):
     images = torch.rand(3, 3, 24, 40, generator=torch.Generator().manual_seed(0))
     prompts = ["a red circle", "two blue squares", "a green triangle on the left"]
     score = reward(images, prompts)["pickscore"]
-    # by hand: CLIP's logits_per_image diagonal = exp(logit_scale) * cosine, times the scale
+    # by hand: CLIP's logits_per_image diagonal = exp(logit_scale) * cosine, times the scale, on the anchors' input
+    # (uint8 PIL image, bicubic shorter side 32, centre crop floored like transformers; test_rewards_models.py)
     model, proc = CLIPModel.from_pretrained(path).eval(), AutoProcessor.from_pretrained(path)
-    inputs = proc(text=prompts, images=list(images), do_rescale=False, padding=True, return_tensors="pt")
+    inputs = proc(text=prompts, padding=True, return_tensors="pt")
+    import numpy as np
+    from PIL import Image
+
+    pils = [Image.fromarray((x * 255).round().byte().permute(1, 2, 0).numpy()).resize((53, 32), Image.BICUBIC)
+            for x in images]
+    crops = [torch.from_numpy(np.asarray(im.crop((10, 0, 42, 32))).copy()).permute(2, 0, 1) / 255.0 for im in pils]
+    mean, std = torch.tensor(proc.image_processor.image_mean), torch.tensor(proc.image_processor.image_std)
+    inputs["pixel_values"] = (torch.stack(crops) - mean.view(1, 3, 1, 1)) / std.view(1, 3, 1, 1)
     with torch.no_grad():
         logits = model(**inputs).logits_per_image
     assert torch.allclose(score, 0.5 * logits.diagonal(), atol=1e-5)
@@ -281,8 +290,8 @@ def test_hps_reward_on_a_tiny_open_clip(tmp_path):
     score = reward(images, prompts)["hps"]
     mean = torch.tensor([0.48145466, 0.4578275, 0.40821073]).view(1, 3, 1, 1)
     std = torch.tensor([0.26862954, 0.26130258, 0.27577711]).view(1, 3, 1, 1)
-    with torch.no_grad():
-        img = torch.nn.functional.normalize(model.encode_image((images - mean) / std), dim=-1)
+    with torch.no_grad():  # the anchors score uint8 images: quantise like the reward does
+        img = torch.nn.functional.normalize(model.encode_image(((images * 255).round() / 255 - mean) / std), dim=-1)
         txt = torch.nn.functional.normalize(model.encode_text(open_clip.get_tokenizer("hps-tiny")(prompts)), dim=-1)
     assert torch.allclose(score, (img * txt).sum(-1), atol=1e-5)
     with pytest.raises(RewardInputError, match="neither a file"):

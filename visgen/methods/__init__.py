@@ -16,6 +16,7 @@ dataclass, chosen in YAML as a tagged union — only the chosen method's fields 
 | ``flow_grpo_fast`` | Flow-GRPO-Fast                        | flat  | ``flat.py``     |
 | ``mix_grpo``     | MixGRPO (Li et al. 2025)                | flat  | ``flat.py``     |
 | ``explicit``     | a given SDE/trained step list           | flat  | ``flat.py``     |
+| ``ode``          | deterministic chains (for NFT / AWM)    | flat  | ``flat.py``     |
 | ``branch_grpo``  | BranchGRPO (Li et al. 2025)             | tree  | ``branch.py``   |
 | ``branch_grpo_mix`` | BranchGRPO-Mix                       | tree  | ``branch.py``   |
 | ``tree_grpo``    | TreeGRPO (Ding & Ye 2025)               | tree  | ``tree_grpo.py``|

@@ -66,6 +66,10 @@ class RolloutMethod:
         """Sample the forest for prompt ids ``keys`` (``cond``: one row per key)."""
         raise NotImplementedError
 
+    def trains_steps(self, num_steps: int) -> bool:
+        """Whether the rollouts have trained SDE steps (what the log-prob objective recomputes)."""
+        return True
+
     def after_rewards(self, forest: Forest, rewards: dict[str, torch.Tensor], iteration: int) -> dict[str, float]:
         """Called with the leaf rewards on the forest before it becomes a ``Rollout`` (e.g. pruning); returns info."""
         return {}
@@ -88,7 +92,6 @@ def register_method(cls: type[RolloutMethod]) -> type[RolloutMethod]:
 
 # names that earlier configs used, and what replaced them (a one-line error beats a silent default)
 RENAMED = {"branch": "branch_grpo", "tree": "tree_grpo", "none": "flow_grpo"}
-NOT_TRAINABLE = {"ode": "deterministic (ODE) sampling trains nothing; it is the evaluation sampler, not a method"}
 
 
 def method_from_config(config: dict[str, Any] | str, where: str = "visgen.method") -> RolloutMethod:
@@ -102,8 +105,6 @@ def method_from_config(config: dict[str, Any] | str, where: str = "visgen.method
     if name not in METHODS:
         if name in RENAMED:
             raise ConfigError(f"{where}.name {name!r} is now {RENAMED[name]!r}")
-        if name in NOT_TRAINABLE:
-            raise ConfigError(f"{where}.name {name!r}: {NOT_TRAINABLE[name]}; choose one of {sorted(METHODS)}")
         close = difflib.get_close_matches(str(name), list(METHODS), n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise ConfigError(f"{where}.name {name!r} is unknown{hint}; choose one of {sorted(METHODS)}")

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import torch
 
-from shared_rl.config import ConfigError
-
 from .. import plans
 from ..engine import flat_forest
 from .base import Grown, RolloutMethod, register_method
@@ -24,9 +22,11 @@ class FlatMethod(RolloutMethod):
     structure = "flat"
 
     def check(self, num_steps: int, group_size: int, where: str) -> None:
-        built = self.settings.build(num_steps, 1, torch.Generator().manual_seed(0), 0)  # raises if it cannot fit
-        if not bool(built.train.any()):
-            raise ConfigError(f"{where} trains no step of {num_steps}; widen it")
+        self.settings.build(num_steps, 1, torch.Generator().manual_seed(0), 0)  # raises if it cannot fit
+
+    def trains_steps(self, num_steps: int) -> bool:
+        """Whether the plan trains any SDE step (the log-prob objective needs one; NFT/AWM do not)."""
+        return bool(self.settings.build(num_steps, 1, torch.Generator().manual_seed(0), 0).train.any())
 
     def grow(self, adapter, cond, keys, group_size, sigmas, timesteps, generator, iteration, k, first_forward_id):
         P = len(keys)
@@ -43,6 +43,8 @@ class FlatMethod(RolloutMethod):
         return Grown(forest, cond, torch.arange(P).repeat_interleave(group_size), list(keys), torch.arange(P))
 
 
-for _plan in (plans.FlowGRPOPlan, plans.DanceGRPOPlan, plans.FlowGRPOFastPlan, plans.MixGRPOPlan, plans.ExplicitPlan):
+# ``ode``: deterministic chains, nothing stochastic — the sampler of the likelihood-free objectives (NFT, AWM)
+for _plan in (plans.FlowGRPOPlan, plans.DanceGRPOPlan, plans.FlowGRPOFastPlan, plans.MixGRPOPlan, plans.ExplicitPlan,
+              plans.ODEPlan):
     register_method(type(f"{_plan.__name__[:-4]}Method", (FlatMethod,),
                          {"name": _plan.name, "settings_class": _plan, "__doc__": _plan.__doc__}))

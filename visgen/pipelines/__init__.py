@@ -5,12 +5,20 @@ from typing import Any
 
 from .base import Conditioning, FlowPipelineAdapter
 from .flux import FluxAdapter
+from .flux2 import Flux2Adapter, Flux2KleinAdapter
+from .hunyuan_video import HunyuanVideo15Adapter
+from .qwen_image import QwenImageAdapter
 from .sana import SanaAdapter
 from .sd3 import SD3Adapter
+from .wan import WanAdapter
+from .z_image import ZImageAdapter
 
-ADAPTERS: dict[str, type[FlowPipelineAdapter]] = {a.family: a for a in (SD3Adapter, FluxAdapter, SanaAdapter)}
+ADAPTERS: dict[str, type[FlowPipelineAdapter]] = {a.family: a for a in (
+    SD3Adapter, FluxAdapter, SanaAdapter, WanAdapter, QwenImageAdapter, Flux2Adapter, Flux2KleinAdapter, ZImageAdapter,
+    HunyuanVideo15Adapter)}
 
-__all__ = ["ADAPTERS", "Conditioning", "FlowPipelineAdapter", "FluxAdapter", "SanaAdapter", "SD3Adapter", "as_adapter"]
+__all__ = ["ADAPTERS", "Conditioning", "FlowPipelineAdapter", "Flux2Adapter", "Flux2KleinAdapter", "FluxAdapter",
+           "HunyuanVideo15Adapter", "QwenImageAdapter", "SanaAdapter", "SD3Adapter", "WanAdapter", "ZImageAdapter", "as_adapter"]
 
 
 def as_adapter(pipe_or_adapter: Any) -> FlowPipelineAdapter:

@@ -21,6 +21,8 @@ from typing import Any, ClassVar
 
 import torch
 
+from .cache import prompt_cache
+
 __all__ = ["Conditioning", "FlowPipelineAdapter"]
 
 
@@ -76,10 +78,16 @@ class Conditioning:
 
 
 class FlowPipelineAdapter:
-    """Base class; subclasses implement the model-specific pieces. All inputs/outputs are batched."""
+    """Base class; subclasses implement the model-specific pieces. All inputs/outputs are batched.
+
+    Prompt encoding goes through :meth:`encode_prompts`, which serves each prompt's embedding rows from the
+    pipeline's text-embedding cache (``visgen.pipelines.cache``) and calls the subclass's :meth:`_encode` only for
+    the prompts it has not seen with the same options. Video adapters (``is_video``) decode to ``[B, F, 3, H, W]``.
+    """
 
     family: ClassVar[str] = ""
     pipeline_class_names: ClassVar[tuple[str, ...]] = ()
+    is_video: ClassVar[bool] = False
 
     def __init__(self, pipe: Any) -> None:
         self.pipe = pipe
@@ -92,7 +100,14 @@ class FlowPipelineAdapter:
 
     @property
     def device(self) -> torch.device:
-        return self.pipe._execution_device
+        """Where sampling runs: the pipeline's execution device, or the transformer's when a CPU-offloaded text
+        encoder makes the pipeline report the CPU (``visgen.memory.offload_text_encoders``)."""
+        device = self.pipe._execution_device
+        if device.type == "cpu":
+            param = next(iter(self.transformer.parameters()), None)
+            if param is not None and param.device.type != "cpu":
+                return param.device
+        return device
 
     def call_default(self, name: str) -> Any:
         """The default of an argument of the pipeline's ``__call__`` (so the adapter's defaults follow diffusers)."""
@@ -101,6 +116,24 @@ class FlowPipelineAdapter:
     def default_size(self) -> tuple[int, int]:
         size = self.pipe.default_sample_size * self.pipe.vae_scale_factor
         return size, size
+
+    def size_multiple(self) -> int:
+        """Height/width must be multiples of this (VAE downsampling x transformer patch size)."""
+        patch = getattr(self.transformer.config, "patch_size", 1) or 1
+        patch = patch[-1] if isinstance(patch, (tuple, list)) else patch
+        return int(getattr(self.pipe, "vae_scale_factor", 8)) * int(patch)
+
+    def text_modules(self) -> list[torch.nn.Module]:
+        """The frozen prompt-side modules (text encoders, connectors): what the embedding cache fingerprints and
+        what ``offload_text_encoders`` moves."""
+        skip = {"transformer", "transformer_2", "vae", "audio_vae", "vocoder", "scheduler"}
+        return [m for name, m in self.pipe.components.items()
+                if name not in skip and isinstance(m, torch.nn.Module)]
+
+    def latent_output(self, latents: torch.Tensor, cond: Conditioning) -> torch.Tensor:
+        """What the stock pipeline returns for ``output_type="latent"`` given the final sampler latents (most
+        pipelines return them as they are; FLUX.2 un-patchifies and de-normalises them first)."""
+        return latents
 
     def forwards_per_step(self, cond: Conditioning) -> int:
         """Model evaluations per sample per denoising step (CFG counts 2)."""
@@ -132,9 +165,39 @@ class FlowPipelineAdapter:
             raise ValueError(f"scheduler gave {sigmas.shape[0]} sigmas for {timesteps.shape[0]} timesteps")
         return sigmas, timesteps
 
+    # ---------------------------------------------------------------- prompt encoding (cached)
+
+    def encode_prompts(self, prompts: list[str], num_images_per_prompt: int = 1, **options: Any) -> Conditioning:
+        """Encode prompts (no grad) as the pipeline does; row order matches the pipeline's batch order
+        (each prompt's rows repeated ``num_images_per_prompt`` times in a row).
+
+        Served from the text-embedding cache when it is on and the text encoders are frozen and unchanged; the
+        result equals an uncached call (tested bit for bit). ``options``: the subclass's ``_encode`` keywords.
+        """
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        cache = prompt_cache(self.pipe)
+        if not cache.usable(self, options):
+            return self._encode_now(prompts, num_images_per_prompt, options)
+        return cache.encode(self, prompts, num_images_per_prompt, options)
+
+    def _encode_now(self, prompts: list[str], num_images_per_prompt: int, options: dict) -> Conditioning:
+        """:meth:`_encode`, with offloaded text encoders visiting the device for the call (``visgen.memory``)."""
+        from .memory import text_encoder_offload
+
+        with text_encoder_offload(self):
+            return self._encode(prompts, num_images_per_prompt=num_images_per_prompt, **options)
+
+    def _split_rows(self, cond: Conditioning) -> list[Conditioning]:
+        """One Conditioning per row (what the cache stores per prompt)."""
+        return [cond[i:i + 1] for i in range(len(cond))]
+
+    def _cat_rows(self, rows: list[Conditioning]) -> Conditioning:
+        """The inverse of :meth:`_split_rows` for any selection of rows (variable-length encoders re-pad here)."""
+        return Conditioning.cat(rows)
+
     # ---------------------------------------------------------------- model-specific interface
 
-    def encode_prompts(
+    def _encode(
         self,
         prompts: list[str],
         num_images_per_prompt: int = 1,
@@ -145,7 +208,7 @@ class FlowPipelineAdapter:
         width: int | None = None,
         **kwargs: Any,
     ) -> Conditioning:
-        """Encode prompts (no grad) as the pipeline does; row order matches the pipeline's batch order."""
+        """Encode prompts (no grad) exactly as the pipeline does (no cache)."""
         raise NotImplementedError
 
     def prepare_latents(self, batch_size: int, cond: Conditioning, generator: Any) -> torch.Tensor:
@@ -167,5 +230,6 @@ class FlowPipelineAdapter:
         raise NotImplementedError
 
     def decode(self, latents: torch.Tensor, cond: Conditioning) -> torch.Tensor:
-        """Images ``[B, 3, H, W]`` in [0, 1] (float32), decoded like the pipeline (no grad)."""
+        """Images ``[B, 3, H, W]`` (video: ``[B, F, 3, H, W]``) in [0, 1] (float32), decoded like the pipeline
+        (no grad)."""
         raise NotImplementedError

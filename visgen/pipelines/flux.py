@@ -18,12 +18,15 @@ class FluxAdapter(FlowPipelineAdapter):
     family = "flux"
     pipeline_class_names = ("FluxPipeline",)
 
+    def size_multiple(self) -> int:
+        return 2 * super().size_multiple()  # FLUX packs 2x2 latent patches
+
     def latent_size(self, height: int, width: int) -> tuple[int, int]:
         """Unpacked latent height/width, as ``FluxPipeline.prepare_latents`` rounds them."""
         factor = self.pipe.vae_scale_factor
         return 2 * (int(height) // (factor * 2)), 2 * (int(width) // (factor * 2))
 
-    def encode_prompts(
+    def _encode(
         self,
         prompts: list[str],
         num_images_per_prompt: int = 1,

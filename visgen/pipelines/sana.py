@@ -27,7 +27,7 @@ class SanaAdapter(FlowPipelineAdapter):
         size = self.transformer.config.sample_size * self.pipe.vae_scale_factor
         return size, size
 
-    def encode_prompts(
+    def _encode(
         self,
         prompts: list[str],
         num_images_per_prompt: int = 1,

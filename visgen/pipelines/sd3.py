@@ -15,7 +15,7 @@ class SD3Adapter(FlowPipelineAdapter):
     family = "sd3"
     pipeline_class_names = ("StableDiffusion3Pipeline",)
 
-    def encode_prompts(
+    def _encode(
         self,
         prompts: list[str],
         num_images_per_prompt: int = 1,

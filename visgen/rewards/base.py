@@ -2,11 +2,16 @@
 
 It is a module of its own (not the package ``__init__``) so that the reward modules can import it while the
 package imports them to register the built-ins, without an import cycle; ``visgen.rewards`` re-exports all of it.
+
+Each registered reward carries a :class:`RewardInfo` (where its weights come from, their licence, the range of its
+score, the extra it needs): ``grove rewards`` prints them and ``docs/rewards.md`` is checked against them.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
+import numpy as np
 import torch
 
 
@@ -20,16 +25,32 @@ class RewardFn(Protocol):
     ) -> dict[str, torch.Tensor]: ...
 
 
+@dataclass(frozen=True)
+class RewardInfo:
+    """What ``grove rewards`` lists about a reward."""
+
+    weights: str = "none (analytic)"  # where the weights come from (hub id, wheel, none)
+    licence: str = "Apache-2.0 (grove)"
+    range: str = ""  # the score's range as the reward returns it (after its configured scaling)
+    extra: str = ""  # the pip extra / package it needs ("" = core install)
+    summary: str = ""
+
+
 _REGISTRY: dict[str, Callable[..., RewardFn]] = {}
+_INFO: dict[str, RewardInfo] = {}
 
 
-def register(name: str) -> Callable[[Callable[..., RewardFn]], Callable[..., RewardFn]]:
+def register(name: str, info: RewardInfo | None = None) -> Callable[[Callable[..., RewardFn]], Callable[..., RewardFn]]:
     """Decorator registering a reward factory under ``name`` (a duplicate name is an error)."""
 
     def wrap(factory: Callable[..., RewardFn]) -> Callable[..., RewardFn]:
         if name in _REGISTRY and _REGISTRY[name] is not factory:
             raise RewardInputError(f"reward {name!r} is already registered (by {_REGISTRY[name].__module__})")
         _REGISTRY[name] = factory
+        summary = ((factory.__doc__ or "").strip().splitlines() or [""])[0]
+        _INFO[name] = info or RewardInfo(summary=summary)
+        if info is not None and not info.summary:
+            _INFO[name] = RewardInfo(info.weights, info.licence, info.range, info.extra, summary)
         return factory
 
     return wrap
@@ -39,7 +60,13 @@ def available_rewards() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def get_reward(name: str, **kwargs) -> RewardFn:
+def reward_info(name: str) -> RewardInfo:
+    if name not in _REGISTRY:
+        raise RewardInputError(f"unknown reward {name!r}; available: {', '.join(available_rewards())}")
+    return _INFO.get(name, RewardInfo())
+
+
+def get_reward(name: str, /, **kwargs) -> RewardFn:
     """Build the reward registered as ``name`` with factory keyword arguments ``kwargs``."""
     if name not in _REGISTRY:
         raise RewardInputError(f"unknown reward {name!r}; available: {', '.join(available_rewards())}")
@@ -63,3 +90,34 @@ def check_batch(images: torch.Tensor, prompts: Sequence[str], metadata: Sequence
         raise RewardInputError(f"{len(prompts)} prompts for {images.shape[0]} images")
     if metadata is not None and len(metadata) != images.shape[0]:
         raise RewardInputError(f"{len(metadata)} metadata entries for {images.shape[0]} images")
+
+
+def finite_rows(images: torch.Tensor) -> torch.Tensor:
+    """``[B]`` bool: images without NaN/Inf (the others score NaN)."""
+    return torch.isfinite(images.detach()).flatten(1).all(1).cpu()
+
+
+def to_uint8(images: torch.Tensor) -> np.ndarray:
+    """``[B,3,H,W]`` in [0,1] -> ``[B,H,W,3]`` uint8, rounded to the nearest level (NaN -> 0)."""
+    x = torch.nan_to_num(images.detach().float(), nan=0.0).clamp(0, 1)
+    return (x * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device_dtype(where: str, device: str | None, dtype: str) -> tuple[torch.device, torch.dtype]:
+    """``device`` (None: cuda when available) and ``dtype`` by name; a bad name is a RewardInputError."""
+    if dtype not in _DTYPES:
+        raise RewardInputError(f"{where}: dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    try:
+        dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except RuntimeError:
+        raise RewardInputError(f"{where}: unknown device {device!r} (cpu, cuda, cuda:1, ...)") from None
+    return dev, _DTYPES[dtype]
+
+
+def check_positive(where: str, **values: float) -> None:
+    for key, value in values.items():
+        if value < 1:
+            raise RewardInputError(f"{where}: {key} must be >= 1, got {value}")

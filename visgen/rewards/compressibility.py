@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from .base import check_batch, register
+from .base import RewardInfo, check_batch, register
 
 
 def jpeg_size_kb(image: np.ndarray, quality: int = 95) -> float:
@@ -39,11 +39,13 @@ class JpegSize:
         return {self.name: self.sign * _sizes(images, self.quality)}
 
 
-@register("jpeg_compressibility")
+@register("jpeg_compressibility", RewardInfo(range="-kB (<= 0; ~-60..0 for 512x512 images)",
+                                             summary="DDPO: minus the JPEG size (quality 95) in kB"))
 def build_jpeg_compressibility(quality: int = 95) -> JpegSize:
     return JpegSize("jpeg_compressibility", -1.0, quality)
 
 
-@register("jpeg_incompressibility")
+@register("jpeg_incompressibility", RewardInfo(range="kB (>= 0; ~0..60 for 512x512 images)",
+                                               summary="DDPO: the JPEG size (quality 95) in kB"))
 def build_jpeg_incompressibility(quality: int = 95) -> JpegSize:
     return JpegSize("jpeg_incompressibility", 1.0, quality)

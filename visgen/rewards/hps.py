@@ -6,7 +6,11 @@ FLUX on it. Output name: ``hps``.
 Needs the ``open_clip_torch`` package (``pip install open_clip_torch``; an optional extra of grove). The
 checkpoint is a local ``.pt`` file or ``"<hub repo>:<file>"`` (default ``xswu/HPSv2:HPS_v2.1_compressed.pt``),
 fetched with ``huggingface_hub`` only when the reward is built. ``arch`` is the open_clip model name; a local JSON
-model config may be passed instead (it is registered with ``open_clip.add_model_config``).
+model config may be passed instead (it is registered with ``open_clip.add_model_config``). Pre-processing is
+open_clip's eval transform on uint8 PIL images, as the anchors feed it (``visgen.rewards.preprocess``: bicubic
+shorter-side resize, centre crop with torchvision rounding, CLIP mean/std). HPSv3 (Ma et al., 2025) is a
+Qwen2-VL-7B reward model with its own inference wrapper; it is not built in (see docs/rewards.md) — serve it
+and use ``vlm_judge`` or ``remote``.
 """
 from __future__ import annotations
 
@@ -15,7 +19,8 @@ from typing import Sequence
 
 import torch
 
-from .base import RewardInputError, check_batch, register
+from .base import RewardInfo, RewardInputError, check_batch, register
+from .preprocess import clip_preprocess
 
 HPS_CHECKPOINT = "xswu/HPSv2:HPS_v2.1_compressed.pt"
 OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -88,15 +93,12 @@ class HPSv2:
         self.batch_size, self.name = batch_size, name
 
     def preprocess(self, images: torch.Tensor) -> torch.Tensor:
-        """open_clip's eval transform on tensors: resize the shorter side (bicubic), centre crop, normalise."""
-        h, w = images.shape[-2:]
+        """open_clip's eval transform: uint8 -> PIL bicubic shorter-side resize -> centre crop -> normalise."""
         th, tw = self.image_size
-        scale = max(th / h, tw / w)
-        nh, nw = max(th, round(h * scale)), max(tw, round(w * scale))
-        x = torch.nn.functional.interpolate(images.float(), size=(nh, nw), mode="bicubic", align_corners=False)
-        top, left = (nh - th) // 2, (nw - tw) // 2
-        x = x[..., top:top + th, left:left + tw].clamp(0, 1)
-        return (x - self.mean) / self.std
+        if th != tw:
+            raise RewardInputError(f"hps: non-square model input {self.image_size} is not supported")
+        return clip_preprocess(images, th, tuple(self.mean.flatten().tolist()), tuple(self.std.flatten().tolist()),
+                               crop="round")
 
     @torch.no_grad()
     def __call__(self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[dict] | None = None):
@@ -116,7 +118,11 @@ class HPSv2:
         return {self.name: scores}
 
 
-@register("hps")
-def build_hps(**kwargs) -> HPSv2:
-    """kwargs: checkpoint (path or '<repo>:<file>', None = untrained weights), arch, device, batch_size."""
-    return HPSv2(**kwargs)
+@register("hps", RewardInfo(weights=f"hub: {HPS_CHECKPOINT} (open_clip ViT-H-14) or a local .pt/.safetensors",
+                            licence="Apache-2.0 (HPSv2 repository); check the model card",
+                            range="~0.2-0.35 (cosine similarity)", extra="rewards (open_clip_torch)",
+                            summary="HPS v2.1: preference-tuned open_clip ViT-H-14, cos(image, prompt)"))
+def build_hps(checkpoint: str | None = HPS_CHECKPOINT, arch: str = "ViT-H-14", device: str | None = None,
+              batch_size: int = 32, name: str = "hps") -> HPSv2:
+    """checkpoint (path or '<repo>:<file>', None = untrained weights), arch, device, batch_size."""
+    return HPSv2(checkpoint, arch, device, batch_size, name)

@@ -1,10 +1,12 @@
 """PickScore (Kirstain et al., "Pick-a-Pic: An Open Dataset of User Preferences for Text-to-Image Generation",
 2023): a CLIP-H model fine-tuned on human preferences. The score is CLIP's scaled cosine similarity,
-``exp(logit_scale) * cos(image_embedding, text_embedding)`` (about 18-24 for real images), times ``scale``
-(Flow-GRPO divides by 26 to bring it near [0, 1]). Output name: ``pickscore``.
+``exp(logit_scale) * cos(image_embedding, text_embedding)`` (about 18-24 for real images), times the named
+``scaling`` (``raw``: 1; ``flow_grpo``: 1/26, Flow-GRPO's division that brings it near [0, 1]) times ``scale``.
+Output name: ``pickscore``.
 
 Loaded with transformers' ``CLIPModel`` + ``AutoProcessor`` from a hub id or a local directory; no download
-happens at import time. Images are scored without gradients, in batches of ``batch_size``.
+happens at import time. Images are quantised to uint8 and pre-processed with PIL like the anchors
+(``visgen.rewards.preprocess``), scored without gradients, in batches of ``batch_size``.
 """
 from __future__ import annotations
 
@@ -12,65 +14,43 @@ from typing import Sequence
 
 import torch
 
-from .base import RewardInputError, check_batch, register
+from ._clip import ClipScorer
+from .base import RewardInfo, RewardInputError, check_batch, finite_rows, register
 
 PICKSCORE_MODEL = "yuvalkirstain/PickScore_v1"
 PICKSCORE_PROCESSOR = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K"
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def _features(output) -> torch.Tensor:
-    """transformers 5 returns a model output (projected features in ``pooler_output``); 4.x a tensor."""
-    return output if isinstance(output, torch.Tensor) else output.pooler_output
+SCALINGS = {"raw": 1.0, "flow_grpo": 1.0 / 26.0}
 
 
 class PickScore:
     def __init__(self, model: str = PICKSCORE_MODEL, processor: str | None = PICKSCORE_PROCESSOR,
                  device: str | None = None, dtype: str = "float32", batch_size: int = 32, scale: float = 1.0,
-                 name: str = "pickscore") -> None:
-        from transformers import AutoProcessor, CLIPModel
-
-        if dtype not in _DTYPES:
-            raise RewardInputError(f"pickscore dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
-        if batch_size < 1:
-            raise RewardInputError(f"pickscore batch_size must be >= 1, got {batch_size}")
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        try:
-            self.processor = AutoProcessor.from_pretrained(processor or model)
-            self.model = CLIPModel.from_pretrained(model, dtype=_DTYPES[dtype])
-        except OSError as exc:
-            raise RewardInputError(f"pickscore: cannot load {model!r} / processor {processor or model!r} "
-                              f"({str(exc).splitlines()[0]}); give local directories or download them first") from None
-        self.model.to(self.device).eval().requires_grad_(False)
-        self.dtype, self.batch_size, self.scale, self.name = _DTYPES[dtype], batch_size, float(scale), name
+                 scaling: str = "raw", name: str = "pickscore") -> None:
+        if scaling not in SCALINGS:
+            raise RewardInputError(f"pickscore scaling must be one of {sorted(SCALINGS)}, got {scaling!r}")
+        self.clip = ClipScorer("pickscore", model, processor, device, dtype, batch_size, crop="floor")
+        self.factor, self.name = float(scale) * SCALINGS[scaling], name
 
     @torch.no_grad()
     def __call__(self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[dict] | None = None):
         check_batch(images, prompts, metadata)
-        finite = torch.isfinite(images).flatten(1).all(1)
+        ok = finite_rows(images)
         scores = torch.full((images.shape[0],), float("nan"))
-        for start in range(0, images.shape[0], self.batch_size):
-            sl = slice(start, start + self.batch_size)
-            ok = finite[sl]
-            if not ok.any():
-                continue
-            chunk = images[sl][ok].float().clamp(0, 1).cpu()
-            texts = [p for p, keep in zip(prompts[sl], ok.tolist()) if keep]
-            pixels = self.processor(images=list(chunk), do_rescale=False, return_tensors="pt")["pixel_values"]
-            tokens = self.processor(text=texts, padding=True, truncation=True, return_tensors="pt")
-            image_emb = _features(self.model.get_image_features(pixel_values=pixels.to(self.device, self.dtype)))
-            text_emb = _features(self.model.get_text_features(
-                input_ids=tokens["input_ids"].to(self.device),
-                attention_mask=tokens.get("attention_mask").to(self.device) if "attention_mask" in tokens else None,
-            ))
-            image_emb = torch.nn.functional.normalize(image_emb.float(), dim=-1)
-            text_emb = torch.nn.functional.normalize(text_emb.float(), dim=-1)
-            value = self.model.logit_scale.exp().float() * (image_emb * text_emb).sum(-1) * self.scale
-            scores[torch.arange(start, min(start + self.batch_size, images.shape[0]))[ok]] = value.cpu()
+        idx = torch.nonzero(ok).flatten()
+        if idx.numel():
+            img = self.clip.image_embeds(images[idx])
+            txt = self.clip.text_embeds([prompts[i] for i in idx.tolist()])
+            logit_scale = self.clip.model.logit_scale.exp().float().cpu()
+            scores[idx] = logit_scale * (img * txt).sum(-1) * self.factor
         return {self.name: scores}
 
 
-@register("pickscore")
-def build_pickscore(**kwargs) -> PickScore:
-    """kwargs: model (hub id or dir), processor (None: same as model), device, dtype, batch_size, scale."""
-    return PickScore(**kwargs)
+@register("pickscore", RewardInfo(weights=f"hub: {PICKSCORE_MODEL} (processor {PICKSCORE_PROCESSOR}) or a local dir",
+                                  licence="MIT (PickScore model card); check the card before commercial use",
+                                  range="~18-24 raw (x1/26 with scaling: flow_grpo)",
+                                  summary="CLIP-H preference model: exp(logit_scale) * cos(image, prompt)"))
+def build_pickscore(model: str = PICKSCORE_MODEL, processor: str | None = PICKSCORE_PROCESSOR,
+                    device: str | None = None, dtype: str = "float32", batch_size: int = 32, scale: float = 1.0,
+                    scaling: str = "raw", name: str = "pickscore") -> PickScore:
+    """kwargs: model (hub id or dir), processor (None: same as model), device, dtype, batch_size, scaling, scale."""
+    return PickScore(model, processor, device, dtype, batch_size, scale, scaling, name)

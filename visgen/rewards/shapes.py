@@ -13,7 +13,7 @@ import torch
 
 from visgen.tasks import shapes as task
 
-from .base import RewardInputError, check_batch, register
+from .base import RewardInfo, RewardInputError, check_batch, register
 
 
 def _spec(prompt: str, meta: dict | None) -> task.PromptSpec:
@@ -36,6 +36,7 @@ class ShapesReward:
         return {"shapes": torch.from_numpy(score), "shapes_strict": torch.from_numpy(strict)}
 
 
-@register("shapes")
+@register("shapes", RewardInfo(range="[0, 1] score (fraction of attributes right); strict 0/1",
+                              summary="the shapes task's analytic checker: attribute fraction + all-correct flag"))
 def build_shapes() -> ShapesReward:
     return ShapesReward()

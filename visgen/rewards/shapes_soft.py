@@ -29,7 +29,7 @@ import torch
 
 from visgen.tasks import shapes as task
 
-from .base import check_batch, register
+from .base import RewardInfo, check_batch, register
 from .shapes import _spec
 
 
@@ -71,6 +71,7 @@ class ShapesSoftReward:
         return {"shapes_soft": torch.tensor(out, dtype=torch.float32)}
 
 
-@register("shapes_soft")
+@register("shapes_soft", RewardInfo(range="[0, 1]", summary="the shapes score with a smooth shape margin (a "
+                                                                   "dense training reward)"))
 def build_shapes_soft(temperature: float = 0.05) -> ShapesSoftReward:
     return ShapesSoftReward(temperature)

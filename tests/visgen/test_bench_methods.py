@@ -1,0 +1,38 @@
+"""The visgen-methods benchmark: every variant is a valid config of the demo recipe, and its reading rules (noise
+band, first reach, speedups) are computed as documented."""
+import pytest
+
+from bench.visgen_methods import MIN_BAND, VARIANTS, first_reach, noise_band, rows_from, variant_config
+from shared_rl.config import load_train_config
+
+SHORT_NAMES = {"flat", "dance", "fast", "mix", "branch", "branch-prune", "branch-mix", "tree", "egrpo", "nft", "awm",
+               "guard"}
+
+
+def test_every_method_is_a_valid_demo_config():
+    assert set(VARIANTS) == SHORT_NAMES
+    for name in VARIANTS:
+        cfg = load_train_config(variant_config(name, 0, 3, quick=False))
+        assert cfg.rollout.groups_per_iteration == 32, name  # the demo's 512-image scale for every method
+        assert cfg.domain_config.eval.samples_per_prompt == 4 and cfg.optim.minibatches_per_epoch == 1
+    assert load_train_config(variant_config("nft", 0, 3, False)).loss.policy_loss == "nft"
+
+
+def test_noise_band_first_reach_and_speedups():
+    assert noise_band([0.5]) == MIN_BAND and noise_band([0.5, 0.6, 0.55]) == pytest.approx(0.1)
+    pts = [{"nfe": 0, "time": 0, "score": 0.5}, {"nfe": 100, "time": 10, "score": 0.6},
+           {"nfe": 200, "time": 20, "score": 0.8}]
+    assert first_reach(pts, 0.7) == pytest.approx((150, 15))
+    assert first_reach(pts, 0.9) == (None, None)
+    flat = [{"points": [{"nfe": 0, "time": 0, "score": 0.5}, {"nfe": 400, "time": 40, "score": 0.7}],
+             "iterations": 4, "images": 2048, "nfe": 400, "time": 40}]
+    fast = {"points": pts, "iterations": 2, "images": 1024, "nfe": 200, "time": 20}
+    rows, s = rows_from({"flat": flat, "nft": [fast]}, 400)
+    assert s["signal"] and s["flat_final"] == pytest.approx(0.7)
+    nft = [r for r in rows if r["variant"] == "nft"][0]
+    assert nft["nfe_to_flat_final"] == pytest.approx(150) and nft["speedup_nfe_vs_flat"] == pytest.approx(400 / 150)
+    assert nft["speedup_time_vs_flat"] == pytest.approx(40 / 15)
+    # a flat rise inside the band defines no speedup
+    flat[0]["points"][-1]["score"] = 0.52
+    rows, s = rows_from({"flat": flat, "nft": [fast]}, 400)
+    assert not s["signal"] and all(r["speedup_nfe_vs_flat"] is None for r in rows)

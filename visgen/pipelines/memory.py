@@ -1,0 +1,138 @@
+"""Memory controls for video (and large image) rollouts: ``visgen.memory`` in a training YAML.
+
+Video rollouts are memory-bound (users report out-of-memory on Wan-14B and hours per sampling round; DanceGRPO
+trains video as single frames to escape it). Each control here is independent and measured by
+``grove bench visgen-video`` (rollout frames/s and peak memory with and without it):
+
+| setting | what it does | exact? |
+|---|---|---|
+| ``prompt_cache`` (on) | text embeddings cached by prompt (``visgen.pipelines.cache``) | yes (tested) |
+| ``offload_text_encoders`` | frozen text encoders stay on the CPU; they visit the device only to encode a prompt the cache has not seen | yes |
+| ``offload_rewards`` | every reward's models stay on the CPU between reward calls | yes |
+| ``vae_slicing`` | the VAE decodes one sample at a time | yes (per-sample decode) |
+| ``vae_tiling`` | the VAE decodes spatial tiles and blends them (diffusers' tiling) | no: seams blended |
+| ``decode_frame_chunk`` | Wan: post-process ``k`` latent frames at a time into one preallocated video | yes (tested) |
+| ``context_parallel`` | diffusers' context parallelism of the transformer over the processes (``_cp_plan``) | to float rounding |
+
+The rollout micro-batch (``visgen.rollout_micro_batch``: samples per transformer forward while sampling and per
+VAE decode call) is independent of the training micro-batch (``optim.micro_batch_size``); gradient checkpointing
+is ``visgen.gradient_checkpointing``. Both are listed here for completeness; they have their own settings.
+"""
+from __future__ import annotations
+
+import contextlib
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from shared_rl.errors import ConfigError
+
+__all__ = ["MemorySettings", "apply_memory_settings", "text_encoder_offload"]
+
+_TEXT_OFFLOAD: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
+
+
+@dataclass
+class MemorySettings:
+    prompt_cache: bool = field(default=True, metadata={
+        "help": "cache text embeddings by prompt (exact; text encoders must be frozen)"})
+    prompt_cache_size: int = field(default=4096, metadata={"help": "prompts the embedding cache keeps (LRU)"})
+    offload_text_encoders: bool = field(default=False, metadata={
+        "help": "keep frozen text encoders on the CPU; they visit the device only for prompts not in the cache"})
+    offload_rewards: bool = field(default=False, metadata={
+        "help": "keep reward models on the CPU between reward calls"})
+    vae_slicing: bool = field(default=False, metadata={"help": "decode one sample per VAE call (exact)"})
+    vae_tiling: bool = field(default=False, metadata={
+        "help": "decode in spatial tiles (diffusers enable_tiling; approximate at tile seams)"})
+    decode_frame_chunk: int = field(default=0, metadata={
+        "help": "Wan: post-process this many latent frames at a time into a preallocated video (exact; 0: off)"})
+    context_parallel: dict = field(default_factory=dict, metadata={
+        "help": "diffusers context parallelism of the transformer, e.g. {ulysses_degree: 2} (needs a model with "
+                "_cp_plan and torch.distributed; see docs/methods/video.md)"})
+
+    def check(self, where: str) -> None:
+        if self.prompt_cache_size < 1:
+            raise ConfigError(f"{where}.prompt_cache_size must be >= 1, got {self.prompt_cache_size}")
+        if self.decode_frame_chunk < 0:
+            raise ConfigError(f"{where}.decode_frame_chunk must be >= 0 (0: off), got {self.decode_frame_chunk}")
+        unknown = set(self.context_parallel) - {"ulysses_degree", "ring_degree"}
+        if unknown:
+            raise ConfigError(f"{where}.context_parallel takes ulysses_degree and/or ring_degree, got {sorted(unknown)}")
+        for key, value in self.context_parallel.items():
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{where}.context_parallel.{key} must be an integer >= 1, got {value!r}")
+
+
+def apply_memory_settings(pipe, adapter, settings: MemorySettings) -> dict[str, Any]:
+    """Switch the controls of ``settings`` on for ``pipe`` / ``adapter``; returns what was applied (for logs)."""
+    from .cache import configure_prompt_cache
+
+    applied: dict[str, Any] = {}
+    configure_prompt_cache(pipe, enabled=settings.prompt_cache, max_prompts=settings.prompt_cache_size)
+    applied["prompt_cache"] = settings.prompt_cache
+    vae = getattr(pipe, "vae", None)
+    if settings.vae_slicing:
+        if vae is None or not hasattr(vae, "enable_slicing"):
+            raise ConfigError(f"visgen.memory.vae_slicing: {type(vae).__name__} has no enable_slicing")
+        vae.enable_slicing()
+        applied["vae_slicing"] = True
+    if settings.vae_tiling:
+        if vae is None or not hasattr(vae, "enable_tiling"):
+            raise ConfigError(f"visgen.memory.vae_tiling: {type(vae).__name__} has no enable_tiling")
+        vae.enable_tiling()
+        applied["vae_tiling"] = True
+    if settings.decode_frame_chunk:
+        if not hasattr(adapter, "decode_frame_chunk"):
+            raise ConfigError(f"visgen.memory.decode_frame_chunk is for Wan pipelines (causal frame-by-frame VAE); "
+                              f"{type(pipe).__name__} decodes whole clips (use vae_slicing / vae_tiling)")
+        adapter.decode_frame_chunk = int(settings.decode_frame_chunk)
+        applied["decode_frame_chunk"] = adapter.decode_frame_chunk
+    if settings.offload_text_encoders:
+        _TEXT_OFFLOAD[pipe] = True
+        for module in adapter.text_modules():
+            module.to("cpu")
+        applied["offload_text_encoders"] = True
+    if settings.context_parallel:
+        enable_context_parallel(adapter.transformer, **settings.context_parallel)
+        applied["context_parallel"] = dict(settings.context_parallel)
+    return applied
+
+
+def text_encoder_offload(adapter) -> contextlib.AbstractContextManager:
+    """While encoding: the offloaded text encoders visit the adapter's device and return to the CPU afterwards."""
+    try:
+        active = _TEXT_OFFLOAD.get(adapter.pipe, False)
+    except TypeError:
+        active = False
+    if not active:
+        return contextlib.nullcontext()
+    from visgen.rewards.video import Offload
+
+    class _Visit:
+        def __enter__(self):
+            self.offloads = [Offload(m, adapter.device) for m in adapter.text_modules()]
+            for o in self.offloads:
+                o.__enter__()
+
+        def __exit__(self, *exc):
+            for o in self.offloads:
+                o.__exit__(*exc)
+
+    return _Visit()
+
+
+def enable_context_parallel(transformer, ulysses_degree: int = 1, ring_degree: int = 1) -> None:
+    """diffusers context parallelism (``ModelMixin.enable_parallelism``) over the initialised process group: the
+    token sequence is split over ``ulysses_degree x ring_degree`` processes along the transformer's ``_cp_plan``."""
+    if getattr(type(transformer), "_cp_plan", None) is None:
+        raise ConfigError(f"visgen.memory.context_parallel: {type(transformer).__name__} has no _cp_plan "
+                          "(diffusers has no context-parallel plan for it)")
+    if not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        raise ConfigError("visgen.memory.context_parallel needs torch.distributed (launch with accelerate / torchrun)")
+    from diffusers import ContextParallelConfig
+
+    config = ContextParallelConfig(ulysses_degree=ulysses_degree if ulysses_degree > 1 else None,
+                                   ring_degree=ring_degree if ring_degree > 1 else None)
+    transformer.enable_parallelism(config=config)

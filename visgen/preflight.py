@@ -1,0 +1,112 @@
+"""What ``grove train`` checks about a visgen config before it loads a pipeline (``shared_rl.preflight``).
+
+Loading even the tiny SD3 and running the held-out evaluation takes a while; a prompt file the configured reward
+cannot score, a reward argument its factory does not take, or an ``advantage.weights`` name no reward emits used to
+surface only after both. Everything here reads small files and builds no model:
+
+- ``reward_names``: the outputs the configured rewards emit (``shapes`` emits ``shapes`` and ``shapes_strict``;
+  a reward whose factory takes a ``name`` emits that, by default its registry name), or None when some reward's
+  outputs cannot be known before it runs (a remote scorer): then the first rollout checks the names;
+- ``preflight``: the model location exists (local paths), the prompt files read, ``train_subset`` indexes them,
+  each reward's keyword arguments fit its factory (the cheap analytic rewards are built), and every prompt is one
+  the shapes-family rewards can score.
+
+``visgen.domain``'s config hooks call these with the domain module's own loaders (``read_prompt_file``,
+``resolve_model_location``, the reward-module import), so the checks read exactly what the domain will load, and
+this module never imports ``visgen.domain`` (which imports it).
+"""
+from __future__ import annotations
+
+import inspect
+import typing
+
+from shared_rl.errors import ConfigError
+
+# rewards whose factories build nothing heavy: built once here, so a bad argument value fails now
+CHEAP_REWARDS = ("shapes", "shapes_soft", "jpeg_compressibility", "jpeg_incompressibility")
+# rewards that score a prompt through the shapes-task grammar (or PromptSpec metadata)
+SHAPES_GRAMMAR_REWARDS = ("shapes", "shapes_soft")
+# rewards whose outputs are fixed names; the others are named by their factory's ``name`` argument
+FIXED_OUTPUTS = {"shapes": ["shapes", "shapes_strict"], "shapes_soft": ["shapes_soft"],
+                 "jpeg_compressibility": ["jpeg_compressibility"], "jpeg_incompressibility": ["jpeg_incompressibility"]}
+
+
+def reward_outputs(name: str, kwargs: dict) -> list[str] | None:
+    """The output names the reward ``name`` built with ``kwargs`` returns, or None when they cannot be known."""
+    from .rewards.base import _REGISTRY
+
+    if name in FIXED_OUTPUTS:
+        return list(FIXED_OUTPUTS[name])
+    factory = _REGISTRY.get(name)
+    param = inspect.signature(factory).parameters.get("name") if factory is not None else None
+    if param is not None and param.default is not inspect.Parameter.empty:
+        return [str(kwargs.get("name", param.default))]
+    return None
+
+
+def reward_names(cfg, import_rewards) -> list[str] | None:
+    import_rewards()
+    outputs = [reward_outputs(spec.name, spec.kwargs) for spec in cfg.rewards]
+    return None if any(o is None for o in outputs) else [name for names in outputs for name in names]
+
+
+def _check_reward_arguments(where: str, name: str, kwargs: dict) -> None:
+    from .rewards.base import _REGISTRY
+
+    factory = _REGISTRY[name]
+    signature = inspect.signature(factory)
+    if any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values()):
+        # ``build_x(**kwargs) -> X`` hands everything to the class it returns: check against that class instead
+        try:
+            returned = typing.get_type_hints(factory).get("return")
+        except Exception:  # noqa: BLE001 — an annotation that does not resolve: nothing to check against
+            returned = None
+        signature = inspect.signature(returned) if inspect.isclass(returned) else None
+    if signature is not None:
+        try:
+            signature.bind(**kwargs)
+        except TypeError as e:
+            raise ConfigError(f"{where}: reward {name!r} kwargs {kwargs}: {e}") from None
+    if name in CHEAP_REWARDS:
+        try:
+            factory(**kwargs)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"{where}: reward {name!r} kwargs {kwargs}: {e}") from None
+
+
+def _unscorable(prompts: list[str], metas: list[dict]) -> tuple[int, str] | None:
+    """(index, reason) of the first prompt the shapes-task grammar cannot score, else None."""
+    from .rewards.shapes import _spec
+
+    for i, (prompt, meta) in enumerate(zip(prompts, metas)):
+        try:
+            _spec(prompt, meta)
+        except ValueError as e:
+            return i, str(e)
+    return None
+
+
+def preflight(cfg, train_cfg, read_prompt_file, resolve_model_location, import_rewards) -> None:
+    """The checks of the module docstring for ``VisgenConfig`` ``cfg``; raises ConfigError."""
+    resolve_model_location(cfg.model)
+    import_rewards()
+    for i, spec in enumerate(cfg.rewards):
+        _check_reward_arguments(f"visgen.rewards[{i}]", spec.name, spec.kwargs)
+    if cfg.task != "file":
+        return  # the shapes task's own prompts are the grammar's
+    files = [("train_prompts", cfg.train_prompts)] + ([("eval_prompts", cfg.eval_prompts)] if cfg.eval_prompts else [])
+    for key, path in files:
+        prompts, metas = read_prompt_file(path)
+        if key == "train_prompts" and cfg.train_subset is not None:
+            bad = [i for i in cfg.train_subset if not 0 <= i < len(prompts)]
+            if bad or not cfg.train_subset:
+                raise ConfigError(f"visgen.train_subset must list prompt indices in 0..{len(prompts) - 1}, "
+                                  f"got {cfg.train_subset}")
+        for spec in cfg.rewards:
+            if spec.name in SHAPES_GRAMMAR_REWARDS:
+                found = _unscorable(prompts, metas)
+                if found:
+                    n, reason = found
+                    raise ConfigError(f"visgen.{key} {path!r} prompt {n + 1} cannot be scored by reward "
+                                      f"{spec.name!r}: {' '.join(reason.split())}; use shapes-task prompts (or "
+                                      f"PromptSpec metadata in a .jsonl) or a reward that scores any prompt")
