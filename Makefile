@@ -30,6 +30,9 @@ test: setup
 bench: setup
 	$(VENV)/bin/grove bench scale --quick --out runs/bench-scale
 	$(VENV)/bin/grove bench visgen-trees --quick --out runs/bench-visgen-trees
+	$(VENV)/bin/grove bench visgen-rewards --quick --out runs/bench-visgen-rewards
+	$(VENV)/bin/grove bench visgen-methods --quick --out runs/bench-visgen-methods
+	$(VENV)/bin/grove bench visgen-two-stage --quick --out runs/bench-visgen-two-stage
 	$(VENV)/bin/grove bench llm --quick --out runs/bench-llm
 	$(VENV)/bin/grove bench robotics-sim --quick --out runs/bench-robotics-sim
 
