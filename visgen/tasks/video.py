@@ -21,7 +21,7 @@ square is below what the analytic checker can tell apart on blurred generations.
 
 The model: :func:`build_tiny_wan` — a stock ``WanPipeline`` (Wan 2.1 architecture, Wan Team, "Wan: Open and Advanced
 Large-Scale Video Generative Models", 2025) built offline from ``WanTransformer3DModel``, ``AutoencoderKLWan`` and a
-tiny ``UMT5EncoderModel`` with a locally built word-level tokenizer. 9 frames at 32x32 are latents ``[z, 3, 4, 4]``
+tiny ``UMT5EncoderModel`` with a locally built word-level tokenizer. 9 frames at 32x32 are latents ``[16, 3, 4, 4]``
 (the causal VAE compresses time 4x after the first frame and space 8x). ``visgen.tasks.video_pretrain`` trains it;
 ``assets/video-wan-tiny`` is the result.
 
@@ -310,16 +310,19 @@ def spec_of(prompt: str, meta: dict | None = None) -> ClipSpec:
 
 
 # ------------------------------------------------------------------------------------------------- tiny Wan model
-def build_tiny_wan(words: Sequence[str] | None = None, seed: int = 0, base_dim: int = 8, z_dim: int = 8,
-                   dim_mult: Sequence[int] = (1, 2, 2, 2), num_layers: int = 3, num_heads: int = 2,
-                   head_dim: int = 16, text_dim: int = 32, text_layers: int = 2, patch: tuple[int, int, int] = (1, 1, 1),
-                   shift: float = 1.0, tokenizer_max_length: int = 12):
+def build_tiny_wan(words: Sequence[str] | None = None, seed: int = 0, base_dim: int = 8, z_dim: int = 16,
+                   dim_mult: Sequence[int] = (1, 2, 2), residual: bool = True, num_layers: int = 3,
+                   num_heads: int = 2, head_dim: int = 16, text_dim: int = 32, text_layers: int = 2,
+                   patch: Sequence[int] = (1, 1, 1), shift: float = 1.0, tokenizer_max_length: int = 12):
     """A randomly initialised tiny ``WanPipeline`` (CPU, float32), deterministic given ``seed``.
 
-    ``AutoencoderKLWan`` (``base_dim`` channels, ``z_dim`` latent channels, 8x space / 4x time), a
-    ``WanTransformer3DModel`` with ``num_layers`` blocks of ``num_heads`` x ``head_dim`` and patch ``patch``, a
-    ``UMT5EncoderModel`` (``text_dim``, ``text_layers``) over a word-level tokenizer of ``words`` (default: this
-    task's vocabulary), and ``FlowMatchEulerDiscreteScheduler(shift=shift)``.
+    ``AutoencoderKLWan`` (``base_dim`` channels, ``z_dim`` latent channels, 4x time): with ``residual`` the Wan 2.2
+    layout (2x2 pixel patchify in, residual average-down / duplicate-up shortcuts, ``len(dim_mult) - 1``
+    downsamples after the patchify: 8x space for three ``dim_mult`` entries) — measured to learn the coloured blobs
+    several times faster than the Wan 2.1 layout at this size; without it the Wan 2.1 layout (``2 ** (len(dim_mult)
+    - 1)``x space). A ``WanTransformer3DModel`` with ``num_layers`` blocks of ``num_heads`` x ``head_dim`` and patch
+    ``patch``, a ``UMT5EncoderModel`` (``text_dim``, ``text_layers``) over a word-level tokenizer of ``words``
+    (default: this task's vocabulary), and ``FlowMatchEulerDiscreteScheduler(shift=shift)``.
     """
     import torch
     from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
@@ -329,9 +332,14 @@ def build_tiny_wan(words: Sequence[str] | None = None, seed: int = 0, base_dim: 
 
     tokenizer = build_tokenizer(words if words is not None else vocabulary(), model_max_length=tokenizer_max_length)
     torch.manual_seed(seed)
+    downs = len(dim_mult) - 1
+    if downs < 2:
+        raise ValueError("dim_mult needs at least 3 entries (the two 2x temporal downsamples of the Wan VAE)")
+    layout = dict(is_residual=True, patch_size=2, in_channels=12, out_channels=12,
+                  scale_factor_spatial=2 * 2 ** downs) if residual else dict(scale_factor_spatial=2 ** downs)
     vae = AutoencoderKLWan(base_dim=base_dim, z_dim=z_dim, dim_mult=list(dim_mult), num_res_blocks=1,
-                           temperal_downsample=[False, True, True], latents_mean=[0.0] * z_dim,
-                           latents_std=[1.0] * z_dim)
+                           temperal_downsample=[False] * (downs - 2) + [True, True], latents_mean=[0.0] * z_dim,
+                           latents_std=[1.0] * z_dim, scale_factor_temporal=4, **layout)
     torch.manual_seed(seed + 1)
     text_encoder = UMT5EncoderModel(UMT5Config(
         vocab_size=len(tokenizer), d_model=text_dim, d_kv=text_dim // 2, d_ff=2 * text_dim, num_layers=text_layers,

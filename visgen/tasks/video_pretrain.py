@@ -82,7 +82,7 @@ class VideoPretrainConfig:
     model: dict = field(default_factory=dict, metadata={"help": "keyword arguments of visgen.tasks.video.build_tiny_wan"})
     output_dir: str | None = field(default=None, metadata={"help": "where the final pipeline is saved"})
     log_every: int = field(default=50, metadata={"help": "metrics.jsonl row every this many steps"})
-    vae: VideoVaeStage = field(default_factory=VideoVaeStage, metadata={"help": "VAE stage"})
+    vae: VideoVaeStage = field(default_factory=VideoVaeStage, metadata={"help": "VAE stage"})  # noqa: E501
     transformer: VideoTransformerStage = field(default_factory=VideoTransformerStage,
                                                metadata={"help": "transformer stage"})
     eval: VideoPretrainEval = field(default_factory=VideoPretrainEval, metadata={"help": "evaluation"})
@@ -124,7 +124,12 @@ def decode_unclamped(vae, z: torch.Tensor) -> torch.Tensor:
         frames.append(vae.decoder(x[:, :, i:i + 1], feat_cache=vae._feat_map, feat_idx=vae._conv_idx,
                                   first_chunk=(i == 0)))
     vae.clear_cache()
-    return torch.cat(frames, 2)
+    out = torch.cat(frames, 2)
+    if vae.config.patch_size is not None:  # the Wan 2.2 layout decodes 2x2-patchified pixels
+        from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
+
+        out = unpatchify(out, patch_size=vae.config.patch_size)
+    return out
 
 
 def train_vae(vae, clips: torch.Tensor, cfg: VideoVaeStage, generator: torch.Generator, metrics: _Metrics,
