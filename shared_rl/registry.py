@@ -31,6 +31,7 @@ BENCHMARKS: dict[str, str] = {
     "llm": "bench.llm_vs_trl:run",
     "robotics-sim": "bench.robotics_sim:run",
     "visgen-trees": "bench.visgen_trees:run",
+    "visgen-video": "bench.visgen_video:run",
     "visgen-rewards": "bench.visgen_rewards:run",
     "visgen-methods": "bench.visgen_methods:run",
     "visgen-two-stage": "bench.visgen_two_stage:run",

@@ -9,7 +9,7 @@ trains video as single frames to escape it). Each control here is independent an
 | ``prompt_cache`` (on) | text embeddings cached by prompt (``visgen.pipelines.cache``) | yes (tested) |
 | ``offload_text_encoders`` | frozen text encoders stay on the CPU; they visit the device only to encode a prompt the cache has not seen | yes |
 | ``offload_rewards`` | every reward's models stay on the CPU between reward calls | yes |
-| ``vae_slicing`` | the VAE decodes one sample at a time | yes (per-sample decode) |
+| ``vae_slicing`` | the VAE decodes one sample at a time | to float rounding (CPU convolutions round per batch size) |
 | ``vae_tiling`` | the VAE decodes spatial tiles and blends them (diffusers' tiling) | no: seams blended |
 | ``decode_frame_chunk`` | Wan: post-process ``k`` latent frames at a time into one preallocated video | yes (tested) |
 | ``context_parallel`` | diffusers' context parallelism of the transformer over the processes (``_cp_plan``) | to float rounding |
@@ -43,9 +43,12 @@ class MemorySettings:
         "help": "keep frozen text encoders on the CPU; they visit the device only for prompts not in the cache"})
     offload_rewards: bool = field(default=False, metadata={
         "help": "keep reward models on the CPU between reward calls"})
-    vae_slicing: bool = field(default=False, metadata={"help": "decode one sample per VAE call (exact)"})
+    vae_slicing: bool = field(default=False, metadata={"help": "decode one sample per VAE call (equal to float "
+                                                                  "rounding)"})
     vae_tiling: bool = field(default=False, metadata={
         "help": "decode in spatial tiles (diffusers enable_tiling; approximate at tile seams)"})
+    vae_tile_size: int = field(default=0, metadata={
+        "help": "tile side in pixels for vae_tiling (stride 3/4 of it); 0: the VAE's default (Wan: 256)"})
     decode_frame_chunk: int = field(default=0, metadata={
         "help": "Wan: post-process this many latent frames at a time into a preallocated video (exact; 0: off)"})
     context_parallel: dict = field(default_factory=dict, metadata={
@@ -55,6 +58,8 @@ class MemorySettings:
     def check(self, where: str) -> None:
         if self.prompt_cache_size < 1:
             raise ConfigError(f"{where}.prompt_cache_size must be >= 1, got {self.prompt_cache_size}")
+        if self.vae_tile_size < 0:
+            raise ConfigError(f"{where}.vae_tile_size must be >= 0 (0: the VAE's default), got {self.vae_tile_size}")
         if self.decode_frame_chunk < 0:
             raise ConfigError(f"{where}.decode_frame_chunk must be >= 0 (0: off), got {self.decode_frame_chunk}")
         unknown = set(self.context_parallel) - {"ulysses_degree", "ring_degree"}
@@ -81,8 +86,20 @@ def apply_memory_settings(pipe, adapter, settings: MemorySettings) -> dict[str, 
     if settings.vae_tiling:
         if vae is None or not hasattr(vae, "enable_tiling"):
             raise ConfigError(f"visgen.memory.vae_tiling: {type(vae).__name__} has no enable_tiling")
-        vae.enable_tiling()
-        applied["vae_tiling"] = True
+        kwargs = {}
+        if settings.vae_tile_size:
+            import inspect
+
+            size, stride = int(settings.vae_tile_size), max(1, int(settings.vae_tile_size) * 3 // 4)
+            wanted = {"tile_sample_min_height": size, "tile_sample_min_width": size,
+                      "tile_sample_stride_height": stride, "tile_sample_stride_width": stride}
+            params = inspect.signature(vae.enable_tiling).parameters
+            kwargs = {k: v for k, v in wanted.items() if k in params}
+            if not kwargs:
+                raise ConfigError(f"visgen.memory.vae_tile_size: {type(vae).__name__}.enable_tiling takes no tile "
+                                  "size; leave it 0")
+        vae.enable_tiling(**kwargs)
+        applied["vae_tiling"] = kwargs or True
     if settings.decode_frame_chunk:
         if not hasattr(adapter, "decode_frame_chunk"):
             raise ConfigError(f"visgen.memory.decode_frame_chunk is for Wan pipelines (causal frame-by-frame VAE); "
@@ -135,4 +152,24 @@ def enable_context_parallel(transformer, ulysses_degree: int = 1, ring_degree: i
 
     config = ContextParallelConfig(ulysses_degree=ulysses_degree if ulysses_degree > 1 else None,
                                    ring_degree=ring_degree if ring_degree > 1 else None)
-    transformer.enable_parallelism(config=config)
+    if torch.accelerator.device_count() > 0:
+        transformer.enable_parallelism(config=config)
+        return
+    # CPU processes (gloo): diffusers 0.42 picks the device as rank % accelerator count (a division by zero without
+    # an accelerator); resolve the config on a CPU device mesh instead, then let diffusers apply the plan as usual
+    from diffusers.models._modeling_parallel import ParallelConfig
+
+    def resolve_on_cpu(cfg):
+        cfg = ParallelConfig(context_parallel_config=cfg) if isinstance(cfg, ContextParallelConfig) else cfg
+        cp = cfg.context_parallel_config
+        mesh = cp.mesh or torch.distributed.device_mesh.init_device_mesh(
+            device_type="cpu", mesh_shape=cp.mesh_shape, mesh_dim_names=cp.mesh_dim_names)
+        cfg.setup(torch.distributed.get_rank(), torch.distributed.get_world_size(), torch.device("cpu"), mesh=mesh)
+        transformer._parallel_config = cfg
+        return cfg
+
+    transformer._resolve_parallel_config = resolve_on_cpu
+    try:
+        transformer.enable_parallelism(config=config)
+    finally:
+        del transformer._resolve_parallel_config

@@ -12,6 +12,11 @@ diffusers 0.42.
   the pipeline does; the guidance embedding when the transformer is guidance-distilled (``guidance_scale``).
 - **Decode**: unpack to ``[B, C, 1, H, W]``, ``z * latents_std + latents_mean``, ``AutoencoderKLQwenImage``, first
   frame.
+
+Deliberate difference: diffusers 0.42's ``encode_prompt`` repeats the text mask tiled but the embeddings per prompt
+for ``num_images_per_prompt > 1``, so with prompts of different lengths its rows get another prompt's mask; the
+adapter encodes each prompt once and repeats both per prompt (parity is tested with one image per prompt, and with
+equal-length prompts for several).
 """
 from __future__ import annotations
 
@@ -81,21 +86,26 @@ class QwenImageAdapter(FlowPipelineAdapter):
         do_true_cfg = true_cfg_scale > 1 and negative_prompt is not None
         if self.transformer.config.guidance_embeds and guidance_scale is None:
             raise ValueError("this Qwen-Image transformer is guidance-distilled: give guidance_scale")
+        # encoded once per prompt and repeated here: diffusers 0.42's encode_prompt repeats the *mask* tiled
+        # ([p0, p1, p0, p1]) but the embeddings per prompt ([p0, p0, p1, p1]) when num_images_per_prompt > 1, which
+        # gives rows the wrong prompt's mask when prompt lengths differ
         with torch.no_grad():
-            embeds, mask = self.pipe.encode_prompt(prompt=prompts, device=self.device,
-                                                   num_images_per_prompt=num_images_per_prompt,
+            embeds, mask = self.pipe.encode_prompt(prompt=prompts, device=self.device, num_images_per_prompt=1,
                                                    max_sequence_length=max_sequence_length)
             tensors = {"prompt_embeds": embeds, "prompt_embeds_mask": self._mask(embeds, mask)}
             if do_true_cfg:
                 if isinstance(negative_prompt, str):
                     negative_prompt = [negative_prompt] * len(prompts)
                 neg, neg_mask = self.pipe.encode_prompt(prompt=negative_prompt, device=self.device,
-                                                        num_images_per_prompt=num_images_per_prompt,
+                                                        num_images_per_prompt=1,
                                                         max_sequence_length=max_sequence_length)
                 tensors["negative_prompt_embeds"] = neg
                 tensors["negative_prompt_embeds_mask"] = self._mask(neg, neg_mask)
         g = 1.0 if guidance_scale is None else float(guidance_scale)
-        return Conditioning(tensors, g, do_true_cfg, height, width, options={"true_cfg_scale": float(true_cfg_scale)})
+        cond = Conditioning(tensors, g, do_true_cfg, height, width, options={"true_cfg_scale": float(true_cfg_scale)})
+        if num_images_per_prompt > 1:
+            cond = cond[torch.arange(len(prompts)).repeat_interleave(num_images_per_prompt)]
+        return cond
 
     @staticmethod
     def _mask(embeds: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:

@@ -159,13 +159,13 @@ class VideoShapesReward:
 
 @register("video_shapes", RewardInfo(range="[0, 1]", summary="moving-shapes task score (colour, no extra, "
                                                               "direction, smoothness)"))
-def build_video_shapes(name: str | None = None) -> VideoShapesReward:
+def build_video_shapes(name: str = "video_shapes") -> VideoShapesReward:
     """The moving-shapes task's analytic score in [0, 1]."""
     return VideoShapesReward("score", name)
 
 
 @register("video_shapes_strict", RewardInfo(range="{0, 1}", summary="moving-shapes task: every check passes"))
-def build_video_shapes_strict(name: str | None = None) -> VideoShapesReward:
+def build_video_shapes_strict(name: str = "video_shapes_strict") -> VideoShapesReward:
     """1 when every check of the moving-shapes task passes."""
     return VideoShapesReward("strict", name)
 

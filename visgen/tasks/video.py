@@ -6,7 +6,8 @@ on which one object of that colour glides in a straight line at constant speed. 
 of a generated clip (like GenEval for images, Ghosh et al. 2023, but for motion), per frame:
 
 - **colour**: the object of the prompted colour is visible (a soft area term: ``min(1, area / FULL_AREA)``);
-- **no extra**: no pixels of another named colour (stray objects, colour bleeding);
+- **no extra**: no stray object of another named colour (fewer than ``EXTRA_AREA`` pixels, or a quarter of the
+  object's area, within ``EXTRA_HUE_TOLERANCE`` of another colour's hue: blurred rims between two hues do not count);
 - **direction**: the centroid of the prompted colour travels along the prompted direction, ``clip(d / D_min, 0,
   1)`` with ``d`` the displacement from the first to the last frame where the object is visible, projected on the
   direction, and ``D_min`` half the renderer's slowest travel (a clip moving the wrong way scores 0);
@@ -67,9 +68,11 @@ FG_SATURATION = 0.4
 HUE_TOLERANCE = 30.0
 MIN_AREA = 6  # pixels of the prompted colour for the object to count as visible in a frame
 FULL_AREA = 30.0  # the colour term saturates here (a rendered object covers ~80-110 pixels)
-EXTRA_AREA = 6  # pixels of another named colour that make a frame "not clean"
+EXTRA_AREA = 6  # pixels of another named colour that make a frame "not clean" (or a quarter of the object's area)
+EXTRA_HUE_TOLERANCE = 15.0  # a stray pixel must be this close to another colour's hue (blurred edges between two
+# named hues, e.g. the orange rim of a yellow blob, are not a second object)
 D_MIN = 0.5 * SPEED[0] * (FRAMES - 1)  # 4.8 px: half the slowest travel
-JERK_SCALE = 1.5  # px/frame^2
+JERK_SCALE = 3.0  # px/frame^2
 
 
 # ------------------------------------------------------------------------------------------------------- prompts
@@ -214,16 +217,16 @@ def _hsv(frames: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return hue * 60.0, value, saturation
 
 
-def color_masks(frames: np.ndarray) -> dict[str, np.ndarray]:
+def color_masks(frames: np.ndarray, tolerance: float = HUE_TOLERANCE) -> dict[str, np.ndarray]:
     """Per named colour, ``[F, H, W]`` bool: bright, saturated pixels whose hue is nearest that colour (within
-    ``HUE_TOLERANCE`` degrees)."""
+    ``tolerance`` degrees)."""
     hue, value, saturation = _hsv(frames)
     fg = (value >= FG_VALUE) & (saturation >= FG_SATURATION)
     names = list(COLOR_HUES)
     centres = np.array([COLOR_HUES[n] for n in names])
     dist = np.abs(((hue[None] - centres[:, None, None, None]) + 180.0) % 360.0 - 180.0)
     nearest = dist.argmin(axis=0)
-    close = dist.min(axis=0) <= HUE_TOLERANCE
+    close = dist.min(axis=0) <= tolerance
     return {n: fg & close & (nearest == i) for i, n in enumerate(names)}
 
 
@@ -245,7 +248,7 @@ class ClipAnalysis:
 
     @property
     def strict(self) -> bool:
-        return bool((self.area >= MIN_AREA).all() and (self.extra < EXTRA_AREA).all()
+        return bool((self.area >= MIN_AREA).all() and (self.extra < np.maximum(EXTRA_AREA, 0.25 * self.area)).all()
                     and self.displacement >= D_MIN and self.jerk < JERK_SCALE)
 
 
@@ -255,7 +258,7 @@ def analyze_clip(clip: np.ndarray, spec: ClipSpec) -> ClipAnalysis:
     masks = color_masks(clip)
     mine = masks[spec.color]
     others = np.zeros_like(mine)
-    for name, m in masks.items():
+    for name, m in color_masks(clip, EXTRA_HUE_TOLERANCE).items():
         if name != spec.color:
             others |= m
     value = clip.max(axis=1)
@@ -271,7 +274,8 @@ def analyze_clip(clip: np.ndarray, spec: ClipSpec) -> ClipAnalysis:
     centroid[ok, 0] = (weight * (xs + 0.5)).reshape(frames, -1).sum(1)[ok] / total[ok]
     centroid[ok, 1] = (weight * (ys + 0.5)).reshape(frames, -1).sum(1)[ok] / total[ok]
     color = float(np.mean(np.minimum(1.0, area / FULL_AREA)))
-    no_extra = float(np.mean(extra < EXTRA_AREA))
+    clean = extra < np.maximum(EXTRA_AREA, 0.25 * area)
+    no_extra = float(np.mean(clean))
     track = centroid[ok]
     u = np.asarray(DIRECTIONS[spec.direction])
     scale = SIZE / width

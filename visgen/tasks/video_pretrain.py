@@ -76,6 +76,8 @@ class VideoPretrainConfig:
     threads: int = field(default=1, metadata={"help": "torch CPU threads"})
     split_seed: int = field(default=0, metadata={"help": "train/held-out prompt split seed"})
     dataset_size: int = field(default=4096, metadata={"help": "pre-rendered ground-truth clips of training prompts"})
+    caption_noise: float = field(default=0.0, metadata={
+        "help": "fraction of clips moving another direction than their prompt says (weakly aligned captions)"})
     frames: int = field(default=vtask.FRAMES, metadata={"help": "frames per clip (4k+1 for the Wan VAE)"})
     size: int = field(default=vtask.SIZE, metadata={"help": "clip side in pixels (multiple of 8)"})
     max_sequence_length: int = field(default=10, metadata={"help": "text tokens (the longest prompt is 9)"})
@@ -94,11 +96,23 @@ def _seed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def render_dataset(specs: list, n: int, seed: int, frames: int, size: int) -> tuple[torch.Tensor, list[str]]:
-    """``n`` clips ``[n, 3, F, H, W]`` in [-1, 1] (the VAE layout) of prompts drawn from ``specs``, and the prompts."""
+def render_dataset(specs: list, n: int, seed: int, frames: int, size: int, caption_noise: float = 0.0
+                   ) -> tuple[torch.Tensor, list[str]]:
+    """``n`` clips ``[n, 3, F, H, W]`` in [-1, 1] (the VAE layout) of prompts drawn from ``specs``, and the prompts.
+
+    ``caption_noise``: the fraction of clips whose object moves in a random *other* direction than its prompt says
+    (weakly aligned captions, as in web video data), so the pretrained model follows the prompted direction only
+    part of the time and RL has something to align."""
     rng = np.random.default_rng(seed)
     chosen = [specs[i] for i in rng.integers(len(specs), size=n)]
-    clips = np.stack([vtask.render_clip(s, rng, frames, size) for s in chosen])  # [n, F, 3, H, W]
+    directions = list(vtask.DIRECTIONS)
+    rendered = []
+    for s in chosen:
+        if caption_noise > 0 and rng.random() < caption_noise:
+            other = [d for d in directions if d != s.direction]
+            s = vtask.ClipSpec(s.color, s.shape, other[int(rng.integers(len(other)))])
+        rendered.append(vtask.render_clip(s, rng, frames, size))
+    clips = np.stack(rendered)  # [n, F, 3, H, W]
     return torch.from_numpy(clips).permute(0, 2, 1, 3, 4).mul(2).sub(1).contiguous(), [s.prompt for s in chosen]
 
 
@@ -228,7 +242,10 @@ def run(cfg: dict, run_dir: Path, log: Callable[[str], Any] = print) -> dict[str
 
     train_specs, eval_specs = vtask.split_prompts(conf.split_seed)
     log(f"video_shapes: {len(train_specs)} train prompts, {len(eval_specs)} held-out")
-    clips, prompts = render_dataset(train_specs, conf.dataset_size, conf.seed, conf.frames, conf.size)
+    if not 0.0 <= conf.caption_noise < 1.0:
+        raise ConfigError(f"pretrain.caption_noise must be in [0, 1), got {conf.caption_noise}")
+    clips, prompts = render_dataset(train_specs, conf.dataset_size, conf.seed, conf.frames, conf.size,
+                                    conf.caption_noise)
     pipe = vtask.build_tiny_wan(seed=conf.seed, **conf.model)
     vae_mse = train_vae(pipe.vae, clips, conf.vae, generator, metrics, log)
     pipe.vae.requires_grad_(False)
