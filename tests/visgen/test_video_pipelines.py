@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from visgen.pipelines import (ADAPTERS, Flux2Adapter, Flux2KleinAdapter, HunyuanVideo15Adapter, QwenImageAdapter,
-                              WanAdapter, ZImageAdapter, as_adapter)
+from visgen.pipelines import (ADAPTERS, Flux2Adapter, Flux2KleinAdapter, HunyuanVideo15Adapter, LTX2Adapter,
+                              QwenImageAdapter, WanAdapter, ZImageAdapter, as_adapter)
 from visgen.recompute import recompute_trajectory
 from visgen.trajectory import sample
 
@@ -104,7 +104,7 @@ def test_dispatch_every_new_family(wan, qwen, klein, flux2, zimage):
     assert isinstance(as_adapter(qwen), QwenImageAdapter)
     assert type(as_adapter(klein)) is Flux2KleinAdapter and type(as_adapter(flux2)) is Flux2Adapter
     assert isinstance(as_adapter(zimage), ZImageAdapter)
-    assert {"wan", "qwen_image", "flux2", "flux2_klein", "z_image", "hunyuan_video15"} <= set(ADAPTERS)
+    assert {"wan", "qwen_image", "flux2", "flux2_klein", "z_image", "hunyuan_video15", "ltx2"} <= set(ADAPTERS)
 
 
 @pytest.mark.parametrize("guidance", [1.0, 3.0])
@@ -289,12 +289,48 @@ def test_hunyuan_video15_decode_equals_pipeline():
     assert traj.images.shape == (1, 5, 3, 16, 16)
 
 
+# ------------------------------------------------------------------------------------------------------ LTX-2
+@pytest.fixture(scope="module")
+def ltx2():
+    return tf.build_ltx2()
+
+
+@pytest.mark.parametrize("case, guidance, extra", [
+    ("no guidance", 1.0, tf.LTX2_OFF),
+    ("CFG (video 3, audio 2)", 3.0, dict(tf.LTX2_OFF, audio_guidance_scale=2.0)),
+    ("CFG + STG + modality isolation + rescale (the defaults)", 3.0, {"spatio_temporal_guidance_blocks": [1]}),
+])
+def test_ltx2_audio_video_equals_stock_pipeline(ltx2, case, guidance, extra):
+    """Video *and* audio latents equal the pipeline's (the joint latent steps both streams at once)."""
+    assert isinstance(as_adapter(ltx2), LTX2Adapter)
+    negative = {"negative_prompt": ["", ""]}
+    out = ltx2(prompt=prompts(), num_inference_steps=STEPS, guidance_scale=guidance, output_type="latent",
+               generator=torch.Generator().manual_seed(3), **tf.LTX2_CALL, **extra, **negative)
+    traj = sample(ltx2, prompts(), STEPS, guidance, torch.Generator().manual_seed(3), kernel="ode", **tf.LTX2_CALL,
+                  **extra, **negative)
+    adapter = as_adapter(ltx2)
+    assert traj.final_latents.dim() == 2  # [B, video tokens * channels + audio tokens * channels]
+    assert torch.equal(adapter.latent_output(traj.final_latents, traj.cond), out.frames)
+    assert torch.equal(adapter.audio_latent_output(traj.final_latents, traj.cond), out.audio)
+    assert traj.nfe == 2 * STEPS * adapter.forwards_per_step(traj.cond)
+
+
+def test_ltx2_decodes_video_and_audio_like_the_pipeline(ltx2):
+    negative = {"negative_prompt": ["", ""]}
+    out = ltx2(prompt=prompts(), num_inference_steps=STEPS, guidance_scale=1.0, output_type="pt",
+               generator=torch.Generator().manual_seed(4), **tf.LTX2_CALL, **tf.LTX2_OFF, **negative)
+    traj = sample(ltx2, prompts(), STEPS, 1.0, torch.Generator().manual_seed(4), kernel="ode", decode=True,
+                  **tf.LTX2_CALL, **tf.LTX2_OFF, **negative)
+    assert traj.images.shape == (2, 5, 3, 32, 32) and torch.equal(traj.images, out.frames)
+    assert torch.equal(as_adapter(ltx2).decode_audio(traj.final_latents, traj.cond), out.audio.float())
+
+
 # ------------------------------------------------------------------------------------- recompute, every family
-@pytest.mark.parametrize("name", ["qwen", "klein", "zimage"])
+@pytest.mark.parametrize("name", ["qwen", "klein", "zimage", "ltx2"])
 def test_sde_recompute_ratio_is_exactly_one(name, request):
     pipe = request.getfixturevalue(name)
-    call = {"qwen": QWEN_CALL, "klein": FLUX2_CALL, "zimage": Z_CALL}[name]
-    g = {"qwen": None, "klein": 3.0, "zimage": 3.0}[name]
+    call = {"qwen": QWEN_CALL, "klein": FLUX2_CALL, "zimage": Z_CALL, "ltx2": dict(tf.LTX2_CALL, **tf.LTX2_OFF)}[name]
+    g = {"qwen": None, "klein": 3.0, "zimage": 3.0, "ltx2": 3.0}[name]
     traj = sample(pipe, prompts(), STEPS, g, torch.Generator().manual_seed(8), kernel="sde", num_images_per_prompt=2,
                   **call)
     rec = recompute_trajectory(pipe, traj, list(range(STEPS)))
@@ -308,6 +344,7 @@ CACHE_CASES = {
     "klein": (FLUX2_CALL, {"guidance_scale": 3.0}),
     "flux2": (FLUX2_CALL, {"guidance_scale": 2.5}),
     "zimage": (Z_CALL, {"guidance_scale": 3.0}),
+    "ltx2": (tf.LTX2_CALL, {"guidance_scale": 3.0, **tf.LTX2_OFF}),
 }
 
 

@@ -266,3 +266,68 @@ def build_hunyuan_video15(guidance_scale: float = 1.0):
     pipe.tokenizer_max_length = 16
     pipe.tokenizer_2_max_length = 8
     return ready(pipe)
+
+
+# ------------------------------------------------------------------------------------------------------- LTX-2
+def build_ltx2():
+    """LTX2Pipeline (audio + video): Gemma-3 (text 32 wide, 2 layers, a tiny SigLIP tower), LTX2TextConnectors,
+    AutoencoderKLLTX2Video (2x space and time), AutoencoderKLLTX2Audio + LTX2Vocoder, LTX2VideoTransformer3DModel;
+    5 frames at 32x32 are video latents [B, 4, 3, 16, 16] plus audio latents."""
+    from diffusers import (AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video, FlowMatchEulerDiscreteScheduler,
+                           LTX2Pipeline, LTX2VideoTransformer3DModel)
+    from diffusers.pipelines.ltx2 import LTX2TextConnectors
+    from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    n = len(VOCAB)
+    torch.manual_seed(0)
+    text_encoder = Gemma3ForConditionalGeneration(Gemma3Config(
+        text_config={"vocab_size": n, "hidden_size": 32, "intermediate_size": 32, "num_hidden_layers": 2,
+                     "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16, "max_position_embeddings": 64,
+                     "bos_token_id": BOS, "eos_token_id": EOS, "pad_token_id": PAD, "sliding_window": 16},
+        vision_config={"hidden_size": 16, "intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
+                       "image_size": 28, "patch_size": 14},
+        mm_tokens_per_image=4, image_token_index=n + 1, boi_token_index=n + 2, eoi_token_index=n + 3))
+    hidden, layers = 32, 2
+    torch.manual_seed(1)
+    transformer = LTX2VideoTransformer3DModel(
+        in_channels=4, out_channels=4, patch_size=1, patch_size_t=1, num_attention_heads=2, attention_head_dim=8,
+        cross_attention_dim=16, audio_in_channels=4, audio_out_channels=4, audio_num_attention_heads=2,
+        audio_attention_head_dim=4, audio_cross_attention_dim=8, num_layers=2, qk_norm="rms_norm_across_heads",
+        caption_channels=hidden, rope_double_precision=False, rope_type="split")
+    torch.manual_seed(2)
+    connectors = LTX2TextConnectors(
+        caption_channels=hidden, text_proj_in_factor=layers + 1, video_connector_num_attention_heads=4,
+        video_connector_attention_head_dim=8, video_connector_num_layers=1,
+        video_connector_num_learnable_registers=None, audio_connector_num_attention_heads=4,
+        audio_connector_attention_head_dim=8, audio_connector_num_layers=1,
+        audio_connector_num_learnable_registers=None, connector_rope_base_seq_len=32, rope_theta=10000.0,
+        rope_double_precision=False, causal_temporal_positioning=False, rope_type="split")
+    torch.manual_seed(3)
+    vae = AutoencoderKLLTX2Video(
+        in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(8,), decoder_block_out_channels=(8,),
+        layers_per_block=(1,), decoder_layers_per_block=(1, 1), spatio_temporal_scaling=(True,),
+        decoder_spatio_temporal_scaling=(True,), decoder_inject_noise=(False, False), downsample_type=("spatial",),
+        upsample_residual=(False,), upsample_factor=(1,), timestep_conditioning=False, patch_size=1, patch_size_t=1,
+        encoder_causal=True, decoder_causal=False)
+    vae.use_framewise_encoding = False
+    vae.use_framewise_decoding = False
+    torch.manual_seed(4)
+    audio_vae = AutoencoderKLLTX2Audio(
+        base_channels=4, output_channels=2, ch_mult=(1,), num_res_blocks=1, attn_resolutions=None, in_channels=2,
+        resolution=32, latent_channels=2, norm_type="pixel", causality_axis="height", dropout=0.0,
+        mid_block_add_attention=False, sample_rate=16000, mel_hop_length=160, is_causal=True, mel_bins=8)
+    torch.manual_seed(5)
+    vocoder = LTX2Vocoder(in_channels=audio_vae.config.output_channels * audio_vae.config.mel_bins, hidden_channels=32,
+                          out_channels=2, upsample_kernel_sizes=[4, 4], upsample_factors=[2, 2], resnet_kernel_sizes=[3],
+                          resnet_dilations=[[1, 3, 5]], leaky_relu_negative_slope=0.1, output_sampling_rate=16000)
+    return ready(LTX2Pipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, audio_vae=audio_vae,
+                              text_encoder=text_encoder, tokenizer=word_tokenizer(16, padding_side="left"),
+                              connectors=connectors, transformer=transformer, vocoder=vocoder, processor=None,
+                              prompt_enhancer=None, duration_head=None))
+
+
+LTX2_CALL = {"height": 32, "width": 32, "num_frames": 5, "frame_rate": 25.0, "max_sequence_length": 16}
+LTX2_OFF = {"stg_scale": 0.0, "modality_scale": 1.0, "guidance_rescale": 0.0, "audio_guidance_scale": 1.0,
+            "audio_stg_scale": 0.0, "audio_modality_scale": 1.0, "audio_guidance_rescale": 0.0,
+            "spatio_temporal_guidance_blocks": None, "use_cross_timestep": False}

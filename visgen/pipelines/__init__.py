@@ -7,6 +7,7 @@ from .base import Conditioning, FlowPipelineAdapter
 from .flux import FluxAdapter
 from .flux2 import Flux2Adapter, Flux2KleinAdapter
 from .hunyuan_video import HunyuanVideo15Adapter
+from .ltx2 import LTX2Adapter
 from .qwen_image import QwenImageAdapter
 from .sana import SanaAdapter
 from .sd3 import SD3Adapter
@@ -15,10 +16,10 @@ from .z_image import ZImageAdapter
 
 ADAPTERS: dict[str, type[FlowPipelineAdapter]] = {a.family: a for a in (
     SD3Adapter, FluxAdapter, SanaAdapter, WanAdapter, QwenImageAdapter, Flux2Adapter, Flux2KleinAdapter, ZImageAdapter,
-    HunyuanVideo15Adapter)}
+    HunyuanVideo15Adapter, LTX2Adapter)}
 
 __all__ = ["ADAPTERS", "Conditioning", "FlowPipelineAdapter", "Flux2Adapter", "Flux2KleinAdapter", "FluxAdapter",
-           "HunyuanVideo15Adapter", "QwenImageAdapter", "SanaAdapter", "SD3Adapter", "WanAdapter", "ZImageAdapter", "as_adapter"]
+           "HunyuanVideo15Adapter", "LTX2Adapter", "QwenImageAdapter", "SanaAdapter", "SD3Adapter", "WanAdapter", "ZImageAdapter", "as_adapter"]
 
 
 def as_adapter(pipe_or_adapter: Any) -> FlowPipelineAdapter:
