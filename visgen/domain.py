@@ -170,7 +170,7 @@ class VisgenConfig:
     encode_options: dict[str, Any] = _help("model-specific prompt-encoding options for the adapter, e.g. "
                                            "{negative_prompt: ' ', true_cfg_scale: 4.0} (Qwen-Image)", factory=dict)
     memory: MemorySettings = _help("memory controls: prompt cache, offloading, VAE slicing/tiling, frame-chunked "
-                                   "decode, context parallel (visgen.pipelines.memory)", factory=MemorySettings)
+                                   "decode (visgen.pipelines.memory)", factory=MemorySettings)
     eval: EvalSettings = _help("held-out evaluation", factory=EvalSettings)
     num_threads: int = _help("torch CPU threads (0: leave as is)", 0)
 
@@ -644,6 +644,12 @@ class VisgenDomain(DomainBase):
             for k in sorted(last):
                 if k.startswith("eval/") and isinstance(first.get(k), (int, float)) and isinstance(last.get(k), (int, float)):
                     lines.append(f"{k}: {first[k]:.3f} (step {first['step']}) -> {last[k]:.3f} (step {last['step']})")
+        from .pipelines.cache import prompt_cache
+
+        stats = prompt_cache(self.pipe).stats()
+        if stats["hits"] + stats["misses"]:
+            lines.append(f"prompt cache: {stats['hits']:.0f} hits, {stats['misses']:.0f} misses (hit rate "
+                         f"{stats['hit_rate']:.3f}), {stats['prompts']:.0f} prompts kept")
         timed = [r for r in history if "time/rollout" in r]
         if timed:
             total = sum(r.get("time/rollout", 0) + r.get("time/train", 0) + r.get("time/eval", 0) for r in timed)

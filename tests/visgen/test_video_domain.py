@@ -141,8 +141,10 @@ def test_memory_settings_apply_and_are_checked(wan_dir):
     assert ro.logp_old.shape[0] == 2
     with pytest.raises(ConfigError, match="decode_frame_chunk must be >= 0"):
         make_cfg(wan_dir, memory={"decode_frame_chunk": -1})
-    with pytest.raises(ConfigError, match="context_parallel takes"):
-        make_cfg(wan_dir, memory={"context_parallel": {"tensor_degree": 2}})
+    with pytest.raises(ConfigError, match="vae_tile_size must be >= 0"):
+        make_cfg(wan_dir, memory={"vae_tile_size": -8})
+    with pytest.raises(ConfigError, match="unknown config key 'visgen.memory.context_parallel'"):
+        make_cfg(wan_dir, memory={"context_parallel": {"ulysses_degree": 2}})  # a sampling API, not a training key
 
 
 def test_video_run_writes_before_after_clips(wan_dir, tmp_path):

@@ -6,17 +6,23 @@ trains video as single frames to escape it). Each control here is independent an
 
 | setting | what it does | exact? |
 |---|---|---|
-| ``prompt_cache`` (on) | text embeddings cached by prompt (``visgen.pipelines.cache``) | yes (tested) |
+| ``prompt_cache`` (on) | text embeddings cached by prompt (``visgen.pipelines.cache``) | yes (tested; Qwen-Image to ~1e-7: its pipeline gives a prompt other last bits in another batch) |
 | ``offload_text_encoders`` | frozen text encoders stay on the CPU; they visit the device only to encode a prompt the cache has not seen | yes |
 | ``offload_rewards`` | every reward's models stay on the CPU between reward calls | yes |
 | ``vae_slicing`` | the VAE decodes one sample at a time | to float rounding (CPU convolutions round per batch size) |
 | ``vae_tiling`` | the VAE decodes spatial tiles and blends them (diffusers' tiling) | no: seams blended |
 | ``decode_frame_chunk`` | Wan: post-process ``k`` latent frames at a time into one preallocated video | yes (tested) |
-| ``context_parallel`` | diffusers' context parallelism of the transformer over the processes (``_cp_plan``) | to float rounding |
 
 The rollout micro-batch (``visgen.rollout_micro_batch``: samples per transformer forward while sampling and per
 VAE decode call) is independent of the training micro-batch (``optim.micro_batch_size``); gradient checkpointing
 is ``visgen.gradient_checkpointing``. Both are listed here for completeness; they have their own settings.
+
+Context (sequence) parallelism of a transformer with a diffusers ``_cp_plan`` (Wan, Qwen-Image, FLUX.2, LTX-2, ...):
+:func:`enable_context_parallel` splits the token sequence over the processes of the initialised process group
+(Ulysses all-to-all; ring attention needs an attention backend that returns the log-sum-exp, i.e. a GPU one). All
+processes of the group must then run the *same* batch — sampling and evaluation in a ``torchrun`` /
+``accelerate launch`` of ``visgen.sample``. The trainer's processes are data-parallel (each rolls out its own
+prompts), so it is not a training setting.
 """
 from __future__ import annotations
 
@@ -29,7 +35,7 @@ import torch
 
 from shared_rl.errors import ConfigError
 
-__all__ = ["MemorySettings", "apply_memory_settings", "text_encoder_offload"]
+__all__ = ["MemorySettings", "apply_memory_settings", "enable_context_parallel", "text_encoder_offload"]
 
 _TEXT_OFFLOAD: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
 
@@ -51,9 +57,6 @@ class MemorySettings:
         "help": "tile side in pixels for vae_tiling (stride 3/4 of it); 0: the VAE's default (Wan: 256)"})
     decode_frame_chunk: int = field(default=0, metadata={
         "help": "Wan: post-process this many latent frames at a time into a preallocated video (exact; 0: off)"})
-    context_parallel: dict = field(default_factory=dict, metadata={
-        "help": "diffusers context parallelism of the transformer, e.g. {ulysses_degree: 2} (needs a model with "
-                "_cp_plan and torch.distributed; see docs/methods/video.md)"})
 
     def check(self, where: str) -> None:
         if self.prompt_cache_size < 1:
@@ -62,12 +65,6 @@ class MemorySettings:
             raise ConfigError(f"{where}.vae_tile_size must be >= 0 (0: the VAE's default), got {self.vae_tile_size}")
         if self.decode_frame_chunk < 0:
             raise ConfigError(f"{where}.decode_frame_chunk must be >= 0 (0: off), got {self.decode_frame_chunk}")
-        unknown = set(self.context_parallel) - {"ulysses_degree", "ring_degree"}
-        if unknown:
-            raise ConfigError(f"{where}.context_parallel takes ulysses_degree and/or ring_degree, got {sorted(unknown)}")
-        for key, value in self.context_parallel.items():
-            if not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{where}.context_parallel.{key} must be an integer >= 1, got {value!r}")
 
 
 def apply_memory_settings(pipe, adapter, settings: MemorySettings) -> dict[str, Any]:
@@ -111,9 +108,6 @@ def apply_memory_settings(pipe, adapter, settings: MemorySettings) -> dict[str, 
         for module in adapter.text_modules():
             module.to("cpu")
         applied["offload_text_encoders"] = True
-    if settings.context_parallel:
-        enable_context_parallel(adapter.transformer, **settings.context_parallel)
-        applied["context_parallel"] = dict(settings.context_parallel)
     return applied
 
 

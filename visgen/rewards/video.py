@@ -28,6 +28,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 
 from .base import RewardInfo, RewardInputError, get_reward, register
@@ -135,14 +136,18 @@ class OffloadedReward:
 
 
 # ----------------------------------------------------------------------------------------------- task reward
+TERMS = ("color", "no_extra", "direction", "smooth")
+
+
 class VideoShapesReward:
-    """The analytic moving-shapes reward (``visgen.tasks.video``): ``score`` or ``strict``."""
+    """The analytic moving-shapes reward (``visgen.tasks.video``): the ``score``, the ``strict`` flag or one term."""
 
     def __init__(self, output: str = "score", name: str | None = None) -> None:
-        if output not in ("score", "strict"):
-            raise RewardInputError(f"video_shapes output must be 'score' or 'strict', got {output!r}")
+        if output not in ("score", "strict") + TERMS:
+            raise RewardInputError(f"video_shapes output must be score, strict or one of {TERMS}, got {output!r}")
         self.output = output
-        self.name = name or ("video_shapes" if output == "score" else "video_shapes_strict")
+        self.name = name or {"score": "video_shapes", "strict": "video_shapes_strict"}.get(output,
+                                                                                            f"video_shapes_{output}")
 
     def __call__(self, videos, prompts, metadata=None):
         from visgen.tasks import video as task
@@ -153,7 +158,12 @@ class VideoShapesReward:
             specs = [task.spec_of(p, m) for p, m in zip(prompts, metas)]
         except ValueError as exc:
             raise RewardInputError(f"video_shapes reward: {exc}") from None
-        score, strict = task.score_batch(videos.detach().float().cpu().numpy(), specs)
+        clips = videos.detach().float().cpu().numpy()
+        if self.output in TERMS:
+            values = [float("nan") if not np.isfinite(c).all() else getattr(task.analyze_clip(c, s), self.output)
+                      for c, s in zip(clips, specs)]
+            return {self.name: torch.tensor(values, dtype=torch.float32)}
+        score, strict = task.score_batch(clips, specs)
         return {self.name: torch.from_numpy(score if self.output == "score" else strict)}
 
 
@@ -168,6 +178,12 @@ def build_video_shapes(name: str = "video_shapes") -> VideoShapesReward:
 def build_video_shapes_strict(name: str = "video_shapes_strict") -> VideoShapesReward:
     """1 when every check of the moving-shapes task passes."""
     return VideoShapesReward("strict", name)
+
+
+@register("video_shapes_direction", RewardInfo(range="[0, 1]", summary="moving-shapes task: the direction term"))
+def build_video_shapes_direction(name: str = "video_shapes_direction") -> VideoShapesReward:
+    """The direction term of the moving-shapes task alone (displacement along the prompted direction / D_MIN)."""
+    return VideoShapesReward("direction", name)
 
 
 # --------------------------------------------------------------------------------------------- frame rewards

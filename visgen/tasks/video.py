@@ -306,6 +306,16 @@ def score_batch(clips: np.ndarray, specs: Iterable[ClipSpec]) -> tuple[np.ndarra
     return np.asarray(scores, dtype=np.float32), np.asarray(stricts, dtype=np.float32)
 
 
+def term_means(clips: np.ndarray, specs: Iterable[ClipSpec]) -> dict[str, float]:
+    """Mean of each checker term (and the score, the strict flag, the fraction moving the prompted way by at least
+    ``D_MIN``) over clips ``[B, F, 3, H, W]``: which part of the reward a run changed."""
+    analyses = [analyze_clip(c, s) for c, s in zip(clips, specs)]
+    out = {k: float(np.mean([getattr(a, k) for a in analyses])) for k in ("color", "no_extra", "direction", "smooth")}
+    out.update(score=float(np.mean([a.score for a in analyses])), strict=float(np.mean([a.strict for a in analyses])),
+               moves_prompted_way=float(np.mean([a.displacement >= D_MIN for a in analyses])))
+    return out
+
+
 def spec_of(prompt: str, meta: dict | None = None) -> ClipSpec:
     """The spec of a prompt: from its metadata (``ClipSpec.to_dict()``) when present, else parsed."""
     if meta and all(k in meta for k in ("color", "shape", "direction")):
