@@ -3,7 +3,8 @@
 
 Setup: a randomly initialised Wan pipeline (Wan 2.1 layout VAE, 8x space / 4x time; a UMT5 text encoder; a
 ``WanTransformer3DModel``) larger than the task asset so activations, not the interpreter, dominate memory: 17
-frames at 64x64 (``--quick``: 9 frames at 32x32), built deterministically and saved to a temporary directory. Each
+frames at 64x64 with a 4-block transformer over 320 tokens (``--quick``: 9 frames at 32x32), built deterministically
+and saved to a temporary directory. Each
 variant runs in a **fresh process** (peak memory is a per-process high-water mark): the visgen domain loads the
 pipeline with that variant's ``visgen.memory`` / ``rollout_micro_batch`` / ``gradient_checkpointing`` settings;
 the first rollout of ``PROMPTS`` prompts x ``GROUP`` clips (Flow-GRPO, 10 SDE steps; prompt encoding, sampling,
@@ -76,10 +77,11 @@ def build_model(directory: Path, quick: bool) -> Path:
                                                pad_token_id=tokenizer.pad_token_id,
                                                eos_token_id=tokenizer.eos_token_id,
                                                decoder_start_token_id=tokenizer.pad_token_id))
-    transformer = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16,
-                                        in_channels=8, out_channels=8, text_dim=64, freq_dim=32, ffn_dim=64,
-                                        num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
-                                        rope_max_seq_len=32)
+    heads, patch = (2, (1, 2, 2)) if quick else (4, (1, 1, 1))
+    transformer = WanTransformer3DModel(patch_size=patch, num_attention_heads=heads, attention_head_dim=32,
+                                        in_channels=8, out_channels=8, text_dim=64, freq_dim=32,
+                                        ffn_dim=4 * heads * 32, num_layers=2 if quick else 4, cross_attn_norm=True,
+                                        qk_norm="rms_norm_across_heads", rope_max_seq_len=32)
     pipe = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae,
                        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), transformer=transformer)
     directory.mkdir(parents=True, exist_ok=True)
@@ -169,7 +171,7 @@ def measure(model: str, name: str) -> dict[str, Any]:
         frames += ro.logp_old.shape[0] * int(domain.num_frames)
         rewards.append(ro.rewards["video_motion"])
     seconds = time.perf_counter() - t0
-    idx = torch.arange(min(4, ro.logp_old.shape[0]))
+    idx = torch.arange(ro.logp_old.shape[0])  # the whole last rollout as one training micro-batch
     with PeakMemory(domain.ctx.device) as train_peak:
         out = domain.log_probs(ro, idx, need_kl=False)
         out.logp.sum().backward()
@@ -181,7 +183,9 @@ def measure(model: str, name: str) -> dict[str, Any]:
 
 
 def _subprocess(model: str, name: str, out: Path) -> dict[str, Any]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    # glibc: allocations over 64 kB get their own mapping and go back to the OS when freed, so the resident set
+    # follows the live tensors (with its default dynamic threshold freed blocks stay in the heap and RSS hides peaks)
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", MALLOC_MMAP_THRESHOLD_="65536")
     cmd = [sys.executable, "-m", "bench.visgen_video", "--measure", name, "--model", model, "--json", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
     if proc.returncode != 0:
