@@ -33,6 +33,7 @@ bench: setup
 	$(VENV)/bin/grove bench visgen-rewards --quick --out runs/bench-visgen-rewards
 	$(VENV)/bin/grove bench visgen-methods --quick --out runs/bench-visgen-methods
 	$(VENV)/bin/grove bench visgen-two-stage --quick --out runs/bench-visgen-two-stage
+	$(VENV)/bin/grove bench visgen-video --quick --out runs/bench-visgen-video
 	$(VENV)/bin/grove bench llm --quick --out runs/bench-llm
 	$(VENV)/bin/grove bench robotics-sim --quick --out runs/bench-robotics-sim
 

@@ -655,7 +655,8 @@ class VisgenDomain(DomainBase):
             total = sum(r.get("time/rollout", 0) + r.get("time/train", 0) + r.get("time/eval", 0) for r in timed)
             lines.append(f"iterations: {len(timed)}, rollout+train+eval time {total:.0f} s")
         if prompts:
-            lines.append("grid: samples_before_after.png (left: before, right: after; one prompt per row, see .txt)")
+            grid = "samples_before_after.gif/.mp4" if self.adapter.is_video else "samples_before_after.png"
+            lines.append(f"grid: {grid} (left: before, right: after; one prompt per row, see .txt)")
         if self.cfg.gold_rewards:  # the hacking guard: trained vs gold rewards, in curves.png and here
             from .rewards.gold import hacking_report
 

@@ -284,10 +284,14 @@ class FlowPolicy:
                 layers = {k: v.detach().to("cpu").contiguous() for k, v in layers.items()}
                 metadata = self.lora_config.to_dict()
                 metadata = {k: (sorted(v) if isinstance(v, set) else v) for k, v in metadata.items()}
-                type(self.pipe).save_lora_weights(
-                    out_dir, transformer_lora_layers=layers, transformer_lora_adapter_metadata=metadata,
-                    safe_serialization=True,
-                )
+                if hasattr(type(self.pipe), "save_lora_weights"):
+                    type(self.pipe).save_lora_weights(
+                        out_dir, transformer_lora_layers=layers, transformer_lora_adapter_metadata=metadata,
+                        safe_serialization=True,
+                    )
+                else:  # a pipeline without a LoRA loader (HunyuanVideo 1.5 in diffusers 0.42): the transformer's own
+                    # PEFT export (unprefixed keys), which `pipe.transformer.load_lora_adapter(dir, prefix=None)` loads
+                    self.transformer.save_lora_adapter(out_dir, adapter_name=self.ADAPTER, safe_serialization=True)
             else:
                 self.transformer.save_pretrained(out_dir / "transformer", safe_serialization=True)
         meta = {"train_mode": self.train_mode, "ema": self.ema is not None and use_ema, **(info or {})}

@@ -16,6 +16,7 @@ import torch
 
 from shared_rl.domain import StepLogProbs
 from shared_rl.rollout import Rollout
+from shared_rl.two_stage import kept_agreement, select_candidates, spearman
 
 from .engine import flat_forest, forest_payload
 from .methods import Grown, KernelSettings, RolloutMethod
@@ -96,7 +97,6 @@ class VisgenRollouts:
         t2 = time.perf_counter()
         info = {**grown.info, **method.after_rewards(forest, tree.rewards, iteration)}
         if self.two_stage is not None:  # how well the explorer's ranking of the kept seeds survives full precision
-            spearman, kept_agreement = self._two_stage_stats
             fp = scores[self._kept_reward].reshape(self._kept_explore.shape)
             info["two_stage/rank_spearman"] = spearman(self._kept_explore, fp)
             info["two_stage/kept_agreement"] = kept_agreement(self._kept_explore, fp)
@@ -138,8 +138,6 @@ class VisgenRollouts:
         ``group_size`` per prompt; stage 2 regenerates exactly those seeds with the full-precision policy (same
         initial noise; SDE noise from each candidate's own generator, so the regeneration is replayable) under the
         method's step plan. Only stage 2 becomes the rollout; stage 1's forwards are ``nfe/explore``."""
-        from shared_rl.two_stage import kept_agreement, select_candidates, spearman
-
         settings, explorer = self.two_stage
         P, N, G = len(keys), settings.candidates, group_size
         T = int(timesteps.numel())
@@ -172,7 +170,6 @@ class VisgenRollouts:
         self._kept_explore = r_explore.gather(1, keep)  # compared with the regenerated rewards after scoring
         self._kept_reward = name
         info = {"nfe/explore": float(explore.nfe), "two_stage/quantized_fraction": explorer.quantized_fraction}
-        self._two_stage_stats = (spearman, kept_agreement)
         return Grown(forest, kept_cond, torch.arange(P).repeat_interleave(G), list(keys), torch.arange(P), info)
 
     def log_probs(self, rollout: Rollout, idx: torch.Tensor, need_kl: bool) -> StepLogProbs:

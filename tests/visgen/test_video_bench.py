@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from bench import visgen_video as bench
 from shared_rl.registry import resolve_benchmark

@@ -167,3 +167,24 @@ def test_num_frames_is_for_video_pipelines(tiny_dir):
                              "visgen": {"model": str(tiny_dir), "num_frames": 9}})
     with pytest.raises(ConfigError, match="num_frames is for video pipelines"):
         Trainer(cfg, None, log=quiet)
+
+
+def test_lora_export_of_a_pipeline_without_a_lora_loader(tmp_path):
+    """HunyuanVideo 1.5's pipeline has no save_lora_weights in diffusers 0.42: the transformer's own PEFT export is
+    written, and ``transformer.load_lora_adapter(dir, prefix=None)`` loads it back with the trained weights."""
+    from visgen.policy import FlowPolicy
+
+    pipe = tf.build_hunyuan_video15()
+    assert not hasattr(type(pipe), "save_lora_weights")
+    policy = FlowPolicy(pipe, "lora")
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(0.01)
+    policy.save_pretrained(tmp_path)
+    fresh = tf.build_hunyuan_video15()
+    assert (tmp_path / "pytorch_lora_weights.safetensors").is_file()
+    fresh.transformer.load_lora_adapter(str(tmp_path), adapter_name="default", use_safetensors=True, prefix=None)
+    trained = {n: p for n, p in pipe.transformer.named_parameters() if "lora" in n}
+    loaded = {n: p for n, p in fresh.transformer.named_parameters() if "lora" in n}
+    assert trained.keys() == loaded.keys() and trained
+    assert all(torch.equal(trained[n], loaded[n]) for n in trained)

@@ -90,7 +90,8 @@ WAN_CALL = {"height": 16, "width": 16, "num_frames": 5, "max_sequence_length": 8
 
 
 # -------------------------------------------------------------------------------------------------- Qwen-Image
-QWEN_TEMPLATE = "<|im_start|> system describe the image <|im_end|> <|im_start|> user {} <|im_end|> <|im_start|> assistant"
+QWEN_TEMPLATE = ("<|im_start|> system describe the image <|im_end|> <|im_start|> user {} <|im_end|> "
+                 "<|im_start|> assistant")
 QWEN_TEMPLATE_PREFIX = 8  # tokens before "{}": what the pipeline crops
 
 
@@ -218,7 +219,8 @@ def build_z_image():
                                           vocab_size=len(VOCAB), max_position_embeddings=128, bos_token_id=BOS,
                                           eos_token_id=EOS, pad_token_id=PAD))
     return ready(ZImagePipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=text_encoder,
-                                tokenizer=word_tokenizer(64, template=True, add_bos_eos=False), transformer=transformer))
+                                tokenizer=word_tokenizer(64, template=True, add_bos_eos=False),
+                                transformer=transformer))
 
 
 # ------------------------------------------------------------------------------------------ HunyuanVideo 1.5
@@ -255,7 +257,8 @@ def build_hunyuan_video15(guidance_scale: float = 1.0):
                                              eos_token_id=1, decoder_start_token_id=0))
     pipe = HunyuanVideo15Pipeline(text_encoder=text_encoder, tokenizer=word_tokenizer(64, template=True,
                                                                                       add_bos_eos=False),
-                                  transformer=transformer, vae=vae, scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0),
+                                  transformer=transformer, vae=vae,
+                                  scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0),
                                   text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2,
                                   guider=ClassifierFreeGuidance(guidance_scale=guidance_scale))
     pipe.system_message = HY_SYSTEM
@@ -319,7 +322,8 @@ def build_ltx2():
         mid_block_add_attention=False, sample_rate=16000, mel_hop_length=160, is_causal=True, mel_bins=8)
     torch.manual_seed(5)
     vocoder = LTX2Vocoder(in_channels=audio_vae.config.output_channels * audio_vae.config.mel_bins, hidden_channels=32,
-                          out_channels=2, upsample_kernel_sizes=[4, 4], upsample_factors=[2, 2], resnet_kernel_sizes=[3],
+                          out_channels=2, upsample_kernel_sizes=[4, 4], upsample_factors=[2, 2],
+                          resnet_kernel_sizes=[3],
                           resnet_dilations=[[1, 3, 5]], leaky_relu_negative_slope=0.1, output_sampling_rate=16000)
     return ready(LTX2Pipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, audio_vae=audio_vae,
                               text_encoder=text_encoder, tokenizer=word_tokenizer(16, padding_side="left"),

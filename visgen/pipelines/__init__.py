@@ -19,7 +19,8 @@ ADAPTERS: dict[str, type[FlowPipelineAdapter]] = {a.family: a for a in (
     HunyuanVideo15Adapter, LTX2Adapter)}
 
 __all__ = ["ADAPTERS", "Conditioning", "FlowPipelineAdapter", "Flux2Adapter", "Flux2KleinAdapter", "FluxAdapter",
-           "HunyuanVideo15Adapter", "LTX2Adapter", "QwenImageAdapter", "SanaAdapter", "SD3Adapter", "WanAdapter", "ZImageAdapter", "as_adapter"]
+           "HunyuanVideo15Adapter", "LTX2Adapter", "QwenImageAdapter", "SanaAdapter", "SD3Adapter", "WanAdapter",
+           "ZImageAdapter", "as_adapter"]
 
 
 def as_adapter(pipe_or_adapter: Any) -> FlowPipelineAdapter:

@@ -25,7 +25,6 @@ the duration head, image/keyframe conditioning and decode-time noise (``decode_t
 """
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import numpy as np
@@ -69,7 +68,8 @@ class LTX2Adapter(FlowPipelineAdapter):
         a_g = (d("audio_guidance_scale") if audio_guidance_scale is None else audio_guidance_scale) or g
         a_stg = (d("audio_stg_scale") if audio_stg_scale is None else audio_stg_scale) or stg
         a_mod = (d("audio_modality_scale") if audio_modality_scale is None else audio_modality_scale) or mod
-        a_rescale = (d("audio_guidance_rescale") if audio_guidance_rescale is None else audio_guidance_rescale) or rescale
+        a_rescale = (d("audio_guidance_rescale") if audio_guidance_rescale is None
+                     else audio_guidance_rescale) or rescale
         blocks = d("spatio_temporal_guidance_blocks") if spatio_temporal_guidance_blocks == "default" \
             else spatio_temporal_guidance_blocks
         do_cfg = g > 1.0 or a_g > 1.0
@@ -99,7 +99,8 @@ class LTX2Adapter(FlowPipelineAdapter):
                            negative_text_mask=conn_mask[:n])
         lat_f = (frames - 1) // pipe.vae_temporal_compression_ratio + 1
         lat_h, lat_w = height // pipe.vae_spatial_compression_ratio, width // pipe.vae_spatial_compression_ratio
-        audio_per_s = pipe.audio_sampling_rate / pipe.audio_hop_length / float(pipe.audio_vae_temporal_compression_ratio)
+        audio_per_s = (pipe.audio_sampling_rate / pipe.audio_hop_length
+                       / float(pipe.audio_vae_temporal_compression_ratio))
         audio_frames = round(frames / frame_rate * audio_per_s)
         options = {"num_frames": frames, "latent": (lat_f, lat_h, lat_w), "audio_frames": audio_frames,
                    "fps": ltx_module.get_conditioning_frame_rate(frame_rate, speed), "cfg": (float(g), float(a_g)),
@@ -172,7 +173,7 @@ class LTX2Adapter(FlowPipelineAdapter):
 
     # ------------------------------------------------------------------------------------------------ velocity
     def _call(self, video, audio, t, emb_v, emb_a, mask, cond, isolate=False, blocks=None):
-        pipe, o = self.pipe, cond.options
+        o = cond.options
         f, h, w = o["latent"]
         n = video.shape[0]
         coords_v = self.transformer.rope.prepare_video_coords(n, f, h, w, video.device, fps=o["fps"])

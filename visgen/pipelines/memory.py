@@ -6,12 +6,15 @@ trains video as single frames to escape it). Each control here is independent an
 
 | setting | what it does | exact? |
 |---|---|---|
-| ``prompt_cache`` (on) | text embeddings cached by prompt (``visgen.pipelines.cache``) | yes (tested; Qwen-Image to ~1e-7: its pipeline gives a prompt other last bits in another batch) |
-| ``offload_text_encoders`` | frozen text encoders stay on the CPU; they visit the device only to encode a prompt the cache has not seen | yes |
+| ``prompt_cache`` (on) | text embeddings cached by prompt (``visgen.pipelines.cache``) | yes (Qwen-Image: ~1e-7) |
+| ``offload_text_encoders`` | frozen text encoders stay on the CPU; they visit the device for cache misses only | yes |
 | ``offload_rewards`` | every reward's models stay on the CPU between reward calls | yes |
-| ``vae_slicing`` | the VAE decodes one sample at a time | to float rounding (CPU convolutions round per batch size) |
+| ``vae_slicing`` | the VAE decodes one sample at a time | to float rounding |
 | ``vae_tiling`` | the VAE decodes spatial tiles and blends them (diffusers' tiling) | no: seams blended |
 | ``decode_frame_chunk`` | Wan: post-process ``k`` latent frames at a time into one preallocated video | yes (tested) |
+
+(Qwen-Image's pipeline itself gives a prompt other last bits in another batch; CPU convolutions round per batch
+size.)
 
 The rollout micro-batch (``visgen.rollout_micro_batch``: samples per transformer forward while sampling and per
 VAE decode call) is independent of the training micro-batch (``optim.micro_batch_size``); gradient checkpointing

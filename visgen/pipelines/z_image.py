@@ -61,8 +61,9 @@ class ZImageAdapter(FlowPipelineAdapter):
         if isinstance(negative_prompt, (list, tuple)):
             negative_prompt = list(negative_prompt)  # the pipeline templates the lists it gets in place
         with torch.no_grad():
-            pos, neg = self.pipe.encode_prompt(prompt=list(prompts), device=self.device, do_classifier_free_guidance=do_cfg,
-                                               negative_prompt=negative_prompt, max_sequence_length=max_sequence_length)
+            pos, neg = self.pipe.encode_prompt(prompt=list(prompts), device=self.device,
+                                               do_classifier_free_guidance=do_cfg, negative_prompt=negative_prompt,
+                                               max_sequence_length=max_sequence_length)
         embeds, mask = _pad(pos)
         tensors = {"prompt_embeds": embeds, "prompt_embeds_mask": mask}
         if do_cfg:

@@ -107,7 +107,8 @@ class ClipSpec:
             raise ValueError(f"not a video_shapes ClipSpec dict (need color, shape, direction): {data!r}") from exc
 
 
-_PROMPT = re.compile(r"^a (" + "|".join(COLORS) + r") (" + "|".join(SHAPES) + r") moving (to the right|to the left|up|down)$")
+_PROMPT = re.compile(r"^a (" + "|".join(COLORS) + r") (" + "|".join(SHAPES) + r") "
+                     r"moving (to the right|to the left|up|down)$")
 
 
 def parse_prompt(prompt: str) -> ClipSpec:

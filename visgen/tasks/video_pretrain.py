@@ -81,10 +81,11 @@ class VideoPretrainConfig:
     frames: int = field(default=vtask.FRAMES, metadata={"help": "frames per clip (4k+1 for the Wan VAE)"})
     size: int = field(default=vtask.SIZE, metadata={"help": "clip side in pixels (multiple of 8)"})
     max_sequence_length: int = field(default=10, metadata={"help": "text tokens (the longest prompt is 9)"})
-    model: dict = field(default_factory=dict, metadata={"help": "keyword arguments of visgen.tasks.video.build_tiny_wan"})
+    model: dict = field(default_factory=dict,
+                        metadata={"help": "keyword arguments of visgen.tasks.video.build_tiny_wan"})
     output_dir: str | None = field(default=None, metadata={"help": "where the final pipeline is saved"})
     log_every: int = field(default=50, metadata={"help": "metrics.jsonl row every this many steps"})
-    vae: VideoVaeStage = field(default_factory=VideoVaeStage, metadata={"help": "VAE stage"})  # noqa: E501
+    vae: VideoVaeStage = field(default_factory=VideoVaeStage, metadata={"help": "VAE stage"})
     transformer: VideoTransformerStage = field(default_factory=VideoTransformerStage,
                                                metadata={"help": "transformer stage"})
     eval: VideoPretrainEval = field(default_factory=VideoPretrainEval, metadata={"help": "evaluation"})
