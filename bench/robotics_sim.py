@@ -9,6 +9,13 @@ Variants (all on the same tasks, reset states and action sequences):
 5. closed loop with the tiny VLA planning every chunk — env steps/s and the share of time spent in policy inference.
 
 Ratios against the sequential baseline are reported; absolute numbers depend on how busy the CPU is.
+
+Post-training rows (issue 16): GRPO (``configs/robotics/metaworld_mt5_rl.yaml``) and PPO with a value head
+(``configs/robotics/metaworld_mt5_ppo.yaml``) side by side at equal env steps (the same rollout budget) — columns
+``env_steps``, ``success_before``, ``success_after`` and, per task, before -> after held-out success. The full
+bench trains both recipes (seed 0, ~15 min each on 2 cores) unless ``GROVE_BENCH_ROBOTICS_RUNS`` names finished
+run directories (``grpo=DIR,ppo=DIR``, e.g. from ``grove train configs/robotics/metaworld_mt5_rl.yaml``);
+``--quick`` trains both for 2 tiny iterations (plumbing only).
 """
 from __future__ import annotations
 
@@ -117,6 +124,45 @@ def _closed_loop(batch: int, horizon: int) -> tuple[float, float, str]:
     return float(out.length.sum()) / total, 1.0 - venv.seconds / total, which
 
 
+POSTTRAIN = (("grpo", "GRPO, 5 tasks (metaworld_mt5_rl.yaml)", "configs/robotics/metaworld_mt5_rl.yaml"),
+             ("ppo", "PPO + value head, GAE (metaworld_mt5_ppo.yaml)", "configs/robotics/metaworld_mt5_ppo.yaml"))
+QUICK_OVERRIDES = ["iterations=2", "rollout.groups_per_iteration=5", "rollout.group_size=2", "robotics.env.horizon=16",
+                   "robotics.eval_states_per_task=1", "eval.every=0", "robotics.gifs=false", "loss.critic_warmup=0"]
+
+
+def posttrain_row(variant: str, run_dir: Path) -> dict:
+    """One row from a finished run directory: env steps of all iterations, first and last held-out evaluation."""
+    from shared_rl.metrics import read_metrics
+
+    recs = read_metrics(Path(run_dir) / "metrics.jsonl")
+    evals = [r for r in recs if "eval/success" in r]
+    if len(evals) < 2:
+        raise ValueError(f"{run_dir}: needs an evaluation before and after training (found {len(evals)})")
+    first, last = evals[0], evals[-1]
+    row = {"variant": variant, "iterations": last["step"], "env_steps": int(sum(r.get("env/steps", 0) for r in recs if r["step"] <= last["step"])),
+           "success_before": first["eval/success"], "success_after": last["eval/success"]}
+    for k in sorted(k for k in last if k.startswith("eval/success/")):
+        row[k[len("eval/success/"):]] = f"{first[k]:.3f} -> {last[k]:.3f}"
+    return row
+
+
+def _posttrain_rows(out_dir: Path, quick: bool) -> list[dict]:
+    import subprocess
+    import sys
+
+    given = dict(x.split("=", 1) for x in os.environ.get("GROVE_BENCH_ROBOTICS_RUNS", "").split(",") if "=" in x)
+    root = Path(__file__).resolve().parents[1]
+    rows = []
+    for name, variant, recipe in POSTTRAIN:
+        run_dir = Path(given[name]) if name in given and not quick else Path(out_dir) / f"posttrain-{name}"
+        if not (run_dir / "summary.txt").is_file():
+            cmd = [sys.executable, "-m", "shared_rl.cli", "train", str(root / recipe), "--out", str(run_dir), "seed=0"]
+            subprocess.run(cmd + (QUICK_OVERRIDES if quick else []), check=True, cwd=root,
+                           stdout=subprocess.DEVNULL)
+        rows.append(posttrain_row(variant, run_dir))
+    return rows
+
+
 def run(out_dir: Path, quick: bool = False) -> dict:
     import torch
 
@@ -151,13 +197,16 @@ def run(out_dir: Path, quick: bool = False) -> dict:
     cl_rate, share, which = _closed_loop(batch, 12 if quick else 100)
     rows.append({"variant": f"closed loop with the VLA (flow_sde, 5 denoising steps), {batch} envs in-process",
                  "env_steps_per_s": cl_rate, "speedup_vs_sequential": cl_rate / seq, "policy_time_share": share})
+    rows += _posttrain_rows(Path(out_dir), quick)
     notes = (
         f"Render backend MUJOCO_GL={os.environ.get('MUJOCO_GL')} (Mesa llvmpipe on CPU). Tuned scene = shadows, "
         f"reflections and skybox off, model.vis.quality.offsamples=0 before the renderer is made: "
         f"{fps_tuned / fps_default:.1f}x the default scene's frames/s. Sequential = one env stepping and rendering "
         f"every step; batched = envs in lock-step rendering once per 4-action chunk. Policy share = fraction of the "
         f"closed-loop wall time spent outside the env (encoding + denoising), policy = {which}. torch threads = 1. "
-        f"The CPU is shared with other jobs, so compare ratios, not absolute numbers."
+        f"The CPU is shared with other jobs, so compare ratios, not absolute numbers. Post-training rows: held-out "
+        f"success (ODE, 40 reset states per task) before -> after, seed 0, at the same rollout budget "
+        f"(iterations x groups x episodes); env_steps counts the executed control steps of all rollouts."
         + (" QUICK MODE: plumbing check only." if quick else "")
     )
     result = write_results(out_dir, "robotics-sim", rows, notes, doc_path=None if quick else DOC)

@@ -55,10 +55,14 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # the auto merge schedule of the 10-step grid has 3 consolidated steps: 3 groups x 5 per prompt
     "egrpo": {"visgen": {"method": {"name": "egrpo"}}, "rollout": {"group_size": 5},
               "advantage": {"estimator": "depth_zscore"}},
+    # the likelihood-free objectives take 8 optimizer steps of 64 images per rollout batch (the sweep in
+    # docs/bench/visgen_methods.md: NFT 0.531 / 0.579 / 0.610 held-out strict after 10 iterations with 1 / 4 / 8
+    # steps, AWM 0.548 / 0.566 with 1 / 4): their loss needs no behaviour log-probs, so reusing a batch costs
+    # only training forwards
     "nft": {"visgen": {"method": {"name": "ode"}, "objective": {"name": "nft", "beta": 1.0, "timesteps_per_sample": 3}},
-            "loss": {"policy_loss": "nft"}},
+            "loss": {"policy_loss": "nft"}, "optim": {"minibatches_per_epoch": 8}},
     "awm": {"visgen": {"method": {"name": "ode"}, "objective": {"name": "awm", "timesteps_per_sample": 3}},
-            "loss": {"policy_loss": "awm"}},
+            "loss": {"policy_loss": "awm"}, "optim": {"minibatches_per_epoch": 8}},
     "guard": {"loss": {"policy_loss": "guard"}},
 }
 # per-method learning rates (docs/bench/visgen_methods.md records the sweep); absent: the demo's 1e-3
@@ -74,14 +78,17 @@ def _merge(base: dict, over: dict) -> dict:
 
 
 def variant_config(name: str, seed: int, iterations: int, quick: bool, model: str | None = None,
-                   variants: dict[str, dict] | None = None) -> dict:
-    """The demo recipe with the method's overrides (from ``variants``, default ``VARIANTS``) and the quick sizes."""
-    from shared_rl.config import load_yaml
+                   variants: dict[str, dict] | None = None, overrides: list[str] | None = None) -> dict:
+    """The demo recipe with the method's overrides (from ``variants``, default ``VARIANTS``), then the dotted
+    ``overrides`` (``optim.lr=3e-3``: a sweep point), and the quick sizes."""
+    from shared_rl.config import apply_overrides, load_yaml
 
     data = _merge(load_yaml(RECIPE), (variants or VARIANTS)[name])
     data.update(seed=seed, iterations=iterations)
     if name in LR:
         data["optim"]["lr"] = LR[name]
+    if overrides:
+        data = apply_overrides(data, list(overrides))
     data["eval"] = {"at_start": False}
     data["logging"] = {"progress": False}
     data["checkpoint"] = {"every": 0}
@@ -98,13 +105,14 @@ def variant_config(name: str, seed: int, iterations: int, quick: bool, model: st
 
 
 def run_variant(name: str, seed: int, nfe_budget: float | None, max_iters: int, eval_every: int, quick: bool,
-                log, model: str | None = None, variants: dict[str, dict] | None = None) -> dict[str, Any]:
+                log, model: str | None = None, variants: dict[str, dict] | None = None,
+                overrides: list[str] | None = None) -> dict[str, Any]:
     """Train until the (full-precision) NFE budget is spent (or ``max_iters``), evaluating every ``eval_every``
     iterations. A two-stage explorer's forwards are counted apart (``explore_nfe``)."""
     from shared_rl.config import load_train_config
     from shared_rl.trainer import Trainer
 
-    cfg = load_train_config(variant_config(name, seed, max_iters, quick, model, variants))
+    cfg = load_train_config(variant_config(name, seed, max_iters, quick, model, variants, overrides))
     torch.manual_seed(seed)
     trainer = Trainer(cfg, None, log=lambda s: None)
     with torch.no_grad():
@@ -201,10 +209,41 @@ def _plot(results: dict[str, list[dict]], path: Path, budget: float) -> None:
     plt.close(fig)
 
 
+def load_runs(paths: list[Path | str], flat_iters: int, eval_every: int) -> dict[str, list[dict]]:
+    """Runs measured earlier (``--reuse``: results.json or partial.json files of this bench or visgen-two-stage, the
+    same recipe), by variant, so a stopped bench resumes and one flat measurement serves both pages. Every run must
+    have been evaluated every ``eval_every`` iterations, and flat's must have run ``flat_iters``; otherwise a
+    ConfigError says what was found."""
+    import json
+
+    from shared_rl.errors import ConfigError
+
+    out: dict[str, list[dict]] = {}
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        runs = data.get("runs") or ({FLAT: data["flat_runs"]} if data.get("flat_runs") else {})
+        if not runs:
+            raise ConfigError(f"--reuse {path}: no runs in it (made by an older version of the bench?)")
+        for name, rs in runs.items():
+            for r in rs:
+                its = [p["iteration"] for p in r["points"]]
+                if its[1:2] != [min(eval_every, r["iterations"])] or (name == FLAT and r["iterations"] != flat_iters):
+                    raise ConfigError(f"--reuse {path}: its {name} run has {r['iterations']} iterations evaluated at "
+                                      f"{its}; this run needs {flat_iters if name == FLAT else 'any number of'} "
+                                      f"iterations evaluated every {eval_every}")
+                out.setdefault(name, []).append(r)
+    return out
+
+
 def run(out_dir: Path, quick: bool = False, variants: list[str] | None = None, log=print, flat_iters: int | None = None,
         flat_seeds: int | None = None, eval_every: int | None = None, best_seeds: int | None = None,
-        write_doc: bool | None = None, model: str | None = None) -> dict[str, Any]:
-    """The benchmark (``variants``, ``flat_iters``, ``flat_seeds``, ``eval_every``, ``best_seeds`` size it)."""
+        write_doc: bool | None = None, model: str | None = None, reuse: list[Path | str] | None = None,
+        budget_nfe: float | None = None) -> dict[str, Any]:
+    """The benchmark (``variants``, ``flat_iters``, ``flat_seeds``, ``eval_every``, ``best_seeds`` size it).
+
+    ``reuse``: earlier results.json / partial.json files whose runs are taken instead of re-run (``load_runs``).
+    ``budget_nfe`` with ``flat_seeds=0``: run only ``variants`` at that budget and keep them in partial.json (a
+    second stream next to one running flat; a later call with ``reuse`` of both makes the table)."""
     from shared_rl.bench import markdown_table, write_results
 
     out_dir = Path(out_dir)
@@ -213,7 +252,7 @@ def run(out_dir: Path, quick: bool = False, variants: list[str] | None = None, l
     _quiet()
     t0 = time.perf_counter()
     flat_iters = flat_iters or (2 if quick else 30)
-    flat_seeds = flat_seeds or (1 if quick else 3)
+    flat_seeds = (1 if quick else 3) if flat_seeds is None else flat_seeds
     eval_every = eval_every or (1 if quick else 5)
     best_seeds = best_seeds or (1 if quick else 2)
     names = [n for n in (variants or list(VARIANTS)) if n != FLAT]
@@ -222,26 +261,42 @@ def run(out_dir: Path, quick: bool = False, variants: list[str] | None = None, l
             from .visgen_trees import _model
 
             model, _ = _model(True, Path(tmp))
-        results: dict[str, list[dict]] = {FLAT: []}
-        for seed in range(flat_seeds):
+        earlier = load_runs(reuse, flat_iters, eval_every) if reuse else {}
+        results: dict[str, list[dict]] = {FLAT: earlier.get(FLAT, [])[:max(flat_seeds, 1)]}
+        for seed in range(len(results[FLAT]), flat_seeds):
             log(f"visgen-methods: flat seed {seed} sets the budget")
             results[FLAT].append(run_variant(FLAT, seed, None, flat_iters, eval_every, quick, log, model))
-        budget = statistics.mean(r["nfe"] for r in results[FLAT])
+            _save_partial(out_dir, results)
+        if not results[FLAT] and budget_nfe is None:
+            raise ValueError("no flat runs (flat_seeds=0 and nothing reused): give budget_nfe")
+        budget = budget_nfe if budget_nfe is not None else statistics.mean(r["nfe"] for r in results[FLAT])
         for name in names:
+            if earlier.get(name):
+                results[name] = earlier[name]
+                continue
             log(f"visgen-methods: {name}")
             results[name] = [run_variant(name, 0, budget, 3 * flat_iters, eval_every, quick, log, model)]
+            _save_partial(out_dir, results)
+        if not results[FLAT]:  # a second stream: its runs wait in partial.json for the call that makes the table
+            log(f"visgen-methods: {len(names)} variant(s) at {budget:.0f} NFE kept in {out_dir / 'partial.json'}")
+            return {"rows": [], "partial": str(out_dir / "partial.json")}
         rows, summary = rows_from(results, budget)
         others = [r for r in rows if r["variant"] != FLAT]
         if others and best_seeds > 1:  # the best other method gets more seeds: is its edge outside the band?
             best = max(others, key=lambda r: r["strict_at_budget"])["variant"]
             for seed in range(1, best_seeds):
                 log(f"visgen-methods: {best} seed {seed} (the best other method)")
-                results[best].append(run_variant(best, seed, budget, 3 * flat_iters, eval_every, quick, log, model))
+                if len(results[best]) <= seed:
+                    results[best].append(run_variant(best, seed, budget, 3 * flat_iters, eval_every, quick, log, model))
+                    _save_partial(out_dir, results)
             rows, summary = rows_from(results, budget)
     total = time.perf_counter() - t0
     plot = out_dir / "strict_vs_nfe.png"
     _plot(results, plot, budget)
-    notes = (f"Command: `nice -n 5 grove bench visgen-methods{' --quick' if quick else ''}` (total {total / 60:.1f} min "
+    command = (f"python -m bench.visgen_methods --flat-iters {flat_iters} --flat-seeds {flat_seeds}"
+               + (f" --reuse {' '.join(map(str, reuse))}" if reuse else "") if not quick and flat_iters != 30
+               else f"grove bench visgen-methods{' --quick' if quick else ''}")
+    notes = (f"Command: `nice -n 5 {command}` (total {total / 60:.1f} min "
              f"on this machine, shared with other jobs). Budget: flat's mean {budget:.0f} NFE over {flat_seeds} seed(s) "
              f"of {flat_iters} iterations; flat strict {summary['flat_start']:.3f} -> {summary['flat_final']:.3f}, "
              f"noise band {summary['band']:.3f} ({'a signal: speedups defined' if summary['signal'] else 'NOT above the band: no speedup is defined'}).\n")
@@ -252,10 +307,35 @@ def run(out_dir: Path, quick: bool = False, variants: list[str] | None = None, l
         notes += f"\n![held-out strict vs NFE and wall time]({PLOT_DOC.name})\n"
     result = write_results(out_dir, "visgen-methods", rows, notes=notes,
                            extra={"curves": {k: [r["points"] for r in v] for k, v in results.items()},
+                                  "flat_runs": results[FLAT], "runs": results,
                                   "budget_nfe": budget, **summary, "quick": quick, "total_s": total,
                                   "table": markdown_table(rows)}, doc_path=doc)
     log(f"visgen-methods: done in {total:.0f} s")
     return result
+
+
+def _save_partial(out_dir: Path, results: dict[str, list[dict]]) -> None:
+    """The runs so far (``partial.json``): a long bench that is stopped keeps what it measured."""
+    import json
+
+    (Path(out_dir) / "partial.json").write_text(json.dumps({"flat_runs": results.get(FLAT, []), "runs": results},
+                                                           indent=1, default=float))
+
+
+def probe(name: str, overrides: list[str], iterations: int, eval_every: int, out: Path, seed: int = 0,
+          log=print) -> dict[str, Any]:
+    """One sweep point: variant ``name`` of the demo recipe with dotted ``overrides``, ``iterations`` iterations,
+    held-out strict every ``eval_every``; the curve is written to ``out`` (JSON) and returned. The page's sweep
+    tables are made of these (``python -m bench.visgen_methods --probe nft --set optim.lr=3e-3 ...``)."""
+    import json
+
+    torch.set_num_threads(1)
+    _quiet()
+    res = run_variant(name, seed, None, iterations, eval_every, False, log, overrides=overrides)
+    res.update(variant=name, overrides=list(overrides), seed=seed)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=1))
+    return res
 
 
 if __name__ == "__main__":
@@ -270,6 +350,16 @@ if __name__ == "__main__":
     p.add_argument("--eval-every", type=int)
     p.add_argument("--best-seeds", type=int)
     p.add_argument("--no-doc", action="store_true")
+    p.add_argument("--reuse", nargs="*", help="earlier results.json / partial.json whose runs are taken, not re-run")
+    p.add_argument("--budget-nfe", type=float, help="with --flat-seeds 0: run only --variants at this NFE budget")
+    p.add_argument("--probe", help="run ONE variant as a sweep point (with --set, --iters) instead of the bench")
+    p.add_argument("--set", nargs="*", default=[], help="dotted overrides of the probe, e.g. optim.lr=3e-3")
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--seed", type=int, default=0)
     a = p.parse_args()
+    if a.probe:
+        probe(a.probe, a.set, a.iters, a.eval_every or 5, Path(a.out) / f"{a.probe}_{'_'.join(a.set) or 'base'}_s{a.seed}.json",
+              a.seed)
+        raise SystemExit(0)
     run(Path(a.out), a.quick, a.variants, flat_iters=a.flat_iters, flat_seeds=a.flat_seeds, eval_every=a.eval_every,
-        best_seeds=a.best_seeds, write_doc=False if a.no_doc else None)
+        best_seeds=a.best_seeds, write_doc=False if a.no_doc else None, reuse=a.reuse, budget_nfe=a.budget_nfe)

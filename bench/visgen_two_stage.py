@@ -42,7 +42,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
 
 
 def run(out_dir: Path, quick: bool = False, variants: list[str] | None = None, log=print, flat_iters: int | None = None,
-        flat_seeds: int | None = None, eval_every: int | None = None, write_doc: bool | None = None) -> dict[str, Any]:
+        flat_seeds: int | None = None, eval_every: int | None = None, write_doc: bool | None = None,
+        reuse: list[Path | str] | None = None, candidates: int | None = None) -> dict[str, Any]:
+    """The benchmark (sizes as ``bench.visgen_methods.run``; ``reuse``: earlier results.json / partial.json of either
+    bench whose runs are taken, not re-run; ``candidates`` overrides stage 1's pool per prompt)."""
     from shared_rl.bench import markdown_table, write_results
     from visgen.lowprec import native
 
@@ -58,23 +61,36 @@ def run(out_dir: Path, quick: bool = False, variants: list[str] | None = None, l
     names = [n for n in (variants or list(VARIANTS)) if n != "flat"]
     skipped = [n for n in names if "fp8-" in n and "mxfp8" not in n and not native("fp8", device)]
     names = [n for n in names if n not in skipped]
-    if quick:  # stage 1 small too
+    pool = candidates or (32 if quick else None)  # quick: stage 1 small too
+    variants_used = vm._merge(VARIANTS, {})
+    if pool:
         for n in names:
-            if "two_stage" in VARIANTS[n].get("visgen", {}):
-                VARIANTS[n]["visgen"]["two_stage"]["candidates"] = 32
-    results: dict[str, list[dict]] = {"flat": []}
-    for seed in range(flat_seeds):
+            if "two_stage" in variants_used[n].get("visgen", {}):
+                variants_used[n]["visgen"]["two_stage"]["candidates"] = pool
+    earlier = vm.load_runs(reuse, flat_iters, eval_every) if reuse else {}
+    results: dict[str, list[dict]] = {"flat": earlier.get("flat", [])[:flat_seeds]}
+    for seed in range(len(results["flat"]), flat_seeds):
         log(f"visgen-two-stage: flat seed {seed} sets the full-precision budget")
-        results["flat"].append(vm.run_variant("flat", seed, None, flat_iters, eval_every, quick, log, variants=VARIANTS))
+        results["flat"].append(vm.run_variant("flat", seed, None, flat_iters, eval_every, quick, log,
+                                              variants=variants_used))
+        vm._save_partial(out_dir, results)
     budget = statistics.mean(r["nfe"] for r in results["flat"])
     for name in names:
+        if earlier.get(name):
+            results[name] = earlier[name]
+            continue
         log(f"visgen-two-stage: {name}")
-        results[name] = [vm.run_variant(name, 0, budget, 3 * flat_iters, eval_every, quick, log, variants=VARIANTS)]
+        results[name] = [vm.run_variant(name, 0, budget, 3 * flat_iters, eval_every, quick, log,
+                                        variants=variants_used)]
+        vm._save_partial(out_dir, results)
     rows, summary = vm.rows_from(results, budget)
     for r in rows:
         r["speedup_fp_nfe_vs_flat"] = r.pop("speedup_nfe_vs_flat")
     total = time.perf_counter() - t0
-    notes = (f"Command: `nice -n 5 grove bench visgen-two-stage{' --quick' if quick else ''}` ({total / 60:.1f} min, "
+    command = (f"python -m bench.visgen_two_stage --flat-iters {flat_iters} --flat-seeds {flat_seeds}"
+               + (f" --reuse {' '.join(map(str, reuse))}" if reuse else "") + (f" --candidates {pool}" if pool else "")
+               if not quick and flat_iters != 30 else f"grove bench visgen-two-stage{' --quick' if quick else ''}")
+    notes = (f"Command: `nice -n 5 {command}` ({total / 60:.1f} min, "
              f"device {device}). Full-precision budget {budget:.0f} NFE (flat, {flat_seeds} seed(s), {flat_iters} "
              f"iterations); flat strict {summary['flat_start']:.3f} -> {summary['flat_final']:.3f}, band "
              f"{summary['band']:.3f}. Low-precision formats are "
@@ -83,7 +99,7 @@ def run(out_dir: Path, quick: bool = False, variants: list[str] | None = None, l
     doc = DOC if ((not quick) if write_doc is None else write_doc) else None
     result = write_results(out_dir, "visgen-two-stage", rows, notes=notes,
                            extra={"curves": {k: [r["points"] for r in v] for k, v in results.items()},
-                                  "budget_nfe": budget, **summary, "skipped": skipped, "quick": quick,
+                                  "flat_runs": results["flat"], "runs": results, "budget_nfe": budget, **summary, "skipped": skipped, "quick": quick,
                                   "table": markdown_table(rows)}, doc_path=doc)
     log(f"visgen-two-stage: done in {total:.0f} s")
     return result
@@ -133,3 +149,21 @@ def rank_agreement(precisions: tuple[str, ...] = ("bf16", "mxfp8", "mxfp4", "nvf
                          "quantized_fraction": ex.quantized_fraction, "s": time.perf_counter() - t})
             log(f"  {rows[-1]}")
     return rows
+
+
+if __name__ == "__main__":
+    import argparse
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default="runs/bench-visgen-two-stage")
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--variants", nargs="*")
+    p.add_argument("--flat-iters", type=int)
+    p.add_argument("--flat-seeds", type=int)
+    p.add_argument("--eval-every", type=int)
+    p.add_argument("--candidates", type=int)
+    p.add_argument("--reuse", nargs="*", help="earlier results.json / partial.json whose runs are taken, not re-run")
+    p.add_argument("--no-doc", action="store_true")
+    a = p.parse_args()
+    run(Path(a.out), a.quick, a.variants, flat_iters=a.flat_iters, flat_seeds=a.flat_seeds, eval_every=a.eval_every,
+        write_doc=False if a.no_doc else None, reuse=a.reuse, candidates=a.candidates)

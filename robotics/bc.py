@@ -32,6 +32,14 @@ class CollectConfig:
     demos_per_task: int = field(default=40, metadata={"help": "scripted-expert episodes per task"})
     noise_std: float = field(default=0.3, metadata={"help": "std of the Gaussian noise added to expert actions"})
     seed: int = field(default=0, metadata={"help": "seed of the action noise"})
+    labels: str = field(default="executed", metadata={
+        "help": "executed (record the noisy action) | expert (DART: the expert's clean action at the noisy state)"})
+
+    def check(self, where: str) -> None:
+        from shared_rl.config import ConfigError
+
+        if self.labels not in ("executed", "expert"):
+            raise ConfigError(f"{where}.labels must be 'executed' or 'expert', got {self.labels!r}")
 
 
 @dataclass
@@ -156,7 +164,8 @@ def run(cfg: dict, run_dir: Path, log=print) -> dict[str, float]:
         log(f"bc: {len(episodes)} demos from {data_path}")
     else:
         log(f"bc: {data_path} missing; collecting {c.collect.demos_per_task} demos/task (noise {c.collect.noise_std})")
-        episodes = collect_demos(c.env, c.collect.demos_per_task, c.collect.noise_std, c.collect.seed, log=log)
+        episodes = collect_demos(c.env, c.collect.demos_per_task, c.collect.noise_std, c.collect.seed, log=log,
+                                 labels=c.collect.labels)
         save_episodes(episodes, data_path)
     episodes = [e for e in episodes if e.task in c.env.tasks]
     if not episodes:

@@ -45,8 +45,17 @@ def collect_demos(
     only_successful: bool = True,
     max_attempts_factor: int = 3,
     log=print,
+    labels: str = "executed",
 ) -> list[Episode]:
-    """Noisy expert episodes for every task in ``env_cfg.tasks`` (successful ones only unless told otherwise)."""
+    """Noisy expert episodes for every task in ``env_cfg.tasks`` (successful ones only unless told otherwise).
+
+    ``labels``: which action each step records. ``executed`` = the noisy action that was executed (the default;
+    a policy cloned on it learns the noise too); ``expert`` = DART (Laskey et al. 2017, "DART: Noise Injection
+    for Robust Imitation Learning"): the noisy action still drives the env, so the demos visit perturbed states,
+    but the label is the expert's clean action at that state, so the clone learns to *correct* the noise.
+    """
+    if labels not in ("executed", "expert"):
+        raise ConfigError(f"collect labels must be 'executed' or 'expert', got {labels!r}")
     rng = np.random.default_rng(seed)
     settings = env_cfg.render_settings()
     episodes: list[Episode] = []
@@ -67,9 +76,10 @@ def collect_demos(
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")  # the experts warn about saturating gains, by design
                     a = expert.get_action(obs)
+                clean = np.clip(a, -1.0, 1.0).astype(np.float32)
                 a = np.clip(a + rng.normal(0.0, noise_std, size=a.shape), -1.0, 1.0).astype(np.float32)
                 obs, _, ok = env.step(a)
-                acts.append(a)
+                acts.append(clean if labels == "expert" else a)
                 succ.append(ok)
                 if ok and env_cfg.success_mode == "once":
                     break
@@ -124,6 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--image-size", type=int, default=64)
     p.add_argument("--include-goal", action="store_true", help="append the goal xyz to proprio")
     p.add_argument("--keep-failures", action="store_true")
+    p.add_argument("--labels", choices=["executed", "expert"], default="executed",
+                   help="executed: record the noisy action; expert: DART, record the expert's clean action at "
+                        "each (noise-perturbed) state")
     p.add_argument("--lerobot", help="also export a LeRobot v3.0 dataset to this (new) directory")
     args = p.parse_args(argv)
     for flag, value, low in (("--demos-per-task", args.demos_per_task, 1), ("--horizon", args.horizon, 1),
@@ -142,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = EnvConfig(tasks=args.tasks, horizon=args.horizon, cameras=args.cameras, image_size=args.image_size,
                     include_goal=args.include_goal)
     cfg.check("collect")
-    eps = collect_demos(cfg, args.demos_per_task, args.noise, args.seed, only_successful=not args.keep_failures)
+    eps = collect_demos(cfg, args.demos_per_task, args.noise, args.seed, only_successful=not args.keep_failures,
+                        labels=args.labels)
     if not eps:
         raise ConfigError(f"collect kept no episode: the noisy experts never succeeded within --horizon "
                           f"{args.horizon}; raise --horizon, lower --noise, or pass --keep-failures (nothing was written)")

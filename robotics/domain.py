@@ -76,6 +76,12 @@ class RoboticsConfig:
         "help": "train the image/text/proprio encoders; false = only the fusion MLP and the head"})
     gifs: bool = field(default=True, metadata={"help": "write a GIF of one evaluation episode per task"})
     threads: int = field(default=1, metadata={"help": "torch CPU threads"})
+    critic: bool = field(default=False, metadata={
+        "help": "a value head V(features, time) per action chunk (PPO: advantage.estimator gae, loss.value_coef)"})
+    critic_hidden: int = field(default=256, metadata={"help": "critic MLP width"})
+    critic_detach: bool = field(default=True, metadata={
+        "help": "the critic reads the policy's fused features without gradient (true) or trains them too (false)"})
+    critic_init: float = field(default=0.0, metadata={"help": "the critic's initial value (its last layer starts at 0)"})
 
     def check(self, where: str = "robotics") -> None:
         if self.train_states_per_task < 1 or self.eval_states_per_task < 1:
@@ -89,6 +95,15 @@ class RoboticsConfig:
         unknown = [t for t in self.train_tasks if t not in self.env.tasks]
         if unknown:
             raise ConfigError(f"{where}.train_tasks {unknown} are not in {where}.env.tasks {self.env.tasks}")
+
+    def check_with(self, train_cfg) -> None:
+        """A critic estimator (gae) needs ``critic: true``; a critic without one would never be trained."""
+        from shared_rl.advantages import STEP_ESTIMATORS
+
+        est = train_cfg.advantage.estimator
+        if est in STEP_ESTIMATORS and not self.critic:
+            raise ConfigError(f"advantage.estimator {est!r} needs the policy's value head: set robotics.critic: true "
+                              f"(and loss.value_coef > 0 to train it)")
 
     def rollout_structure(self, train_cfg) -> str:
         """Flat: a group is ``group_size`` episodes from one reset state (the hook of ``shared_rl.domain``)."""
@@ -158,6 +173,11 @@ class RoboticsDomain(DomainBase):
         self._ref = copy.deepcopy(self.policy).eval()
         for q in self._ref.parameters():
             q.requires_grad_(False)
+        self.critic = None
+        if cfg.critic:
+            from .policies.value_head import ValueHead
+
+            self.critic = ValueHead(m.hidden, cfg.critic_hidden, init_value=cfg.critic_init).to(self.device)
         self.sampling = SamplingSettings(mode=cfg.head_mode, noise_level=cfg.noise_level, temperature=cfg.temperature,
                                          logp_reduce=cfg.logp_reduce, init_noise=cfg.init_noise)
         self.steps_per_chunk = m.num_denoise_steps if m.head == "flow" else 1
@@ -182,6 +202,10 @@ class RoboticsDomain(DomainBase):
     def train_keys(self) -> list[int]:
         return list(self._train_keys)
 
+    def key_stratum(self, key: int) -> str:
+        """The task of a reset-state key (``selection.balance: true`` draws every task equally often)."""
+        return self._task_of(key)
+
     def eval_keys(self) -> list[int]:
         return eval_keys(self.cfg.env, self.cfg.eval_states_per_task)[0]
 
@@ -204,6 +228,10 @@ class RoboticsDomain(DomainBase):
             "chain": torch.from_numpy(batch.chain),
             "task_index": torch.tensor([self.cfg.env.tasks.index(t) for t in tasks]),
         }
+        if self.critic is not None:
+            valid = torch.from_numpy(batch.chunk_valid)
+            payload["value_mask"] = valid
+            payload["values"] = self._rollout_values(payload["images"], payload["proprio"], payload["task_index"], valid)
         return Rollout(
             keys=list(keys), group_ids=torch.arange(len(keys)).repeat_interleave(group_size), rewards=rewards,
             logp_old=logp_old.float(), mask=mask, payload=payload, nfe=batch.nfe,
@@ -211,6 +239,18 @@ class RoboticsDomain(DomainBase):
         )
 
     # ------------------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _rollout_values(self, images, proprio, task_index, valid, batch: int = 512) -> torch.Tensor:
+        """``[N, C]`` the critic's values of every executed chunk's observation (0 elsewhere), without grad."""
+        ep, ch = torch.nonzero(valid, as_tuple=True)
+        out = torch.zeros(valid.shape)
+        for i in range(0, len(ep), batch):
+            e, c = ep[i: i + batch], ch[i: i + batch]
+            ids = [self._text_ids[self.cfg.env.tasks[j]] for j in task_index[e].tolist()]
+            h = self._features(self.policy, images[e, c], proprio[e, c], ids)
+            out[e, c] = self.critic(h, c.float().to(self.device) / self.n_chunks).float().cpu()
+        return out
+
     def _features(self, policy: TinyVLA, images: torch.Tensor, proprio: torch.Tensor, text_ids) -> torch.Tensor:
         return policy.encode(images.to(self.device), proprio.to(self.device), text_ids)
 
@@ -219,7 +259,10 @@ class RoboticsDomain(DomainBase):
         p = rollout.index_payload(idx)
         n, c, s = len(idx), self.n_chunks, self.steps_per_chunk
         mask = rollout.mask[idx].reshape(n, c, s)
-        ep, ch = torch.nonzero(mask.any(-1), as_tuple=True)  # chunks with a trained step
+        chunks = mask.any(-1)  # chunks with a trained step (and, with a critic, every executed chunk)
+        if self.critic is not None:
+            chunks = chunks | p["value_mask"].bool()
+        ep, ch = torch.nonzero(chunks, as_tuple=True)
         tasks = [self.cfg.env.tasks[i] for i in p["task_index"][ep].tolist()]
         text_ids = [self._text_ids[t] for t in tasks]
         self.policy.train()
@@ -235,7 +278,12 @@ class RoboticsDomain(DomainBase):
         ent_full = out.detach().index_put((flat,), ent.detach()).view(n, c * s)
         kl_full = out.index_put((flat,), kl).view(n, c * s) if kl is not None else None
         ref_full = out.detach().index_put((flat,), ref_logp).view(n, c * s) if ref_logp is not None else None
-        return StepLogProbs(logp=logp_full, kl=kl_full, ref_logp=ref_full, entropy=ent_full, nfe=int(len(pe)))
+        values = None
+        if self.critic is not None:
+            v = self.critic(h.detach() if self.cfg.critic_detach else h, ch.float().to(self.device) / c)
+            values = torch.zeros(n * c, device=self.device).index_put(((ep * c + ch).to(self.device),), v).view(n, c)
+        return StepLogProbs(logp=logp_full, kl=kl_full, ref_logp=ref_full, entropy=ent_full, nfe=int(len(pe)),
+                            values=values)
 
     def _step_terms(self, policy, h, p, pe, pc, ps, need_kl, text_ids, ep, ch, rows):
         m = policy.cfg
@@ -276,13 +324,24 @@ class RoboticsDomain(DomainBase):
 
     # ------------------------------------------------------------------------------------------------------
     def parameters(self) -> list[torch.nn.Parameter]:
-        return [q for q in self.policy.parameters() if q.requires_grad]
+        critic = list(self.critic.parameters()) if self.critic is not None else []
+        return [q for q in self.policy.parameters() if q.requires_grad] + critic
+
+    def critic_parameters(self) -> list[torch.nn.Parameter]:
+        """The value head's parameters (the trainer steps them at ``optim.critic_lr`` when set)."""
+        return list(self.critic.parameters()) if self.critic is not None else []
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().clone() for k, v in self.policy.state_dict().items()}
+        out = {k: v.detach().clone() for k, v in self.policy.state_dict().items()}
+        if self.critic is not None:
+            out.update({f"critic.{k}": v.detach().clone() for k, v in self.critic.state_dict().items()})
+        return out
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self.policy.load_state_dict(state)
+        critic = {k[len("critic."):]: v for k, v in state.items() if k.startswith("critic.")}
+        self.policy.load_state_dict({k: v for k, v in state.items() if not k.startswith("critic.")})
+        if self.critic is not None:
+            self.critic.load_state_dict(critic)
 
     def evaluate(self, iteration: int) -> dict[str, float]:
         gif_dir = self.ctx.run_dir / "gifs" if (self.cfg.gifs and self.ctx.run_dir is not None) else None

@@ -104,14 +104,22 @@ def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, method: str
 # Trees: sequence/node i has parent[i] (−1 for a root); leaves carry rewards, internal nodes NaN.
 
 
-def tree_values(parent: torch.Tensor, leaf_reward: torch.Tensor) -> torch.Tensor:
+def tree_values(parent: torch.Tensor, leaf_reward: torch.Tensor,
+                fusion_logit: torch.Tensor | None = None) -> torch.Tensor:
     """Monte-Carlo node values: v(i) = mean of the rewards of the leaves below i (a leaf's value is its reward).
 
     BranchGRPO "reward fusion" / TreeGRPO "reward backpropagation". Values given for internal nodes are
     ignored; leaves with NaN reward are excluded (a node with no finite leaf gets NaN).
+
+    ``fusion_logit`` ``[N]`` (BranchGRPO's log-prob-weighted fusion; the domain sets ``Rollout.fusion_logit``, e.g.
+    the edge log-prob into each node over a temperature): bottom-up, a node's value is the softmax-weighted mean of
+    its children's, ``v(i) = Σ_c softmax_c(ℓ_c) v(c)`` over the children c with a finite value. Equal logits give
+    the mean of the children's values (= the leaf mean for trees whose siblings have equally many leaves).
     """
     parent = torch.as_tensor(parent, dtype=torch.long)
     r = torch.as_tensor(leaf_reward, dtype=torch.float64)
+    if fusion_logit is not None:
+        return _fused_values(parent, r, torch.as_tensor(fusion_logit, dtype=torch.float64))
     n = parent.numel()
     leaf = is_leaf(parent) & torch.isfinite(r)
     total = torch.where(leaf, r, torch.zeros_like(r))
@@ -130,6 +138,26 @@ def tree_values(parent: torch.Tensor, leaf_reward: torch.Tensor) -> torch.Tensor
     return out.float()
 
 
+def _fused_values(parent: torch.Tensor, r: torch.Tensor, logit: torch.Tensor) -> torch.Tensor:
+    if logit.shape != parent.shape:
+        raise ValueError(f"fusion_logit has shape {tuple(logit.shape)}, expected {tuple(parent.shape)}")
+    depth = tree_depth(parent)
+    value = torch.where(is_leaf(parent), r, torch.full_like(r, float("nan")))
+    for d in range(int(depth.max()) if depth.numel() else 0, 0, -1):
+        kids = torch.nonzero((depth == d) & torch.isfinite(value)).flatten()
+        if kids.numel() == 0:
+            continue
+        par = parent[kids]
+        # a softmax per parent: subtract each parent's max logit, then normalise by segment sums
+        m = torch.full_like(r, -float("inf")).scatter_reduce(0, par, logit[kids], "amax")
+        w = torch.exp(logit[kids] - m[par])
+        z = torch.zeros_like(r).index_add_(0, par, w)
+        num = torch.zeros_like(r).index_add_(0, par, w * value[kids])
+        has = z > 0
+        value = torch.where(has, num / torch.where(has, z, torch.ones_like(z)), value)
+    return value.float()
+
+
 def _tree_zscore(parent: torch.Tensor, v: torch.Tensor, eps: float) -> torch.Tensor:
     depth, root = tree_depth(parent), tree_roots(parent)
     adv = torch.zeros_like(v, dtype=torch.float64)
@@ -145,42 +173,48 @@ def _tree_zscore(parent: torch.Tensor, v: torch.Tensor, eps: float) -> torch.Ten
 
 
 @register("depth_zscore", tree=True)
-def depth_zscore(parent: torch.Tensor, leaf_reward: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+def depth_zscore(parent: torch.Tensor, leaf_reward: torch.Tensor, eps: float = 1e-6,
+                 fusion_logit: torch.Tensor | None = None) -> torch.Tensor:
     """BranchGRPO (Li et al. 2025): A(i) = (v(i) − mean_d) / (std_d + eps) over the nodes at i's depth d in i's
     tree; roots 0; a depth level with zero std gives 0."""
     parent = torch.as_tensor(parent, dtype=torch.long)
-    return _tree_zscore(parent, tree_values(parent, leaf_reward), eps)
+    return _tree_zscore(parent, tree_values(parent, leaf_reward, fusion_logit), eps)
 
 
 @register("sibling", tree=True)
-def sibling(parent: torch.Tensor, leaf_reward: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+def sibling(parent: torch.Tensor, leaf_reward: torch.Tensor, eps: float = 1e-6,
+            fusion_logit: torch.Tensor | None = None) -> torch.Tensor:
     """TreeRL local advantage (Hou et al. 2025): A(i) = v(i) − v(parent(i)); roots 0."""
     parent = torch.as_tensor(parent, dtype=torch.long)
-    v = tree_values(parent, leaf_reward)
+    v = tree_values(parent, leaf_reward, fusion_logit)
     adv = v - v[parent.clamp(min=0)]
     return torch.where((parent >= 0) & torch.isfinite(adv), adv, torch.zeros_like(adv))
 
 
 @register("leaf_global", tree=True)
-def leaf_global(parent: torch.Tensor, leaf_reward: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+def leaf_global(parent: torch.Tensor, leaf_reward: torch.Tensor, eps: float = 1e-6,
+                fusion_logit: torch.Tensor | None = None) -> torch.Tensor:
     """TreeRL global advantage: A(i) = v(i) − v(root(i)); roots 0."""
     parent = torch.as_tensor(parent, dtype=torch.long)
-    v = tree_values(parent, leaf_reward)
+    v = tree_values(parent, leaf_reward, fusion_logit)
     adv = v - v[tree_roots(parent)]
     return torch.where((parent >= 0) & torch.isfinite(adv), adv, torch.zeros_like(adv))
 
 
 @register("treerl", tree=True)
-def treerl(parent: torch.Tensor, leaf_reward: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+def treerl(parent: torch.Tensor, leaf_reward: torch.Tensor, eps: float = 1e-6,
+           fusion_logit: torch.Tensor | None = None) -> torch.Tensor:
     """TreeRL combined: A(i) = [(v(i) − v(root)) + (v(i) − v(parent))] / sqrt(#leaves below i); roots 0."""
     parent = torch.as_tensor(parent, dtype=torch.long)
     cnt = leaf_counts(parent).double()
-    adv = (leaf_global(parent, leaf_reward) + sibling(parent, leaf_reward)).double() / cnt.clamp(min=1).sqrt()
+    adv = (leaf_global(parent, leaf_reward, fusion_logit=fusion_logit)
+           + sibling(parent, leaf_reward, fusion_logit=fusion_logit)).double() / cnt.clamp(min=1).sqrt()
     return adv.float()
 
 
 @register("tree_leaf_zscore", tree=True)
-def tree_leaf_zscore(parent: torch.Tensor, leaf_reward: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+def tree_leaf_zscore(parent: torch.Tensor, leaf_reward: torch.Tensor, eps: float = 1e-6,
+                     fusion_logit: torch.Tensor | None = None) -> torch.Tensor:
     """TreeGRPO reward backup (Ding & Ye 2025), as implemented here.
 
     Leaf advantages are GRPO z-scores among the leaves of the tree, ``A(l) = (r_l - mu_T) / (sigma_T + eps)``
@@ -191,7 +225,7 @@ def tree_leaf_zscore(parent: torch.Tensor, leaf_reward: torch.Tensor, eps: float
     """
     parent = torch.as_tensor(parent, dtype=torch.long)
     r = torch.as_tensor(leaf_reward, dtype=torch.float64)
-    v = tree_values(parent, r).double()
+    v = tree_values(parent, r, fusion_logit).double()
     root = tree_roots(parent)
     leaf = is_leaf(parent) & torch.isfinite(r)
     adv = torch.zeros_like(v)
@@ -207,11 +241,15 @@ def tree_leaf_zscore(parent: torch.Tensor, leaf_reward: torch.Tensor, eps: float
     return adv.float()
 
 
-def tree_advantages(parent: torch.Tensor, leaf_reward: torch.Tensor, method: str = "depth_zscore", eps: float = 1e-6) -> torch.Tensor:
-    """Advantage of the edge parent(i) → i for every node i (0 for roots) by registered tree ``method``."""
+def tree_advantages(parent: torch.Tensor, leaf_reward: torch.Tensor, method: str = "depth_zscore", eps: float = 1e-6,
+                    fusion_logit: torch.Tensor | None = None) -> torch.Tensor:
+    """Advantage of the edge parent(i) → i for every node i (0 for roots) by registered tree ``method``; node values
+    by :func:`tree_values` (``fusion_logit``: BranchGRPO's log-prob-weighted fusion, None = leaf mean)."""
     if method not in TREE_ESTIMATORS:
         raise KeyError(f"unknown tree advantage estimator {method!r}; known: {sorted(TREE_ESTIMATORS)}")
-    return TREE_ESTIMATORS[method](parent, leaf_reward, eps=eps).float()
+    if fusion_logit is None:
+        return TREE_ESTIMATORS[method](parent, leaf_reward, eps=eps).float()
+    return TREE_ESTIMATORS[method](parent, leaf_reward, eps=eps, fusion_logit=fusion_logit).float()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -227,6 +265,7 @@ def combine_rewards(
     parent: torch.Tensor | None = None,
     clip: float | None = None,
     eps: float = 1e-6,
+    fusion_logit: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Advantages from several named rewards.
 
@@ -246,7 +285,7 @@ def combine_rewards(
         if method in TREE_ESTIMATORS:
             if parent is None:
                 raise ValueError(f"tree estimator {method!r} needs a tree rollout (parent array)")
-            return tree_advantages(parent, r, method, eps)
+            return tree_advantages(parent, r, method, eps, fusion_logit)
         return group_advantages(r, group_ids, method, eps)
 
     if mode == "sum_then_normalize":
@@ -259,3 +298,75 @@ def combine_rewards(
     if clip is not None:
         adv = adv.clamp(-clip, clip)
     return adv
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Per-decision estimators with a critic (PPO). A sequence is a chain of C *decisions* (robotics: action chunks;
+# each decision owns T / C consecutive log-prob steps); the domain supplies the critic's value of the state at
+# each decision (``Rollout.payload["values"]`` [N, C]) and which decisions were taken (``payload["value_mask"]``
+# [N, C] bool, a prefix of each row); the sequence's (weighted) outcome reward is the reward of its last decision,
+# plus the optional per-decision rewards ``payload["step_rewards"]`` [N, C]. The value after the last decision is
+# 0 (the episode ended: success, or the horizon). These estimators use no groups.
+
+STEP_ESTIMATORS: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {}
+
+
+def register_step(name: str):
+    def deco(fn):
+        STEP_ESTIMATORS[name] = fn
+        return fn
+
+    return deco
+
+
+@register_step("gae")
+def gae(rewards: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, gamma: float = 1.0,
+        lam: float = 0.95) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE (Schulman et al. 2016, "High-Dimensional Continuous Control Using Generalized Advantage Estimation"),
+    as PPO for VLAs (RL4VLA; πRL's critic over action chunks):
+
+    δ_c = r_c + γ·V_{c+1}·[c+1 taken] − V_c,   A_c = δ_c + γλ·A_{c+1}·[c+1 taken],   R_c = A_c + V_c,
+
+    over each row's taken decisions (``valid``, a prefix); 0 elsewhere. ``rewards``, ``values`` ``[N, C]``.
+    Returns (advantages A, value targets R), both ``[N, C]`` float32. λ = 1 gives A_c = Σ_{k≥c} γ^{k−c} r_k − V_c
+    (Monte-Carlo return minus the baseline); λ = 0 gives the one-step TD error δ_c.
+    """
+    r, v, m = rewards.double(), values.double(), valid.bool()
+    n, c = r.shape
+    adv = torch.zeros(n, c, dtype=torch.float64)
+    nxt_adv = torch.zeros(n, dtype=torch.float64)
+    nxt_val = torch.zeros(n, dtype=torch.float64)
+    nxt_ok = torch.zeros(n, dtype=torch.bool)
+    for t in range(c - 1, -1, -1):
+        ok = m[:, t]
+        cont = nxt_ok.double()
+        delta = r[:, t] + gamma * nxt_val * cont - v[:, t]
+        a_t = torch.where(ok, delta + gamma * lam * nxt_adv * cont, torch.zeros_like(delta))
+        adv[:, t] = a_t
+        nxt_adv, nxt_val, nxt_ok = a_t, torch.where(ok, v[:, t], torch.zeros_like(delta)), ok
+    ret = torch.where(m, adv + v, torch.zeros_like(adv))
+    return adv.float(), ret.float()
+
+
+def terminal_rewards(outcome: torch.Tensor, valid: torch.Tensor, step_rewards: torch.Tensor | None = None) -> torch.Tensor:
+    """``[N, C]`` per-decision rewards: each row's ``outcome[N]`` at its last taken decision (``valid`` prefix),
+    plus ``step_rewards`` where given. A row with no taken decision gets nothing."""
+    m = valid.bool()
+    out = torch.zeros(m.shape, dtype=torch.float32)
+    last = m.long().sum(1) - 1
+    rows = torch.nonzero(last >= 0).flatten()
+    out[rows, last[rows]] = outcome.float()[rows]
+    if step_rewards is not None:
+        out = out + torch.where(m, step_rewards.float(), torch.zeros_like(out))
+    return out
+
+
+def step_advantages(method: str, outcome: torch.Tensor, values: torch.Tensor, valid: torch.Tensor,
+                    gamma: float, lam: float, step_rewards: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-decision advantages and value targets of registered step estimator ``method`` (see ``gae``)."""
+    if method not in STEP_ESTIMATORS:
+        raise KeyError(f"unknown step advantage estimator {method!r}; known: {sorted(STEP_ESTIMATORS)}")
+    if values.shape != valid.shape:
+        raise ValueError(f"values {tuple(values.shape)} and value_mask {tuple(valid.shape)} must have one entry per "
+                         f"decision, [N, C]")
+    return STEP_ESTIMATORS[method](terminal_rewards(outcome, valid, step_rewards), values, valid, gamma=gamma, lam=lam)

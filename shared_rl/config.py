@@ -233,18 +233,26 @@ class RolloutConfig:
 class AdvantageConfig:
     estimator: str = field(default="grpo", metadata={
         "help": "flat: grpo | batch_std | dr_grpo | rloo | mc_median; tree rollouts: depth_zscore | sibling | "
-                "leaf_global | treerl | tree_leaf_zscore"})
+                "leaf_global | treerl | tree_leaf_zscore; with a critic (PPO; the domain supplies values): gae"})
     clip: Optional[float] = field(default=5.0, metadata={"help": "clip advantages to [-clip, clip]; null = no clip"})
     multi_reward: Literal["normalize_then_sum", "sum_then_normalize"] = field(default="sum_then_normalize", metadata={
         "help": "several rewards: sum_then_normalize (weighted sum, one estimator) | normalize_then_sum (GDPO)"})
     weights: dict[str, float] = field(default_factory=dict, metadata={
         "help": "reward name -> weight (missing names weigh 1.0; 0 = logged only)"})
     eps: float = field(default=1e-6, metadata={"help": "added to the std in z-score estimators"})
+    gamma: float = field(default=1.0, metadata={"help": "gae: discount per decision (action chunk), in (0, 1]"})
+    lam: float = field(default=0.95, metadata={"help": "gae: lambda in [0, 1] (1 = Monte-Carlo return - value)"})
+    normalize: Literal["none", "batch"] = field(default="none", metadata={
+        "help": "gae: none | batch (z-score the advantages over the iteration's taken decisions, as PPO)"})
 
     def check(self, where: str) -> None:
-        from .advantages import ESTIMATORS, TREE_ESTIMATORS
+        from .advantages import ESTIMATORS, STEP_ESTIMATORS, TREE_ESTIMATORS
 
-        known = sorted(ESTIMATORS) + sorted(TREE_ESTIMATORS)
+        if not 0 < self.gamma <= 1:
+            raise ConfigError(f"{where}.gamma must be in (0, 1], got {self.gamma}")
+        if not 0 <= self.lam <= 1:
+            raise ConfigError(f"{where}.lam must be in [0, 1], got {self.lam}")
+        known = sorted(ESTIMATORS) + sorted(TREE_ESTIMATORS) + sorted(STEP_ESTIMATORS)
         if self.estimator not in known:
             close = difflib.get_close_matches(self.estimator, known, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
@@ -279,6 +287,12 @@ class LossConfig:
     kl_coef: float = field(default=0.0, metadata={"help": "weight of the KL(policy || reference) term; 0 = no KL"})
     kl_estimator: str = field(default="domain", metadata={
         "help": "shared_rl.losses.KL_ESTIMATORS entry: domain (the domain's own KL, else k3) | k1 | k3"})
+    value_coef: float = field(default=0.0, metadata={
+        "help": "weight of the critic's value loss (PPO with advantage.estimator: gae); 0 = no value loss"})
+    value_clip: Optional[float] = field(default=None, metadata={
+        "help": "clip the new value to V_old +- value_clip in the value loss (PPO2 / RL4VLA); null = no clip"})
+    critic_warmup: int = field(default=0, metadata={
+        "help": "first iterations that train only the critic (policy loss weight 0); needs value_coef > 0"})
 
     def check(self, where: str) -> None:
         from .losses import KL_ESTIMATORS, POLICY_LOSSES
@@ -298,6 +312,13 @@ class LossConfig:
         _positive(f"{where}.", "sapo_tau_neg", self.sapo_tau_neg)
         _positive(f"{where}.", "objective_adv_max", self.objective_adv_max)
         _positive(f"{where}.", "kl_coef", self.kl_coef, allow_zero=True)
+        _positive(f"{where}.", "value_coef", self.value_coef, allow_zero=True)
+        if self.value_clip is not None:
+            _positive(f"{where}.", "value_clip", self.value_clip)
+        _positive(f"{where}.", "critic_warmup", self.critic_warmup, allow_zero=True)
+        if self.critic_warmup and self.value_coef <= 0:
+            raise ConfigError(f"{where}.critic_warmup={self.critic_warmup} trains only the critic, but value_coef "
+                              f"is 0; set {where}.value_coef > 0 (e.g. 0.5)")
         if self.max_steps_norm is not None:
             _positive(f"{where}.", "max_steps_norm", self.max_steps_norm)
 
@@ -312,6 +333,8 @@ class OptimConfig:
     warmup_steps: int = field(default=0, metadata={"help": "optimizer steps of linear warm-up to lr; 0 = none"})
     schedule: Literal["constant", "cosine", "linear"] = field(
         default="constant", metadata={"help": "lr after warm-up: constant | cosine | linear (decay to 0 at the end)"})
+    critic_lr: Optional[float] = field(default=None, metadata={
+        "help": "learning rate of the domain's critic (PPO, its critic_parameters()); null = lr"})
     inner_epochs: int = field(default=1, metadata={"help": "passes over each iteration's rollouts (PPO epochs)"})
     minibatches_per_epoch: int = field(default=1, metadata={"help": "optimizer steps per inner epoch"})
     micro_batch_size: int = field(
@@ -319,6 +342,8 @@ class OptimConfig:
 
     def check(self, where: str) -> None:
         _positive(f"{where}.", "lr", self.lr)
+        if self.critic_lr is not None:
+            _positive(f"{where}.", "critic_lr", self.critic_lr)
         _positive(f"{where}.", "inner_epochs", self.inner_epochs)
         _positive(f"{where}.", "minibatches_per_epoch", self.minibatches_per_epoch)
         _positive(f"{where}.", "micro_batch_size", self.micro_batch_size, allow_zero=True)
@@ -351,6 +376,8 @@ class SelectionConfig:
     history_window: int = field(
         default=2, metadata={"help": "history: skip a key after this many all-success or all-fail groups"})
     history_readmit_after: int = field(default=5, metadata={"help": "history: iterations until a skipped key returns"})
+    balance: bool = field(default=False, metadata={
+        "help": "draw the same number of keys from each of the domain's key strata (robotics: tasks) per iteration"})
 
     def check(self, where: str) -> None:
         lo, hi = (self.band + [None, None])[:2]
@@ -498,6 +525,14 @@ def load_train_config(data: dict) -> TrainConfig:
         raise ConfigError(f"optim.minibatches_per_epoch={cfg.optim.minibatches_per_epoch} is more than the "
                           f"{cfg.rollout.groups_per_iteration}x{cfg.rollout.group_size}={sequences} sequences an "
                           f"iteration samples (each optimizer step needs one); use at most {sequences}")
+    from .advantages import STEP_ESTIMATORS
+
+    if est in STEP_ESTIMATORS and structure != "flat":
+        raise ConfigError(f"advantage.estimator {est!r} needs flat rollouts (sequences of decisions); this config's "
+                          f"{domain} rollouts are trees: use a tree estimator ({', '.join(TREE_ESTIMATORS)})")
+    if est not in STEP_ESTIMATORS and cfg.loss.value_coef > 0:
+        raise ConfigError(f"loss.value_coef={cfg.loss.value_coef} trains a critic, but advantage.estimator {est!r} "
+                          f"uses none; set advantage.estimator: gae (PPO) or loss.value_coef: 0")
     check_domain = getattr(cfg.domain_config, "check_with", None)
     if callable(check_domain):
         check_domain(cfg)

@@ -21,6 +21,13 @@ consolidated step)); the trainer counts, filters, refills and trims by requested
 several groups per key lists the key once per group and, when one call may request the same key twice, says
 which request each group answers in ``Rollout.key_index``.
 
+**A critic (PPO, ``advantage.estimator: gae``).** The domain's rollout puts in its payload ``values`` ``[N, C]``
+(the critic's value of the state at each of a sequence's C decisions, e.g. action chunks; each decision owns
+T / C consecutive steps) and ``value_mask`` ``[N, C]`` (the decisions taken, a prefix of each row), optionally
+``step_rewards`` ``[N, C]``; ``log_probs`` returns ``StepLogProbs.values`` with grad, and the critic's parameters
+are among ``parameters()``. The trainer turns them into per-step advantages (``advantages.gae``) and adds
+``loss.value_coef ·`` the value loss (``losses.value_loss``).
+
 **Deferred behaviour log-probs.** A domain whose rollout is sampled by the current weights may leave
 ``logp_old`` to the trainer's first forward: it marks those steps in ``Rollout.logp_deferred``.
 
@@ -72,6 +79,7 @@ class StepLogProbs:
     objective_pos: torch.Tensor | None = None
     objective_neg: torch.Tensor | None = None
     step_std: torch.Tensor | None = None  # [n, T] each step's transition std (flow domains; GRPO-Guard's RatioNorm)
+    values: torch.Tensor | None = None  # [n, C] the critic's value per decision (with grad; PPO, advantage.estimator: gae)
 
 
 @dataclass

@@ -55,7 +55,8 @@ def global_view(dist: Dist, local: Rollout | None) -> Rollout:
     if not dist.enabled:
         assert local is not None
         return Rollout(local.keys, local.group_ids, local.rewards, local.logp_old, local.mask, local.parent, {},
-                       local.nfe, {}, logp_deferred=local.logp_deferred, origin=local.origin)
+                       local.nfe, {}, logp_deferred=local.logp_deferred, origin=local.origin,
+                       fusion_logit=local.fusion_logit)
     names = gather_reward_names(dist, list(local.rewards) if local is not None else None)
     # ranks pad their steps to the longest rollout (LLM completions differ in length across ranks)
     T = int(dist.all_reduce_(torch.tensor([local.num_steps if local is not None else 0]), "max"))
@@ -74,7 +75,9 @@ def global_view(dist: Dist, local: Rollout | None) -> Rollout:
         key = torch.tensor(local.keys, dtype=torch.long)[local.group_ids]
         rewards = torch.stack([local.rewards[k].float() for k in names], 1) if names else torch.zeros(n, 0)
         logp, mask = pad_t(local.logp_old.float(), 0.0), pad_t(local.mask, False)
+        fusion = local.fusion_logit.float() if local.fusion_logit is not None else torch.full((n,), float("nan"))
     else:
+        fusion = torch.zeros(0)
         origin, ppos = torch.zeros(0, 5, dtype=torch.long), torch.zeros(0, dtype=torch.long)
         key = torch.zeros(0, dtype=torch.long)
         rewards, logp, mask = torch.zeros(0, len(names)), torch.zeros(0, T), torch.zeros(0, T, dtype=torch.bool)
@@ -82,11 +85,12 @@ def global_view(dist: Dist, local: Rollout | None) -> Rollout:
     g_rewards, g_logp = dist.gather_cat(rewards), dist.gather_cat(logp)
     g_mask = dist.gather_cat(mask.to(torch.uint8)).bool()
     g_ppos = dist.gather_cat(ppos)
+    g_fusion = dist.gather_cat(fusion)
     g_nfe = dist.all_reduce_(torch.tensor([float(local.nfe if local is not None else 0)]))
     # sort by (round, call, position); rebuild group ids, keys and parents
     perm = torch.argsort((g_origin[:, 0] * 100_000 + g_origin[:, 1]) * 10_000_000 + g_origin[:, 3])
-    g_origin, g_key, g_rewards, g_logp, g_mask, g_ppos = (
-        x[perm] for x in (g_origin, g_key, g_rewards, g_logp, g_mask, g_ppos))
+    g_origin, g_key, g_rewards, g_logp, g_mask, g_ppos, g_fusion = (
+        x[perm] for x in (g_origin, g_key, g_rewards, g_logp, g_mask, g_ppos, g_fusion))
     group_of: dict[tuple[int, int, int], int] = {}
     keys, gids = [], []
     for (rnd, c, gid, _pos, _draw), k in zip(g_origin.tolist(), g_key.tolist()):
@@ -99,8 +103,10 @@ def global_view(dist: Dist, local: Rollout | None) -> Rollout:
         where = {(r, c, p): i for i, (r, c, _g, p, _d) in enumerate(g_origin.tolist())}
         parent = torch.tensor([where[(r, c, int(pp))] if pp >= 0 else -1
                                for (r, c, _g, _p, _d), pp in zip(g_origin.tolist(), g_ppos.tolist())], dtype=torch.long)
+    fused = parent is not None and bool(torch.isfinite(g_fusion).all()) and g_fusion.numel() > 0
     return Rollout(keys, torch.tensor(gids, dtype=torch.long), {k: g_rewards[:, i] for i, k in enumerate(names)},
-                   g_logp, g_mask, parent, {}, int(g_nfe), {}, origin=g_origin)
+                   g_logp, g_mask, parent, {}, int(g_nfe), {}, origin=g_origin,
+                   fusion_logit=g_fusion if fused else None)
 
 
 def local_index(view: Rollout, local: Rollout | None) -> torch.Tensor:

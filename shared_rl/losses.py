@@ -367,3 +367,23 @@ def kl_per_step(name: str, logp: torch.Tensor, ref_logp: torch.Tensor | None,
     if name not in KL_ESTIMATORS:
         raise KeyError(_unknown("KL estimator", name, KL_ESTIMATORS))
     return KL_ESTIMATORS["domain" if domain_kl is not None else name](logp, ref_logp, domain_kl)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The critic's loss (PPO with ``advantage.estimator: gae``).
+
+
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
+               clip: float | None = None) -> torch.Tensor:
+    """Per-decision value loss ``[n, C]`` (times the mask), PPO2's clipped form (as RL4VLA / πRL):
+
+    L = ½·(V − R)²  without a clip;  L = ½·max((V − R)², (V_old + clip(V − V_old, −ε, ε) − R)²)  with clip ε,
+
+    ``values`` V (with grad), ``old_values`` V_old (the critic at rollout time), ``returns`` R (the GAE targets).
+    """
+    m = mask.to(values.dtype)
+    err = (values - returns) ** 2
+    if clip is not None:
+        v_clip = old_values + (values - old_values).clamp(-clip, clip)
+        err = torch.maximum(err, (v_clip - returns) ** 2)
+    return 0.5 * err * m

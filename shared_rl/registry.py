@@ -19,22 +19,27 @@ DOMAINS: dict[str, str] = {
     "llm": "shared_rl.llm.domain:LLMDomain",
     "visgen": "visgen.domain:VisgenDomain",
     "robotics": "robotics.domain:RoboticsDomain",
+    "robotics-tree": "robotics.branching:TreeRoboticsDomain",
+    "robotics-wm": "robotics.world_model.domain:WorldModelDomain",
 }
 
 SUPERVISED: dict[str, str] = {
     "llm": "shared_rl.llm.pretrain:run",
     "visgen": "visgen.pretrain:run",
     "robotics": "robotics.bc:run",
+    "robotics-wm": "robotics.world_model.train:run",
 }
 
 BENCHMARKS: dict[str, str] = {
     "llm": "bench.llm_vs_trl:run",
     "robotics-sim": "bench.robotics_sim:run",
+    "robotics-world-model": "bench.robotics_world_model:run",
     "visgen-trees": "bench.visgen_trees:run",
     "visgen-video": "bench.visgen_video:run",
     "visgen-rewards": "bench.visgen_rewards:run",
     "visgen-methods": "bench.visgen_methods:run",
     "visgen-two-stage": "bench.visgen_two_stage:run",
+    "gpu-two-stage": "bench.gpu_two_stage:run",
     "scale": "bench.scale:run",
 }
 

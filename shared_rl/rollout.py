@@ -77,6 +77,8 @@ class Rollout:
             ``keys`` argument of the key each group was sampled for. Needed only when a key owns several groups
             and the same key may be requested twice in one call; otherwise None and the trainer infers it
             (``resolve_key_index``). ``cat`` of several rollouts drops it (positions into different requests).
+        fusion_logit: ``[N]`` float, tree rollouts only: per-node logits of a softmax-weighted value fusion
+            (BranchGRPO's log-prob-weighted reward fusion; ``advantages.tree_values``), None = the leaf mean.
         origin: ``[N, 5]`` long, set by the trainer, never by a domain: (refill round, rollout call, group in
             that call, position in that call, draw) of each sequence, where *draw* numbers the keys requested in
             one iteration (all rounds); the trainer counts, filters, refills and trims by draw.
@@ -94,6 +96,7 @@ class Rollout:
     logp_deferred: torch.Tensor | None = None
     key_index: torch.Tensor | None = None
     origin: torch.Tensor | None = None
+    fusion_logit: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         n = self.group_ids.shape[0]
@@ -118,6 +121,9 @@ class Rollout:
         if self.key_index is not None and tuple(self.key_index.shape) != (len(self.keys),):
             raise ValueError(f"key_index has shape {tuple(self.key_index.shape)}, expected ({len(self.keys)},): one "
                              f"entry per group")
+        if self.fusion_logit is not None and (self.parent is None or tuple(self.fusion_logit.shape) != (n,)):
+            raise ValueError(f"fusion_logit must be [N] = ({n},) on a tree rollout (parent set), got "
+                             f"{tuple(self.fusion_logit.shape)}{'' if self.parent is not None else ' without parent'}")
         if self.origin is not None and tuple(self.origin.shape) != (n, 5):
             raise ValueError(f"origin has shape {tuple(self.origin.shape)}, expected ({n}, 5)")
 
@@ -191,6 +197,7 @@ class Rollout:
             logp_deferred=self.logp_deferred[idx],
             key_index=self.key_index[torch.tensor(uniq, dtype=torch.long)] if self.key_index is not None else None,
             origin=self.origin[idx] if self.origin is not None else None,
+            fusion_logit=self.fusion_logit[idx] if self.fusion_logit is not None else None,
         )
 
     def index_payload(self, idx: torch.Tensor) -> dict[str, Any]:
@@ -218,6 +225,9 @@ class Rollout:
                 info[k] = info.get(k, 0) + v if isinstance(v, (int, float)) else v
         if parents and len(parents) != len(parts):
             raise ValueError("cannot concatenate tree and flat rollouts")
+        fused = [p.fusion_logit for p in parts if p.fusion_logit is not None]
+        if fused and len(fused) != len(parts):
+            raise ValueError("cannot concatenate rollouts with and without fusion_logit")
         return Rollout(
             keys=keys,
             group_ids=torch.cat(gids),
@@ -230,4 +240,5 @@ class Rollout:
             info=info,
             logp_deferred=torch.cat([p.logp_deferred for p in parts]),
             origin=torch.cat([p.origin for p in parts]) if all(p.origin is not None for p in parts) else None,
+            fusion_logit=torch.cat(fused) if fused else None,
         )

@@ -207,3 +207,37 @@ def make_sampler(cfg) -> UniformSampler:
     if cfg.sampler == "history":
         return HistorySkipSampler(cfg.history_window, cfg.history_readmit_after)
     raise ValueError(f"unknown sampler {cfg.sampler!r}")
+
+
+class StratifiedSampler:
+    """Per-stratum balanced keys (``selection.balance: true``): the ``n`` keys of an iteration are split as evenly as
+    possible over the strata the domain's ``key_stratum(key)`` names (robotics: the task of a reset state), each
+    stratum's share drawn by the wrapped sampler from that stratum's keys (so history skipping and VADE still apply
+    within a stratum); when n is not a multiple of the number of strata, the strata that get one key more are drawn
+    at random. Every stratum's keys also pass through the wrapped sampler's ``update``."""
+
+    def __init__(self, inner: UniformSampler, stratum) -> None:
+        self.inner, self.stratum = inner, stratum
+
+    def select(self, keys: Sequence[int], n: int, generator: torch.Generator) -> list[int]:
+        groups: dict[Any, list[int]] = {}
+        for k in keys:
+            groups.setdefault(self.stratum(k), []).append(k)
+        names = sorted(groups)
+        base, extra = divmod(n, len(names))
+        lucky = set(torch.randperm(len(names), generator=generator)[:extra].tolist())
+        out: list[int] = []
+        for i, name in enumerate(names):
+            m = base + (1 if i in lucky else 0)
+            if m:
+                out += self.inner.select(groups[name], m, generator)
+        return out
+
+    def update(self, keys: Sequence[int], successes: Sequence[float], counts: Sequence[int], iteration: int) -> None:
+        self.inner.update(keys, successes, counts, iteration)
+
+    def state_dict(self) -> dict:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.inner.load_state_dict(state)

@@ -21,12 +21,12 @@ from typing import Any
 
 import torch
 
-from .advantages import combine_rewards
+from .advantages import STEP_ESTIMATORS, combine_rewards, step_advantages
 from .checkpoint import load_latest_checkpoint, rng_state, save_checkpoint, set_rng_state
 from .config import ConfigError, ResourceError, TrainConfig, dump_train_config
 from .domain import RunContext, StepLogProbs
 from .gather import PER_STEP_STATS, StepStats, any_rank, global_view, local_index, padding_forward, reduce_stats
-from .losses import Normalizer, aggregate, get_policy_loss, kl_per_step
+from .losses import Normalizer, aggregate, get_policy_loss, kl_per_step, value_loss
 from .metrics import MetricsLogger, plot_metrics
 from .registry import resolve_domain
 from .rollout import Rollout
@@ -118,10 +118,19 @@ class Trainer:
         if not params:
             raise ConfigError(f"domain {cfg.domain!r} exposes no trainable parameters")
         o = cfg.optim
-        self.optimizer = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+        groups = self._param_groups(params)
+        self.optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
         self.steps_per_iteration = o.inner_epochs * o.minibatches_per_epoch
         self.scheduler = make_scheduler(self.optimizer, o, cfg.iterations * self.steps_per_iteration)
         self.sampler = make_sampler(cfg.selection)
+        if cfg.selection.balance:
+            stratum = getattr(self.domain, "key_stratum", None)
+            if not callable(stratum):
+                raise ConfigError(f"selection.balance: true needs the domain's key_stratum(key) hook, which domain "
+                                  f"{cfg.domain!r} does not have; set selection.balance: false")
+            from .selection import StratifiedSampler
+
+            self.sampler = StratifiedSampler(self.sampler, stratum)
         # reward name -> weight: advantage.weights, else the domain's own defaults (e.g. llm.rewards[].weight);
         # read here, never written back into the trainer's config sections
         defaults = getattr(cfg.domain_config, "default_reward_weights", None)
@@ -129,12 +138,27 @@ class Trainer:
         self.start_iteration = 0
         self.nonfinite_steps = 0
         self.nonfinite_total = 0
+        self._critic = None  # (old values, value targets, value mask) of this iteration's local rows (gae)
+        self._policy_weight = 1.0  # 0 during loss.critic_warmup
         self.padding_forwards = 0  # FSDP2: weight-0 forwards run to keep collectives paired (see _optimizer_step)
         self.history: list[dict[str, Any]] = []
         self._stop_requested = False
         self.stop_signal: str | None = None  # "SIGINT" / "SIGTERM" once one asked the run to stop
         self.restored_from: Path | None = None
         self.resume_note: dict[str, Any] = {}  # merged into the first record after a resume (e.g. its overrides)
+
+    def _param_groups(self, params: list[torch.nn.Parameter]) -> list[dict[str, Any]]:
+        """One AdamW group, or two when the domain names its critic's parameters (``critic_parameters()``) and
+        ``optim.critic_lr`` is set: the critic then steps at its own rate (PPO practice; a value table or head
+        moving at the policy's rate turns its own noise into advantage noise)."""
+        hook = getattr(self.domain, "critic_parameters", None)
+        critic_lr = self.cfg.optim.critic_lr
+        if critic_lr is None or not callable(hook):
+            return [{"params": params}]
+        critic_ids = {id(p) for p in hook()}
+        policy = [p for p in params if id(p) not in critic_ids]
+        critic = [p for p in params if id(p) in critic_ids]
+        return [g for g in ({"params": policy}, {"params": critic, "lr": critic_lr}) if g["params"]]
 
     def _setup_fsdp(self):
         """Shard the domain's ``fsdp_modules()`` with FSDP2 (several processes) after checking the layout."""
@@ -214,14 +238,20 @@ class Trainer:
             metrics.update({"time/train": 0.0, "lr": self.scheduler.get_last_lr()[0], "nfe/train": 0})
             return metrics
 
-        # 5. advantages on the global view: one per sequence (tree estimators read the parent array)
+        # 5. advantages on the global view: one per sequence (tree estimators read the parent array), or, with a
+        #    critic (gae), one per step from each sequence's rewards and values (no groups: computed locally)
         a = cfg.advantage
-        adv = combine_rewards(view.rewards, view.group_ids, a.estimator, self.reward_weights, a.multi_reward,
-                              view.parent, a.clip, a.eps)
-        metrics["advantage/abs_mean"] = float(adv.abs().mean())
+        to_local = local_index(view, local)  # global sequence -> this rank's sequence, or -1
+        self._critic = None
+        if a.estimator in STEP_ESTIMATORS:
+            adv = self._step_advantages(local, view, to_local, metrics)
+        else:
+            adv = combine_rewards(view.rewards, view.group_ids, a.estimator, self.reward_weights, a.multi_reward,
+                                  view.parent, a.clip, a.eps, fusion_logit=view.fusion_logit)
+            metrics["advantage/abs_mean"] = float(adv.abs().mean())
+        self._policy_weight = 0.0 if it < cfg.loss.critic_warmup else 1.0
 
         # 6. inner epochs of minibatches; each minibatch is one optimizer step (loss: _loss), split in micro-batches
-        to_local = local_index(view, local)  # global sequence -> this rank's sequence, or -1
         t1 = time.perf_counter()
         nfe_train = self._prefill_deferred_logp(local, to_local)
         stats = StepStats()
@@ -232,7 +262,8 @@ class Trainer:
                 if mb.numel():
                     norm = Normalizer.from_mask(view.mask[mb], cfg.loss.max_steps_norm)
                     mine = mb[to_local[mb] >= 0]
-                    nfe_train += self._optimizer_step(local, to_local[mine], adv[mine], norm, stats)
+                    value_norm = self._value_norm(to_local[mine])
+                    nfe_train += self._optimizer_step(local, to_local[mine], adv[mine], norm, stats, value_norm)
 
         # 7. metrics (summed over ranks)
         metrics.update(reduce_stats(self.dist, stats))
@@ -245,6 +276,64 @@ class Trainer:
         leaves = int(torch.isfinite(next(iter(first.rewards.values()))).sum()) if first.rewards else len(first)
         metrics["samples_per_s"] = leaves / max(metrics["time/iteration"], 1e-9)
         return metrics
+
+    # ---- a critic: per-step advantages (gae) and the value loss ---------------------------------------------------
+    def _step_advantages(self, local: Rollout | None, view: Rollout, to_local: torch.Tensor,
+                         metrics: dict[str, float]) -> torch.Tensor:
+        """``[N, T]`` per-step advantages of the global view's sequences from the domain's critic values
+        (``advantage.estimator`` a ``STEP_ESTIMATORS`` entry; see ``shared_rl.domain``): each sequence's weighted
+        reward sum is the reward of its last decision. Only this rank's rows are filled (the others are trained
+        elsewhere); ``advantage.normalize: batch`` z-scores over the taken decisions of every rank's kept rows.
+        Keeps (old values, value targets, value mask) of the local rows for the value loss."""
+        cfg, a = self.cfg, self.cfg.advantage
+        n, t = view.mask.shape
+        adv_view = torch.zeros(n, t)
+        rows = torch.nonzero(to_local >= 0).flatten()
+        if local is None:
+            if a.normalize == "batch":  # the other ranks' collective
+                self.dist.all_reduce_(torch.zeros(3, dtype=torch.float64))
+            return adv_view
+        p = local.payload
+        if "values" not in p or "value_mask" not in p:
+            raise ConfigError(f"advantage.estimator {a.estimator!r} needs the critic's values, but domain "
+                              f"{cfg.domain!r} rollouts carry none (payload 'values' and 'value_mask'); enable the "
+                              f"domain's critic (robotics: robotics.critic: true) or use a group estimator (grpo)")
+        values, vmask = p["values"].float().cpu(), p["value_mask"].bool().cpu()
+        if t % values.shape[1]:
+            raise ValueError(f"domain {cfg.domain!r}: {t} log-prob steps do not split into the {values.shape[1]} "
+                             f"decisions of payload['values']")
+        w = self.reward_weights
+        outcome = sum(w.get(k, 1.0) * r.float() for k, r in local.rewards.items() if w.get(k, 1.0) != 0)
+        step_r = p.get("step_rewards")
+        adv_c, returns = step_advantages(a.estimator, outcome, values, vmask, a.gamma, a.lam,
+                                         step_r.float().cpu() if step_r is not None else None)
+        mine = to_local[rows]
+        m = vmask[mine]
+        if a.normalize == "batch":
+            x = adv_c[mine][m].double()
+            st = self.dist.all_reduce_(torch.stack([x.new_tensor(float(x.numel())), x.sum(), (x * x).sum()]))
+            cnt = max(float(st[0]), 1.0)
+            mean = float(st[1]) / cnt
+            std = math.sqrt(max(float(st[2]) / cnt - mean * mean, 0.0))
+            adv_c = torch.where(vmask, (adv_c - mean) / (std + a.eps), torch.zeros_like(adv_c))
+        if a.clip is not None:
+            adv_c = adv_c.clamp(-a.clip, a.clip)
+        adv_view[rows] = adv_c.repeat_interleave(t // values.shape[1], dim=1)[mine]
+        self._critic = (values, returns, vmask)
+        metrics["advantage/abs_mean"] = float(adv_c[mine][m].abs().mean()) if m.any() else 0.0
+        if m.any():
+            v, r = values[mine][m], returns[mine][m]
+            metrics["value/mean"] = float(v.mean())
+            var = float(r.var()) if r.numel() > 1 else 0.0
+            metrics["value/explained_variance"] = 1.0 - float((r - v).var()) / var if var > 0 else 0.0
+        return adv_view
+
+    def _value_norm(self, local_rows: torch.Tensor) -> float:
+        """The minibatch's taken decisions over all ranks (the value loss's global denominator); 0 = no critic."""
+        if self.cfg.advantage.estimator not in STEP_ESTIMATORS or self.cfg.loss.value_coef <= 0:
+            return 0.0
+        mine = float(self._critic[2][local_rows].sum()) if self._critic is not None else 0.0
+        return max(float(self.dist.all_reduce_(torch.tensor([mine], dtype=torch.float64))), 1.0)  # every rank
 
     # ---- the loss ----------------------------------------------------------------------------------------------
     def _loss(self, out: StepLogProbs, logp_old: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
@@ -263,7 +352,7 @@ class Trainer:
         return policy + lc.kl_coef * kl, policy, kl, st
 
     def _optimizer_step(self, rollout: Rollout | None, local_idx: torch.Tensor, adv: torch.Tensor,
-                        norm: Normalizer, stats: StepStats) -> int:
+                        norm: Normalizer, stats: StepStats, value_norm: float = 0.0) -> int:
         """One optimizer step over this rank's share ``local_idx`` of a global minibatch (normalised by ``norm``,
         the minibatch's global counts), accumulated over micro-batches; gradients are summed across ranks.
         Under FSDP2 every forward is a collective: ranks with fewer micro-batches than the busiest one add padding
@@ -290,6 +379,15 @@ class Trainer:
             mask = rollout.mask[idx].to(out.logp.device)
             logp_old = self._behaviour_logp(rollout, idx, out)
             loss, policy, kl, st = self._loss(out, logp_old, a.to(out.logp), mask, norm)
+            if self._policy_weight != 1.0:  # critic warm-up (loss.critic_warmup): the policy term weighs 0
+                loss = loss * self._policy_weight
+            if value_norm > 0:
+                if out.values is None:
+                    raise ValueError(f"domain {cfg.domain!r}: loss.value_coef > 0 but log_probs returned no values")
+                old_v, ret, vm = (x[idx].to(out.values.device) for x in self._critic)
+                vl = value_loss(out.values, old_v, ret, vm, cfg.loss.value_clip).sum() / value_norm
+                loss = loss + cfg.loss.value_coef * vl
+                stats.add("loss/value", float(vl.detach()), 0.0)
             stats.add("loss/policy", float(policy.detach()), 0.0)
             if kl is not None:
                 stats.add("loss/kl", float(kl.detach()), 0.0)
@@ -302,6 +400,8 @@ class Trainer:
         # the micro-batch losses summed (over ranks too) are the minibatch loss: count one per optimizer step
         for k in PER_STEP_STATS:
             stats.add(k, 0.0, 1.0)
+        if value_norm > 0:
+            stats.add("loss/value", 0.0, 1.0)
         self._clip_and_step(stats)
         return nfe
 

@@ -129,7 +129,8 @@ class VisgenRollouts:
                        rewards={k: v[rows] for k, v in tree.rewards.items()}, logp_old=logp_old,
                        mask=rows_mask, parent=None if flat else tree.parent.clone(),
                        payload=payload, nfe=forest.nfe, info=info,
-                       key_index=grown.key_index.clone())
+                       key_index=grown.key_index.clone(),
+                       fusion_logit=None if flat else method.fusion_logit(forest))
 
     def _two_stage(self, cond, keys: list[int], group_size: int, sigmas: torch.Tensor, timesteps: torch.Tensor,
                    generator: torch.Generator, iteration: int) -> Grown:

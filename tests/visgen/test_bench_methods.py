@@ -14,7 +14,9 @@ def test_every_method_is_a_valid_demo_config():
     for name in VARIANTS:
         cfg = load_train_config(variant_config(name, 0, 3, quick=False))
         assert cfg.rollout.groups_per_iteration == 32, name  # the demo's 512-image scale for every method
-        assert cfg.domain_config.eval.samples_per_prompt == 4 and cfg.optim.minibatches_per_epoch == 1
+        assert cfg.domain_config.eval.samples_per_prompt == 4
+        # one optimizer step per batch (the demo's) except the likelihood-free objectives' tuned 8
+        assert cfg.optim.minibatches_per_epoch == (8 if name in ("nft", "awm") else 1), name
     assert load_train_config(variant_config("nft", 0, 3, False)).loss.policy_loss == "nft"
 
 
@@ -36,3 +38,31 @@ def test_noise_band_first_reach_and_speedups():
     flat[0]["points"][-1]["score"] = 0.52
     rows, s = rows_from({"flat": flat, "nft": [fast]}, 400)
     assert not s["signal"] and all(r["speedup_nfe_vs_flat"] is None for r in rows)
+
+
+def test_flat_runs_are_reused_only_at_the_same_sizes(tmp_path):
+    import json
+
+    from bench.visgen_methods import _save_partial, load_runs
+    from shared_rl.errors import ConfigError
+
+    run = {"points": [{"iteration": 0, "nfe": 0, "time": 0, "score": 0.5},
+                      {"iteration": 5, "nfe": 50, "time": 5, "score": 0.55},
+                      {"iteration": 10, "nfe": 100, "time": 10, "score": 0.6}],
+           "iterations": 10, "images": 5120, "nfe": 100, "time": 10}
+    short = {**run, "iterations": 7}
+    _save_partial(tmp_path, {"flat": [run], "nft": [short]})
+    assert load_runs([tmp_path / "partial.json"], 10, 5) == {"flat": [run], "nft": [short]}
+    with pytest.raises(ConfigError, match="needs 30 iterations"):
+        load_runs([tmp_path / "partial.json"], 30, 5)
+    with pytest.raises(ConfigError, match="evaluated every 2"):
+        load_runs([tmp_path / "partial.json"], 10, 2)
+    (tmp_path / "old.json").write_text(json.dumps({"rows": []}))
+    with pytest.raises(ConfigError, match="no runs"):
+        load_runs([tmp_path / "old.json"], 10, 5)
+
+
+def test_probe_overrides_reach_the_config():
+    cfg = load_train_config(variant_config("awm", 0, 3, False, overrides=["optim.lr=3e-3",
+                                                                         "visgen.num_inference_steps=5"]))
+    assert cfg.optim.lr == pytest.approx(3e-3) and cfg.domain_config.num_inference_steps == 5

@@ -9,14 +9,13 @@ import pytest
 import torch
 from .conftest import CALL_OPTIONS, SIZES
 
-from shared_rl.advantages import tree_advantages
+from shared_rl.advantages import tree_advantages, tree_values
 from shared_rl.config import ConfigError, from_dict
 from shared_rl.domain import DomainBase
 from shared_rl.advantages import tree_leaf_zscore
 from shared_rl.flow_kernels import flow_step
 from visgen.engine import StepSegment, grow_forest
 from visgen.methods import KernelSettings, method_from_config
-from visgen.methods.branch import fused_values
 from visgen.methods.egrpo import EGRPOSettings, grid_entropies, merge_schedule, step_entropy
 from visgen.pipelines import as_adapter
 from visgen.rollout import VisgenRollouts
@@ -209,11 +208,41 @@ def test_tree_leaf_zscore_hand_computed():
 def test_fused_values_mean_and_logp_softmax():
     parent = torch.tensor([-1, 0, 0, 1, 1, 2, 2])
     r = torch.tensor([float("nan")] * 3 + [1.0, 3.0, 5.0, 7.0])
-    assert torch.allclose(fused_values(parent, r), torch.tensor([4.0, 2.0, 6.0, 1.0, 3.0, 5.0, 7.0]))
+    assert torch.allclose(tree_values(parent, r), torch.tensor([4.0, 2.0, 6.0, 1.0, 3.0, 5.0, 7.0]))
     logp = torch.tensor([0.0, 0.0, math.log(3.0), 0.0, math.log(3.0), 0.0, 0.0])
-    v = fused_values(parent, r, logp)
+    v = tree_values(parent, r, fusion_logit=logp)
     # node 1: weights softmax(0, log 3) = (1/4, 3/4) -> 1/4 + 9/4 = 2.5 ; node 2: 6 ; root: (2.5 + 3 * 6) / 4
     assert torch.allclose(v, torch.tensor([(2.5 + 18) / 4, 2.5, 6.0, 1.0, 3.0, 5.0, 7.0]))
+    # equal logits = the mean of the children's values (= the leaf mean on this balanced tree)
+    assert torch.allclose(tree_values(parent, r, fusion_logit=torch.full((7,), 2.0)), tree_values(parent, r))
+    # a NaN leaf drops out of its parent's softmax
+    r2 = r.clone()
+    r2[4] = float("nan")
+    assert torch.allclose(tree_values(parent, r2, fusion_logit=logp)[1], torch.tensor(1.0))
+    # the estimators see the fused values: sibling advantage of node 2 = v(2) - v(0)
+    adv = tree_advantages(parent, r, "sibling", fusion_logit=logp)
+    assert torch.isclose(adv[2], torch.tensor(6.0 - (2.5 + 18) / 4))
+
+
+def test_branch_logp_softmax_fusion_reaches_the_trainer(sd3_pipe):
+    """fusion: logp_softmax puts the edge log-probs / temperature on the Rollout; the trainer's advantages differ
+    from the mean fusion; take() and cat() carry it."""
+    from shared_rl.rollout import Rollout
+
+    s = {"name": "branch_grpo", "split_steps": [0, 1], "factor": [2], "fusion": "logp_softmax",
+         "fusion_temperature": 50.0}
+    _, ro = run(sd3_pipe, s, keys=[0], group_size=4)
+    assert ro.fusion_logit is not None and ro.fusion_logit.shape == (len(ro),)
+    assert ro.fusion_logit[ro.parent < 0].abs().sum() == 0  # roots: no steps
+    assert ro.fusion_logit[ro.parent >= 0].abs().min() > 0
+    name = next(iter(ro.rewards))
+    fused = tree_advantages(ro.parent, ro.rewards[name], "sibling", fusion_logit=ro.fusion_logit)
+    plain = tree_advantages(ro.parent, ro.rewards[name], "sibling")
+    assert not torch.allclose(fused, plain)
+    both = Rollout.cat([ro, ro.take(torch.arange(len(ro)))])
+    assert torch.equal(both.fusion_logit, torch.cat([ro.fusion_logit, ro.fusion_logit]))
+    _, ro_mean = run(sd3_pipe, {**s, "fusion": "mean"}, keys=[0], group_size=4)
+    assert ro_mean.fusion_logit is None
 
 
 def test_egrpo_groups_share_a_consolidated_step_and_normalise_within_it(sd3_pipe):
@@ -315,8 +344,8 @@ def test_settings_validation():
         method_from_config(branch(split_steps=[3, 1]))
     with pytest.raises(ConfigError, match="one number or one per split"):
         method_from_config(branch(factor=[2, 2]))
-    with pytest.raises(ConfigError, match="logp_softmax"):
-        method_from_config(branch(fusion="logp_softmax"))
+    with pytest.raises(ConfigError, match="fusion_temperature must be > 0"):
+        method_from_config(branch(fusion="logp_softmax", fusion_temperature=0.0))
     with pytest.raises(ConfigError, match="unknown config key"):
         method_from_config(egrpo(groupsize=4))
     with pytest.raises(ConfigError, match="unknown config key.*sde_windows"):  # only -Mix has SDE windows

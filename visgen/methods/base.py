@@ -74,6 +74,11 @@ class RolloutMethod:
         """Called with the leaf rewards on the forest before it becomes a ``Rollout`` (e.g. pruning); returns info."""
         return {}
 
+    def fusion_logit(self, forest: Forest) -> torch.Tensor | None:
+        """``[N]`` per-node logits of the trainer's softmax-weighted tree-value fusion (``Rollout.fusion_logit``);
+        None (the default): a node's value is the mean of the leaf rewards below it."""
+        return None
+
     def describe(self) -> str:
         return self.name
 

@@ -25,7 +25,7 @@ from shared_rl.advantages import TREE_ESTIMATORS, tree_advantages, tree_values
 from shared_rl.config import ConfigError
 from shared_rl.tree import is_leaf, tree_depth
 
-from ..engine import StepSegment, grow_forest
+from ..engine import Forest, StepSegment, grow_forest
 from .base import Grown, RolloutMethod, register_method, require
 
 
@@ -42,9 +42,14 @@ class BranchSettings:
                                      metadata={"help": "noise-level multiplier on split steps (the stored log-prob "
                                                        "uses the scaled std)"})
     fusion: Literal["mean", "logp_softmax"] = field(default="mean",
-                                                    metadata={"help": "node value from its leaves: mean "
-                                                                      "('logp_softmax' needs log-probs in the tree "
-                                                                      "estimator: not yet)"})
+                                                    metadata={"help": "node value from the leaves below: 'mean' of "
+                                                                      "their rewards, or 'logp_softmax' (the paper's "
+                                                                      "weighted fusion: children weighted by a softmax "
+                                                                      "of their edge log-probs / fusion_temperature)"})
+    fusion_temperature: float = field(default=1.0,
+                                      metadata={"help": "logp_softmax: softmax temperature over siblings' edge "
+                                                        "log-probs (summed over the edge's SDE steps); larger = "
+                                                        "closer to the mean"})
     width_prune: Literal["none", "ratio", "best_worst"] = field(default="none",
                                                                 metadata={"help": "train only some leaf edges: 'ratio' "
                                                                                   "(top width_keep by |advantage|) or "
@@ -83,9 +88,7 @@ class BranchSettings:
         if self.depth_prune:
             require(1 <= self.depth_prune[0] < self.depth_prune[1],
                  f"{where}.depth_prune must be [lo, hi) with 1 <= lo < hi (depth 1 = the first edges), got {self.depth_prune}")
-        require(self.fusion == "mean", f"{where}.fusion: 'logp_softmax' needs log-probs inside the shared trainer's tree "
-             "estimator, which it does not pass yet; use 'mean' (visgen.methods.branch.fused_values offers the "
-             "weighted form)")
+        require(self.fusion_temperature > 0, f"{where}.fusion_temperature must be > 0, got {self.fusion_temperature}")
         if self.prune_estimator is not None:
             require(self.prune_estimator in TREE_ESTIMATORS, f"{where}.prune_estimator must be a tree estimator "
                  f"({sorted(TREE_ESTIMATORS)}), got {self.prune_estimator!r}")
@@ -105,29 +108,12 @@ class BranchMixSettings(BranchSettings):
             require(len(w) == 2 and 0 <= w[0] < w[1], f"{where}.sde_windows entries must be [lo, hi), got {w}")
 
 
-def fused_values(parent: torch.Tensor, leaf_reward: torch.Tensor, edge_logp: torch.Tensor | None = None,
-                 temperature: float = 1.0) -> torch.Tensor:
-    """BranchGRPO reward fusion: a node's value from its children's, bottom-up.
-
-    ``edge_logp`` None: ``v(i) = mean of the leaf rewards below i`` (uniform fusion = ``shared_rl`` ``tree_values``).
-    Given (``[N]``, the log-prob of the edge into each node), children are weighted by a softmax of their edge
-    log-probs: ``v(i) = sum_c softmax_c(logp_c / temperature) v(c)`` (the weighted variant of the paper). Leaves with
-    NaN reward are left out (a node with no finite child value is NaN).
-    """
-    parent = torch.as_tensor(parent, dtype=torch.long)
-    r = torch.as_tensor(leaf_reward, dtype=torch.float64)
-    if edge_logp is None:
-        return tree_values(parent, r)
-    logp = torch.as_tensor(edge_logp, dtype=torch.float64)
-    depth = tree_depth(parent)
-    value = torch.where(is_leaf(parent), r, torch.full_like(r, float("nan")))
-    for d in range(int(depth.max()) if depth.numel() else 0, 0, -1):
-        kids = torch.nonzero((depth == d) & torch.isfinite(value)).flatten()
-        for p in torch.unique(parent[kids]).tolist():
-            c = kids[parent[kids] == p]
-            w = torch.softmax(logp[c] / temperature, 0)
-            value[p] = (w * value[c]).sum()
-    return value.float()
+def edge_logp_logits(forest: Forest, temperature: float) -> torch.Tensor:
+    """BranchGRPO's fusion logits: the log-prob of the edge into each node (its SDE steps' summed log-probs) over
+    ``temperature``; roots (no steps) 0. The trainer's tree values then weight siblings by their softmax
+    (``shared_rl.advantages.tree_values(..., fusion_logit)``)."""
+    logp = torch.where(forest.sde, forest.logp, torch.zeros_like(forest.logp)).sum(1)
+    return (logp / temperature).float().cpu()
 
 
 def branch_levels(s: BranchSettings, sigmas: torch.Tensor, timesteps: torch.Tensor, base_noise: float,
@@ -192,10 +178,16 @@ class BranchGRPO(RolloutMethod):
             name = b.prune_reward or next(iter(rewards))
             if name not in rewards:
                 raise ConfigError(f"prune_reward {name!r} is not a reward output; outputs are {sorted(rewards)}")
-            adv = tree_advantages(tree.parent, rewards[name], b.prune_estimator or "depth_zscore")
+            adv = tree_advantages(tree.parent, rewards[name], b.prune_estimator or "depth_zscore",
+                                  fusion_logit=self.fusion_logit(forest))
             keep = "best_worst" if b.width_prune == "best_worst" else b.width_keep
             tree.mask_width(adv, int(tree.depth.max()), keep)
         return {}
+
+    def fusion_logit(self, forest: Forest) -> torch.Tensor | None:
+        if self.settings.fusion == "mean":
+            return None
+        return edge_logp_logits(forest, self.settings.fusion_temperature)
 
 
 @register_method

@@ -1,0 +1,280 @@
+"""``grove train configs/robotics/world_model.yaml`` (kind: supervised, domain: robotics-wm): real data -> world model.
+
+1. Real data (``data``; collected when the file does not exist): scripted-expert demonstrations
+   (``collect.collect_demos``, noisy, failures kept) and rollouts of the VLA checkpoint on *training* reset states
+   (the unchanged ``episodes.run_episodes`` on a ``RecordingEnv``, which also records simulator states at every
+   chunk boundary: the keyframes of imagined GRPO and the audit's replay starts). Every env step is counted.
+2. World model (``model.WorldModel``): windows of ``window`` chunks, Adam, ``train_steps`` steps (or
+   ``time_budget_s``); the ensemble's disagreement is calibrated on held-out episodes (95th percentile).
+3. Success model (``reward.SuccessModel``) on the same real episodes; precision/recall on the held-out ones.
+4. Held-out report: per-step image error of open-loop imagination from real starts with the real actions.
+
+Writes ``export_dir`` (the few-MB asset: ``world_model.*``, ``success_model.*``, ``meta.json``) and
+``run_dir/metrics.jsonl``.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from shared_rl.errors import ConfigError
+
+from ..envs.vector import EnvConfig
+from .data import ChunkEpisode, WindowSampler, episodes_from_demos, load_chunk_episodes, save_chunk_episodes
+from .model import WorldModel, WorldModelConfig
+from .reward import SuccessModel, calibrate_threshold, evaluate_success_model, fit_success_model
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class CollectSettings:
+    """What real interaction the world model gets (every env step is counted in ``meta.json``)."""
+
+    demos_per_task: int = field(default=10, metadata={"help": "scripted-expert episodes per task (failures kept)"})
+    demo_noise: float = field(default=0.3, metadata={"help": "Gaussian action noise of the expert demos"})
+    policy: str = field(default="assets/metaworld-vla-tiny", metadata={"help": "VLA checkpoint whose rollouts are recorded; '' = none"})
+    rollout_states_per_task: int = field(default=24, metadata={"help": "training reset states (indices 0..n-1) per task"})
+    rollouts_per_state: int = field(default=2, metadata={"help": "policy episodes per reset state"})
+    head_mode: str = field(default="sde_one_step", metadata={"help": "the policy's sampling mode (as in GRPO rollouts)"})
+    noise_level: float = field(default=0.7, metadata={"help": "Flow-GRPO noise level of the rollouts"})
+    seed: int = field(default=0, metadata={"help": "seed of the demo noise and the policy sampling"})
+
+
+@dataclass
+class WorldModelTrainConfig:
+    """The ``kind: supervised`` world-model job (``domain: robotics-wm``)."""
+
+    kind: str = field(default="supervised", metadata={"help": "supervised (this job)"})
+    domain: str = field(default="robotics-wm", metadata={"help": "robotics-wm"})
+    data: str = field(default="runs/robotics-wm/data.pkl.gz", metadata={"help": "real chunk episodes; collected when missing"})
+    collect: CollectSettings = field(default_factory=CollectSettings, metadata={"help": "how the data is collected"})
+    env: EnvConfig = field(default_factory=lambda: EnvConfig(tasks=["door-open-v3"]), metadata={"help": "simulator settings"})
+    model: WorldModelConfig = field(default_factory=WorldModelConfig, metadata={"help": "world-model sizes"})
+    train_steps: int = field(default=1500, metadata={"help": "world-model optimizer steps"})
+    time_budget_s: float = field(default=0.0, metadata={"help": "stop world-model training after this many seconds (0 = off)"})
+    batch_size: int = field(default=16, metadata={"help": "windows per step"})
+    window: int = field(default=3, metadata={"help": "chunks per training window (window - 1 open-loop model steps)"})
+    lr: float = field(default=1e-3, metadata={"help": "Adam learning rate (cosine decay)"})
+    success_steps: int = field(default=600, metadata={"help": "success-model optimizer steps"})
+    holdout_fraction: float = field(default=0.15, metadata={"help": "episodes held out for calibration and metrics"})
+    seed: int = field(default=0, metadata={"help": "seed"})
+    threads: int = field(default=1, metadata={"help": "torch CPU threads"})
+    export_dir: str = field(default="assets/metaworld-wm-tiny", metadata={"help": "where the asset is written"})
+
+    def check(self, where: str = "robotics-wm") -> None:
+        if self.env.kind == "metaworld" and self.model.image_size != self.env.image_size:
+            raise ConfigError(f"{where}: model.image_size {self.model.image_size} != env.image_size {self.env.image_size}")
+        if self.window < 2:
+            raise ConfigError(f"{where}.window must be >= 2 (one history chunk plus at least one model step)")
+        if not 0.0 <= self.holdout_fraction < 1.0:
+            raise ConfigError(f"{where}.holdout_fraction must be in [0, 1), got {self.holdout_fraction}")
+        if self.train_steps < 0 or self.batch_size < 1:
+            raise ConfigError(f"{where}: train_steps must be >= 0 and batch_size >= 1")
+
+
+def resolve(path: str) -> Path:
+    p = Path(path)
+    return p if p.is_absolute() or p.exists() else REPO_ROOT / p
+
+
+# ---------------------------------------------------------------------------------------------------------------
+def collect_policy_episodes(policy, venv, keys: list[int], tasks: list[str], head_mode: str, noise_level: float,
+                            horizon: int, generator: torch.Generator, record_states: bool = True) -> list[ChunkEpisode]:
+    """Rollouts of ``policy`` recorded at chunk resolution (the unchanged episode runner on a ``RecordingEnv``)."""
+    from ..episodes import SamplingSettings, run_episodes
+    from .data import RecordingEnv
+
+    rec = RecordingEnv(venv, record_states=record_states)
+    was = policy.training
+    policy.eval()
+    try:
+        run_episodes(policy, rec, keys, tasks, SamplingSettings(mode=head_mode, noise_level=noise_level), horizon, generator)
+    finally:
+        policy.train(was)
+    return rec.episodes("policy")
+
+
+def collect_real_data(c: WorldModelTrainConfig, log=print) -> tuple[list[ChunkEpisode], dict[str, int]]:
+    from ..collect import collect_demos
+    from ..envs.metaworld_env import make_key
+    from ..envs.vector import make_vector_env
+    from ..policies.vla import TinyVLA
+
+    episodes: list[ChunkEpisode] = []
+    steps = {"demo_env_steps": 0, "policy_env_steps": 0}
+    if c.collect.demos_per_task > 0 and c.env.kind == "metaworld":
+        demos = collect_demos(c.env, c.collect.demos_per_task, c.collect.demo_noise, c.collect.seed,
+                              only_successful=False, max_attempts_factor=1, log=log)
+        steps["demo_env_steps"] = int(sum(len(d) for d in demos))
+        episodes += episodes_from_demos(demos, c.model.chunk)
+    if c.collect.policy:
+        policy = TinyVLA.load_pretrained(resolve(c.collect.policy))
+        venv = make_vector_env(c.env)
+        keys, tasks = [], []
+        for t, task in enumerate(c.env.tasks):
+            for i in range(c.collect.rollout_states_per_task):
+                for _ in range(c.collect.rollouts_per_state):
+                    keys.append(make_key(t, "train", i)), tasks.append(task)
+        gen = torch.Generator().manual_seed(c.collect.seed)
+        try:
+            for a in range(0, len(keys), 16):
+                eps = collect_policy_episodes(policy, venv, keys[a:a + 16], tasks[a:a + 16], c.collect.head_mode,
+                                              c.collect.noise_level, c.env.horizon, gen)
+                episodes += eps
+                steps["policy_env_steps"] += sum(e.env_steps for e in eps)
+                log(f"world model data: {len(episodes)} episodes, {sum(steps.values())} env steps")
+        finally:
+            venv.close()
+    return episodes, steps
+
+
+# ---------------------------------------------------------------------------------------------------------------
+def fit_world_model(wm: WorldModel, episodes: list[ChunkEpisode], steps: int, batch: int, window: int, lr: float,
+                    seed: int, time_budget_s: float = 0.0, log=None, opt: torch.optim.Optimizer | None = None,
+                    metrics_file=None) -> list[dict]:
+    """Train the world model on windows of real episodes (also used by co-evolution refits)."""
+    sampler = WindowSampler(episodes, window)
+    rng = np.random.default_rng(seed)
+    gen = torch.Generator().manual_seed(seed)
+    opt = opt or torch.optim.Adam(wm.parameters(), lr=lr)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / max(1, steps)))))
+    wm.train()
+    history, t0 = [], time.perf_counter()
+    with torch.enable_grad():  # refits run inside the trainer's no-grad rollout
+        _fit_loop(wm, sampler, steps, batch, rng, gen, opt, sched, history, t0, time_budget_s, log, metrics_file)
+    wm.eval()
+    return history
+
+
+def _fit_loop(wm, sampler, steps, batch, rng, gen, opt, sched, history, t0, time_budget_s, log, metrics_file) -> None:
+    for s in range(steps):
+        wb = sampler.sample(batch, rng)
+        loss, parts = wm.loss(wb.frames, wb.proprio, wb.actions, wb.valid, gen)
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(wm.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        if (s + 1) % 50 == 0 or s == steps - 1:
+            parts.update(step=s + 1, time_s=time.perf_counter() - t0)
+            history.append(parts)
+            if metrics_file is not None:
+                metrics_file.write(json.dumps(parts) + "\n")
+                metrics_file.flush()
+            if log is not None and (s + 1) % 250 == 0:
+                log(f"world model: step {s + 1}/{steps} loss {parts['loss']:.5f} pixel {parts['pixel']:.5f} "
+                    f"({parts['time_s']:.0f}s)")
+        if time_budget_s and time.perf_counter() - t0 > time_budget_s:
+            break
+
+
+@torch.no_grad()
+def open_loop_report(wm: WorldModel, episodes: list[ChunkEpisode], depth: int = 12) -> dict:
+    """Imagine each held-out episode from its start with its real actions: per-step image MSE and disagreement."""
+    err = [[] for _ in range(depth)]
+    unc = []
+    for ep in episodes:
+        if ep.num_chunks < 1:
+            continue
+        z = wm.encode(torch.from_numpy(ep.frames[:1]))
+        z_prev, p = z, torch.from_numpy(ep.proprio[:1])
+        for c in range(min(depth, ep.num_chunks)):
+            pred = wm.step(z, z_prev, p, torch.from_numpy(ep.actions[c:c + 1]))
+            img = wm.decode_float(pred.z)
+            real = wm.to_float(torch.from_numpy(ep.frames[c + 1:c + 2]))
+            err[c].append(float((img - real).pow(2).mean()))
+            if c == 0:
+                unc.append(float(pred.uncertainty[0]))
+            z_prev, z, p = z, pred.z, pred.proprio
+    return {"image_mse_by_step": [float(np.mean(e)) if e else float("nan") for e in err], "one_step_uncertainty": unc}
+
+
+@torch.no_grad()
+def calibrate_uncertainty(wm: WorldModel, episodes: list[ChunkEpisode], quantile: float = 0.95) -> float:
+    """The ``quantile`` of the one-step ensemble disagreement on real transitions (teacher-forced)."""
+    vals = []
+    for ep in episodes:
+        if ep.num_chunks < 1:
+            continue
+        z = wm.encode(torch.from_numpy(ep.frames))
+        z_prev = torch.cat([z[:1], z[:-1]])
+        pred = wm.step(z[:-1], z_prev[:-1], torch.from_numpy(ep.proprio[:-1]), torch.from_numpy(ep.actions))
+        vals.append(pred.uncertainty.numpy())
+    return float(np.quantile(np.concatenate(vals), quantile)) if vals else 1.0
+
+
+def split_episodes(episodes: list[ChunkEpisode], fraction: float, seed: int):
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(len(episodes))
+    n_hold = int(round(fraction * len(episodes)))
+    hold = set(order[:n_hold].tolist())
+    return [e for i, e in enumerate(episodes) if i not in hold], [e for i, e in enumerate(episodes) if i in hold]
+
+
+def run(cfg: dict, run_dir: Path, log=print) -> dict[str, float]:
+    from shared_rl.config import from_dict
+
+    c: WorldModelTrainConfig = from_dict(WorldModelTrainConfig, cfg, "robotics-wm")
+    torch.set_num_threads(max(1, c.threads))
+    torch.manual_seed(c.seed)
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    data_path = resolve(c.data)
+    if data_path.is_file():
+        episodes = load_chunk_episodes(data_path)
+        meta_path = data_path.with_suffix(".steps.json")
+        steps = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+        log(f"world model: {len(episodes)} real episodes from {data_path}")
+    else:
+        t0 = time.perf_counter()
+        episodes, steps = collect_real_data(c, log)
+        save_chunk_episodes(episodes, data_path)
+        data_path.with_suffix(".steps.json").write_text(json.dumps(steps))
+        log(f"world model: collected {len(episodes)} episodes ({sum(steps.values())} env steps) in "
+            f"{time.perf_counter() - t0:.0f}s -> {data_path}")
+    episodes = [e for e in episodes if e.task in c.env.tasks or c.env.kind == "point"]
+    if not episodes:
+        raise ConfigError(f"{data_path} has no episodes for env.tasks {c.env.tasks}")
+    mc = c.model
+    mc.image_channels, mc.proprio_dim = episodes[0].frames.shape[-1], episodes[0].proprio.shape[-1]
+    mc.action_dim, mc.chunk = episodes[0].actions.shape[2], episodes[0].actions.shape[1]
+    train, hold = split_episodes(episodes, c.holdout_fraction, c.seed)
+    wm = WorldModel(mc)
+    log(f"world model: {sum(p.numel() for p in wm.parameters()):,} parameters, {len(train)} train / {len(hold)} "
+        f"held-out episodes")
+    t0 = time.perf_counter()
+    with open(run_dir / "metrics.jsonl", "w") as mf:
+        hist = fit_world_model(wm, train, c.train_steps, c.batch_size, c.window, c.lr, c.seed, c.time_budget_s, log,
+                               metrics_file=mf)
+    wm_time = time.perf_counter() - t0
+    wm.cfg.uncertainty_ref = calibrate_uncertainty(wm, hold or train)
+    success = fit_success_model(wm, train, c.success_steps, seed=c.seed, log=log)
+    calibrate_threshold(wm, success, hold or train)
+    sm_hold = evaluate_success_model(wm, success, hold) if hold else {}
+    report = open_loop_report(wm, hold or train)
+    out = resolve(c.export_dir)
+    wm.save(out)
+    success.save(out)
+    real_steps = int(sum(steps.values())) if steps else int(sum(e.env_steps for e in episodes))
+    meta = {"data": str(c.data), "episodes": len(episodes), "real_env_steps": real_steps, **steps,
+            "successful_policy_episodes": int(sum(e.succeeded for e in episodes if e.source == "policy")),
+            "policy_episodes": int(sum(e.source == "policy" for e in episodes)),
+            "train_steps_done": hist[-1]["step"] if hist else 0, "train_time_s": wm_time,
+            "final_loss": hist[-1] if hist else {}, "uncertainty_ref": wm.cfg.uncertainty_ref,
+            "success_model_heldout": sm_hold, "success_threshold": success.cfg.threshold,
+            "open_loop_image_mse_by_step": report["image_mse_by_step"],
+            "tasks": c.env.tasks, "config": asdict(c)}
+    (out / "meta.json").write_text(json.dumps(meta, indent=1, default=float))
+    (run_dir / "result.json").write_text(json.dumps(meta, indent=1, default=float))
+    log(f"world model: {meta['train_steps_done']} steps in {wm_time:.0f}s; held-out image MSE by step "
+        f"{[round(x, 4) for x in report['image_mse_by_step'][:6]]}; success model held-out {sm_hold}; -> {out}")
+    return {"wm/real_env_steps": float(real_steps), "wm/heldout_mse_step1": report["image_mse_by_step"][0],
+            "wm/success_precision": float(sm_hold.get("precision", float("nan"))),
+            "wm/success_recall": float(sm_hold.get("recall", float("nan")))}

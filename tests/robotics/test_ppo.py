@@ -1,0 +1,92 @@
+"""PPO with a value head in the robotics domain: the critic's payload, its values with grad, the config checks,
+and a short PPO (gae) run on the point env that learns."""
+import os
+
+os.environ.setdefault("MUJOCO_GL", "egl")
+
+import pytest
+import torch
+
+from shared_rl.config import ConfigError, load_train_config
+from shared_rl.trainer import Trainer
+
+from tests.robotics.test_domain import TINY_MODEL, _domain
+
+
+def test_critic_values_in_the_rollout_match_the_recomputed_ones():
+    dom = _domain("sde_one_step", critic=True)
+    ro = dom.rollout(dom.train_keys()[:2], 3, torch.Generator().manual_seed(0), 0)
+    vm = ro.payload["value_mask"]
+    assert vm.shape == (6, dom.n_chunks) and vm.dtype == torch.bool
+    assert torch.equal(vm, ro.payload["images"].flatten(2).any(-1) | vm)  # executed chunks
+    with torch.no_grad():
+        dom.critic.net[-1].bias.fill_(0.3)
+        dom.critic.net[-1].weight.normal_(0, 0.1)
+    ro = dom.rollout(dom.train_keys()[:2], 3, torch.Generator().manual_seed(0), 0)
+    out = dom.log_probs(ro, torch.arange(6), need_kl=False)
+    assert out.values is not None and out.values.shape == (6, dom.n_chunks)
+    assert torch.allclose(out.values[ro.payload["value_mask"]], ro.payload["values"][ro.payload["value_mask"]], atol=1e-5)
+    assert (out.values[~ro.payload["value_mask"]] == 0).all()
+    out.values.sum().backward()
+    assert dom.critic.net[0].weight.grad.abs().sum() > 0
+    # detached by default: the critic's loss never reaches the policy
+    assert all(p.grad is None or p.grad.abs().sum() == 0 for p in dom.policy.parameters())
+    state = dom.state_dict()
+    assert any(k.startswith("critic.") for k in state)
+    dom.load_state_dict(state)
+    assert {id(p) for p in dom.critic_parameters()} <= {id(p) for p in dom.parameters()}
+
+
+def _ppo_config(**over):
+    data = {
+        "domain": "robotics", "seed": 0, "iterations": 10,
+        "rollout": {"groups_per_iteration": 8, "group_size": 8},
+        "advantage": {"estimator": "gae", "gamma": 1.0, "lam": 0.95, "normalize": "batch"},
+        "optim": {"lr": 2e-3, "critic_lr": 1e-3, "inner_epochs": 2, "minibatches_per_epoch": 2},
+        "loss": {"clip_low": 0.2, "clip_high": 0.28, "value_coef": 0.5, "value_clip": 0.2},
+        "logging": {"progress": False},
+        "robotics": {"env": {"kind": "point", "tasks": ["point-reach"], "horizon": 8}, "checkpoint": "",
+                     "model": TINY_MODEL, "head_mode": "flow_sde", "train_states_per_task": 32,
+                     "eval_states_per_task": 32, "gifs": False, "critic": True},
+    }
+    for k, v in over.items():
+        data[k] = {**data[k], **v} if isinstance(v, dict) else v
+    return data
+
+
+def test_gae_needs_the_critic():
+    data = _ppo_config()
+    data["robotics"] = {**data["robotics"], "critic": False}
+    with pytest.raises(ConfigError, match="robotics.critic: true"):
+        load_train_config(data)
+
+
+def test_ppo_with_a_value_head_improves_success_on_the_point_env():
+    trainer = Trainer(load_train_config(_ppo_config()), None, log=lambda s: None)
+    hist = trainer.fit()
+    first, last = hist[0]["eval/success"], hist[-1]["eval/success"]
+    assert "loss/value" in hist[1] and "value/explained_variance" in hist[-1]
+    losses = [h["loss/value"] for h in hist if "loss/value" in h]
+    assert min(losses[-3:]) < losses[0], losses  # the critic fits
+    assert last >= first + 0.3, (first, last)
+
+
+def test_key_stratum_is_the_task():
+    env = {"tasks": ["reach-v3", "drawer-close-v3"], "horizon": 8}
+    dom = _domain("sde_one_step", env=env, train_states_per_task=3)
+    assert [dom.key_stratum(k) for k in dom.train_keys()] == ["reach-v3"] * 3 + ["drawer-close-v3"] * 3
+    dom.close()
+
+
+def test_bench_posttrain_row_reads_before_after_and_env_steps(tmp_path):
+    import json
+
+    from bench.robotics_sim import posttrain_row
+
+    recs = [{"step": 0, "eval/success": 0.5, "eval/success/a": 0.25},
+            {"step": 1, "env/steps": 100}, {"step": 2, "env/steps": 50, "eval/success": 0.75, "eval/success/a": 0.5},
+            {"step": 3, "env/steps": 70}]  # after the last evaluation: not counted
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    row = posttrain_row("v", tmp_path)
+    assert row == {"variant": "v", "iterations": 2, "env_steps": 150, "success_before": 0.5, "success_after": 0.75,
+                   "a": "0.250 -> 0.500"}
