@@ -10,8 +10,7 @@ chunks by ``episodes_from_demos``. Failures are kept: the world model must learn
 """
 from __future__ import annotations
 
-import gzip
-import pickle
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -131,21 +130,48 @@ def episodes_from_demos(demos, chunk: int) -> list[ChunkEpisode]:
 
 
 def save_chunk_episodes(episodes: list[ChunkEpisode], path: str | Path) -> Path:
+    """One compressed ``.npz`` without pickle: the episodes' arrays concatenated, their fields and simulator
+    states as JSON (``envs.state_codec``: arrays bit for bit, only known state classes rebuilt)."""
+    from ..envs.state_codec import encode
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with gzip.open(path, "wb", compresslevel=1) as f:
-        pickle.dump(episodes, f, protocol=4)
+    meta = [{"task": e.task, "key": int(e.key), "source": e.source, "start_steps": int(e.start_steps),
+             "chunks": e.num_chunks, "states": encode(list(e.states)) if e.states is not None else None}
+            for e in episodes]
+    arrays = {"frames": np.concatenate([e.frames for e in episodes]),
+              "proprio": np.concatenate([e.proprio for e in episodes]),
+              "actions": np.concatenate([e.actions for e in episodes]),
+              "success": np.concatenate([e.success for e in episodes]),
+              "executed": np.concatenate([e.executed for e in episodes]),
+              "meta": np.array(json.dumps(meta))}
+    np.savez_compressed(path, **arrays)
     return path
 
 
 def load_chunk_episodes(path: str | Path) -> list[ChunkEpisode]:
     from shared_rl.errors import ConfigError
 
+    from ..envs.state_codec import decode
+
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"world-model data {p} does not exist; `grove train configs/robotics/world_model.yaml` makes it")
-    with gzip.open(p, "rb") as f:
-        return pickle.load(f)
+    try:
+        z = np.load(p, allow_pickle=False)
+        meta = json.loads(str(z["meta"]))
+    except (OSError, ValueError, KeyError) as e:
+        raise ConfigError(f"{p} is not a world-model data file ({e})") from None
+    out, f0, c0 = [], 0, 0
+    frames, proprio, actions, success, executed = (z[k] for k in ("frames", "proprio", "actions", "success", "executed"))
+    for m in meta:
+        n = m["chunks"]
+        out.append(ChunkEpisode(task=m["task"], key=m["key"], frames=frames[f0:f0 + n + 1], proprio=proprio[f0:f0 + n + 1],
+                                actions=actions[c0:c0 + n], success=success[c0:c0 + n], executed=executed[c0:c0 + n],
+                                states=decode(m["states"]) if m["states"] is not None else None, source=m["source"],
+                                start_steps=m["start_steps"]))
+        f0, c0 = f0 + n + 1, c0 + n
+    return out
 
 
 @dataclass

@@ -53,7 +53,7 @@ class WorldModelTrainConfig:
 
     kind: str = field(default="supervised", metadata={"help": "supervised (this job)"})
     domain: str = field(default="robotics-wm", metadata={"help": "robotics-wm"})
-    data: str = field(default="runs/robotics-wm/data.pkl.gz", metadata={"help": "real chunk episodes; collected when missing"})
+    data: str = field(default="runs/robotics-wm/data.npz", metadata={"help": "real chunk episodes; collected when missing"})
     collect: CollectSettings = field(default_factory=CollectSettings, metadata={"help": "how the data is collected"})
     env: EnvConfig = field(default_factory=lambda: EnvConfig(tasks=["door-open-v3"]), metadata={"help": "simulator settings"})
     model: WorldModelConfig = field(default_factory=WorldModelConfig, metadata={"help": "world-model sizes"})

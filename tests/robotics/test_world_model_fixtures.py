@@ -26,7 +26,7 @@ def tiny_wm_asset(root: Path, train_steps: int = 30) -> Path:
     from robotics.world_model.train import run
 
     pol = tiny_policy_dir(root)
-    cfg = {"data": str(root / "data.pkl.gz"), "env": dict(POINT_ENV), "model": dict(TINY_WM),
+    cfg = {"data": str(root / "data.npz"), "env": dict(POINT_ENV), "model": dict(TINY_WM),
            "collect": {"demos_per_task": 0, "policy": str(pol), "rollout_states_per_task": 6, "rollouts_per_state": 2,
                        "head_mode": "flow_sde"},
            "train_steps": train_steps, "batch_size": 8, "success_steps": 30, "holdout_fraction": 0.2,
