@@ -231,7 +231,8 @@ def load_runs(paths: list[Path | str], flat_iters: int, eval_every: int) -> dict
                     raise ConfigError(f"--reuse {path}: its {name} run has {r['iterations']} iterations evaluated at "
                                       f"{its}; this run needs {flat_iters if name == FLAT else 'any number of'} "
                                       f"iterations evaluated every {eval_every}")
-                out.setdefault(name, []).append(r)
+                if r not in out.setdefault(name, []):  # a partial.json repeats the runs it reused
+                    out[name].append(r)
     return out
 
 

@@ -53,6 +53,8 @@ def test_flat_runs_are_reused_only_at_the_same_sizes(tmp_path):
     short = {**run, "iterations": 7}
     _save_partial(tmp_path, {"flat": [run], "nft": [short]})
     assert load_runs([tmp_path / "partial.json"], 10, 5) == {"flat": [run], "nft": [short]}
+    # the same run in two files (a partial.json repeats what it reused) counts once
+    assert load_runs([tmp_path / "partial.json"] * 2, 10, 5) == {"flat": [run], "nft": [short]}
     with pytest.raises(ConfigError, match="needs 30 iterations"):
         load_runs([tmp_path / "partial.json"], 30, 5)
     with pytest.raises(ConfigError, match="evaluated every 2"):
