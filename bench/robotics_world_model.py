@@ -21,7 +21,6 @@ Rows (``variant``):
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
 from pathlib import Path

@@ -43,9 +43,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
 
 def run(out_dir: Path, quick: bool = False, variants: list[str] | None = None, log=print, flat_iters: int | None = None,
         flat_seeds: int | None = None, eval_every: int | None = None, write_doc: bool | None = None,
-        reuse: list[Path | str] | None = None, candidates: int | None = None) -> dict[str, Any]:
+        reuse: list[Path | str] | None = None, candidates: int | None = None,
+        variant_seeds: int = 1) -> dict[str, Any]:
     """The benchmark (sizes as ``bench.visgen_methods.run``; ``reuse``: earlier results.json / partial.json of either
-    bench whose runs are taken, not re-run; ``candidates`` overrides stage 1's pool per prompt)."""
+    bench whose runs are taken, not re-run; ``candidates`` overrides stage 1's pool per prompt; ``variant_seeds``
+    seeds of every non-flat variant)."""
     from shared_rl.bench import markdown_table, write_results
     from visgen.lowprec import native
 
@@ -75,20 +77,20 @@ def run(out_dir: Path, quick: bool = False, variants: list[str] | None = None, l
                                               variants=variants_used))
         vm._save_partial(out_dir, results)
     budget = statistics.mean(r["nfe"] for r in results["flat"])
-    for name in names:
-        if earlier.get(name):
-            results[name] = earlier[name]
-            continue
-        log(f"visgen-two-stage: {name}")
-        results[name] = [vm.run_variant(name, 0, budget, 3 * flat_iters, eval_every, quick, log,
-                                        variants=variants_used)]
-        vm._save_partial(out_dir, results)
+    for name in names:  # seeds 0..variant_seeds-1 of each variant, taking the reused ones first
+        results[name] = earlier.get(name, [])[:variant_seeds]
+        for seed in range(len(results[name]), variant_seeds):
+            log(f"visgen-two-stage: {name} seed {seed}")
+            results[name].append(vm.run_variant(name, seed, budget, 3 * flat_iters, eval_every, quick, log,
+                                                variants=variants_used))
+            vm._save_partial(out_dir, results)
     rows, summary = vm.rows_from(results, budget)
     for r in rows:
         r["speedup_fp_nfe_vs_flat"] = r.pop("speedup_nfe_vs_flat")
     total = time.perf_counter() - t0
     command = (f"python -m bench.visgen_two_stage --flat-iters {flat_iters} --flat-seeds {flat_seeds}"
                + (f" --reuse {' '.join(map(str, reuse))}" if reuse else "") + (f" --candidates {pool}" if pool else "")
+               + (f" --variant-seeds {variant_seeds}" if variant_seeds > 1 else "")
                if not quick and flat_iters != 30 else f"grove bench visgen-two-stage{' --quick' if quick else ''}")
     notes = (f"Command: `nice -n 5 {command}` ({total / 60:.1f} min, "
              f"device {device}). Full-precision budget {budget:.0f} NFE (flat, {flat_seeds} seed(s), {flat_iters} "
@@ -162,8 +164,9 @@ if __name__ == "__main__":
     p.add_argument("--flat-seeds", type=int)
     p.add_argument("--eval-every", type=int)
     p.add_argument("--candidates", type=int)
+    p.add_argument("--variant-seeds", type=int, default=1, help="seeds of every non-flat variant")
     p.add_argument("--reuse", nargs="*", help="earlier results.json / partial.json whose runs are taken, not re-run")
     p.add_argument("--no-doc", action="store_true")
     a = p.parse_args()
     run(Path(a.out), a.quick, a.variants, flat_iters=a.flat_iters, flat_seeds=a.flat_seeds, eval_every=a.eval_every,
-        write_doc=False if a.no_doc else None, reuse=a.reuse, candidates=a.candidates)
+        write_doc=False if a.no_doc else None, reuse=a.reuse, candidates=a.candidates, variant_seeds=a.variant_seeds)

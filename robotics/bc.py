@@ -21,7 +21,7 @@ import torch
 
 from .collect import collect_demos
 from .data import Episode, load_episodes, save_episodes
-from .envs.metaworld_env import instruction_for, make_key
+from .envs.metaworld_env import make_key
 from .envs.vector import EnvConfig, make_vector_env
 from .episodes import SamplingSettings, run_episodes, success_by_task, write_gif
 from .policies.vla import TinyVLA, VLAConfig

@@ -18,7 +18,6 @@ from shared_rl.errors import ConfigError
 from .data import Episode, export_lerobot, save_episodes
 from .envs.metaworld_env import (
     MetaWorldTaskEnv,
-    RenderSettings,
     TaskRenderer,
     instruction_for,
     make_key,

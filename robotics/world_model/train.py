@@ -28,7 +28,7 @@ from shared_rl.errors import ConfigError
 from ..envs.vector import EnvConfig
 from .data import ChunkEpisode, WindowSampler, episodes_from_demos, load_chunk_episodes, save_chunk_episodes
 from .model import WorldModel, WorldModelConfig
-from .reward import SuccessModel, calibrate_threshold, evaluate_success_model, fit_success_model
+from .reward import calibrate_threshold, evaluate_success_model, fit_success_model
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

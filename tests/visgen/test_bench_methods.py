@@ -68,3 +68,21 @@ def test_probe_overrides_reach_the_config():
     cfg = load_train_config(variant_config("awm", 0, 3, False, overrides=["optim.lr=3e-3",
                                                                          "visgen.num_inference_steps=5"]))
     assert cfg.optim.lr == pytest.approx(3e-3) and cfg.domain_config.num_inference_steps == 5
+
+
+def test_two_stage_bench_takes_reused_seeds_and_runs_only_the_missing(tmp_path, monkeypatch):
+    import bench.visgen_methods as vm
+    from bench import visgen_two_stage as ts
+
+    def run(seed, score):
+        return {"points": [{"iteration": 0, "nfe": 0, "time": 0, "score": 0.5},
+                           {"iteration": 5, "nfe": 50, "time": 5, "score": score}],
+                "iterations": 5, "images": 10, "nfe": 50, "time": 5}
+
+    vm._save_partial(tmp_path, {"flat": [run(0, 0.6)], "two-stage-nvfp4-nft": [run(0, 0.7)]})
+    calls = []
+    monkeypatch.setattr(vm, "run_variant", lambda name, seed, *a, **k: calls.append((name, seed)) or run(seed, 0.65))
+    res = ts.run(tmp_path / "out", variants=["two-stage-nvfp4-nft"], flat_iters=5, flat_seeds=1, eval_every=5,
+                 reuse=[tmp_path / "partial.json"], variant_seeds=2, write_doc=False, log=lambda s: None)
+    assert calls == [("two-stage-nvfp4-nft", 1)]  # seed 0 reused, seed 1 run
+    assert [r["seed"] for r in res["rows"] if r["variant"] == "two-stage-nvfp4-nft"] == [0, 1]

@@ -10,7 +10,7 @@ import torch
 from .conftest import CALL_OPTIONS, SIZES
 
 from shared_rl.advantages import tree_advantages, tree_values
-from shared_rl.config import ConfigError, from_dict
+from shared_rl.config import ConfigError
 from shared_rl.domain import DomainBase
 from shared_rl.advantages import tree_leaf_zscore
 from shared_rl.flow_kernels import flow_step

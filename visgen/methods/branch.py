@@ -21,9 +21,8 @@ from typing import Literal, Optional
 
 import torch
 
-from shared_rl.advantages import TREE_ESTIMATORS, tree_advantages, tree_values
+from shared_rl.advantages import TREE_ESTIMATORS, tree_advantages
 from shared_rl.config import ConfigError
-from shared_rl.tree import is_leaf, tree_depth
 
 from ..engine import Forest, StepSegment, grow_forest
 from .base import Grown, RolloutMethod, register_method, require
