@@ -82,6 +82,10 @@ class RoboticsConfig:
     critic_detach: bool = field(default=True, metadata={
         "help": "the critic reads the policy's fused features without gradient (true) or trains them too (false)"})
     critic_init: float = field(default=0.0, metadata={"help": "the critic's initial value (its last layer starts at 0)"})
+    replay_data: str = field(default="", metadata={
+        "help": "demonstrations (.npz of `grove robotics collect`) replayed by loss.replay_coef: the BC "
+                "flow-matching / bin loss on them at every optimizer step, an anchor to the BC policy; '' = none"})
+    replay_batch: int = field(default=256, metadata={"help": "demonstration chunks per replay minibatch"})
 
     def check(self, where: str = "robotics") -> None:
         if self.train_states_per_task < 1 or self.eval_states_per_task < 1:
@@ -92,6 +96,8 @@ class RoboticsConfig:
             raise ConfigError(f"{where}: init_noise and eval_init_noise must be >= 0 (1 = standard normal start)")
         if self.temperature <= 0:
             raise ConfigError(f"{where}.temperature must be > 0, got {self.temperature}")
+        if self.replay_batch < 1:
+            raise ConfigError(f"{where}.replay_batch must be >= 1, got {self.replay_batch}")
         unknown = [t for t in self.train_tasks if t not in self.env.tasks]
         if unknown:
             raise ConfigError(f"{where}.train_tasks {unknown} are not in {where}.env.tasks {self.env.tasks}")
@@ -100,6 +106,10 @@ class RoboticsConfig:
         """A critic estimator (gae) needs ``critic: true``; a critic without one would never be trained."""
         from shared_rl.advantages import STEP_ESTIMATORS
 
+        if train_cfg.loss.replay_coef > 0 and not self.replay_data:
+            raise ConfigError(f"loss.replay_coef={train_cfg.loss.replay_coef} replays demonstrations, but "
+                              f"robotics.replay_data is empty; give the demos .npz (make one with `grove robotics "
+                              f"collect --labels expert --out runs/robotics-demos/demos40_dart.npz`)")
         est = train_cfg.advantage.estimator
         if est in STEP_ESTIMATORS and not self.critic:
             raise ConfigError(f"advantage.estimator {est!r} needs the policy's value head: set robotics.critic: true "
@@ -184,6 +194,15 @@ class RoboticsDomain(DomainBase):
         self.n_chunks = math.ceil(cfg.env.horizon / m.chunk)
         tasks = cfg.train_tasks or cfg.env.tasks
         self._train_keys = [make_key(cfg.env.tasks.index(t), "train", i) for t in tasks for i in range(cfg.train_states_per_task)]
+        self._replay = None
+        if cfg.replay_data:  # loaded before the env workers start: a bad file fails in a second
+            from .bc import ChunkDataset
+            from .data import load_episodes
+
+            demos = [e for e in load_episodes(_resolve(cfg.replay_data)) if e.task in tasks]
+            if not demos:
+                raise ConfigError(f"robotics.replay_data {cfg.replay_data!r} has no demos of the trained tasks {tasks}")
+            self._replay = ChunkDataset(demos, m.chunk, self.policy)
         self.venv = make_vector_env(cfg.env)
         self._text_ids = {t: self.policy.text.token_ids([self._instruction(t)])[0] for t in cfg.env.tasks}
 
@@ -321,6 +340,23 @@ class RoboticsDomain(DomainBase):
 
     def _reference(self) -> TinyVLA:
         return self._ref
+
+    def replay_loss(self, iteration: int, step: int, rank: int = 0, world: int = 1) -> torch.Tensor:
+        """The BC loss (``TinyVLA.bc_loss``: flow matching, or cross-entropy over bins) on ``replay_batch``
+        demonstration chunks drawn from (seed, iteration, step): the anchor of ``loss.replay_coef`` (RL with a
+        supervised term on the demonstrations, as DAPG, Rajeswaran et al. 2018, and the SFT term of VLA RL
+        recipes). This rank's rows ``rank::world`` of the global batch, weighted by their share."""
+        if self._replay is None:
+            raise ConfigError("loss.replay_coef > 0 needs robotics.replay_data (a demos .npz)")
+        seed = [self.ctx.seed, iteration, step]
+        idx = np.random.default_rng(seed).integers(0, len(self._replay), size=self.cfg.replay_batch)[rank::world]
+        if idx.size == 0:
+            return torch.zeros((), device=self.device)
+        imgs, pro, tids, chunks = self._replay.batch(idx, 0, None)
+        gen = torch.Generator().manual_seed(int(np.random.SeedSequence(seed + [rank]).generate_state(1)[0]))
+        self.policy.train()
+        h = self._features(self.policy, imgs, pro, tids)
+        return self.policy.bc_loss(h, chunks.to(self.device), gen) * (idx.size / self.cfg.replay_batch)
 
     # ------------------------------------------------------------------------------------------------------
     def parameters(self) -> list[torch.nn.Parameter]:

@@ -293,6 +293,10 @@ class LossConfig:
         "help": "clip the new value to V_old +- value_clip in the value loss (PPO2 / RL4VLA); null = no clip"})
     critic_warmup: int = field(default=0, metadata={
         "help": "first iterations that train only the critic (policy loss weight 0); needs value_coef > 0"})
+    replay_coef: float = field(default=0.0, metadata={
+        "help": "weight of the domain's replay loss (its supervised pretraining loss on its own demonstrations, "
+                "robotics: flow-matching BC on robotics.replay_data) added at every optimizer step: an anchor to "
+                "the pretraining data against forgetting; 0 = off"})
 
     def check(self, where: str) -> None:
         from .losses import KL_ESTIMATORS, POLICY_LOSSES
@@ -316,6 +320,7 @@ class LossConfig:
         if self.value_clip is not None:
             _positive(f"{where}.", "value_clip", self.value_clip)
         _positive(f"{where}.", "critic_warmup", self.critic_warmup, allow_zero=True)
+        _positive(f"{where}.", "replay_coef", self.replay_coef, allow_zero=True)
         if self.critic_warmup and self.value_coef <= 0:
             raise ConfigError(f"{where}.critic_warmup={self.critic_warmup} trains only the critic, but value_coef "
                               f"is 0; set {where}.value_coef > 0 (e.g. 0.5)")

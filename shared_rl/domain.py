@@ -134,6 +134,14 @@ class DomainBase:
     def after_optimizer_step(self) -> None:
         """Called after each optimizer step (EMA updates, schedule moves)."""
 
+    def replay_loss(self, iteration: int, step: int, rank: int, world: int) -> torch.Tensor:
+        """The supervised anchor of ``loss.replay_coef`` (with grad): the pretraining loss on a minibatch of the
+        domain's own demonstrations, drawn from (seed, ``iteration``, optimizer ``step``) only, so a resumed run
+        replays the same batches. With ``world`` processes each returns its share of one global minibatch (rows
+        ``rank::world``, weighted by their fraction) so that the sum over ranks is the global mean. Domains without
+        demonstrations do not override it; the trainer then refuses ``replay_coef > 0`` before training."""
+        raise NotImplementedError
+
     def extra_state(self) -> dict[str, Any]:
         """JSON-serialisable state to resume exactly (besides ``state_dict``)."""
         return {}

@@ -24,7 +24,7 @@ import torch
 from .advantages import STEP_ESTIMATORS, combine_rewards, step_advantages
 from .checkpoint import load_latest_checkpoint, rng_state, save_checkpoint, set_rng_state
 from .config import ConfigError, ResourceError, TrainConfig, dump_train_config
-from .domain import RunContext, StepLogProbs
+from .domain import DomainBase, RunContext, StepLogProbs
 from .gather import PER_STEP_STATS, StepStats, any_rank, global_view, local_index, padding_forward, reduce_stats
 from .losses import Normalizer, aggregate, get_policy_loss, kl_per_step, value_loss
 from .metrics import MetricsLogger, plot_metrics
@@ -117,6 +117,10 @@ class Trainer:
         params = [p for p in self.domain.parameters() if p.requires_grad]
         if not params:
             raise ConfigError(f"domain {cfg.domain!r} exposes no trainable parameters")
+        replay = getattr(type(self.domain), "replay_loss", None)
+        if cfg.loss.replay_coef > 0 and (replay is None or replay is DomainBase.replay_loss):
+            raise ConfigError(f"loss.replay_coef={cfg.loss.replay_coef}: domain {cfg.domain!r} has no demonstrations "
+                              f"to replay (no replay_loss hook); set loss.replay_coef: 0")
         o = cfg.optim
         groups = self._param_groups(params)
         self.optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
@@ -140,6 +144,7 @@ class Trainer:
         self.nonfinite_total = 0
         self._critic = None  # (old values, value targets, value mask) of this iteration's local rows (gae)
         self._policy_weight = 1.0  # 0 during loss.critic_warmup
+        self._replay_at = (0, 0)  # (iteration, optimizer step within it): what loss.replay_coef's batch is drawn from
         self.padding_forwards = 0  # FSDP2: weight-0 forwards run to keep collectives paired (see _optimizer_step)
         self.history: list[dict[str, Any]] = []
         self._stop_requested = False
@@ -250,6 +255,7 @@ class Trainer:
                                   view.parent, a.clip, a.eps, fusion_logit=view.fusion_logit)
             metrics["advantage/abs_mean"] = float(adv.abs().mean())
         self._policy_weight = 0.0 if it < cfg.loss.critic_warmup else 1.0
+        self._replay_at = (it, 0)
 
         # 6. inner epochs of minibatches; each minibatch is one optimizer step (loss: _loss), split in micro-batches
         t1 = time.perf_counter()
@@ -402,6 +408,13 @@ class Trainer:
             stats.add(k, 0.0, 1.0)
         if value_norm > 0:
             stats.add("loss/value", 0.0, 1.0)
+        if cfg.loss.replay_coef > 0 and self._policy_weight > 0:
+            # the anchor to the pretraining data: one replay minibatch per optimizer step (each rank its share)
+            it, step = self._replay_at
+            replay = self.domain.replay_loss(it, step, self.dist.rank, self.dist.world)
+            (cfg.loss.replay_coef * replay).backward()
+            stats.add("loss/replay", float(replay.detach()), 1.0 if self.dist.rank == 0 else 0.0)
+            self._replay_at = (it, step + 1)
         self._clip_and_step(stats)
         return nfe
 
