@@ -239,12 +239,14 @@ def load_runs(paths: list[Path | str], flat_iters: int, eval_every: int) -> dict
 def run(out_dir: Path, quick: bool = False, variants: list[str] | None = None, log=print, flat_iters: int | None = None,
         flat_seeds: int | None = None, eval_every: int | None = None, best_seeds: int | None = None,
         write_doc: bool | None = None, model: str | None = None, reuse: list[Path | str] | None = None,
-        budget_nfe: float | None = None) -> dict[str, Any]:
+        budget_nfe: float | None = None, variant_seed: int = 0) -> dict[str, Any]:
     """The benchmark (``variants``, ``flat_iters``, ``flat_seeds``, ``eval_every``, ``best_seeds`` size it).
 
     ``reuse``: earlier results.json / partial.json files whose runs are taken instead of re-run (``load_runs``).
     ``budget_nfe`` with ``flat_seeds=0``: run only ``variants`` at that budget and keep them in partial.json (a
-    second stream next to one running flat; a later call with ``reuse`` of both makes the table)."""
+    second stream next to one running flat; a later call with ``reuse`` of both makes the table). ``variant_seed``:
+    the seed of the non-flat variants run here (a stream that runs the best method's second seed while the others
+    finish; reuse its partial.json after the seed-0 runs')."""
     from shared_rl.bench import markdown_table, write_results
 
     out_dir = Path(out_dir)
@@ -276,7 +278,7 @@ def run(out_dir: Path, quick: bool = False, variants: list[str] | None = None, l
                 results[name] = earlier[name]
                 continue
             log(f"visgen-methods: {name}")
-            results[name] = [run_variant(name, 0, budget, 3 * flat_iters, eval_every, quick, log, model)]
+            results[name] = [run_variant(name, variant_seed, budget, 3 * flat_iters, eval_every, quick, log, model)]
             _save_partial(out_dir, results)
         if not results[FLAT]:  # a second stream: its runs wait in partial.json for the call that makes the table
             log(f"visgen-methods: {len(names)} variant(s) at {budget:.0f} NFE kept in {out_dir / 'partial.json'}")
@@ -356,11 +358,12 @@ if __name__ == "__main__":
     p.add_argument("--probe", help="run ONE variant as a sweep point (with --set, --iters) instead of the bench")
     p.add_argument("--set", nargs="*", default=[], help="dotted overrides of the probe, e.g. optim.lr=3e-3")
     p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="the probe's seed, or with --flat-seeds 0 the variants' seed")
     a = p.parse_args()
     if a.probe:
         probe(a.probe, a.set, a.iters, a.eval_every or 5, Path(a.out) / f"{a.probe}_{'_'.join(a.set) or 'base'}_s{a.seed}.json",
               a.seed)
         raise SystemExit(0)
     run(Path(a.out), a.quick, a.variants, flat_iters=a.flat_iters, flat_seeds=a.flat_seeds, eval_every=a.eval_every,
-        best_seeds=a.best_seeds, write_doc=False if a.no_doc else None, reuse=a.reuse, budget_nfe=a.budget_nfe)
+        best_seeds=a.best_seeds, write_doc=False if a.no_doc else None, reuse=a.reuse, budget_nfe=a.budget_nfe,
+        variant_seed=a.seed)

@@ -86,3 +86,27 @@ def test_two_stage_bench_takes_reused_seeds_and_runs_only_the_missing(tmp_path, 
                  reuse=[tmp_path / "partial.json"], variant_seeds=2, write_doc=False, log=lambda s: None)
     assert calls == [("two-stage-nvfp4-nft", 1)]  # seed 0 reused, seed 1 run
     assert [r["seed"] for r in res["rows"] if r["variant"] == "two-stage-nvfp4-nft"] == [0, 1]
+
+
+def test_a_second_seed_stream_joins_the_table_as_seed_1(tmp_path, monkeypatch):
+    """``--flat-seeds 0 --budget-nfe B --seed 1`` runs the variant's seed 1; reusing the seed-0 and seed-1 streams
+    gives both rows, and the best method's second seed is then not re-run."""
+    import bench.visgen_methods as vm
+
+    def run(score):
+        return {"points": [{"iteration": 0, "nfe": 0, "time": 0, "score": 0.5},
+                           {"iteration": 5, "nfe": 50, "time": 5, "score": score}],
+                "iterations": 5, "images": 10, "nfe": 50, "time": 5}
+
+    calls = []
+    monkeypatch.setattr(vm, "run_variant", lambda name, seed, *a, **k: calls.append((name, seed)) or run(0.6 + seed / 10))
+    vm.run(tmp_path / "s1", variants=["tree"], flat_iters=5, flat_seeds=0, eval_every=5, budget_nfe=50,
+           variant_seed=1, write_doc=False, log=lambda s: None)
+    assert calls == [("tree", 1)]
+    (tmp_path / "s0").mkdir()
+    vm._save_partial(tmp_path / "s0", {"flat": [run(0.55)], "tree": [run(0.6)]})
+    res = vm.run(tmp_path / "out", variants=["tree"], flat_iters=5, flat_seeds=1, eval_every=5, best_seeds=2,
+                 reuse=[tmp_path / "s0" / "partial.json", tmp_path / "s1" / "partial.json"], write_doc=False,
+                 log=lambda s: None)
+    assert calls == [("tree", 1)]  # nothing more was run
+    assert [r["strict_at_budget"] for r in res["rows"] if r["variant"] == "tree"] == [0.6, 0.7]
