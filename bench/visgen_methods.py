@@ -79,16 +79,15 @@ def _merge(base: dict, over: dict) -> dict:
 
 def variant_config(name: str, seed: int, iterations: int, quick: bool, model: str | None = None,
                    variants: dict[str, dict] | None = None, overrides: list[str] | None = None) -> dict:
-    """The demo recipe with the method's overrides (from ``variants``, default ``VARIANTS``), then the dotted
-    ``overrides`` (``optim.lr=3e-3``: a sweep point), and the quick sizes."""
+    """The demo recipe with the method's overrides (from ``variants``, default ``VARIANTS``), the bench's fixed
+    settings and the quick sizes, then the dotted ``overrides`` (``optim.lr=3e-3``: a sweep point; last, so that
+    ``logging.step_clip_frac=true`` survives the bench's own logging section)."""
     from shared_rl.config import apply_overrides, load_yaml
 
     data = _merge(load_yaml(RECIPE), (variants or VARIANTS)[name])
     data.update(seed=seed, iterations=iterations)
     if name in LR:
         data["optim"]["lr"] = LR[name]
-    if overrides:
-        data = apply_overrides(data, list(overrides))
     data["eval"] = {"at_start": False}
     data["logging"] = {"progress": False}
     data["checkpoint"] = {"every": 0}
@@ -101,7 +100,7 @@ def variant_config(name: str, seed: int, iterations: int, quick: bool, model: st
         vis["eval"] = {"samples_per_prompt": 1, "max_prompts": 4, "grid_prompts": 0}
     else:
         vis["eval"] = {**vis.get("eval", {}), "grid_prompts": 0}
-    return data
+    return apply_overrides(data, list(overrides)) if overrides else data
 
 
 def run_variant(name: str, seed: int, nfe_budget: float | None, max_iters: int, eval_every: int, quick: bool,
@@ -121,8 +120,12 @@ def run_variant(name: str, seed: int, nfe_budget: float | None, max_iters: int, 
     nfe = wall = explore = 0.0
     images = 0
     spearman: list[float] = []
+    clip_by_step: dict[str, list[float]] = {}  # logging.step_clip_frac: true (GRPO-Guard's diagnosis)
     for it in range(max_iters):
         m = trainer.iteration(it)
+        for k, v in m.items():
+            if k.startswith("clip_frac/step"):
+                clip_by_step.setdefault(k[len("clip_frac/"):], []).append(float(v))
         nfe += m["nfe/rollout"] + m["nfe/train"]
         explore += m.get("nfe/explore", 0.0)
         if "two_stage/rank_spearman" in m:
@@ -138,8 +141,11 @@ def run_variant(name: str, seed: int, nfe_budget: float | None, max_iters: int, 
                 f"held-out strict {ev['eval/strict']:.3f}")
         if done:
             break
-    return {"points": points, "iterations": it + 1, "images": images, "nfe": nfe, "time": wall, "explore_nfe": explore,
-            "rank_spearman": statistics.mean(spearman) if spearman else None}
+    out = {"points": points, "iterations": it + 1, "images": images, "nfe": nfe, "time": wall, "explore_nfe": explore,
+           "rank_spearman": statistics.mean(spearman) if spearman else None}
+    if clip_by_step:  # each denoising step's clipped fraction, averaged over iterations
+        out["clip_frac_by_step"] = {k: statistics.mean(v) for k, v in sorted(clip_by_step.items())}
+    return out
 
 
 def first_reach(points: list[dict], target: float) -> tuple[float | None, float | None]:

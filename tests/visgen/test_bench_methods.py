@@ -110,3 +110,9 @@ def test_a_second_seed_stream_joins_the_table_as_seed_1(tmp_path, monkeypatch):
                  log=lambda s: None)
     assert calls == [("tree", 1)]  # nothing more was run
     assert [r["strict_at_budget"] for r in res["rows"] if r["variant"] == "tree"] == [0.6, 0.7]
+
+
+def test_probe_overrides_come_last_so_step_clip_frac_survives():
+    cfg = load_train_config(variant_config("guard", 0, 3, False, overrides=["logging.step_clip_frac=true",
+                                                                           "optim.minibatches_per_epoch=4"]))
+    assert cfg.logging.step_clip_frac and not cfg.logging.progress and cfg.optim.minibatches_per_epoch == 4
