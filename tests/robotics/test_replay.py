@@ -123,3 +123,19 @@ def test_a_resumed_run_replays_the_same_batches(demos, tmp_path):
     got = [{k: v for k, v in r.items() if not k.startswith(("time/", "resume/")) and k != "samples_per_s"}
            for r in again]
     assert got[-1] == want[-1] and "loss/replay" in got[-1]
+
+
+def test_the_goal_asset_loads_with_include_goal_and_is_refused_without():
+    """``assets/metaworld-vla-tiny-dart-goal`` (configs/robotics/metaworld_bc_dart_goal.yaml) reads the goal in its
+    proprio input: its recipe parses and builds, and an env without the goal is refused in one line."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    cfg = load_train_config(yaml.safe_load((root / "configs/robotics/metaworld_mt5_goal_rl.yaml").read_text()))
+    assert cfg.domain_config.env.include_goal and cfg.domain_config.checkpoint.endswith("dart-goal")
+    env = {"tasks": ["reach-v3"], "horizon": 8}
+    dom = _domain("sde_one_step", env={**env, "include_goal": True}, checkpoint="assets/metaworld-vla-tiny-dart-goal")
+    assert dom.policy.cfg.proprio_dim == dom.cfg.env.proprio_dim == 7
+    dom.close()
+    with pytest.raises(ConfigError, match="include_goal=False"):
+        _domain("sde_one_step", env=env, checkpoint="assets/metaworld-vla-tiny-dart-goal")
