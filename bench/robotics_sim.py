@@ -211,6 +211,8 @@ def run(out_dir: Path, quick: bool = False) -> dict:
     )
     result = write_results(out_dir, "robotics-sim", rows, notes, doc_path=None if quick else DOC)
     _plot(rows, Path(out_dir) / "robotics_sim.png")
+    if not quick:  # the page's figure is this run's, like its table
+        _plot(rows, DOC.parent / "robotics_sim.png")
     return result
 
 

@@ -195,12 +195,13 @@ def _plot(results: dict[str, list[dict]], path: Path, budget: float) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    colors = plt.get_cmap("tab20").colors  # one colour per method (all its seeds), 13 methods need more than 10
+    # one colour per method (all its seeds): tab20's dark shades first, then its light ones (13 methods > 10 colours)
+    colors = plt.get_cmap("tab20").colors[0::2] + plt.get_cmap("tab20").colors[1::2]
     for v, (name, runs) in enumerate(results.items()):
         for i, res in enumerate(runs):
             pts = res["points"]
             kw = {"label": name if i == 0 else None, "ls": "-" if name == FLAT else "--", "marker": "o", "ms": 3,
-                  "color": "black" if name == FLAT else colors[(2 * v) % 20 + (2 * v) // 20]}
+                  "color": "black" if name == FLAT else colors[v % len(colors)]}
             axes[0].plot([p["nfe"] for p in pts], [p["score"] for p in pts], **kw)
             axes[1].plot([p["time"] for p in pts], [p["score"] for p in pts], **kw)
     axes[0].axvline(budget, color="gray", ls=":", lw=1)
