@@ -86,6 +86,9 @@ class RoboticsConfig:
         "help": "demonstrations (.npz of `grove robotics collect`) replayed by loss.replay_coef: the BC "
                 "flow-matching / bin loss on them at every optimizer step, an anchor to the BC policy; '' = none"})
     replay_batch: int = field(default=256, metadata={"help": "demonstration chunks per replay minibatch"})
+    task_adapters: int = field(default=0, metadata={
+        "help": "rank of a per-task low-rank adapter on the fused features, the only weights RL then trains (each "
+                "task's update cannot move another task's actions); 0 = none, train the shared fusion and head"})
 
     def check(self, where: str = "robotics") -> None:
         if self.train_states_per_task < 1 or self.eval_states_per_task < 1:
@@ -98,6 +101,8 @@ class RoboticsConfig:
             raise ConfigError(f"{where}.temperature must be > 0, got {self.temperature}")
         if self.replay_batch < 1:
             raise ConfigError(f"{where}.replay_batch must be >= 1, got {self.replay_batch}")
+        if self.task_adapters < 0:
+            raise ConfigError(f"{where}.task_adapters is a rank (0 = none), got {self.task_adapters}")
         unknown = [t for t in self.train_tasks if t not in self.env.tasks]
         if unknown:
             raise ConfigError(f"{where}.train_tasks {unknown} are not in {where}.env.tasks {self.env.tasks}")
@@ -174,9 +179,17 @@ class RoboticsDomain(DomainBase):
         if (m.head == "discrete") != (cfg.head_mode == "discrete"):
             raise ConfigError(f"robotics.head_mode {cfg.head_mode!r} does not fit the checkpoint's {m.head!r} head; "
                               f"use {'discrete' if m.head == 'discrete' else 'flow_sde, flow_noise or sde_one_step'}")
+        if cfg.task_adapters:  # seeded, and added before a resume loads the trained adapters
+            gen = torch.Generator().manual_seed(ctx.seed)
+            try:
+                self.policy.add_task_adapters([self._instruction(t) for t in cfg.env.tasks], cfg.task_adapters, gen)
+            except ValueError as e:
+                raise ConfigError(f"robotics.task_adapters: {e}") from None
         for name, p in self.policy.named_parameters():
             encoder = name.split(".")[0] in ("cnn", "image_proj", "text", "proprio")
             p.requires_grad_(cfg.train_encoder or not encoder)
+            if cfg.task_adapters:
+                p.requires_grad_(name.startswith(("adapters.", "flow.noise_std")))
             if cfg.head_mode != "flow_noise" and name.startswith("flow.noise_std"):
                 p.requires_grad_(False)  # the learned std only exists in ReinFlow mode
         # the KL reference is the starting policy; made here, before a resume loads trained weights

@@ -14,6 +14,7 @@ The model is saved as ``model.safetensors`` + ``config.json`` (``save_pretrained
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -64,6 +65,10 @@ class VLAConfig:
         "help": "proprio normalisation mean, filled from the BC data; [] = no normalisation"})
     proprio_std: list[float] = field(default_factory=list, metadata={
         "help": "proprio normalisation std, filled from the BC data; [] = no normalisation"})
+    task_adapters: list[str] = field(default_factory=list, metadata={
+        "help": "instructions that own a low-rank residual adapter on the fused features (per-task heads for "
+                "multi-task RL, added by robotics.task_adapters); [] = none"})
+    adapter_rank: int = field(default=16, metadata={"help": "rank of each task adapter"})
 
     def check(self, where: str = "model") -> None:
         from shared_rl.config import ConfigError
@@ -74,6 +79,10 @@ class VLAConfig:
             raise ConfigError(f"{where}.cnn_channels must list 4 channel counts, got {self.cnn_channels}")
         if self.chunk < 1 or self.num_denoise_steps < 2:
             raise ConfigError(f"{where}: chunk must be >= 1 and num_denoise_steps >= 2")
+        if self.task_adapters and self.adapter_rank < 1:
+            raise ConfigError(f"{where}.adapter_rank must be >= 1 with task adapters, got {self.adapter_rank}")
+        if len(set(self.task_adapters)) != len(self.task_adapters):
+            raise ConfigError(f"{where}.task_adapters lists an instruction twice: {self.task_adapters}")
 
 
 class BagOfWords(nn.Module):
@@ -89,6 +98,26 @@ class BagOfWords(nn.Module):
         flat = torch.tensor([i for row in ids for i in row], dtype=torch.long, device=device)
         offsets = torch.tensor([0] + [len(r) for r in ids[:-1]], dtype=torch.long, device=device).cumsum(0)
         return self.embed(flat, offsets)
+
+
+class TaskAdapters(nn.Module):
+    """One low-rank residual per task on the fused features: h' = h + (h·A_t)·B_t for a row of task t (LoRA, Hu et
+    al. 2022, applied per task as the multi-head baselines of Meta-World, Yu et al. 2019). B starts at 0, so adding
+    adapters leaves the policy bitwise unchanged; a row whose task has no adapter (t = −1) passes through. With the
+    shared weights frozen, an update from one task's episodes cannot move another task's actions."""
+
+    def __init__(self, num_tasks: int, dim: int, rank: int, generator: torch.Generator | None = None):
+        super().__init__()
+        self.down = nn.Parameter(torch.randn(num_tasks, dim, rank, generator=generator) / math.sqrt(dim))
+        self.up = nn.Parameter(torch.zeros(num_tasks, rank, dim))
+
+    def forward(self, h: torch.Tensor, task: torch.Tensor) -> torch.Tensor:
+        has = task >= 0
+        if not bool(has.any()):
+            return h
+        t = task.clamp(min=0)
+        delta = torch.bmm(torch.bmm(h[:, None, :], self.down[t]), self.up[t])[:, 0]
+        return h + torch.where(has[:, None], delta, torch.zeros_like(delta))
 
 
 class TinyVLA(nn.Module):
@@ -118,6 +147,27 @@ class TinyVLA(nn.Module):
         std = torch.tensor(cfg.proprio_std or [1.0] * cfg.proprio_dim, dtype=torch.float32)
         self.register_buffer("proprio_mean", mean, persistent=False)
         self.register_buffer("proprio_std", std, persistent=False)
+        self.adapters: TaskAdapters | None = None
+        if cfg.task_adapters:
+            self.adapters = TaskAdapters(len(cfg.task_adapters), cfg.hidden, cfg.adapter_rank)
+        self._index_adapters()
+
+    def _index_adapters(self) -> None:
+        # instruction token ids -> adapter row: encode() receives token ids, so the task is looked up by them
+        self._adapter_of = {tuple(ids): i for i, ids in enumerate(self.text.token_ids(self.cfg.task_adapters))}
+
+    def add_task_adapters(self, instructions: list[str], rank: int, generator: torch.Generator | None = None) -> None:
+        """Give each instruction its own zero-initialised adapter (the policy's outputs do not change)."""
+        if self.adapters is not None:
+            if list(instructions) != self.cfg.task_adapters or rank != self.cfg.adapter_rank:
+                raise ValueError(f"the policy already has task adapters for {self.cfg.task_adapters} "
+                                 f"(rank {self.cfg.adapter_rank}); asked for {list(instructions)} (rank {rank})")
+            return
+        self.cfg.task_adapters, self.cfg.adapter_rank = list(instructions), rank
+        self.cfg.check()
+        device = self.proprio_mean.device
+        self.adapters = TaskAdapters(len(instructions), self.cfg.hidden, rank, generator).to(device)
+        self._index_adapters()
 
     # ------------------------------------------------------------------------------------------------------
     def encode(self, images: torch.Tensor, proprio: torch.Tensor, text_ids: list[list[int]]) -> torch.Tensor:
@@ -128,7 +178,11 @@ class TinyVLA(nn.Module):
         img = F.gelu(self.image_proj(z))
         txt = self.text.encode_ids(text_ids, images.device)
         pro = self.proprio((proprio.float() - self.proprio_mean) / self.proprio_std)
-        return self.fuse(torch.cat([img, txt, pro], dim=-1))
+        h = self.fuse(torch.cat([img, txt, pro], dim=-1))
+        if self.adapters is not None:
+            task = torch.tensor([self._adapter_of.get(tuple(ids), -1) for ids in text_ids], device=h.device)
+            h = self.adapters(h, task)
+        return h
 
     # -- discrete head (OpenVLA-style bins)
     def bin_logits(self, h: torch.Tensor) -> torch.Tensor:
