@@ -223,6 +223,8 @@ def run(cfg: dict, run_dir: Path, log=print) -> dict[str, float]:
             if out_of_time:
                 log(f"bc: time budget {c.time_budget_s:.0f}s reached at step {step}")
                 break
+        # saved before the final evaluation: a long run keeps its weights if the evaluation dies (e.g. out of memory)
+        policy.save_pretrained(run_dir / "model")
         te = time.perf_counter()
         result = evaluate_policy(policy, c.env, c.eval_states_per_task, venv,
                                  gif_dir=run_dir / "gifs" if c.gifs else None, tag="bc-")
@@ -235,7 +237,6 @@ def run(cfg: dict, run_dir: Path, log=print) -> dict[str, float]:
     finally:
         metrics_f.close()
         venv.close()
-    policy.save_pretrained(run_dir / "model")
     if c.export_dir:
         dst = Path(c.export_dir)
         dst.mkdir(parents=True, exist_ok=True)

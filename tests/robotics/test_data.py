@@ -89,3 +89,24 @@ def test_noisy_expert_demos_and_bc_entry_point(tmp_path):
     assert losses[-1] < losses[0], "BC loss must go down"
     assert (tmp_path / "asset" / "model.safetensors").is_file() and (tmp_path / "asset" / "config.json").is_file()
     assert list((tmp_path / "run" / "gifs").glob("*.gif"))
+
+
+def test_bc_keeps_its_weights_when_the_final_evaluation_dies(tmp_path, monkeypatch):
+    """The weights are written before the final evaluation (which pools one env per held-out state and has been
+    killed for memory): a long BC run does not lose its model; nothing is exported without an evaluation."""
+    import robotics.bc as bc
+
+    def dies(*a, **k):
+        raise MemoryError("evaluation ran out of memory")
+
+    monkeypatch.setattr(bc, "evaluate_policy", dies)
+    pytest.importorskip("metaworld")
+    demos = save_episodes(_episodes(n=2, t=12), tmp_path / "demos.npz")
+    cfg = {"data": str(demos), "env": {"tasks": ["reach-v3", "drawer-close-v3"], "horizon": 8}, "train_steps": 4,
+           "batch_size": 8, "log_every": 2, "gifs": False,
+           "model": {"cnn_channels": [8, 8, 8, 8], "feature_dim": 32, "text_dim": 8, "hidden": 64},
+           "eval_states_per_task": 2, "export_dir": str(tmp_path / "asset")}
+    with pytest.raises(MemoryError):
+        bc.run(cfg, tmp_path / "run", log=lambda s: None)
+    assert (tmp_path / "run" / "model" / "model.safetensors").is_file()
+    assert not (tmp_path / "asset").exists()
