@@ -131,7 +131,7 @@ def test_the_goal_asset_loads_with_include_goal_and_is_refused_without():
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    cfg = load_train_config(yaml.safe_load((root / "configs/robotics/metaworld_mt5_goal_rl.yaml").read_text()))
+    cfg = load_train_config(yaml.safe_load((root / "configs/robotics/metaworld_mt5_rl.yaml").read_text()))
     assert cfg.domain_config.env.include_goal and cfg.domain_config.checkpoint.endswith("dart-goal")
     env = {"tasks": ["reach-v3"], "horizon": 8}
     dom = _domain("sde_one_step", env={**env, "include_goal": True}, checkpoint="assets/metaworld-vla-tiny-dart-goal")
