@@ -2,7 +2,7 @@
 positions, fit on frames of training reset states and scored (R², RMSE) on held-out ones (used for
 docs/methods/robotics.md, "What limits the five-task gain").
 
-    python scripts/robotics_encoder_probe.py [ASSET] [--frames 600] [--tasks push-v3 reach-v3]
+    python scripts/robotics_encoder_probe.py [ASSET] [--frames 600] [--tasks push-v3 reach-v3] [--cameras corner]
 
 Frames: each reset state plus 0-29 random actions (so the hand moves too). Targets from Meta-World's state: the
 object xy (push's puck: obs[4:6]) or the goal xy (reach: obs[-3:-1]) and, as the control, the hand xy (obs[0:2]).
@@ -45,13 +45,14 @@ def main(argv=None) -> int:
     ap.add_argument("--frames", type=int, default=600, help="frames per task (3/4 fit, 1/4 scored)")
     ap.add_argument("--tasks", nargs="+", default=list(TARGETS), choices=list(TARGETS))
     ap.add_argument("--lam", type=float, default=1e-2, help="ridge penalty")
+    ap.add_argument("--cameras", nargs="+", default=["corner"], help="the cameras the asset was cloned with")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     policy = TinyVLA.load_pretrained(args.asset).eval()
     rng = np.random.default_rng(0)
     for task in args.tasks:
         env = MetaWorldTaskEnv(task)
-        renderer = TaskRenderer(env.model, RenderSettings(size=policy.cfg.image_size))
+        renderer = TaskRenderer(env.model, RenderSettings(size=policy.cfg.image_size, cameras=args.cameras))
         name, where = TARGETS[task]
         frames, target, hand = [], [], []
         for i in range(args.frames):
