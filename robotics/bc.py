@@ -63,6 +63,10 @@ class BCConfig:
     threads: int = field(default=1, metadata={"help": "torch CPU threads"})
     export_dir: str = field(default="", metadata={
         "help": "also write the final model here (e.g. assets/metaworld-vla-tiny); '' = only the run directory"})
+    aux_object_coef: float = field(default=0.0, metadata={
+        "help": "weight of an auxiliary loss: a linear head (training only) predicts the object's xyz (Meta-World "
+                "state obs[4:7], z-scored) from the image features, so the encoder learns where the object is; "
+                "needs demos with states; 0 = off"})
 
     def check(self, where: str = "bc") -> None:
         from shared_rl.config import ConfigError
@@ -89,6 +93,9 @@ class ChunkDataset:
             tids += [ids] * len(e)
         self.chunks = np.concatenate(chunks).astype(np.float32)
         self.text_ids = tids
+        # the object's xyz per frame (Meta-World's 39-d state, obs[4:7]) for the auxiliary loss, when recorded
+        self.objects = (np.concatenate([e.states[:, 4:7] for e in episodes]).astype(np.float32)
+                        if all(e.states is not None for e in episodes) else None)
 
     def __len__(self) -> int:
         return len(self.chunks)
@@ -184,6 +191,16 @@ def run(cfg: dict, run_dir: Path, log=print) -> dict[str, float]:
     log(f"bc: {len(data)} samples, model {n_params:,} params, head {mcfg.head}")
     # the ReinFlow noise head is trained by RL only
     params = [p for n, p in policy.named_parameters() if not n.startswith("flow.noise_std")]
+    aux = None
+    if c.aux_object_coef > 0:
+        if data.objects is None:
+            from shared_rl.config import ConfigError
+
+            raise ConfigError(f"aux_object_coef={c.aux_object_coef} needs demos with Meta-World states; {data_path} "
+                              f"has none (collect them with `grove robotics collect`)")
+        obj_mean, obj_std = data.objects.mean(0), data.objects.std(0) + 1e-3
+        aux = torch.nn.Linear(mcfg.feature_dim, 3)  # not part of the saved model
+        params += list(aux.parameters())
     opt = torch.optim.AdamW(params, lr=c.lr, weight_decay=c.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(1.0, s / max(1, c.train_steps)))))
     gen = torch.Generator().manual_seed(c.seed)
@@ -198,6 +215,10 @@ def run(cfg: dict, run_dir: Path, log=print) -> dict[str, float]:
             imgs, pro, tids, chunks = data.batch(idx, c.augment_shift, rng)
             h = policy.encode(imgs, pro, tids)
             loss = policy.bc_loss(h, chunks, gen)
+            if aux is not None:
+                target = torch.from_numpy((data.objects[idx] - obj_mean) / obj_std)
+                aux_loss = torch.nn.functional.mse_loss(aux(policy.image_features(imgs)), target)
+                loss = loss + c.aux_object_coef * aux_loss
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)

@@ -170,12 +170,15 @@ class TinyVLA(nn.Module):
         self._index_adapters()
 
     # ------------------------------------------------------------------------------------------------------
-    def encode(self, images: torch.Tensor, proprio: torch.Tensor, text_ids: list[list[int]]) -> torch.Tensor:
-        """images uint8 ``[B, H, W, C]`` (or float [B, C, H, W] already in [-0.5, 0.5]); returns ``[B, hidden]``."""
+    def image_features(self, images: torch.Tensor) -> torch.Tensor:
+        """The image encoder's vector ``[B, feature_dim]`` (uint8 ``[B, H, W, C]`` or float [B, C, H, W] in [-0.5, 0.5])."""
         if images.dtype == torch.uint8:
             images = images.permute(0, 3, 1, 2).float() / 255.0 - 0.5
-        z = self.cnn(images).flatten(1)
-        img = F.gelu(self.image_proj(z))
+        return F.gelu(self.image_proj(self.cnn(images).flatten(1)))
+
+    def encode(self, images: torch.Tensor, proprio: torch.Tensor, text_ids: list[list[int]]) -> torch.Tensor:
+        """images uint8 ``[B, H, W, C]`` (or float [B, C, H, W] already in [-0.5, 0.5]); returns ``[B, hidden]``."""
+        img = self.image_features(images)
         txt = self.text.encode_ids(text_ids, images.device)
         pro = self.proprio((proprio.float() - self.proprio_mean) / self.proprio_std)
         h = self.fuse(torch.cat([img, txt, pro], dim=-1))

@@ -6,6 +6,7 @@ os.environ.setdefault("MUJOCO_GL", "egl")
 
 import numpy as np
 import pytest
+import torch
 
 from robotics.data import Episode, export_lerobot, import_lerobot, load_episodes, save_episodes
 
@@ -110,3 +111,32 @@ def test_bc_keeps_its_weights_when_the_final_evaluation_dies(tmp_path, monkeypat
         bc.run(cfg, tmp_path / "run", log=lambda s: None)
     assert (tmp_path / "run" / "model" / "model.safetensors").is_file()
     assert not (tmp_path / "asset").exists()
+
+
+def test_bc_auxiliary_object_loss_trains_the_encoder_and_needs_states(tmp_path, monkeypatch):
+    """``aux_object_coef``: a linear head predicts the object's xyz from the image features; its gradient moves the
+    encoder (different weights from the same run without it), it is not saved, and demos without states are
+    refused in one line."""
+    pytest.importorskip("metaworld")
+    import robotics.bc as bc
+    from safetensors.torch import load_file
+
+    from shared_rl.config import ConfigError
+
+    monkeypatch.setattr(bc, "evaluate_policy", lambda *a, **k: {"eval/success": 0.0})
+    eps = _episodes(n=2, t=12)
+    demos = save_episodes(eps, tmp_path / "demos.npz")
+    base = {"data": str(demos), "env": {"tasks": ["reach-v3", "drawer-close-v3"], "horizon": 8}, "train_steps": 3,
+            "batch_size": 8, "log_every": 1, "gifs": False, "eval_states_per_task": 1,
+            "model": {"cnn_channels": [8, 8, 8, 8], "feature_dim": 32, "text_dim": 8, "hidden": 64}}
+    weights = {}
+    for coef in (0.0, 1.0):
+        bc.run({**base, "aux_object_coef": coef}, tmp_path / f"run{coef}", log=lambda s: None)
+        weights[coef] = load_file(str(tmp_path / f"run{coef}" / "model" / "model.safetensors"))
+    assert weights[0.0].keys() == weights[1.0].keys()  # the auxiliary head is not part of the model
+    assert not torch.equal(weights[0.0]["cnn.0.weight"], weights[1.0]["cnn.0.weight"])
+    for e in eps:
+        e.states = None
+    bare = save_episodes(eps, tmp_path / "bare.npz")
+    with pytest.raises(ConfigError, match="needs demos with Meta-World states"):
+        bc.run({**base, "data": str(bare), "aux_object_coef": 1.0}, tmp_path / "run-bare", log=lambda s: None)
