@@ -213,12 +213,11 @@ def run(cfg: dict, run_dir: Path, log=print) -> dict[str, float]:
         for step in range(1, c.train_steps + 1):
             idx = rng.integers(0, len(data), size=c.batch_size)
             imgs, pro, tids, chunks = data.batch(idx, c.augment_shift, rng)
-            h = policy.encode(imgs, pro, tids)
-            loss = policy.bc_loss(h, chunks, gen)
+            img = policy.image_features(imgs)  # once: the auxiliary head reads the same features
+            loss = policy.bc_loss(policy.fuse_features(img, pro, tids), chunks, gen)
             if aux is not None:
                 target = torch.from_numpy((data.objects[idx] - obj_mean) / obj_std)
-                aux_loss = torch.nn.functional.mse_loss(aux(policy.image_features(imgs)), target)
-                loss = loss + c.aux_object_coef * aux_loss
+                loss = loss + c.aux_object_coef * torch.nn.functional.mse_loss(aux(img), target)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)

@@ -34,13 +34,16 @@ def main(argv=None) -> int:
                     if k.startswith("eval/success/")})
     names = ["overall"] + tasks
     fig, axes = plt.subplots(1, len(names), figsize=(3.0 * len(names), 3.0), sharey=True)
+    legend: set[str] = set()
     for label, d in runs:
         ev = evaluations(Path(d))
         steps = [r["step"] for r in ev]
         for ax, name in zip(axes, names):
             key = "eval/success" if name == "overall" else f"eval/success/{name}"
+            first = name == "overall" and label not in legend  # one legend entry per label
             ax.plot(steps, [r[key] for r in ev], color=colours[labels.index(label) % len(colours)], alpha=0.8,
-                    marker="o", ms=3, label=label if name == "overall" and d == next(x for l, x in runs if l == label) else None)
+                    marker="o", ms=3, label=label if first else None)
+        legend.add(label)
     for ax, name in zip(axes, names):
         ax.set_title(name, fontsize=9)
         ax.set_xlabel("iteration")

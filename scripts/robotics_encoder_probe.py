@@ -21,7 +21,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from torch.nn import functional as F  # noqa: E402
 
 from robotics.envs.metaworld_env import MetaWorldTaskEnv, RenderSettings, TaskRenderer, make_key  # noqa: E402
 from robotics.policies.vla import TinyVLA  # noqa: E402
@@ -65,7 +64,7 @@ def main(argv=None) -> int:
         renderer.close()
         x = torch.from_numpy(np.stack(frames)).permute(0, 3, 1, 2).float() / 255.0 - 0.5
         with torch.no_grad():
-            feats = F.gelu(policy.image_proj(policy.cnn(x).flatten(1))).numpy()
+            feats = policy.image_features(x).numpy()
         n_train = args.frames * 3 // 4
         for label, y in ((name, np.stack(target)), ("hand xy", np.stack(hand))):
             r2, rmse = ridge_probe(feats, y, n_train, args.lam)

@@ -178,8 +178,11 @@ class TinyVLA(nn.Module):
 
     def encode(self, images: torch.Tensor, proprio: torch.Tensor, text_ids: list[list[int]]) -> torch.Tensor:
         """images uint8 ``[B, H, W, C]`` (or float [B, C, H, W] already in [-0.5, 0.5]); returns ``[B, hidden]``."""
-        img = self.image_features(images)
-        txt = self.text.encode_ids(text_ids, images.device)
+        return self.fuse_features(self.image_features(images), proprio, text_ids)
+
+    def fuse_features(self, img: torch.Tensor, proprio: torch.Tensor, text_ids: list[list[int]]) -> torch.Tensor:
+        """The fused features ``[B, hidden]`` from the image features (``image_features``), proprio and instruction."""
+        txt = self.text.encode_ids(text_ids, img.device)
         pro = self.proprio((proprio.float() - self.proprio_mean) / self.proprio_std)
         h = self.fuse(torch.cat([img, txt, pro], dim=-1))
         if self.adapters is not None:
