@@ -70,7 +70,7 @@ def collect_demos(
             frames, pro, states, acts, succ = [], [], [], [], []
             for _ in range(env_cfg.horizon):
                 frames.append(renderer.render(env.data))
-                pro.append(proprio_from_obs(obs, env_cfg.include_goal))
+                pro.append(proprio_from_obs(obs, env_cfg.include_goal, env_cfg.include_object))
                 states.append(obs.astype(np.float32))
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")  # the experts warn about saturating gains, by design
@@ -132,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cameras", nargs="+", default=["corner"])
     p.add_argument("--image-size", type=int, default=64)
     p.add_argument("--include-goal", action="store_true", help="append the goal xyz to proprio")
+    p.add_argument("--include-object", action="store_true", help="append the object's xyz to proprio (before the goal)")
     p.add_argument("--keep-failures", action="store_true")
     p.add_argument("--labels", choices=["executed", "expert"], default="executed",
                    help="executed: record the noisy action; expert: DART, record the expert's clean action at "
@@ -152,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         lerobot_dataset_class()
     _check_tasks(args.tasks)
     cfg = EnvConfig(tasks=args.tasks, horizon=args.horizon, cameras=args.cameras, image_size=args.image_size,
-                    include_goal=args.include_goal)
+                    include_goal=args.include_goal, include_object=args.include_object)
     cfg.check("collect")
     eps = collect_demos(cfg, args.demos_per_task, args.noise, args.seed, only_successful=not args.keep_failures,
                         labels=args.labels)

@@ -161,7 +161,7 @@ class RoboticsDomain(DomainBase):
             raise ConfigError(
                 f"robotics: the policy expects {m.image_channels} image channels, proprio {m.proprio_dim}, size "
                 f"{m.image_size}; env gives {cfg.env.image_channels} (cameras {cfg.env.cameras}), "
-                f"{cfg.env.proprio_dim} (include_goal={cfg.env.include_goal}), {cfg.env.image_size}"
+                f"{cfg.env.proprio_dim} (include_goal={cfg.env.include_goal}, include_object={cfg.env.include_object}), {cfg.env.image_size}"
             )
         if m.action_dim != ENV_ACTION_DIM:
             raise ConfigError(f"robotics: the policy's action_dim is {m.action_dim} but Meta-World and the point env "

@@ -39,6 +39,7 @@ class MetaWorldGymEnv(gym.Env):
         image_size: int = 64,
         cameras: tuple[str, ...] = ("corner",),
         include_goal: bool = False,
+        include_object: bool = False,
         dense_weight: float = 0.0,
         render_tuned: bool = True,
     ):
@@ -47,7 +48,7 @@ class MetaWorldGymEnv(gym.Env):
         self.task, self.task_index = task, task_index
         self.instruction = instruction_for(task)
         self.horizon, self.success_mode = horizon, success_mode
-        self.include_goal, self.dense_weight = include_goal, dense_weight
+        self.include_goal, self.include_object, self.dense_weight = include_goal, include_object, dense_weight
         self._env = MetaWorldTaskEnv(task)
         self._renderer = TaskRenderer(self._env.model, RenderSettings(image_size, list(cameras), render_tuned))
         self.render_mode = "rgb_array"
@@ -55,7 +56,7 @@ class MetaWorldGymEnv(gym.Env):
         self.observation_space = gym.spaces.Dict(
             {
                 "image": gym.spaces.Box(0, 255, (image_size, image_size, c), np.uint8),
-                "proprio": gym.spaces.Box(-np.inf, np.inf, (proprio_dim(include_goal),), np.float32),
+                "proprio": gym.spaces.Box(-np.inf, np.inf, (proprio_dim(include_goal, include_object),), np.float32),
                 "state": gym.spaces.Box(-np.inf, np.inf, (39,), np.float32),
             }
         )
@@ -64,7 +65,7 @@ class MetaWorldGymEnv(gym.Env):
     def _obs(self) -> dict[str, np.ndarray]:
         return {
             "image": self._renderer.render(self._env.data),
-            "proprio": proprio_from_obs(self._env.last_obs, self.include_goal),
+            "proprio": proprio_from_obs(self._env.last_obs, self.include_goal, self.include_object),
             "state": self._env.last_obs.astype(np.float32),
         }
 

@@ -320,19 +320,23 @@ class MetaWorldTaskEnv:
         return np.asarray(self.env._last_rand_vec, dtype=np.float64).copy()
 
 
-def proprio_from_obs(obs: np.ndarray, include_goal: bool = False) -> np.ndarray:
+def proprio_from_obs(obs: np.ndarray, include_goal: bool = False, include_object: bool = False) -> np.ndarray:
     """Robot proprioception from the 39-d Meta-World state: hand xyz (0:3) and gripper opening (3).
 
-    ``include_goal`` appends the goal xyz (36:39): at 64x64 the reach goal and push puck are 1-2 pixels.
+    ``include_object`` appends the first object's xyz (4:7: the puck, the door or drawer handle, the button), as a
+    pose estimator would give it; ``include_goal`` then appends the goal xyz (36:39). At 64x64 the reach goal and
+    push's puck are 1-2 pixels, and a frozen tiny encoder places the puck to only ~3 cm.
     """
     parts = [obs[..., 0:4]]
+    if include_object:
+        parts.append(obs[..., 4:7])
     if include_goal:
         parts.append(obs[..., 36:39])
     return np.concatenate(parts, axis=-1).astype(np.float32)
 
 
-def proprio_dim(include_goal: bool) -> int:
-    return 7 if include_goal else 4
+def proprio_dim(include_goal: bool, include_object: bool = False) -> int:
+    return 4 + 3 * int(include_object) + 3 * int(include_goal)
 
 
 SuccessMode = Literal["once", "end"]

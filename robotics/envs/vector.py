@@ -54,6 +54,8 @@ class EnvConfig:
         "help": "fast scene (no shadows, reflections, skybox); false = MuJoCo's default scene"})
     include_goal: bool = field(default=False, metadata={
         "help": "append the goal xyz to proprio (the reach goal is ~1 pixel at 64x64)"})
+    include_object: bool = field(default=False, metadata={
+        "help": "append the object's xyz (Meta-World state 4:7: puck, handle, button) to proprio, before the goal"})
     num_workers: int = field(default=0, metadata={
         "help": "env worker processes; 0 = in-process batched execution"})
 
@@ -70,6 +72,8 @@ class EnvConfig:
             raise ConfigError(f"{where}.cameras must name at least one camera, e.g. [corner]")
         if self.num_workers < 0:
             raise ConfigError(f"{where}.num_workers must be >= 0, got {self.num_workers}")
+        if self.kind == "point" and self.include_object:
+            raise ConfigError(f"{where}.include_object needs Meta-World (the point env has no object); set it false")
 
     @property
     def image_channels(self) -> int:
@@ -77,7 +81,7 @@ class EnvConfig:
 
     @property
     def proprio_dim(self) -> int:
-        return proprio_dim(self.include_goal)
+        return proprio_dim(self.include_goal, self.include_object)
 
     def render_settings(self) -> RenderSettings:
         return RenderSettings(size=self.image_size, cameras=list(self.cameras), tuned=self.render_tuned)
@@ -118,7 +122,7 @@ class BatchedMetaWorld:
         env = self.slots[i]
         s = self.settings
         img = self._renderer(env).render(env.data) if render else np.zeros((s.size, s.size, 3 * len(s.cameras)), np.uint8)
-        return img, proprio_from_obs(env.last_obs, self.cfg.include_goal), env.last_obs.astype(np.float32)
+        return img, proprio_from_obs(env.last_obs, self.cfg.include_goal, self.cfg.include_object), env.last_obs.astype(np.float32)
 
     def render(self, idx: list[int]) -> np.ndarray:
         return np.stack([self._observe(i, True)[0] for i in idx])

@@ -123,3 +123,36 @@ def test_success_once_vs_success_at_end_with_the_expert():
     assert term_once and info_once["success"] and steps_once < 120  # stops at the first success
     assert not term_end and trunc_end and steps_end == 120  # runs the whole horizon
     assert info_end["success_once"] and info_end["success_end"]  # the expert stays at the goal
+
+
+def test_proprio_layout_with_object_and_goal_tracks_the_moving_puck():
+    """``include_object`` puts the object's xyz (state 4:7) after hand + gripper and before the goal (36:39), in the
+    batched env, the subprocess env and the gym env alike; the puck's entry moves when the expert pushes it."""
+    from metaworld.policies import ENV_POLICY_MAP
+
+    from shared_rl.config import ConfigError
+
+    cfg = EnvConfig(tasks=["push-v3"], horizon=60, include_goal=True, include_object=True)
+    assert cfg.proprio_dim == 10 and EnvConfig(include_object=True).proprio_dim == 7
+    key = make_key(0, "train", 3)
+    local, remote = BatchedMetaWorld(cfg), SubprocMetaWorld(EnvConfig(**{**cfg.__dict__, "num_workers": 1}))
+    try:
+        o, o2 = local.reset([key]), remote.reset([key])
+        s, p = o["state"][0], o["proprio"][0]
+        np.testing.assert_array_equal(p, np.concatenate([s[0:4], s[4:7], s[36:39]]))
+        np.testing.assert_array_equal(o2["proprio"], o["proprio"])
+    finally:
+        local.close()
+        remote.close()
+    env = MetaWorldGymEnv("push-v3", horizon=60, include_goal=True, include_object=True)
+    obs, _ = env.reset(seed=3)
+    assert env.observation_space["proprio"].shape == (10,) and env.observation_space.contains(obs)
+    start = obs["proprio"][4:7].copy()
+    expert = ENV_POLICY_MAP["push-v3"]()
+    for _ in range(60):
+        obs, *_ = env.step(expert.get_action(obs["state"].astype(np.float64)))
+    np.testing.assert_array_equal(obs["proprio"][4:7], obs["state"][4:7])
+    assert np.linalg.norm(obs["proprio"][4:7] - start) > 0.01, "the pushed puck moved, so must its proprio entry"
+    env.close()
+    with pytest.raises(ConfigError, match="include_object needs Meta-World"):
+        EnvConfig(kind="point", tasks=["point-reach"], include_object=True).check()
