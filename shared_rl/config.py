@@ -382,7 +382,12 @@ class SelectionConfig:
         default=2, metadata={"help": "history: skip a key after this many all-success or all-fail groups"})
     history_readmit_after: int = field(default=5, metadata={"help": "history: iterations until a skipped key returns"})
     balance: bool = field(default=False, metadata={
-        "help": "draw the same number of keys from each of the domain's key strata (robotics: tasks) per iteration"})
+        "help": "draw keys from each of the domain's key strata (robotics: tasks) per iteration, as balance_by says"})
+    balance_by: Literal["equal", "need"] = field(default="equal", metadata={
+        "help": "with balance: equal = the same number of keys per stratum | need = one key each, the rest in "
+                "proportion to each stratum's recent failure rate 1 - EMA(success)"})
+    need_decay: float = field(default=0.7, metadata={
+        "help": "balance_by need: weight of the past in each stratum's success-rate average, in [0, 1)"})
 
     def check(self, where: str) -> None:
         lo, hi = (self.band + [None, None])[:2]
@@ -398,6 +403,10 @@ class SelectionConfig:
         if len(self.vade_prior) != 2 or not all(v > 0 for v in self.vade_prior):
             raise ConfigError(f"{where}.vade_prior must be two positive numbers [alpha0, beta0], got {self.vade_prior}")
         _positive(f"{where}.", "history_window", self.history_window)
+        if not 0 <= self.need_decay < 1:
+            raise ConfigError(f"{where}.need_decay must be in [0, 1), got {self.need_decay}")
+        if self.balance_by == "need" and not self.balance:
+            raise ConfigError(f"{where}.balance_by: need weights the strata of selection.balance; set balance: true")
         _positive(f"{where}.", "history_readmit_after", self.history_readmit_after, allow_zero=True)
 
 

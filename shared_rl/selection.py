@@ -210,34 +210,74 @@ def make_sampler(cfg) -> UniformSampler:
 
 
 class StratifiedSampler:
-    """Per-stratum balanced keys (``selection.balance: true``): the ``n`` keys of an iteration are split as evenly as
-    possible over the strata the domain's ``key_stratum(key)`` names (robotics: the task of a reset state), each
-    stratum's share drawn by the wrapped sampler from that stratum's keys (so history skipping and VADE still apply
-    within a stratum); when n is not a multiple of the number of strata, the strata that get one key more are drawn
-    at random. Every stratum's keys also pass through the wrapped sampler's ``update``."""
+    """Per-stratum keys (``selection.balance: true``) over the strata the domain's ``key_stratum(key)`` names
+    (robotics: the task of a reset state), each stratum's share drawn by the wrapped sampler from that stratum's keys
+    (so history skipping and VADE still apply within a stratum); every stratum's keys also pass through the wrapped
+    sampler's ``update``.
 
-    def __init__(self, inner: UniformSampler, stratum) -> None:
+    ``by_need=False`` (``selection.balance_by: equal``): the ``n`` keys are split as evenly as possible; when n is not
+    a multiple of the number of strata, the strata that get one key more are drawn at random.
+    ``by_need=True`` (``balance_by: need``, prioritised task sampling as in multi-task curricula): every stratum keeps
+    one key (its outcomes stay observed) and the other n − S go in proportion to its need 1 − p̂_s, p̂_s an
+    exponential average (weight ``need_decay`` on the past) of the stratum's success rate per iteration; largest
+    remainders round the shares, ties go to the lower stratum name. A stratum not yet observed counts need 1; when
+    every stratum is solved (all needs 0) the split is even. So rollouts a solved task would waste on
+    all-success groups go to the tasks that still fail."""
+
+    def __init__(self, inner: UniformSampler, stratum, by_need: bool = False, need_decay: float = 0.7) -> None:
         self.inner, self.stratum = inner, stratum
+        self.by_need, self.need_decay = bool(by_need), float(need_decay)
+        self.success_rate: dict[str, float] = {}  # str(stratum) -> p̂_s
+
+    def shares(self, names: Sequence[Any], n: int, generator: torch.Generator) -> list[int]:
+        """Keys per stratum (in the order of ``names``), summing to ``n``."""
+        s = len(names)
+        if not self.by_need or n < s:
+            base, extra = divmod(n, s)
+            lucky = set(torch.randperm(s, generator=generator)[:extra].tolist())
+            return [base + (1 if i in lucky else 0) for i in range(s)]
+        need = [1.0 - self.success_rate.get(str(name), 0.0) for name in names]
+        total, rest = sum(need), n - s
+        if total <= 0:
+            need, total = [1.0] * s, float(s)
+        quota = [rest * w / total for w in need]
+        out = [1 + int(q) for q in quota]
+        by_remainder = sorted(range(s), key=lambda i: (-(quota[i] - int(quota[i])), i))
+        for i in by_remainder[: n - sum(out)]:
+            out[i] += 1
+        return out
 
     def select(self, keys: Sequence[int], n: int, generator: torch.Generator) -> list[int]:
         groups: dict[Any, list[int]] = {}
         for k in keys:
             groups.setdefault(self.stratum(k), []).append(k)
         names = sorted(groups)
-        base, extra = divmod(n, len(names))
-        lucky = set(torch.randperm(len(names), generator=generator)[:extra].tolist())
         out: list[int] = []
-        for i, name in enumerate(names):
-            m = base + (1 if i in lucky else 0)
+        for name, m in zip(names, self.shares(names, n, generator)):
             if m:
                 out += self.inner.select(groups[name], m, generator)
         return out
 
     def update(self, keys: Sequence[int], successes: Sequence[float], counts: Sequence[int], iteration: int) -> None:
         self.inner.update(keys, successes, counts, iteration)
+        if not self.by_need:
+            return
+        per: dict[str, list[float]] = {}
+        for k, succ, cnt in zip(keys, successes, counts):
+            acc = per.setdefault(str(self.stratum(k)), [0.0, 0.0])
+            acc[0] += succ
+            acc[1] += cnt
+        for name, (succ, cnt) in per.items():
+            if cnt > 0:
+                rate = succ / cnt
+                old = self.success_rate.get(name)
+                self.success_rate[name] = rate if old is None else self.need_decay * old + (1 - self.need_decay) * rate
 
     def state_dict(self) -> dict:
-        return self.inner.state_dict()
+        state = self.inner.state_dict()
+        return {**state, "stratum_success_rate": dict(self.success_rate)} if self.by_need else state
 
     def load_state_dict(self, state: dict) -> None:
+        state = dict(state)
+        self.success_rate = {k: float(v) for k, v in state.pop("stratum_success_rate", {}).items()}
         self.inner.load_state_dict(state)

@@ -35,3 +35,41 @@ def test_balance_needs_the_domain_hook():
                              "logging": {"progress": False}})
     with pytest.raises(ConfigError, match="key_stratum"):
         Trainer(cfg, None, log=lambda s: None)
+
+
+def test_need_weighted_strata_hand_computed_and_resumable():
+    """balance_by: need — one key per stratum, the rest in proportion to 1 − EMA(success), largest remainders."""
+    keys = list(range(50))
+    stratum = lambda k: f"t{k % 5}"  # noqa: E731
+    s = StratifiedSampler(UniformSampler(), stratum, by_need=True, need_decay=0.5)
+    g = torch.Generator().manual_seed(0)
+    names = [f"t{i}" for i in range(5)]
+    assert s.shares(names, 10, g) == [2, 2, 2, 2, 2]  # nothing observed: every need is 1
+    # t0..t3 solved (8/8), t4 fails (0/8): needs 0, 0, 0, 0, 1 -> t4 takes all 5 spare keys
+    s.update([0, 1, 2, 3, 4], [8.0, 8.0, 8.0, 8.0, 0.0], [8] * 5, 0)
+    assert s.shares(names, 10, g) == [1, 1, 1, 1, 6]
+    got = Counter(stratum(k) for k in s.select(keys, 10, g))
+    assert got == {"t0": 1, "t1": 1, "t2": 1, "t3": 1, "t4": 6}
+    # EMA with decay 0.5: t0 then 0/8 -> p̂ = 0.5; t4 then 8/8 -> 0.5; needs 0.5, 0, 0, 0, 0.5 -> 5 spare = 2.5 + 2.5,
+    # equal remainders: the tie goes to the lower name
+    s.update([0, 4], [0.0, 8.0], [8, 8], 1)
+    assert s.success_rate == {"t0": 0.5, "t1": 1.0, "t2": 1.0, "t3": 1.0, "t4": 0.5}
+    assert s.shares(names, 10, g) == [4, 1, 1, 1, 3]
+    assert s.shares(names, 3, g).count(1) == 3  # fewer keys than strata: the equal rule
+    again = StratifiedSampler(UniformSampler(), stratum, by_need=True, need_decay=0.5)
+    again.load_state_dict(s.state_dict())
+    assert again.success_rate == s.success_rate
+    s.update([0, 4], [8.0, 8.0], [8, 8], 2)  # 0.5 * 0.5 + 0.5 * 1 = 0.75 each: needs 0.25, 0, 0, 0, 0.25
+    assert s.shares(names, 10, g) == [4, 1, 1, 1, 3]
+    last = StratifiedSampler(UniformSampler(), stratum, by_need=True, need_decay=0.0)  # p̂ = this iteration's rate
+    last.update([0, 1, 2, 3, 4], [8.0, 8.0, 8.0, 8.0, 8.0], [8] * 5, 0)
+    assert last.shares(names, 10, g) == [2, 2, 2, 2, 2]  # all solved: even split
+
+
+def test_balance_by_need_is_validated():
+    from shared_rl.config import ConfigError, load_train_config
+
+    with pytest.raises(ConfigError, match="set balance: true"):
+        load_train_config({"domain": "toy", "selection": {"balance_by": "need"}})
+    with pytest.raises(ConfigError, match="need_decay"):
+        load_train_config({"domain": "toy", "selection": {"balance": True, "balance_by": "need", "need_decay": 1.0}})
