@@ -73,3 +73,34 @@ def test_balance_by_need_is_validated():
         load_train_config({"domain": "toy", "selection": {"balance_by": "need"}})
     with pytest.raises(ConfigError, match="need_decay"):
         load_train_config({"domain": "toy", "selection": {"balance": True, "balance_by": "need", "need_decay": 1.0}})
+
+
+def test_need_weighted_run_logs_its_shares_and_resumes_exactly(tmp_path, monkeypatch):
+    """A toy run whose contexts fall in two strata: the need-weighted shares are logged per stratum, sum to
+    groups_per_iteration, and a run stopped after 2 iterations and resumed equals the uninterrupted one."""
+    import json
+
+    import yaml
+
+    from shared_rl.cli import main
+    from shared_rl.toy import ToyDomain
+
+    monkeypatch.setattr(ToyDomain, "key_stratum", lambda self, k: f"s{k % 3}", raising=False)
+    cfg = {"domain": "toy", "seed": 1, "iterations": 4, "logging": {"progress": False},
+           "checkpoint": {"every": 1, "keep_last": 2}, "rollout": {"groups_per_iteration": 12, "group_size": 4},
+           "optim": {"lr": 0.5}, "toy": {"num_contexts": 9, "init_scale": 3.0},
+           "selection": {"balance": True, "balance_by": "need", "need_decay": 0.0}}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+
+    def records(run):
+        rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+        return [{k: v for k, v in r.items() if not k.startswith(("time/", "resume/")) and k != "samples_per_s"}
+                for r in rows if "loss/policy" in r]
+
+    assert main(["train", str(tmp_path / "c.yaml"), "--out", str(tmp_path / "full")]) == 0
+    full = records(tmp_path / "full")
+    shares = [tuple(r[f"selection/keys/s{i}"] for i in range(3)) for r in full]
+    assert all(sum(x) == 12 for x in shares) and shares[0] == (4, 4, 4) and len(set(shares)) > 1, shares
+    assert main(["train", str(tmp_path / "c.yaml"), "--out", str(tmp_path / "cut"), "iterations=2"]) == 0
+    assert main(["train", "--resume", str(tmp_path / "cut"), "iterations=4"]) == 0
+    assert records(tmp_path / "cut")[-1] == full[-1]
