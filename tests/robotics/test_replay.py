@@ -125,17 +125,26 @@ def test_a_resumed_run_replays_the_same_batches(demos, tmp_path):
     assert got[-1] == want[-1] and "loss/replay" in got[-1]
 
 
-def test_the_goal_asset_loads_with_include_goal_and_is_refused_without():
-    """``assets/metaworld-vla-tiny-dart-goal`` (configs/robotics/metaworld_bc_dart_goal.yaml) reads the goal in its
-    proprio input: its recipe parses and builds, and an env without the goal is refused in one line."""
+def test_the_observing_assets_load_with_their_proprio_and_are_refused_without():
+    """``assets/metaworld-vla-tiny-dart-goal`` reads the goal in its proprio input and
+    ``assets/metaworld-vla-tiny-dart-object`` (configs/robotics/metaworld_bc_dart_object.yaml) the object and the goal:
+    the five-task recipes parse and start from the object asset, each asset builds with its env, and an env that
+    lacks an input is refused in one line."""
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    cfg = load_train_config(yaml.safe_load((root / "configs/robotics/metaworld_mt5_rl.yaml").read_text()))
-    assert cfg.domain_config.env.include_goal and cfg.domain_config.checkpoint.endswith("dart-goal")
+    for name in ("metaworld_mt5_rl.yaml", "metaworld_mt5_ppo.yaml"):
+        cfg = load_train_config(yaml.safe_load((root / "configs/robotics" / name).read_text()))
+        env = cfg.domain_config.env
+        assert env.include_goal and env.include_object and cfg.domain_config.checkpoint.endswith("dart-object")
+        assert cfg.selection.balance and cfg.selection.balance_by == "need"
     env = {"tasks": ["reach-v3"], "horizon": 8}
-    dom = _domain("sde_one_step", env={**env, "include_goal": True}, checkpoint="assets/metaworld-vla-tiny-dart-goal")
-    assert dom.policy.cfg.proprio_dim == dom.cfg.env.proprio_dim == 7
-    dom.close()
+    for asset, extra, dim in (("goal", {"include_goal": True}, 7),
+                              ("object", {"include_goal": True, "include_object": True}, 10)):
+        dom = _domain("sde_one_step", env={**env, **extra}, checkpoint=f"assets/metaworld-vla-tiny-dart-{asset}")
+        assert dom.policy.cfg.proprio_dim == dom.cfg.env.proprio_dim == dim
+        dom.close()
     with pytest.raises(ConfigError, match="include_goal=False"):
         _domain("sde_one_step", env=env, checkpoint="assets/metaworld-vla-tiny-dart-goal")
+    with pytest.raises(ConfigError, match="include_object=False"):
+        _domain("sde_one_step", env={**env, "include_goal": True}, checkpoint="assets/metaworld-vla-tiny-dart-object")
