@@ -21,7 +21,7 @@ import torch
 
 from .collect import collect_demos
 from .data import Episode, load_episodes, save_episodes
-from .envs.metaworld_env import make_key
+from .envs.metaworld_env import OBJECT_XYZ, make_key
 from .envs.vector import EnvConfig, make_vector_env
 from .episodes import SamplingSettings, run_episodes, success_by_task, write_gif
 from .policies.vla import TinyVLA, VLAConfig
@@ -94,7 +94,7 @@ class ChunkDataset:
         self.chunks = np.concatenate(chunks).astype(np.float32)
         self.text_ids = tids
         # the object's xyz per frame (Meta-World's 39-d state, obs[4:7]) for the auxiliary loss, when recorded
-        self.objects = (np.concatenate([e.states[:, 4:7] for e in episodes]).astype(np.float32)
+        self.objects = (np.concatenate([e.states[:, OBJECT_XYZ] for e in episodes]).astype(np.float32)
                         if all(e.states is not None for e in episodes) else None)
 
     def __len__(self) -> int:

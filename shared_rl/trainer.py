@@ -16,6 +16,7 @@ import math
 import os
 import signal
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -227,9 +228,7 @@ class Trainer:
         # 3. reward metrics of what was sampled first
         metrics = self._reward_metrics(view)
         if cfg.selection.balance and cfg.selection.balance_by == "need":  # where the need-weighted keys went
-            for k in keys:
-                name = f"selection/keys/{self.sampler.stratum(k)}"
-                metrics[name] = metrics.get(name, 0) + 1
+            metrics.update({f"selection/keys/{name}": n for name, n in Counter(map(self.sampler.stratum, keys)).items()})
 
         # 4. filter / refill by key (dynamic sampling), then one key-sampler update with every drawn key
         drawn = [view]

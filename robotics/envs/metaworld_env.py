@@ -320,6 +320,12 @@ class MetaWorldTaskEnv:
         return np.asarray(self.env._last_rand_vec, dtype=np.float64).copy()
 
 
+# fields of Meta-World's 39-d state vector
+HAND_AND_GRIPPER = slice(0, 4)  # hand xyz, gripper opening
+OBJECT_XYZ = slice(4, 7)  # the first object: push's puck, the door / drawer handle, the button
+GOAL_XYZ = slice(36, 39)
+
+
 def proprio_from_obs(obs: np.ndarray, include_goal: bool = False, include_object: bool = False) -> np.ndarray:
     """Robot proprioception from the 39-d Meta-World state: hand xyz (0:3) and gripper opening (3).
 
@@ -327,11 +333,11 @@ def proprio_from_obs(obs: np.ndarray, include_goal: bool = False, include_object
     pose estimator would give it; ``include_goal`` then appends the goal xyz (36:39). At 64x64 the reach goal and
     push's puck are 1-2 pixels, and a frozen tiny encoder places the puck to only ~3 cm.
     """
-    parts = [obs[..., 0:4]]
+    parts = [obs[..., HAND_AND_GRIPPER]]
     if include_object:
-        parts.append(obs[..., 4:7])
+        parts.append(obs[..., OBJECT_XYZ])
     if include_goal:
-        parts.append(obs[..., 36:39])
+        parts.append(obs[..., GOAL_XYZ])
     return np.concatenate(parts, axis=-1).astype(np.float32)
 
 
