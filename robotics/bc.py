@@ -30,6 +30,8 @@ from .policies.vla import TinyVLA, VLAConfig
 @dataclass
 class CollectConfig:
     demos_per_task: int = field(default=40, metadata={"help": "scripted-expert episodes per task"})
+    task_demos: dict[str, int] = field(default_factory=dict, metadata={
+        "help": "per-task override of demos_per_task, e.g. {push-v3: 160} for a task the clone needs more of"})
     noise_std: float = field(default=0.3, metadata={"help": "std of the Gaussian noise added to expert actions"})
     seed: int = field(default=0, metadata={"help": "seed of the action noise"})
     labels: str = field(default="executed", metadata={
@@ -40,6 +42,10 @@ class CollectConfig:
 
         if self.labels not in ("executed", "expert"):
             raise ConfigError(f"{where}.labels must be 'executed' or 'expert', got {self.labels!r}")
+        low = {t: n for t, n in self.task_demos.items() if n < 1}
+        if self.demos_per_task < 1 or low:
+            raise ConfigError(f"{where}: demos_per_task and every task_demos count must be >= 1, got "
+                              f"{self.demos_per_task} and {low or self.task_demos}")
 
 
 @dataclass
@@ -75,6 +81,9 @@ class BCConfig:
             raise ConfigError(f"{where}: batch_size must be >= 1 and train_steps >= 0")
         if self.env.image_size != self.model.image_size:
             raise ConfigError(f"{where}.model.image_size ({self.model.image_size}) must equal env.image_size ({self.env.image_size})")
+        stray = sorted(set(self.collect.task_demos) - set(self.env.tasks))
+        if stray:
+            raise ConfigError(f"{where}.collect.task_demos names {stray}, which are not in env.tasks {self.env.tasks}")
 
 
 class ChunkDataset:
@@ -170,9 +179,10 @@ def run(cfg: dict, run_dir: Path, log=print) -> dict[str, float]:
         episodes = load_episodes(data_path)
         log(f"bc: {len(episodes)} demos from {data_path}")
     else:
-        log(f"bc: {data_path} missing; collecting {c.collect.demos_per_task} demos/task (noise {c.collect.noise_std})")
+        log(f"bc: {data_path} missing; collecting {c.collect.demos_per_task} demos/task, {c.collect.task_demos or 'no'} "
+            f"overrides (noise {c.collect.noise_std})")
         episodes = collect_demos(c.env, c.collect.demos_per_task, c.collect.noise_std, c.collect.seed, log=log,
-                                 labels=c.collect.labels)
+                                 labels=c.collect.labels, task_demos=c.collect.task_demos)
         save_episodes(episodes, data_path)
     episodes = [e for e in episodes if e.task in c.env.tasks]
     if not episodes:

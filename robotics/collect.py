@@ -45,6 +45,7 @@ def collect_demos(
     max_attempts_factor: int = 3,
     log=print,
     labels: str = "executed",
+    task_demos: dict[str, int] | None = None,
 ) -> list[Episode]:
     """Noisy expert episodes for every task in ``env_cfg.tasks`` (successful ones only unless told otherwise).
 
@@ -52,6 +53,7 @@ def collect_demos(
     a policy cloned on it learns the noise too); ``expert`` = DART (Laskey et al. 2017, "DART: Noise Injection
     for Robust Imitation Learning"): the noisy action still drives the env, so the demos visit perturbed states,
     but the label is the expert's clean action at that state, so the clone learns to *correct* the noise.
+    ``task_demos`` overrides ``demos_per_task`` for the tasks it names (more demos of a task the clone fails).
     """
     if labels not in ("executed", "expert"):
         raise ConfigError(f"collect labels must be 'executed' or 'expert', got {labels!r}")
@@ -62,8 +64,9 @@ def collect_demos(
         env = MetaWorldTaskEnv(task)
         renderer = TaskRenderer(env.model, settings)
         expert = expert_for(task)
+        wanted = (task_demos or {}).get(task, demos_per_task)
         kept, attempts, t0 = 0, 0, time.perf_counter()
-        while kept < demos_per_task and attempts < demos_per_task * max_attempts_factor:
+        while kept < wanted and attempts < wanted * max_attempts_factor:
             key = make_key(task_index, "train", DEMO_INDEX_OFFSET + attempts)
             attempts += 1
             obs = env.reset(key)
@@ -126,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="output .npz file (must not exist)")
     p.add_argument("--tasks", nargs="+", default=list(DEFAULT_TASKS), help="Meta-World v3 task names")
     p.add_argument("--demos-per-task", type=int, default=40)
+    p.add_argument("--task-demos", nargs="+", default=[], metavar="TASK=N",
+                   help="per-task override of --demos-per-task, e.g. push-v3=160")
     p.add_argument("--noise", type=float, default=0.3, help="std of the Gaussian action noise")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--horizon", type=int, default=150)
@@ -143,6 +148,12 @@ def main(argv: list[str] | None = None) -> int:
                              ("--image-size", args.image_size, 8)):
         if value < low:
             raise ConfigError(f"{flag} must be >= {low}, got {value}")
+    task_demos = {}
+    for item in args.task_demos:
+        task, _, n = item.partition("=")
+        if task not in args.tasks or not n.isdigit() or int(n) < 1:
+            raise ConfigError(f"--task-demos: {item!r} must be TASK=N with TASK in --tasks {args.tasks} and N >= 1")
+        task_demos[task] = int(n)
     if not (args.noise >= 0 and np.isfinite(args.noise)):
         raise ConfigError(f"--noise must be a finite number >= 0, got {args.noise}")
     out = check_output_file(args.out, "--out", suffix=".npz")
@@ -156,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
                     include_goal=args.include_goal, include_object=args.include_object)
     cfg.check("collect")
     eps = collect_demos(cfg, args.demos_per_task, args.noise, args.seed, only_successful=not args.keep_failures,
-                        labels=args.labels)
+                        labels=args.labels, task_demos=task_demos)
     if not eps:
         raise ConfigError(f"collect kept no episode: the noisy experts never succeeded within --horizon "
                           f"{args.horizon}; raise --horizon, lower --noise, or pass --keep-failures (nothing was written)")

@@ -140,6 +140,12 @@ CASES = {
     # supervised entry points
     "pretrain without domain": ({"kind": "supervised"}, "domain"),
     "pretrain unknown domain": ({"kind": "supervised", "domain": "audio"}, "audio"),
+    "bc task_demos for a task not trained": ({"kind": "supervised", "domain": "robotics", "data": "TMP/none.npz",
+                                              "env": {"tasks": ["reach-v3"]}, "collect": {"task_demos": {"push-v3": 160}}},
+                                             "collect.task_demos names ['push-v3'], which are not in env.tasks"),
+    "bc task_demos of zero": ({"kind": "supervised", "domain": "robotics", "data": "TMP/none.npz",
+                               "env": {"tasks": ["reach-v3"]}, "collect": {"task_demos": {"reach-v3": 0}}},
+                              "every task_demos count must be >= 1"),
 }
 
 
@@ -235,6 +241,10 @@ COMMAND_LINES = {
                            "--demos-per-task must be >= 1"),
     "collect nothing kept": (["robotics", "collect", "--out", "TMP/d.npz", "--tasks", "reach-v3",
                               "--demos-per-task", "1", "--horizon", "1"], "kept no episode"),
+    "collect task demos malformed": (["robotics", "collect", "--out", "TMP/d.npz", "--task-demos", "push-v3:160"],
+                                     "'push-v3:160' must be TASK=N"),
+    "collect task demos not collected": (["robotics", "collect", "--out", "TMP/d.npz", "--tasks", "reach-v3",
+                                          "--task-demos", "push-v3=160"], "TASK in --tasks ['reach-v3']"),
     "collect bad number": (["robotics", "collect", "--out", "TMP/d.npz", "--horizon", "long"], "invalid int value"),
     "to-lerobot missing episodes": (["robotics", "to-lerobot", "TMP/none.npz", "TMP/lr"], "does not exist"),
     "to-lerobot garbage episodes": (["robotics", "to-lerobot", "TMP/garbage.npz", "TMP/lr"],

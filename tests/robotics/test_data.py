@@ -92,6 +92,20 @@ def test_noisy_expert_demos_and_bc_entry_point(tmp_path):
     assert list((tmp_path / "run" / "gifs").glob("*.gif"))
 
 
+def test_per_task_demo_counts_override_the_default():
+    """``task_demos`` gives a task more demos than ``demos_per_task`` (the object clone's 160 push demos); the
+    other tasks keep the default, and the reset states of the extra demos are all distinct."""
+    pytest.importorskip("metaworld")
+    from robotics.collect import collect_demos
+    from robotics.envs import EnvConfig
+
+    cfg = EnvConfig(tasks=["reach-v3", "drawer-close-v3"], horizon=10, image_size=16)
+    eps = collect_demos(cfg, demos_per_task=1, noise_std=0.1, seed=0, log=lambda s: None, task_demos={"reach-v3": 3},
+                        only_successful=False)
+    assert [e.task for e in eps] == ["reach-v3"] * 3 + ["drawer-close-v3"]
+    assert len({e.key for e in eps}) == 4
+
+
 def test_bc_keeps_its_weights_when_the_final_evaluation_dies(tmp_path, monkeypatch):
     """The weights are written before the final evaluation (which pools one env per held-out state and has been
     killed for memory): a long BC run does not lose its model; nothing is exported without an evaluation."""
