@@ -129,15 +129,15 @@ def test_the_observing_assets_load_with_their_proprio_and_are_refused_without():
     """``assets/metaworld-vla-tiny-dart-goal`` reads the goal in its proprio input and
     ``assets/metaworld-vla-tiny-dart-object`` (configs/robotics/metaworld_bc_dart_object.yaml) and
     ``-dart-object-push160`` (metaworld_bc_dart_object_push160.yaml) the object and the goal: the five-task recipes
-    parse and start from the push160 asset, each asset builds with its env, and an env that lacks an input is
-    refused in one line."""
+    parse and start from the 40-push-demo object asset (RL from the push160 one forgot tasks: docs), each asset
+    builds with its env, and an env that lacks an input is refused in one line."""
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
     for name in ("metaworld_mt5_rl.yaml", "metaworld_mt5_ppo.yaml"):
         cfg = load_train_config(yaml.safe_load((root / "configs/robotics" / name).read_text()))
         env = cfg.domain_config.env
-        assert env.include_goal and env.include_object and cfg.domain_config.checkpoint.endswith("dart-object-push160")
+        assert env.include_goal and env.include_object and cfg.domain_config.checkpoint.endswith("dart-object")
         assert cfg.selection.balance and cfg.selection.balance_by == "need"
     env = {"tasks": ["reach-v3"], "horizon": 8}
     for asset, extra, dim in (("goal", {"include_goal": True}, 7),
