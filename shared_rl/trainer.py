@@ -229,6 +229,8 @@ class Trainer:
         metrics = self._reward_metrics(view)
         if cfg.selection.balance and cfg.selection.balance_by == "need":  # where the need-weighted keys went
             metrics.update({f"selection/keys/{name}": n for name, n in Counter(map(self.sampler.stratum, keys)).items()})
+        if cfg.selection.balance:  # each stratum's (task's) success in this iteration's rollouts: per-task training curves
+            metrics.update(self._stratum_success(view))
 
         # 4. filter / refill by key (dynamic sampling), then one key-sampler update with every drawn key
         drawn = [view]
@@ -563,6 +565,16 @@ class Trainer:
                 successes[k] = successes[k] + s if k in successes else s
                 counts[k] = counts[k] + n if k in counts else n
         self.sampler.update(list(successes), list(successes.values()), [counts[k] for k in successes], it)
+
+    def _stratum_success(self, rollout: Rollout) -> dict[str, float]:
+        """``selection/success/<stratum>``: the band reward's mean over the stratum's sampled episodes."""
+        succ, cnt = group_success(self._filter_reward(rollout), rollout.group_ids, len(rollout.keys))
+        per: dict[str, list[float]] = {}
+        for k, s, n in zip(rollout.keys, succ, cnt):
+            acc = per.setdefault(str(self.sampler.stratum(k)), [0.0, 0.0])
+            acc[0] += float(s)
+            acc[1] += float(n)
+        return {f"selection/success/{name}": s / n for name, (s, n) in sorted(per.items()) if n > 0}
 
     def _filter_reward(self, rollout: Rollout) -> torch.Tensor:
         name = self.cfg.selection.band_reward or next(iter(rollout.rewards))

@@ -101,6 +101,14 @@ def test_need_weighted_run_logs_its_shares_and_resumes_exactly(tmp_path, monkeyp
     full = records(tmp_path / "full")
     shares = [tuple(r[f"selection/keys/s{i}"] for i in range(3)) for r in full]
     assert all(sum(x) == 12 for x in shares) and shares[0] == (4, 4, 4) and len(set(shares)) > 1, shares
+    # each stratum's logged rollout success is the rate the need weighting used (need_decay 0: only the last one)
+    names = [f"s{i}" for i in range(3)]
+    for before, after in zip(full, full[1:]):
+        rates = {n: before[f"selection/success/{n}"] for n in names}
+        assert all(0.0 <= v <= 1.0 for v in rates.values())
+        check = StratifiedSampler(UniformSampler(), lambda k: k, by_need=True, need_decay=0.0)
+        check.success_rate = rates
+        assert tuple(check.shares(names, 12, torch.Generator())) == tuple(after[f"selection/keys/{n}"] for n in names)
     assert main(["train", str(tmp_path / "c.yaml"), "--out", str(tmp_path / "cut"), "iterations=2"]) == 0
     assert main(["train", "--resume", str(tmp_path / "cut"), "iterations=4"]) == 0
     assert records(tmp_path / "cut")[-1] == full[-1]
