@@ -83,6 +83,7 @@ def _is_length(key: str) -> bool:
 # orders of magnitude (a KL of 1e-4 is invisible next to a loss of 0.3 or a grad norm of 40)
 PANELS: list[tuple[str, Any]] = [
     ("held-out evaluation", lambda k: k.startswith("eval/") and not _is_length(k)),
+    ("rollout success per task (stratum)", lambda k: k.startswith("selection/success/")),
     ("rates (fractions of groups / completions)", lambda k: k in ("frac_zero_std", "completion/truncated",
                                                                   "groups/kept_fraction")),
     ("lengths", _is_length),
