@@ -340,6 +340,10 @@ class OptimConfig:
         default="constant", metadata={"help": "lr after warm-up: constant | cosine | linear (decay to 0 at the end)"})
     critic_lr: Optional[float] = field(default=None, metadata={
         "help": "learning rate of the domain's critic (PPO, its critic_parameters()); null = lr"})
+    ema_decay: float = field(default=0.0, metadata={
+        "help": "weight averaging (Polyak): an EMA of the trained weights, decay min(ema_decay, (1+t)/(10+t)) at "
+                "optimizer step t, is what evaluation and the exported model use; rollouts and updates use the live "
+                "weights. 0 = off"})
     inner_epochs: int = field(default=1, metadata={"help": "passes over each iteration's rollouts (PPO epochs)"})
     minibatches_per_epoch: int = field(default=1, metadata={"help": "optimizer steps per inner epoch"})
     micro_batch_size: int = field(
@@ -355,6 +359,9 @@ class OptimConfig:
         _positive(f"{where}.", "weight_decay", self.weight_decay, allow_zero=True)
         _positive(f"{where}.", "eps", self.eps)
         _positive(f"{where}.", "warmup_steps", self.warmup_steps, allow_zero=True)
+        if not 0.0 <= self.ema_decay < 1.0:
+            raise ConfigError(f"{where}.ema_decay must be in [0, 1) (0 = off; 0.98 averages ~50 optimizer steps), "
+                              f"got {self.ema_decay}")
         if self.grad_clip is not None:
             _positive(f"{where}.", "grad_clip", self.grad_clip)
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):

@@ -46,6 +46,51 @@ def _oom_hint(stage: str, advice: str):
         raise ResourceError(f"out of memory during {stage}: {advice}") from e
 
 
+class WeightEMA:
+    """Weight averaging of the trained parameters (Polyak & Juditsky 1992; the EMA that diffusion training evaluates).
+    After optimizer step t: ema ← d_t·ema + (1 − d_t)·w, d_t = min(decay, (1 + t) / (10 + t)), so the first steps are
+    not tied to the starting weights for long. Rollouts and updates keep the live weights; ``swapped()`` puts the
+    average into the parameters for evaluation and export and restores the live ones bitwise after."""
+
+    PREFIX = "_ema/"  # its tensors travel in the checkpoint's model.safetensors under these keys
+
+    def __init__(self, params: list[torch.nn.Parameter], decay: float) -> None:
+        self.params, self.decay, self.steps = list(params), float(decay), 0
+        self.shadow = [p.detach().clone() for p in self.params]
+
+    @torch.no_grad()
+    def update(self) -> None:
+        d = min(self.decay, (1 + self.steps) / (10 + self.steps))
+        for avg, p in zip(self.shadow, self.params):
+            avg.lerp_(p.detach(), 1.0 - d)
+        self.steps += 1
+
+    @contextlib.contextmanager
+    def swapped(self):
+        live = [p.detach().clone() for p in self.params]
+        with torch.no_grad():
+            for p, avg in zip(self.params, self.shadow):
+                p.copy_(avg)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for p, w in zip(self.params, live):
+                    p.copy_(w)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {f"{self.PREFIX}{i}": avg for i, avg in enumerate(self.shadow)}
+
+    def load(self, tensors: dict[str, torch.Tensor], steps: int) -> None:
+        if len(tensors) != len(self.shadow):
+            raise ConfigError(f"the checkpoint's weight average holds {len(tensors)} tensors, this policy trains "
+                              f"{len(self.shadow)}: resume with the config the run was started with")
+        with torch.no_grad():
+            for i, avg in enumerate(self.shadow):
+                avg.copy_(tensors[f"{self.PREFIX}{i}"])
+        self.steps = int(steps)
+
+
 def iteration_seed(seed: int, iteration: int) -> int:
     return (seed * 1_000_003 + iteration * 7_919 + 17) % (2**63 - 1)
 
@@ -127,6 +172,10 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
         self.steps_per_iteration = o.inner_epochs * o.minibatches_per_epoch
         self.scheduler = make_scheduler(self.optimizer, o, cfg.iterations * self.steps_per_iteration)
+        if o.ema_decay > 0 and self.fsdp is not None:
+            raise ConfigError("optim.ema_decay keeps a whole copy of the trained weights per process; with "
+                              "distributed.strategy: fsdp2 set optim.ema_decay: 0 (or use replicate)")
+        self.ema = WeightEMA(params, o.ema_decay) if o.ema_decay > 0 else None
         self.sampler = make_sampler(cfg.selection)
         if cfg.selection.balance:
             stratum = getattr(self.domain, "key_stratum", None)
@@ -198,6 +247,10 @@ class Trainer:
     def _groups_per_call(self, n_groups: int) -> int:
         """Groups per rollout call: ``rollout.groups_per_call``, else an even share of ``n_groups`` per process."""
         return self.cfg.rollout.groups_per_call or -(-n_groups // self.dist.world)
+
+    def _averaged(self):
+        """The weight average (optim.ema_decay) in the parameters, for evaluation and export; no-op when off."""
+        return self.ema.swapped() if self.ema is not None else contextlib.nullcontext()
 
     def _gathered(self):
         """FSDP2: the shards gathered for work whose forward count differs per rank (no-op otherwise)."""
@@ -452,6 +505,8 @@ class Trainer:
         stats.add("grad_norm", float(grad_norm), 1.0)
         self.optimizer.step()
         self.scheduler.step()
+        if self.ema is not None:
+            self.ema.update()
         after = getattr(self.domain, "after_optimizer_step", None)
         if after:
             after()
@@ -623,6 +678,7 @@ class Trainer:
             "domain": extra() if extra else {},
             "rng": rng_state(),
             "nonfinite_total": self.nonfinite_total,
+            **({"ema_steps": self.ema.steps} if self.ema is not None else {}),
         }
 
     def save(self, iteration: int) -> Path | None:
@@ -635,6 +691,8 @@ class Trainer:
             opt_state = full_optimizer_state(self.optimizer.state_dict())
         elif self.dist.is_main:
             model_state, opt_state = self.domain.state_dict(), self.optimizer.state_dict()
+            if self.ema is not None:
+                model_state = {**model_state, **self.ema.tensors()}
         if not self.dist.is_main:
             return None
         return save_checkpoint(self.run_dir / "checkpoints", iteration, model_state, opt_state, self.state(iteration),
@@ -648,6 +706,12 @@ class Trainer:
         if found is None:
             return False
         path, model_state, opt_state, state = found
+        ema_state = {k: model_state.pop(k) for k in [k for k in model_state if k.startswith(WeightEMA.PREFIX)]}
+        if self.ema is not None:
+            if ema_state:
+                self.ema.load(ema_state, state.get("ema_steps", 0))
+            else:  # a run started without optim.ema_decay: the average starts at the restored weights
+                self.log("the checkpoint has no weight average (optim.ema_decay was 0): it starts at its weights")
         if self.fsdp is not None:  # full tensors -> this rank's shards, laid out like the live parameters
             from .distributed import shard_like, shard_optimizer_state
 
@@ -656,6 +720,8 @@ class Trainer:
             if opt_state is not None:
                 opt_state = shard_optimizer_state(opt_state, self.optimizer)
         self.domain.load_state_dict(model_state)
+        if self.ema is not None and not ema_state:
+            self.ema = WeightEMA(self.ema.params, self.ema.decay)
         if opt_state is not None:
             self.optimizer.load_state_dict(opt_state)
         self.scheduler.load_state_dict(state["scheduler"])
@@ -676,7 +742,7 @@ class Trainer:
             if not self.dist.is_main:  # evaluation runs on the main process only
                 return {}
             t = time.perf_counter()
-            with torch.no_grad():
+            with torch.no_grad(), self._averaged():
                 out = dict(self.domain.evaluate(it))
             out["time/eval"] = time.perf_counter() - t
             return out
@@ -800,7 +866,8 @@ class Trainer:
         main = self.dist.is_main
         save_pretrained = getattr(self.domain, "save_pretrained", None)
         if save_pretrained and (main or self.fsdp is not None):  # FSDP2: every rank takes part in the gather
-            save_pretrained(self.run_dir / "final")
+            with self._averaged():
+                save_pretrained(self.run_dir / "final")
         with self._gathered():
             if main:
                 self._finish_main()
