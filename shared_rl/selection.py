@@ -262,16 +262,18 @@ class StratifiedSampler:
         self.inner.update(keys, successes, counts, iteration)
         if not self.by_need:
             return
+        for name, rate in self.rates(keys, successes, counts).items():
+            old = self.success_rate.get(name)
+            self.success_rate[name] = rate if old is None else self.need_decay * old + (1 - self.need_decay) * rate
+
+    def rates(self, keys: Sequence[int], successes: Sequence[float], counts: Sequence[int]) -> dict[str, float]:
+        """Each stratum's success rate over the given keys' groups (strata with no counted episode left out)."""
         per: dict[str, list[float]] = {}
         for k, succ, cnt in zip(keys, successes, counts):
             acc = per.setdefault(str(self.stratum(k)), [0.0, 0.0])
-            acc[0] += succ
-            acc[1] += cnt
-        for name, (succ, cnt) in per.items():
-            if cnt > 0:
-                rate = succ / cnt
-                old = self.success_rate.get(name)
-                self.success_rate[name] = rate if old is None else self.need_decay * old + (1 - self.need_decay) * rate
+            acc[0] += float(succ)
+            acc[1] += float(cnt)
+        return {name: succ / cnt for name, (succ, cnt) in sorted(per.items()) if cnt > 0}
 
     def state_dict(self) -> dict:
         state = self.inner.state_dict()

@@ -624,12 +624,7 @@ class Trainer:
     def _stratum_success(self, rollout: Rollout) -> dict[str, float]:
         """``selection/success/<stratum>``: the band reward's mean over the stratum's sampled episodes."""
         succ, cnt = group_success(self._filter_reward(rollout), rollout.group_ids, len(rollout.keys))
-        per: dict[str, list[float]] = {}
-        for k, s, n in zip(rollout.keys, succ, cnt):
-            acc = per.setdefault(str(self.sampler.stratum(k)), [0.0, 0.0])
-            acc[0] += float(s)
-            acc[1] += float(n)
-        return {f"selection/success/{name}": s / n for name, (s, n) in sorted(per.items()) if n > 0}
+        return {f"selection/success/{name}": r for name, r in self.sampler.rates(rollout.keys, succ, cnt).items()}
 
     def _filter_reward(self, rollout: Rollout) -> torch.Tensor:
         name = self.cfg.selection.band_reward or next(iter(rollout.rewards))
@@ -707,11 +702,6 @@ class Trainer:
             return False
         path, model_state, opt_state, state = found
         ema_state = {k: model_state.pop(k) for k in [k for k in model_state if k.startswith(WeightEMA.PREFIX)]}
-        if self.ema is not None:
-            if ema_state:
-                self.ema.load(ema_state, state.get("ema_steps", 0))
-            else:  # a run started without optim.ema_decay: the average starts at the restored weights
-                self.log("the checkpoint has no weight average (optim.ema_decay was 0): it starts at its weights")
         if self.fsdp is not None:  # full tensors -> this rank's shards, laid out like the live parameters
             from .distributed import shard_like, shard_optimizer_state
 
@@ -720,7 +710,10 @@ class Trainer:
             if opt_state is not None:
                 opt_state = shard_optimizer_state(opt_state, self.optimizer)
         self.domain.load_state_dict(model_state)
-        if self.ema is not None and not ema_state:
+        if self.ema is not None and ema_state:
+            self.ema.load(ema_state, state.get("ema_steps", 0))
+        elif self.ema is not None:  # a run started without optim.ema_decay: the average starts at its weights
+            self.log("the checkpoint has no weight average (optim.ema_decay was 0): it starts at its weights")
             self.ema = WeightEMA(self.ema.params, self.ema.decay)
         if opt_state is not None:
             self.optimizer.load_state_dict(opt_state)
