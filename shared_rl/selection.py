@@ -187,6 +187,7 @@ class HistorySkipSampler(UniformSampler):
                 self.skipped_at.setdefault(str(k), self.iteration)
 
     def num_skipped(self) -> int:
+        """Keys held out now (after a ``select``: the keys that draw could not pick)."""
         return len(self.skipped_at)
 
     def state_dict(self) -> dict:
@@ -274,6 +275,11 @@ class StratifiedSampler:
             acc[0] += float(succ)
             acc[1] += float(cnt)
         return {name: succ / cnt for name, (succ, cnt) in sorted(per.items()) if cnt > 0}
+
+    def num_skipped(self) -> int | None:
+        """The wrapped sampler's held-out keys (``None`` when it holds none out by design)."""
+        count = getattr(self.inner, "num_skipped", None)
+        return count() if count is not None else None
 
     def state_dict(self) -> dict:
         state = self.inner.state_dict()

@@ -25,6 +25,7 @@ def test_stratified_sampler_balances_and_keeps_the_inner_rule():
     for _ in range(20):
         assert not {60, 61} & set(s.select(keys, 10, g))
     assert s.state_dict() == inner.state_dict()
+    assert s.num_skipped() == 2 and StratifiedSampler(UniformSampler(), stratum).num_skipped() is None
 
 
 def test_balance_needs_the_domain_hook():
@@ -112,3 +113,24 @@ def test_need_weighted_run_logs_its_shares_and_resumes_exactly(tmp_path, monkeyp
     assert main(["train", str(tmp_path / "c.yaml"), "--out", str(tmp_path / "cut"), "iterations=2"]) == 0
     assert main(["train", "--resume", str(tmp_path / "cut"), "iterations=4"]) == 0
     assert records(tmp_path / "cut")[-1] == full[-1]
+
+
+def test_history_sampler_logs_the_keys_it_held_out():
+    """``selection/skipped``: the keys the history sampler held out of an iteration's draw, i.e. the count its update
+    left after the previous iteration (no key is re-admitted within 100 iterations); a sampler that skips nothing by
+    design logs nothing."""
+    from shared_rl.config import load_train_config
+    from shared_rl.trainer import Trainer
+
+    base = {"domain": "toy", "seed": 0, "iterations": 4, "logging": {"progress": False},
+            "rollout": {"groups_per_iteration": 6, "group_size": 4}, "toy": {"num_contexts": 12, "init_scale": 4.0}}
+    trainer = Trainer(load_train_config({**base, "selection": {
+        "sampler": "history", "history_window": 1, "history_readmit_after": 100}}), None, log=lambda s: None)
+    held_out = [0]
+    for it in range(4):
+        got = trainer.iteration(it)
+        assert got["selection/skipped"] == held_out[-1]
+        held_out.append(trainer.sampler.num_skipped())
+    assert held_out[-1] > 0 and held_out == sorted(held_out), held_out
+    plain = Trainer(load_train_config(base), None, log=lambda s: None)
+    assert "selection/skipped" not in plain.iteration(0)
