@@ -70,6 +70,10 @@ class UniformSampler:
     def update(self, keys: Sequence[int], successes: Sequence[float], counts: Sequence[int], iteration: int) -> None:
         pass
 
+    def num_skipped(self) -> int | None:
+        """Keys held out of the last draw; ``None``: this sampler holds none out by design."""
+        return None
+
     def state_dict(self) -> dict:
         return {}
 
@@ -278,8 +282,7 @@ class StratifiedSampler:
 
     def num_skipped(self) -> int | None:
         """The wrapped sampler's held-out keys (``None`` when it holds none out by design)."""
-        count = getattr(self.inner, "num_skipped", None)
-        return count() if count is not None else None
+        return self.inner.num_skipped()
 
     def state_dict(self) -> dict:
         state = self.inner.state_dict()

@@ -284,9 +284,9 @@ class Trainer:
             metrics.update({f"selection/keys/{name}": n for name, n in Counter(map(self.sampler.stratum, keys)).items()})
         if cfg.selection.balance:  # each stratum's (task's) success in this iteration's rollouts: per-task training curves
             metrics.update(self._stratum_success(view))
-        skipped = getattr(self.sampler, "num_skipped", None)
-        if skipped is not None and skipped() is not None:  # history sampler: reset states held out of this draw
-            metrics["selection/skipped"] = skipped()
+        skipped = self.sampler.num_skipped()
+        if skipped is not None:  # history sampler: the keys (reset states) held out of this draw
+            metrics["selection/skipped"] = skipped
 
         # 4. filter / refill by key (dynamic sampling), then one key-sampler update with every drawn key
         drawn = [view]
