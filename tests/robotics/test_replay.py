@@ -125,6 +125,24 @@ def test_a_resumed_run_replays_the_same_batches(demos, tmp_path):
     assert got[-1] == want[-1] and "loss/replay" in got[-1]
 
 
+def test_the_grpo_and_ppo_recipes_share_one_rollout_budget():
+    """``grove bench robotics-sim`` compares metaworld_mt5_rl.yaml with metaworld_mt5_ppo.yaml at equal env steps, so
+    the two files must draw the same rollouts: iterations, groups x episodes, training and held-out reset states, the
+    asset, adapters, head, start noise and the env. (PPO once kept 200 training states while GRPO moved to 50.)"""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    grpo, ppo = (load_train_config(yaml.safe_load((root / "configs/robotics" / n).read_text()))
+                 for n in ("metaworld_mt5_rl.yaml", "metaworld_mt5_ppo.yaml"))
+    assert (grpo.iterations, grpo.rollout, grpo.seed) == (ppo.iterations, ppo.rollout, ppo.seed)
+    assert (grpo.selection.balance_by, grpo.eval) == (ppo.selection.balance_by, ppo.eval)
+    shared = ("checkpoint", "task_adapters", "head_mode", "noise_level", "init_noise", "eval_init_noise",
+              "train_states_per_task", "eval_states_per_task", "env")
+    for name in shared:
+        assert getattr(grpo.domain_config, name) == getattr(ppo.domain_config, name), name
+    assert ppo.advantage.estimator == "gae" and ppo.domain_config.critic and not grpo.domain_config.critic
+
+
 def test_the_observing_assets_load_with_their_proprio_and_are_refused_without():
     """``assets/metaworld-vla-tiny-dart-goal`` reads the goal in its proprio input and
     ``assets/metaworld-vla-tiny-dart-object`` (configs/robotics/metaworld_bc_dart_object.yaml) and
