@@ -125,15 +125,20 @@ def test_a_resumed_run_replays_the_same_batches(demos, tmp_path):
     assert got[-1] == want[-1] and "loss/replay" in got[-1]
 
 
+def _five_task_recipes():
+    """The parsed GRPO and PPO five-task recipe files, in that order."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "configs" / "robotics"
+    return [load_train_config(yaml.safe_load((root / n).read_text()))
+            for n in ("metaworld_mt5_rl.yaml", "metaworld_mt5_ppo.yaml")]
+
+
 def test_the_grpo_and_ppo_recipes_share_one_rollout_budget():
     """``grove bench robotics-sim`` compares metaworld_mt5_rl.yaml with metaworld_mt5_ppo.yaml at equal env steps, so
     the two files must draw the same rollouts: iterations, groups x episodes, training and held-out reset states, the
     asset, adapters, head, start noise and the env. (PPO once kept 200 training states while GRPO moved to 50.)"""
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[2]
-    grpo, ppo = (load_train_config(yaml.safe_load((root / "configs/robotics" / n).read_text()))
-                 for n in ("metaworld_mt5_rl.yaml", "metaworld_mt5_ppo.yaml"))
+    grpo, ppo = _five_task_recipes()
     assert (grpo.iterations, grpo.rollout, grpo.seed) == (ppo.iterations, ppo.rollout, ppo.seed)
     assert (grpo.selection.balance_by, grpo.eval) == (ppo.selection.balance_by, ppo.eval)
     shared = ("checkpoint", "task_adapters", "head_mode", "noise_level", "init_noise", "eval_init_noise",
@@ -149,11 +154,7 @@ def test_the_observing_assets_load_with_their_proprio_and_are_refused_without():
     ``-dart-object-push160`` (metaworld_bc_dart_object_push160.yaml) the object and the goal: the five-task recipes
     parse and start from the 40-push-demo object asset (RL from the push160 one forgot tasks: docs), each asset
     builds with its env, and an env that lacks an input is refused in one line."""
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[2]
-    for name in ("metaworld_mt5_rl.yaml", "metaworld_mt5_ppo.yaml"):
-        cfg = load_train_config(yaml.safe_load((root / "configs/robotics" / name).read_text()))
+    for cfg in _five_task_recipes():
         env = cfg.domain_config.env
         assert env.include_goal and env.include_object and cfg.domain_config.checkpoint.endswith("dart-object")
         assert cfg.selection.balance and cfg.selection.balance_by == "need"
