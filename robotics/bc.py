@@ -127,23 +127,26 @@ def random_shift(imgs: torch.Tensor, pad: int, rng: np.random.Generator) -> torc
     return out
 
 
-def eval_keys(env_cfg: EnvConfig, per_task: int) -> tuple[list[int], list[str]]:
+def eval_keys(env_cfg: EnvConfig, per_task: int, split: str = "eval", first_index: int = 0) -> tuple[list[int], list[str]]:
+    """``per_task`` reset-state keys per task of ``split``, indices ``first_index ..`` (the held-out set by default)."""
     keys, tasks = [], []
     for t, task in enumerate(env_cfg.tasks):
-        for i in range(per_task):
-            keys.append(make_key(t, "eval", i))
+        for i in range(first_index, first_index + per_task):
+            keys.append(make_key(t, split, i))
             tasks.append(task)
     return keys, tasks
 
 
 def evaluate_policy(policy: TinyVLA, env_cfg: EnvConfig, per_task: int, venv=None, gif_dir: Path | None = None,
-                    tag: str = "", seed: int = 0, init_noise: float = 1.0) -> dict[str, float]:
-    """Deterministic (ODE / arg-max) success on the held-out evaluation reset states.
+                    tag: str = "", seed: int = 0, init_noise: float = 1.0, split: str = "eval",
+                    first_index: int = 0) -> dict[str, float]:
+    """Deterministic (ODE / arg-max) success on the held-out evaluation reset states (or on ``per_task`` states of
+    another ``split`` from ``first_index`` on: the validation states of ``robotics.keep_best_adapters``).
 
     The flow head's ODE starts from Gaussian noise; it is drawn from a generator seeded with ``seed``, so an
     evaluation is a deterministic function of the weights.
     """
-    keys, tasks = eval_keys(env_cfg, per_task)
+    keys, tasks = eval_keys(env_cfg, per_task, split, first_index)
     own = venv is None
     venv = venv or make_vector_env(env_cfg)
     mode = "ode" if policy.cfg.head == "flow" else "greedy"

@@ -46,6 +46,10 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 ENV_ACTION_DIM = 4  # Meta-World's action: hand displacement xyz + gripper effort
+# keep_best_adapters' validation states: training-split indices from here on. RL's keys are 0 .. train_states_per_task
+# and the demonstrations' 100_000 + attempt (collect.DEMO_INDEX_OFFSET), so validation shares a state with neither
+# (nor with the held-out "eval" split); the BC asset never saw these states either.
+VAL_FIRST_INDEX = 300_000
 
 
 @dataclass
@@ -89,6 +93,13 @@ class RoboticsConfig:
     task_adapters: int = field(default=0, metadata={
         "help": "rank of a per-task low-rank adapter on the fused features, the only weights RL then trains (each "
                 "task's update cannot move another task's actions); 0 = none, train the shared fusion and head"})
+    keep_best_adapters: bool = field(default=False, metadata={
+        "help": "with task_adapters: at every evaluation score each task's adapter by ODE success on "
+                "val_states_per_task validation reset states (training-split states the rollouts never draw, "
+                "disjoint from the held-out ones) and end the run with each task's best-scoring adapter, ties to "
+                "the later one: early stopping per task, so a task that regresses late ends where it scored best"})
+    val_states_per_task: int = field(default=20, metadata={
+        "help": "validation reset states per task for keep_best_adapters (ODE episodes at every evaluation)"})
 
     def check(self, where: str = "robotics") -> None:
         if self.train_states_per_task < 1 or self.eval_states_per_task < 1:
@@ -106,10 +117,24 @@ class RoboticsConfig:
         unknown = [t for t in self.train_tasks if t not in self.env.tasks]
         if unknown:
             raise ConfigError(f"{where}.train_tasks {unknown} are not in {where}.env.tasks {self.env.tasks}")
+        if self.keep_best_adapters:
+            if not self.task_adapters:
+                raise ConfigError(f"{where}.keep_best_adapters selects per-task adapters; set {where}.task_adapters "
+                                  f"to a rank (16 in the five-task recipe) or keep_best_adapters: false")
+            if self.val_states_per_task < 1:
+                raise ConfigError(f"{where}.val_states_per_task must be >= 1, got {self.val_states_per_task}")
+            if self.train_states_per_task > VAL_FIRST_INDEX:
+                raise ConfigError(f"{where}.train_states_per_task must be <= {VAL_FIRST_INDEX} with keep_best_adapters "
+                                  f"(the validation states start at index {VAL_FIRST_INDEX} of the training split)")
 
     def check_with(self, train_cfg) -> None:
-        """A critic estimator (gae) needs ``critic: true``; a critic without one would never be trained."""
+        """A critic estimator (gae) needs ``critic: true``; a critic without one would never be trained; the
+        per-task selection scores the live weights, not an average."""
         from shared_rl.advantages import STEP_ESTIMATORS
+
+        if self.keep_best_adapters and train_cfg.optim.ema_decay > 0:
+            raise ConfigError("robotics.keep_best_adapters selects the live adapters, optim.ema_decay evaluates an "
+                              "average of them; use one or the other")
 
         if train_cfg.loss.replay_coef > 0 and not self.replay_data:
             raise ConfigError(f"loss.replay_coef={train_cfg.loss.replay_coef} replays demonstrations, but "
@@ -218,6 +243,18 @@ class RoboticsDomain(DomainBase):
             self._replay = ChunkDataset(demos, m.chunk, self.policy)
         self.venv = make_vector_env(cfg.env)
         self._text_ids = {t: self.policy.text.token_ids([self._instruction(t)])[0] for t in cfg.env.tasks}
+        # keep_best_adapters: per task the best validation success so far, the iteration that scored it, and that
+        # adapter (row t of best_down / best_up is task t's, as in TaskAdapters)
+        self._best_score = {t: -1.0 for t in cfg.env.tasks}
+        self._best_iteration = {t: -1 for t in cfg.env.tasks}
+        self._best_adapters: dict[str, torch.Tensor] = {}
+        self._selected = False  # the best adapters are in place: the held-out evaluation that follows measures them
+        if cfg.keep_best_adapters:
+            if ctx.num_processes > 1:
+                raise ConfigError("robotics.keep_best_adapters runs in one process (the evaluation that scores the "
+                                  "adapters runs on the main process only); launch one process")
+            self._best_adapters = {"down": self.policy.adapters.down.detach().clone(),
+                                   "up": self.policy.adapters.up.detach().clone()}
 
     @staticmethod
     def _instruction(task: str) -> str:
@@ -384,18 +421,67 @@ class RoboticsDomain(DomainBase):
         out = {k: v.detach().clone() for k, v in self.policy.state_dict().items()}
         if self.critic is not None:
             out.update({f"critic.{k}": v.detach().clone() for k, v in self.critic.state_dict().items()})
+        out.update({f"best_adapters.{k}": v.clone() for k, v in self._best_adapters.items()})
         return out
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         critic = {k[len("critic."):]: v for k, v in state.items() if k.startswith("critic.")}
-        self.policy.load_state_dict({k: v for k, v in state.items() if not k.startswith("critic.")})
+        best = {k[len("best_adapters."):]: v for k, v in state.items() if k.startswith("best_adapters.")}
+        self.policy.load_state_dict({k: v for k, v in state.items() if not k.startswith(("critic.", "best_adapters."))})
         if self.critic is not None:
             self.critic.load_state_dict(critic)
+        if self._best_adapters and best:
+            for k, v in best.items():
+                self._best_adapters[k].copy_(v)
+
+    def extra_state(self) -> dict:
+        if not self.cfg.keep_best_adapters:
+            return {}
+        return {"best_score": dict(self._best_score), "best_iteration": dict(self._best_iteration)}
+
+    def load_extra_state(self, state: dict) -> None:
+        self._best_score.update(state.get("best_score", {}))
+        self._best_iteration.update(state.get("best_iteration", {}))
+
+    def _score_adapters(self, iteration: int) -> dict[str, float]:
+        """keep_best_adapters: ODE success of every task on its validation states; a task's adapter that scores at
+        least its best so far (ties: the later, longer-trained one) becomes its kept adapter."""
+        cfg = self.cfg
+        val = evaluate_policy(self.policy, cfg.env, cfg.val_states_per_task, self.venv, None, split="train",
+                              first_index=VAL_FIRST_INDEX, init_noise=cfg.eval_init_noise)
+        adapters = self.policy.adapters
+        out = {"select/val": val["eval/success"],
+               "select/env_steps": val["eval/episode_length"] * len(cfg.env.tasks) * cfg.val_states_per_task}
+        for t, task in enumerate(cfg.env.tasks):
+            score = val[f"eval/success/{task}"]
+            if score >= self._best_score[task]:
+                self._best_score[task], self._best_iteration[task] = score, iteration
+                self._best_adapters["down"][t].copy_(adapters.down[t].detach())
+                self._best_adapters["up"][t].copy_(adapters.up[t].detach())
+            out[f"select/val/{task}"] = score
+            out[f"select/best_iteration/{task}"] = float(self._best_iteration[task])
+        return out
+
+    def before_final_evaluation(self, iteration: int) -> dict[str, float]:
+        """keep_best_adapters: score the final adapters too, then put every task's best one in place, so the final
+        held-out evaluation, checkpoint and export are the selected policy (``select/best_iteration/<task>`` says
+        where each came from)."""
+        if not self.cfg.keep_best_adapters:
+            return {}
+        out = self._score_adapters(iteration)
+        with torch.no_grad():
+            self.policy.adapters.down.copy_(self._best_adapters["down"])
+            self.policy.adapters.up.copy_(self._best_adapters["up"])
+        self._selected = True
+        out["select/val_best"] = float(np.mean(list(self._best_score.values())))
+        return out
 
     def evaluate(self, iteration: int) -> dict[str, float]:
+        out = self._score_adapters(iteration) if self.cfg.keep_best_adapters and not self._selected else {}
         gif_dir = self.ctx.run_dir / "gifs" if (self.cfg.gifs and self.ctx.run_dir is not None) else None
-        return evaluate_policy(self.policy, self.cfg.env, self.cfg.eval_states_per_task, self.venv, gif_dir,
-                               tag=f"it{iteration:04d}-", init_noise=self.cfg.eval_init_noise)
+        out.update(evaluate_policy(self.policy, self.cfg.env, self.cfg.eval_states_per_task, self.venv, gif_dir,
+                                   tag=f"it{iteration:04d}-", init_noise=self.cfg.eval_init_noise))
+        return out
 
     def save_pretrained(self, out_dir: Path) -> None:
         self.policy.save_pretrained(out_dir)

@@ -149,6 +149,11 @@ class DomainBase:
     def load_extra_state(self, state: dict[str, Any]) -> None:
         pass
 
+    def before_final_evaluation(self, iteration: int) -> dict[str, float]:
+        """Called once after the last iteration, before the final evaluation (no grad): a domain that selects
+        among the weights it saw (per-task early stopping) puts the selected ones in place here; returns metrics."""
+        return {}
+
     def on_train_end(self, run_dir: Path | None, history: list[dict[str, float]]) -> None:
         """Write plots, sample grids, a summary."""
 

@@ -800,6 +800,10 @@ class Trainer:
                     self.resume_note = {}
                 step = it + 1
                 last = step == cfg.iterations
+                select = getattr(self.domain, "before_final_evaluation", None) if last else None
+                if select is not None:  # e.g. per-task early stopping: the final evaluation measures what it kept
+                    with torch.no_grad():
+                        metrics.update(select(step))
                 if last or (cfg.eval.every and step % cfg.eval.every == 0):
                     metrics.update(self._evaluate(step))
                 metrics["nonfinite_total"] = self.nonfinite_total
