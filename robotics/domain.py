@@ -100,6 +100,10 @@ class RoboticsConfig:
                 "the later one: early stopping per task, so a task that regresses late ends where it scored best"})
     val_states_per_task: int = field(default=20, metadata={
         "help": "validation reset states per task for keep_best_adapters (ODE episodes at every evaluation)"})
+    report_last: bool = field(default=True, metadata={
+        "help": "with keep_best_adapters: before the kept adapters replace the last ones, evaluate the last ones on "
+                "the held-out states too (eval_last/success, eval_last/success/<task>: what the run would have ended "
+                "at without the selection; one more evaluation)"})
 
     def check(self, where: str = "robotics") -> None:
         if self.train_states_per_task < 1 or self.eval_states_per_task < 1:
@@ -469,6 +473,10 @@ class RoboticsDomain(DomainBase):
         if not self.cfg.keep_best_adapters:
             return {}
         out = self._score_adapters(iteration)
+        if self.cfg.report_last:
+            last = evaluate_policy(self.policy, self.cfg.env, self.cfg.eval_states_per_task, self.venv, None,
+                                   init_noise=self.cfg.eval_init_noise)
+            out.update({k.replace("eval/", "eval_last/", 1): v for k, v in last.items() if k.startswith("eval/success")})
         with torch.no_grad():
             self.policy.adapters.down.copy_(self._best_adapters["down"])
             self.policy.adapters.up.copy_(self._best_adapters["up"])

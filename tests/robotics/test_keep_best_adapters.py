@@ -56,12 +56,14 @@ def test_each_task_ends_with_its_best_scoring_adapter(monkeypatch):
     sel = dom.before_final_evaluation(30)
     assert sel["select/val/reach-v3"] == 0.50 and sel["select/val_best"] == (0.75 + 1.00) / 2
     assert sel["select/env_steps"] == 10.0 * 2 * 3
+    # the last adapters' held-out success, measured before the kept ones replace them (the fake scores it/100)
+    assert sel["eval_last/success"] == 0.30 and sel["eval_last/success/reach-v3"] == 0.30
     # row t of the adapters is task t's kept one, bit for bit
     assert torch.equal(a.up[0], torch.full_like(a.up[0], 20)) and torch.equal(a.down[0], torch.full_like(a.down[0], 20.5))
     assert torch.equal(a.up[1], torch.full_like(a.up[1], 10)) and torch.equal(a.down[1], torch.full_like(a.down[1], 10.5))
     n_val = sum(c[0] == "train" for c in calls)
     dom.evaluate(30)  # the final held-out evaluation measures the kept adapters and scores nothing more
-    assert sum(c[0] == "train" for c in calls) == n_val == 4
+    assert sum(c[0] == "train" for c in calls) == n_val == 4 and sum(c[0] == "eval" for c in calls) == 5
     assert all(c[1] == VAL_FIRST_INDEX and c[2] == 3 for c in calls if c[0] == "train")
     dom.close()
 
