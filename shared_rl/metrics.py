@@ -84,6 +84,7 @@ def _is_length(key: str) -> bool:
 PANELS: list[tuple[str, Any]] = [
     ("held-out evaluation", lambda k: k.startswith("eval/") and not _is_length(k)),
     ("rollout success per task (stratum)", lambda k: k.startswith("selection/success/")),
+    ("validation (per-task early stopping)", lambda k: k.startswith("select/val/")),
     ("rates (fractions of groups / completions)", lambda k: k in ("frac_zero_std", "completion/truncated",
                                                                   "groups/kept_fraction")),
     ("lengths", _is_length),

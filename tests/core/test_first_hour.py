@@ -77,12 +77,14 @@ def test_curves_give_each_kind_of_metric_its_own_axis():
                 "groups/drawn": 8, "groups/kept": 6, "completion/tokens": 5.5, "loss/policy": 0.3, "loss/kl": 1e-4,
                 "approx_kl": 2e-5, "clip_frac": 0.01, "ratio/mean": 1.0, "ratio/max": 1.2, "grad_norm": 40.0,
                 "entropy": 1.3, "resume/overrides": "iterations=5", "selection/success/push": 0.25,
-                "selection/success/reach": 0.875, "selection/keys/push": 6}]
+                "selection/success/reach": 0.875, "selection/keys/push": 6, "select/val/push": 0.3,
+                "select/best_iteration/push": 1.0}]
     panels = dict(curve_panels(records))
     assert panels == {
         "training reward": ["reward/correct/mean", "reward/mean"],
         "held-out evaluation": ["eval/accuracy"],
         "rollout success per task (stratum)": ["selection/success/push", "selection/success/reach"],
+        "validation (per-task early stopping)": ["select/val/push"],
         "rates (fractions of groups / completions)": ["frac_zero_std", "groups/kept_fraction"],
         "lengths": ["completion/tokens", "eval/mean_length"],
         "losses": ["loss/policy"],

@@ -142,7 +142,7 @@ def test_the_grpo_and_ppo_recipes_share_one_rollout_budget():
     assert (grpo.iterations, grpo.rollout, grpo.seed) == (ppo.iterations, ppo.rollout, ppo.seed)
     assert (grpo.selection.balance_by, grpo.eval) == (ppo.selection.balance_by, ppo.eval)
     shared = ("checkpoint", "task_adapters", "head_mode", "noise_level", "init_noise", "eval_init_noise",
-              "train_states_per_task", "eval_states_per_task", "env")
+              "train_states_per_task", "eval_states_per_task", "keep_best_adapters", "val_states_per_task", "env")
     for name in shared:
         assert getattr(grpo.domain_config, name) == getattr(ppo.domain_config, name), name
     assert ppo.advantage.estimator == "gae" and ppo.domain_config.critic and not grpo.domain_config.critic
