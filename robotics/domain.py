@@ -97,7 +97,9 @@ class RoboticsConfig:
         "help": "with task_adapters: at every evaluation score each task's adapter by ODE success on "
                 "val_states_per_task validation reset states (training-split states the rollouts never draw, "
                 "disjoint from the held-out ones) and end the run with each task's best-scoring adapter, ties to "
-                "the later one: early stopping per task, so a task that regresses late ends where it scored best"})
+                "the later one: early stopping per task, so a task that regresses late ends where it scored best (the final "
+                "checkpoint holds the kept adapters: extending a finished run with --resume iterations=N trains on "
+                "from them, not from the last ones)"})
     val_states_per_task: int = field(default=20, metadata={
         "help": "validation reset states per task for keep_best_adapters (ODE episodes at every evaluation)"})
     report_last: bool = field(default=True, metadata={

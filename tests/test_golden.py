@@ -1,8 +1,13 @@
 """Restructurings keep results: fixed-seed short runs of every method reproduce their recorded metrics.
 
 The fixtures (``tests/golden/*.jsonl``) were recorded before the one-engine restructuring (issue 12) by
-``python -m tests.golden.runs``; every non-timing metric must match bit for bit, except the runs in ``RELATIVE``.
-Outcomes (rewards, group counts, NFE, evaluation) are exact in every run.
+``python -m tests.golden.runs``. Bit-for-bit equality holds on one machine only: the same code on another CPU
+(session 9's AMD EPYC against the machine that recorded them) differs in the last float bits — losses and KLs of
+~1e-4 by up to 4e-4 relative (3e-8 absolute), continuous rewards by up to 2e-6 relative — through CPU-specific
+kernels. So losses, ratios, gradients and entropies are compared to ``CROSS_MACHINE_REL`` (plus ``CROSS_MACHINE_ABS``
+for values near zero), continuous outcomes (soft rewards, their std, soft evaluation) to ``OUTCOME_REL``; counts
+and discrete outcomes (successes, NFE, groups) have no float slack to hide in and stay exact. A restructuring that
+changes what is computed moves these metrics by far more (``test_compare_catches_a_changed_metric``).
 """
 import pytest
 
@@ -16,13 +21,17 @@ RELATIVE = {
     # sampled episodes, rewards and evaluation are identical
     "robotics": 1e-5,
 }
+CROSS_MACHINE_REL = 1e-3
+CROSS_MACHINE_ABS = 1e-9
+OUTCOME_REL = 1e-5
 
 
 @pytest.mark.parametrize("name", sorted(runs.RUNS))
 def test_golden_metrics_unchanged(tmp_path, name):
     got = runs.run(name, tmp_path)
     expected = runs.load(name)
-    bad = runs.compare(expected, got, rel=RELATIVE.get(name, 0.0))
+    bad = runs.compare(expected, got, rel=max(RELATIVE.get(name, 0.0), CROSS_MACHINE_REL), abs_=CROSS_MACHINE_ABS,
+                       outcome_rel=OUTCOME_REL)
     assert not bad, f"{name}: " + "; ".join(bad[:8])
 
 
@@ -33,3 +42,9 @@ def test_compare_catches_a_changed_metric():
     assert runs.compare(rec, [{"step": 1}])
     assert runs.compare(rec, [{"step": 1, "loss/policy": 0.25000001}], rel=1e-5) == []
     assert runs.compare([{"reward/mean": 0.5}], [{"reward/mean": 0.50000001}], rel=1e-5), "outcomes stay exact"
+    # the tolerances the fixtures are compared with: last-bit noise passes, a changed computation does not
+    tol = dict(rel=CROSS_MACHINE_REL, abs_=CROSS_MACHINE_ABS, outcome_rel=OUTCOME_REL)
+    assert runs.compare(rec, [{"step": 1, "loss/policy": 0.25 * (1 + 4e-4)}], **tol) == []
+    assert runs.compare(rec, [{"step": 1, "loss/policy": 0.25 * (1 + 3e-3)}], **tol)
+    assert runs.compare([{"reward/mean": 0.89}], [{"reward/mean": 0.89 * (1 + 2e-6)}], **tol) == []
+    assert runs.compare([{"reward/mean": 0.75}], [{"reward/mean": 0.625}], **tol), "a flipped success is caught"

@@ -40,7 +40,7 @@ def _comparable(records):
     return [{k: v for k, v in r.items() if not k.startswith("time/") and k != "samples_per_s"} for r in records]
 
 
-def _wait_for_step(run, step, proc, timeout=60):
+def _wait_for_step(run, step, proc, timeout=600):  # generous: a loaded machine starts python slowly
     t = time.time()
     while time.time() - t < timeout:
         if (run / "metrics.jsonl").is_file():

@@ -117,8 +117,10 @@ def load(name: str) -> list[dict]:
 EXACT_PREFIXES = ("reward/", "groups/", "nfe/", "eval/", "env/", "tree/", "frac_zero_std", "step")
 
 
-def compare(expected: list[dict], got: list[dict], rel: float = 0.0, abs_: float = 0.0) -> list[str]:
-    """Mismatches as readable lines (empty: identical; ``rel``/``abs_`` loosen the non-outcome floats only)."""
+def compare(expected: list[dict], got: list[dict], rel: float = 0.0, abs_: float = 0.0,
+            outcome_rel: float = 0.0) -> list[str]:
+    """Mismatches as readable lines (empty: identical; ``rel``/``abs_`` loosen the non-outcome floats,
+    ``outcome_rel`` the outcome floats — rewards, evaluation — relative to their size)."""
     bad = []
     if len(expected) != len(got):
         return [f"{len(got)} records, expected {len(expected)}"]
@@ -132,7 +134,7 @@ def compare(expected: list[dict], got: list[dict], rel: float = 0.0, abs_: float
             if isinstance(a, float) and isinstance(b, (int, float)):
                 if math.isnan(a) and math.isnan(b):
                     continue
-                tol = 0.0 if k.startswith(EXACT_PREFIXES) else abs_ + rel * abs(a)
+                tol = outcome_rel * abs(a) if k.startswith(EXACT_PREFIXES) else abs_ + rel * abs(a)
                 if not abs(a - b) <= tol:
                     bad.append(f"record {i}: {k} = {b!r}, expected {a!r}")
             elif a != b:
