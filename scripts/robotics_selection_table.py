@@ -25,7 +25,7 @@ def row(run: Path) -> str:
                           f"(it {int(last[f'select/best_iteration/{t}'])})" for t in tasks)
     gain = 100 * (last["eval/success"] - first["eval/success"])
     last_adapters = last.get("eval_last/success")
-    no_select = f"{last_adapters:.3g} ({100 * (last_adapters - first['eval/success']):+.1f})" if last_adapters else "—"
+    no_select = f"{last_adapters:.3g} ({100 * (last_adapters - first['eval/success']):+.1f})" if last_adapters is not None else "—"
     curve = " / ".join(f"{r['eval/success']:.3g}" for r in evals[:-1])
     env_steps = sum(r.get("env/steps", 0) for r in records)
     val_steps = sum(r.get("select/env_steps", 0) for r in records)
