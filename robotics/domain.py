@@ -89,7 +89,11 @@ class RoboticsConfig:
     replay_data: str = field(default="", metadata={
         "help": "demonstrations (.npz of `grove robotics collect`) replayed by loss.replay_coef: the BC "
                 "flow-matching / bin loss on them at every optimizer step, an anchor to the BC policy; '' = none"})
-    replay_batch: int = field(default=256, metadata={"help": "demonstration chunks per replay minibatch"})
+    replay_batch: int = field(default=256, metadata={"help": "chunks per replay minibatch (loss.replay_coef)"})
+    replay_source: Literal["demos", "successes"] = field(default="demos", metadata={
+        "help": "what loss.replay_coef's BC term imitates: demos = robotics.replay_data (an anchor to the BC data, "
+                "DAPG); successes = this iteration's own successful rollout episodes, every executed chunk, drawn "
+                "equally per task (self-imitation: SIL, Oh et al. 2018; iRe-VLA's supervised phase on successes)"})
     task_adapters: int = field(default=0, metadata={
         "help": "rank of a per-task low-rank adapter on the fused features, the only weights RL then trains (each "
                 "task's update cannot move another task's actions); 0 = none, train the shared fusion and head"})
@@ -142,10 +146,19 @@ class RoboticsConfig:
             raise ConfigError("robotics.keep_best_adapters selects the live adapters, optim.ema_decay evaluates an "
                               "average of them; use one or the other")
 
-        if train_cfg.loss.replay_coef > 0 and not self.replay_data:
+        if self.replay_source == "successes":
+            if train_cfg.loss.replay_coef <= 0:
+                raise ConfigError("robotics.replay_source: successes is the data of loss.replay_coef's BC term; set "
+                                  "loss.replay_coef > 0 (1.0 in the measured runs) or replay_source: demos")
+            if self.replay_data:
+                raise ConfigError(f"robotics.replay_source: successes imitates the run's own successful episodes, "
+                                  f"so robotics.replay_data ({self.replay_data!r}) would be unused; set it to '' or "
+                                  f"replay_source: demos")
+        elif train_cfg.loss.replay_coef > 0 and not self.replay_data:
             raise ConfigError(f"loss.replay_coef={train_cfg.loss.replay_coef} replays demonstrations, but "
                               f"robotics.replay_data is empty; give the demos .npz (make one with `grove robotics "
-                              f"collect --labels expert --out runs/robotics-demos/demos40_dart.npz`)")
+                              f"collect --labels expert --out runs/robotics-demos/demos40_dart.npz`) or set "
+                              f"robotics.replay_source: successes (self-imitation of the run's successful episodes)")
         est = train_cfg.advantage.estimator
         if est in STEP_ESTIMATORS and not self.critic:
             raise ConfigError(f"advantage.estimator {est!r} needs the policy's value head: set robotics.critic: true "
@@ -247,6 +260,12 @@ class RoboticsDomain(DomainBase):
             if not demos:
                 raise ConfigError(f"robotics.replay_data {cfg.replay_data!r} has no demos of the trained tasks {tasks}")
             self._replay = ChunkDataset(demos, m.chunk, self.policy)
+        # replay_source successes: the successful chunks of the current iteration's rollouts, per task index
+        self._successes: dict[int, dict[str, list[torch.Tensor]]] = {}
+        self._successes_iteration = -1
+        if cfg.replay_source == "successes" and ctx.num_processes > 1:
+            raise ConfigError("robotics.replay_source: successes imitates each process's own rollouts, which would "
+                              "make N processes differ from one; launch one process or use replay_source: demos")
         self.venv = make_vector_env(cfg.env)
         self._text_ids = {t: self.policy.text.token_ids([self._instruction(t)])[0] for t in cfg.env.tasks}
         # keep_best_adapters: per task the best validation success so far, the iteration that scored it, and that
@@ -303,6 +322,8 @@ class RoboticsDomain(DomainBase):
             "chain": torch.from_numpy(batch.chain),
             "task_index": torch.tensor([self.cfg.env.tasks.index(t) for t in tasks]),
         }
+        if self.cfg.replay_source == "successes":
+            self._keep_successes(batch, succ, payload, iteration)
         if self.critic is not None:
             valid = torch.from_numpy(batch.chunk_valid)
             payload["value_mask"] = valid
@@ -397,14 +418,67 @@ class RoboticsDomain(DomainBase):
     def _reference(self) -> TinyVLA:
         return self._ref
 
+    def _keep_successes(self, batch, succ: np.ndarray, payload: dict, iteration: int) -> None:
+        """replay_source successes: keep every executed chunk of this iteration's successful episodes (observation,
+        instruction, and the chunk of actions the env executed: the chain's clamped end, or the sampled bins'
+        centres), per task. A new iteration starts a new set; rollout calls within one iteration add to it."""
+        if iteration != self._successes_iteration:
+            self._successes, self._successes_iteration = {}, iteration
+        ep, ch = np.nonzero(batch.chunk_valid & succ[:, None])
+        if ep.size == 0:
+            return
+        m = self.policy.cfg
+        if m.head == "flow":
+            acts = payload["chain"][ep, ch, -1].clamp(-1, 1)
+        else:
+            acts = self.policy.bin_centers(torch.device("cpu"))[payload["chain"][ep, ch, 0]]
+        acts = acts.reshape(len(ep), m.chunk, m.action_dim)
+        task_index = payload["task_index"][ep]
+        for t in task_index.unique().tolist():
+            rows = torch.nonzero(task_index == t).flatten()
+            e, c = torch.from_numpy(ep)[rows], torch.from_numpy(ch)[rows]
+            kept = self._successes.setdefault(t, {"images": [], "proprio": [], "actions": []})
+            kept["images"].append(payload["images"][e, c])
+            kept["proprio"].append(payload["proprio"][e, c])
+            kept["actions"].append(acts[rows])
+
+    def _success_batch(self, rng: np.random.Generator):
+        """``replay_batch`` chunks of the kept successes: each row's task uniform over the tasks that succeeded
+        this iteration (a solved task cannot crowd out a rare one), then a chunk uniform within that task."""
+        tasks = sorted(self._successes)
+        pick = rng.integers(0, len(tasks), size=self.cfg.replay_batch)
+        imgs, pro, tids, acts = [], [], [], []
+        for j, t in enumerate(tasks):
+            n_rows = int((pick == j).sum())
+            if n_rows == 0:
+                continue
+            kept = {k: torch.cat(v) for k, v in self._successes[t].items()}
+            idx = torch.from_numpy(rng.integers(0, len(kept["actions"]), size=n_rows))
+            imgs.append(kept["images"][idx])
+            pro.append(kept["proprio"][idx])
+            acts.append(kept["actions"][idx])
+            tids += [self._text_ids[self.cfg.env.tasks[t]]] * n_rows
+        return torch.cat(imgs), torch.cat(pro), tids, torch.cat(acts)  # images uint8 [B, H, W, C], as rollouts
+
     def replay_loss(self, iteration: int, step: int, rank: int = 0, world: int = 1) -> torch.Tensor:
-        """The BC loss (``TinyVLA.bc_loss``: flow matching, or cross-entropy over bins) on ``replay_batch``
-        demonstration chunks drawn from (seed, iteration, step): the anchor of ``loss.replay_coef`` (RL with a
-        supervised term on the demonstrations, as DAPG, Rajeswaran et al. 2018, and the SFT term of VLA RL
-        recipes). This rank's rows ``rank::world`` of the global batch, weighted by their share."""
+        """The BC loss (``TinyVLA.bc_loss``: flow matching, or cross-entropy over bins) on ``replay_batch`` chunks
+        drawn from (seed, iteration, step), the term of ``loss.replay_coef``. ``replay_source: demos``: demonstration
+        chunks, an anchor to the pretraining data (DAPG, Rajeswaran et al. 2018, and the SFT term of VLA RL
+        recipes); this rank's rows ``rank::world`` of the global batch, weighted by their share.
+        ``replay_source: successes``: this iteration's own successful chunks, equally per task — self-imitation
+        (SIL, Oh et al. 2018; filtered BC on the policy's successes as iRe-VLA / ReST), which turns every success of a
+        rarely solved task into supervised data for its adapter; 0 (no gradient) when nothing succeeded."""
+        seed = [self.ctx.seed, iteration, step]
+        if self.cfg.replay_source == "successes":
+            if not self._successes:
+                return torch.zeros((), requires_grad=True)
+            imgs, pro, tids, chunks = self._success_batch(np.random.default_rng(seed))
+            gen = torch.Generator().manual_seed(int(np.random.SeedSequence(seed).generate_state(1)[0]))
+            self.policy.train()
+            h = self._features(self.policy, imgs, pro, tids)
+            return self.policy.bc_loss(h, chunks.to(self.device), gen)
         if self._replay is None:
             raise ConfigError("loss.replay_coef > 0 needs robotics.replay_data (a demos .npz)")
-        seed = [self.ctx.seed, iteration, step]
         idx = np.random.default_rng(seed).integers(0, len(self._replay), size=self.cfg.replay_batch)[rank::world]
         if idx.size == 0:
             return torch.zeros((), device=self.device)

@@ -1,0 +1,157 @@
+"""Self-imitation (``robotics.replay_source: successes`` with ``loss.replay_coef``): the chunks it keeps are exactly
+the executed chunks of the iteration's successful episodes, its batch draws tasks equally (hand-counted), its loss is
+the BC loss on that batch as a function of (seed, iteration, step), it trains only the adapters of tasks that
+succeeded, the config refuses what would do nothing, and a resumed run equals an uninterrupted one."""
+import json
+import os
+import shutil
+
+os.environ.setdefault("MUJOCO_GL", "egl")
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+import robotics.domain as domain_mod
+from shared_rl.cli import main
+from shared_rl.config import ConfigError, from_dict, load_train_config
+from shared_rl.domain import RunContext
+
+from robotics.domain import RoboticsConfig, RoboticsDomain
+from tests.robotics.test_domain import TINY_MODEL, _domain
+
+TWO_TASKS = {"tasks": ["reach-v3", "push-v3"], "horizon": 12}
+
+
+def _with_successes(monkeypatch, succeeded):
+    """run_episodes as usual, then episodes ``succeeded`` (indices of the batch) marked successful."""
+    real = domain_mod.run_episodes
+
+    def fake(*args, **kwargs):
+        batch = real(*args, **kwargs)
+        batch.success_once = np.zeros_like(batch.success_once)
+        batch.success_once[list(succeeded)] = True
+        return batch
+
+    monkeypatch.setattr(domain_mod, "run_episodes", fake)
+
+
+@pytest.fixture(scope="module")
+def two_tasks():
+    dom = _domain("sde_one_step", env=TWO_TASKS, replay_source="successes", task_adapters=4)
+    yield dom
+    dom.close()
+
+
+def test_it_keeps_exactly_the_executed_chunks_of_successful_episodes(two_tasks, monkeypatch):
+    dom = two_tasks
+    keys = [dom.train_keys()[0], dom.train_keys()[-1]]  # one reach state, one push state
+    _with_successes(monkeypatch, [1, 2])  # reach's second episode, push's first
+    ro = dom.rollout(keys, 2, torch.Generator().manual_seed(0), iteration=5)
+    valid = ro.payload["images"].flatten(2).any(-1)  # a chunk was planned = its observation was recorded
+    assert sorted(dom._successes) == [0, 1]
+    for task, ep in ((0, 1), (1, 2)):
+        kept = {k: torch.cat(v) for k, v in dom._successes[task].items()}
+        n = int(valid[ep].sum())
+        assert len(kept["actions"]) == n > 0
+        assert torch.equal(kept["images"], ro.payload["images"][ep, :n])
+        assert torch.equal(kept["proprio"], ro.payload["proprio"][ep, :n])
+        want = ro.payload["chain"][ep, :n, -1].clamp(-1, 1).view(n, dom.policy.cfg.chunk, 4)
+        assert torch.equal(kept["actions"], want)  # the chunk the env executed
+    # another call in the same iteration adds; a new iteration starts over
+    before = len(torch.cat(dom._successes[0]["actions"]))
+    dom.rollout(keys, 2, torch.Generator().manual_seed(1), iteration=5)
+    assert len(torch.cat(dom._successes[0]["actions"])) > before
+    _with_successes(monkeypatch, [3])  # only push succeeds in iteration 6
+    dom.rollout(keys, 2, torch.Generator().manual_seed(2), iteration=6)
+    assert sorted(dom._successes) == [1]
+
+
+def test_the_batch_draws_tasks_equally_and_rows_from_their_task(two_tasks, monkeypatch):
+    dom = two_tasks
+    keys = [dom.train_keys()[0], dom.train_keys()[-1]]
+    _with_successes(monkeypatch, [0, 1, 2])  # reach has two successful episodes, push one: unequal chunk counts
+    dom.rollout(keys, 2, torch.Generator().manual_seed(0), iteration=7)
+    dom.cfg.replay_batch = 400
+    try:
+        imgs, pro, tids, acts = dom._success_batch(np.random.default_rng([0, 7, 1]))
+    finally:
+        dom.cfg.replay_batch = 256
+    # hand count: row r goes to task (sorted) integers(0, 2)[r]; the rows come grouped by task in that order
+    pick = np.random.default_rng([0, 7, 1]).integers(0, 2, size=400)
+    n_reach = int((pick == 0).sum())
+    reach_ids, push_ids = dom._text_ids["reach-v3"], dom._text_ids["push-v3"]
+    assert tids == [reach_ids] * n_reach + [push_ids] * (400 - n_reach)
+    assert 150 < n_reach < 250 and imgs.dtype == torch.uint8 and acts.shape == (400, dom.policy.cfg.chunk, 4)
+    push_acts = torch.cat(dom._successes[1]["actions"])
+    assert all((push_acts == a).all(-1).all(-1).any() for a in acts[n_reach:])  # push rows are push's chunks
+
+
+def test_the_loss_is_the_bc_loss_of_its_batch_and_moves_only_succeeding_adapters(two_tasks, monkeypatch):
+    dom = two_tasks
+    keys = [dom.train_keys()[0], dom.train_keys()[-1]]
+    _with_successes(monkeypatch, [3])  # push only
+    dom.rollout(keys, 2, torch.Generator().manual_seed(0), iteration=8)
+    a, b, c = dom.replay_loss(8, 1), dom.replay_loss(8, 1), dom.replay_loss(8, 2)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    seed = [0, 8, 1]
+    imgs, pro, tids, acts = dom._success_batch(np.random.default_rng(seed))
+    gen = torch.Generator().manual_seed(int(np.random.SeedSequence(seed).generate_state(1)[0]))
+    want = dom.policy.bc_loss(dom.policy.encode(imgs, pro, tids), acts, gen)
+    assert torch.allclose(a, want, rtol=0, atol=0)
+    dom.policy.zero_grad()
+    a.backward()
+    up = dom.policy.adapters.up.grad  # (down's gradient is 0 while up is still its initial 0: LoRA)
+    assert up[1].abs().sum() > 0 and up[0].abs().sum() == 0  # push's adapter, not reach's
+    dom.policy.zero_grad()
+    # nothing succeeded: a zero with a gradient path, so the trainer's backward works and nothing moves
+    _with_successes(monkeypatch, [])
+    dom.rollout(keys, 2, torch.Generator().manual_seed(0), iteration=9)
+    zero = dom.replay_loss(9, 0)
+    assert float(zero.detach()) == 0.0 and zero.requires_grad
+
+
+def test_config_errors():
+    base = {"domain": "robotics", "iterations": 1, "logging": {"progress": False},
+            "robotics": {"env": {"kind": "point", "tasks": ["point-reach"], "horizon": 8}, "checkpoint": "",
+                         "model": TINY_MODEL, "gifs": False, "replay_source": "successes"}}
+    with pytest.raises(ConfigError, match="set loss.replay_coef > 0"):
+        load_train_config(base)
+    with pytest.raises(ConfigError, match="replay_data .* would be unused"):
+        load_train_config({**base, "loss": {"replay_coef": 1.0},
+                           "robotics": {**base["robotics"], "replay_data": "demos.npz"}})
+    plain = {**base, "loss": {"replay_coef": 1.0}, "robotics": {**base["robotics"], "replay_source": "demos"}}
+    with pytest.raises(ConfigError, match="replay_source: successes"):
+        load_train_config(plain)  # the demos error names the alternative
+    cfg = from_dict(RoboticsConfig, {**base["robotics"], "env": base["robotics"]["env"]}, "robotics")
+    with pytest.raises(ConfigError, match="launch one process"):
+        RoboticsDomain(cfg, RunContext(run_dir=None, device=torch.device("cpu"), seed=0, num_processes=2))
+
+
+def _rl_config():
+    return {"domain": "robotics", "seed": 0, "iterations": 3,
+            "rollout": {"groups_per_iteration": 4, "group_size": 4},
+            "optim": {"lr": 3e-3, "inner_epochs": 1, "minibatches_per_epoch": 2},
+            "loss": {"replay_coef": 1.0}, "eval": {"at_start": False}, "logging": {"progress": False},
+            "checkpoint": {"every": 1, "keep_last": 3},
+            "robotics": {"env": {"kind": "point", "tasks": ["point-reach"], "horizon": 16}, "checkpoint": "",
+                         "model": TINY_MODEL, "head_mode": "flow_sde", "train_states_per_task": 8,
+                         "eval_states_per_task": 2, "gifs": False, "replay_source": "successes", "replay_batch": 32}}
+
+
+def test_a_resumed_run_equals_an_uninterrupted_one(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(_rl_config()))
+    run = tmp_path / "run"
+    assert main(["train", str(path), "--out", str(run)]) == 0
+    records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    want = [{k: v for k, v in r.items() if not k.startswith("time/") and k != "samples_per_s"} for r in records]
+    # the point env's start succeeds sometimes, so the term was live (non-zero) in this run
+    assert any(r.get("loss/replay", 0) > 0 for r in want), want
+    shutil.rmtree(run / "checkpoints" / "step_000003")
+    assert main(["train", "--resume", str(run), "iterations=3"]) == 0
+    again = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    got = [{k: v for k, v in r.items() if not k.startswith(("time/", "resume/")) and k != "samples_per_s"}
+           for r in again]
+    assert got[-1] == want[-1]
