@@ -94,6 +94,9 @@ class RoboticsConfig:
         "help": "what loss.replay_coef's BC term imitates: demos = robotics.replay_data (an anchor to the BC data, "
                 "DAPG); successes = this iteration's own successful rollout episodes, every executed chunk, drawn "
                 "equally per task (self-imitation: SIL, Oh et al. 2018; iRe-VLA's supervised phase on successes)"})
+    success_window: int = field(default=1, metadata={
+        "help": "replay_source successes: iterations whose successful chunks are kept (1 = the current one; N = "
+                "it and the N-1 before it, a growing set of successes of a rarely solved task; kept in checkpoints)"})
     task_adapters: int = field(default=0, metadata={
         "help": "rank of a per-task low-rank adapter on the fused features, the only weights RL then trains (each "
                 "task's update cannot move another task's actions); 0 = none, train the shared fusion and head"})
@@ -122,6 +125,8 @@ class RoboticsConfig:
             raise ConfigError(f"{where}.temperature must be > 0, got {self.temperature}")
         if self.replay_batch < 1:
             raise ConfigError(f"{where}.replay_batch must be >= 1, got {self.replay_batch}")
+        if self.success_window < 1:
+            raise ConfigError(f"{where}.success_window counts iterations (1 = the current one), got {self.success_window}")
         if self.task_adapters < 0:
             raise ConfigError(f"{where}.task_adapters is a rank (0 = none), got {self.task_adapters}")
         unknown = [t for t in self.train_tasks if t not in self.env.tasks]
@@ -260,9 +265,8 @@ class RoboticsDomain(DomainBase):
             if not demos:
                 raise ConfigError(f"robotics.replay_data {cfg.replay_data!r} has no demos of the trained tasks {tasks}")
             self._replay = ChunkDataset(demos, m.chunk, self.policy)
-        # replay_source successes: the successful chunks of the current iteration's rollouts, per task index
-        self._successes: dict[int, dict[str, list[torch.Tensor]]] = {}
-        self._successes_iteration = -1
+        # replay_source successes: per iteration (the last success_window), per task index, the successful chunks
+        self._successes: dict[int, dict[int, dict[str, list[torch.Tensor]]]] = {}
         if cfg.replay_source == "successes" and ctx.num_processes > 1:
             raise ConfigError("robotics.replay_source: successes imitates each process's own rollouts, which would "
                               "make N processes differ from one; launch one process or use replay_source: demos")
@@ -421,9 +425,11 @@ class RoboticsDomain(DomainBase):
     def _keep_successes(self, batch, succ: np.ndarray, payload: dict, iteration: int) -> None:
         """replay_source successes: keep every executed chunk of this iteration's successful episodes (observation,
         instruction, and the chunk of actions the env executed: the chain's clamped end, or the sampled bins'
-        centres), per task. A new iteration starts a new set; rollout calls within one iteration add to it."""
-        if iteration != self._successes_iteration:
-            self._successes, self._successes_iteration = {}, iteration
+        centres), per task. Rollout calls within one iteration add to its set; sets older than success_window
+        iterations are dropped."""
+        first_kept = iteration - self.cfg.success_window + 1
+        self._successes = {it: v for it, v in self._successes.items() if first_kept <= it <= iteration}
+        current = self._successes.setdefault(iteration, {})
         ep, ch = np.nonzero(batch.chunk_valid & succ[:, None])
         if ep.size == 0:
             return
@@ -437,28 +443,36 @@ class RoboticsDomain(DomainBase):
         for t in task_index.unique().tolist():
             rows = torch.nonzero(task_index == t).flatten()
             e, c = torch.from_numpy(ep)[rows], torch.from_numpy(ch)[rows]
-            kept = self._successes.setdefault(t, {"images": [], "proprio": [], "actions": []})
+            kept = current.setdefault(t, {"images": [], "proprio": [], "actions": []})
             kept["images"].append(payload["images"][e, c])
             kept["proprio"].append(payload["proprio"][e, c])
             kept["actions"].append(acts[rows])
 
     def _success_batch(self, rng: np.random.Generator):
-        """``replay_batch`` chunks of the kept successes: each row's task uniform over the tasks that succeeded
-        this iteration (a solved task cannot crowd out a rare one), then a chunk uniform within that task."""
-        tasks = sorted(self._successes)
+        """``replay_batch`` chunks of the kept successes: each row's task uniform over the tasks with kept successes
+        (a solved task cannot crowd out a rare one), then a chunk uniform over that task's kept chunks."""
+        tasks = self._kept_tasks()
         pick = rng.integers(0, len(tasks), size=self.cfg.replay_batch)
         imgs, pro, tids, acts = [], [], [], []
         for j, t in enumerate(tasks):
             n_rows = int((pick == j).sum())
             if n_rows == 0:
                 continue
-            kept = {k: torch.cat(v) for k, v in self._successes[t].items()}
+            kept = self._kept_chunks(t)
             idx = torch.from_numpy(rng.integers(0, len(kept["actions"]), size=n_rows))
             imgs.append(kept["images"][idx])
             pro.append(kept["proprio"][idx])
             acts.append(kept["actions"][idx])
             tids += [self._text_ids[self.cfg.env.tasks[t]]] * n_rows
         return torch.cat(imgs), torch.cat(pro), tids, torch.cat(acts)  # images uint8 [B, H, W, C], as rollouts
+
+    def _kept_tasks(self) -> list[int]:
+        return sorted({t for per_task in self._successes.values() for t in per_task})
+
+    def _kept_chunks(self, task: int) -> dict[str, torch.Tensor]:
+        """Task ``task``'s kept successful chunks, oldest iteration first."""
+        sets = [self._successes[it][task] for it in sorted(self._successes) if task in self._successes[it]]
+        return {k: torch.cat([x for s in sets for x in s[k]]) for k in ("images", "proprio", "actions")}
 
     def replay_loss(self, iteration: int, step: int, rank: int = 0, world: int = 1) -> torch.Tensor:
         """The BC loss (``TinyVLA.bc_loss``: flow matching, or cross-entropy over bins) on ``replay_batch`` chunks
@@ -470,7 +484,7 @@ class RoboticsDomain(DomainBase):
         rarely solved task into supervised data for its adapter; 0 (no gradient) when nothing succeeded."""
         seed = [self.ctx.seed, iteration, step]
         if self.cfg.replay_source == "successes":
-            if not self._successes:
+            if not self._kept_tasks():
                 return torch.zeros((), requires_grad=True)
             imgs, pro, tids, chunks = self._success_batch(np.random.default_rng(seed))
             gen = torch.Generator().manual_seed(int(np.random.SeedSequence(seed).generate_state(1)[0]))
@@ -502,12 +516,22 @@ class RoboticsDomain(DomainBase):
         if self.critic is not None:
             out.update({f"critic.{k}": v.detach().clone() for k, v in self.critic.state_dict().items()})
         out.update({f"best_adapters.{k}": v.clone() for k, v in self._best_adapters.items()})
+        if self.cfg.success_window > 1:  # the kept successes of earlier iterations (exact resume of self-imitation)
+            for it, per_task in self._successes.items():
+                for t, kept in per_task.items():
+                    out.update({f"successes.{it}.{t}.{k}": torch.cat(v) for k, v in kept.items()})
         return out
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         critic = {k[len("critic."):]: v for k, v in state.items() if k.startswith("critic.")}
         best = {k[len("best_adapters."):]: v for k, v in state.items() if k.startswith("best_adapters.")}
-        self.policy.load_state_dict({k: v for k, v in state.items() if not k.startswith(("critic.", "best_adapters."))})
+        self.policy.load_state_dict({k: v for k, v in state.items()
+                                     if not k.startswith(("critic.", "best_adapters.", "successes."))})
+        self._successes = {}
+        for k, v in state.items():
+            if k.startswith("successes."):
+                _, it, t, name = k.split(".")
+                self._successes.setdefault(int(it), {}).setdefault(int(t), {}).setdefault(name, []).append(v)
         if self.critic is not None:
             self.critic.load_state_dict(critic)
         if self._best_adapters and best:

@@ -50,9 +50,9 @@ def test_it_keeps_exactly_the_executed_chunks_of_successful_episodes(two_tasks, 
     _with_successes(monkeypatch, [1, 2])  # reach's second episode, push's first
     ro = dom.rollout(keys, 2, torch.Generator().manual_seed(0), iteration=5)
     valid = ro.payload["images"].flatten(2).any(-1)  # a chunk was planned = its observation was recorded
-    assert sorted(dom._successes) == [0, 1]
+    assert dom._kept_tasks() == [0, 1]
     for task, ep in ((0, 1), (1, 2)):
-        kept = {k: torch.cat(v) for k, v in dom._successes[task].items()}
+        kept = dom._kept_chunks(task)
         n = int(valid[ep].sum())
         assert len(kept["actions"]) == n > 0
         assert torch.equal(kept["images"], ro.payload["images"][ep, :n])
@@ -60,12 +60,12 @@ def test_it_keeps_exactly_the_executed_chunks_of_successful_episodes(two_tasks, 
         want = ro.payload["chain"][ep, :n, -1].clamp(-1, 1).view(n, dom.policy.cfg.chunk, 4)
         assert torch.equal(kept["actions"], want)  # the chunk the env executed
     # another call in the same iteration adds; a new iteration starts over
-    before = len(torch.cat(dom._successes[0]["actions"]))
+    before = len(dom._kept_chunks(0)["actions"])
     dom.rollout(keys, 2, torch.Generator().manual_seed(1), iteration=5)
-    assert len(torch.cat(dom._successes[0]["actions"])) > before
+    assert len(dom._kept_chunks(0)["actions"]) > before
     _with_successes(monkeypatch, [3])  # only push succeeds in iteration 6
     dom.rollout(keys, 2, torch.Generator().manual_seed(2), iteration=6)
-    assert sorted(dom._successes) == [1]
+    assert dom._kept_tasks() == [1]  # success_window 1: iteration 5's set is gone
 
 
 def test_the_batch_draws_tasks_equally_and_rows_from_their_task(two_tasks, monkeypatch):
@@ -84,7 +84,7 @@ def test_the_batch_draws_tasks_equally_and_rows_from_their_task(two_tasks, monke
     reach_ids, push_ids = dom._text_ids["reach-v3"], dom._text_ids["push-v3"]
     assert tids == [reach_ids] * n_reach + [push_ids] * (400 - n_reach)
     assert 150 < n_reach < 250 and imgs.dtype == torch.uint8 and acts.shape == (400, dom.policy.cfg.chunk, 4)
-    push_acts = torch.cat(dom._successes[1]["actions"])
+    push_acts = dom._kept_chunks(1)["actions"]
     assert all((push_acts == a).all(-1).all(-1).any() for a in acts[n_reach:])  # push rows are push's chunks
 
 
@@ -112,6 +112,31 @@ def test_the_loss_is_the_bc_loss_of_its_batch_and_moves_only_succeeding_adapters
     assert float(zero.detach()) == 0.0 and zero.requires_grad
 
 
+def test_a_window_keeps_earlier_iterations_and_travels_in_the_state_dict(monkeypatch):
+    dom = _domain("sde_one_step", env=TWO_TASKS, replay_source="successes", task_adapters=4, success_window=2)
+    keys = [dom.train_keys()[0], dom.train_keys()[-1]]
+    sizes = {}
+    for it, succeeded in ((10, [0]), (11, [3]), (12, [2])):
+        _with_successes(monkeypatch, succeeded)
+        dom.rollout(keys, 2, torch.Generator().manual_seed(it), iteration=it)
+        sizes[it] = {t: len(dom._kept_chunks(t)["actions"]) for t in dom._kept_tasks()}
+    assert list(sizes[11]) == [0, 1]  # reach's success of 10 is still kept at 11 ...
+    assert list(sizes[12]) == [1] and sizes[12][1] > sizes[11][1]  # ... and gone at 12; push's of 11 and 12 both kept
+    state = dom.state_dict()
+    assert sorted(k for k in state if k.startswith("successes.")) == [
+        f"successes.{it}.1.{n}" for it in (11, 12) for n in ("actions", "images", "proprio")]
+    other = _domain("sde_one_step", env=TWO_TASKS, replay_source="successes", task_adapters=4, success_window=2)
+    other.load_state_dict(state)
+    assert other._kept_tasks() == [1]
+    for name, v in dom._kept_chunks(1).items():
+        assert torch.equal(other._kept_chunks(1)[name], v)
+    assert torch.equal(other.replay_loss(12, 0), dom.replay_loss(12, 0))
+    with pytest.raises(ConfigError, match="success_window counts iterations"):
+        _domain("sde_one_step", env=TWO_TASKS, replay_source="successes", success_window=0)
+    dom.close()
+    other.close()
+
+
 def test_config_errors():
     base = {"domain": "robotics", "iterations": 1, "logging": {"progress": False},
             "robotics": {"env": {"kind": "point", "tasks": ["point-reach"], "horizon": 8}, "checkpoint": "",
@@ -129,7 +154,7 @@ def test_config_errors():
         RoboticsDomain(cfg, RunContext(run_dir=None, device=torch.device("cpu"), seed=0, num_processes=2))
 
 
-def _rl_config():
+def _rl_config(window=1):
     return {"domain": "robotics", "seed": 0, "iterations": 3,
             "rollout": {"groups_per_iteration": 4, "group_size": 4},
             "optim": {"lr": 3e-3, "inner_epochs": 1, "minibatches_per_epoch": 2},
@@ -137,12 +162,14 @@ def _rl_config():
             "checkpoint": {"every": 1, "keep_last": 3},
             "robotics": {"env": {"kind": "point", "tasks": ["point-reach"], "horizon": 16}, "checkpoint": "",
                          "model": TINY_MODEL, "head_mode": "flow_sde", "train_states_per_task": 8,
-                         "eval_states_per_task": 2, "gifs": False, "replay_source": "successes", "replay_batch": 32}}
+                         "eval_states_per_task": 2, "gifs": False, "replay_source": "successes", "replay_batch": 32,
+                         "success_window": window}}
 
 
-def test_a_resumed_run_equals_an_uninterrupted_one(tmp_path):
+@pytest.mark.parametrize("window", [1, 3])
+def test_a_resumed_run_equals_an_uninterrupted_one(tmp_path, window):
     path = tmp_path / "c.yaml"
-    path.write_text(yaml.safe_dump(_rl_config()))
+    path.write_text(yaml.safe_dump(_rl_config(window)))
     run = tmp_path / "run"
     assert main(["train", str(path), "--out", str(run)]) == 0
     records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
