@@ -395,6 +395,10 @@ class SelectionConfig:
                 "proportion to each stratum's recent failure rate 1 - EMA(success)"})
     need_decay: float = field(default=0.7, metadata={
         "help": "balance_by need: weight of the past in each stratum's success-rate average, in [0, 1)"})
+    need_floor: int = field(default=1, metadata={
+        "help": "balance_by need: keys every stratum gets before the rest is split by need (1 = every task stays "
+                "observed; 0 = a task whose success average reaches 1 gets no rollouts, so none of the budget goes "
+                "to all-success groups, and with per-task adapters its weights stop moving)"})
 
     def check(self, where: str) -> None:
         lo, hi = (self.band + [None, None])[:2]
@@ -414,6 +418,10 @@ class SelectionConfig:
             raise ConfigError(f"{where}.need_decay must be in [0, 1), got {self.need_decay}")
         if self.balance_by == "need" and not self.balance:
             raise ConfigError(f"{where}.balance_by: need weights the strata of selection.balance; set balance: true")
+        _positive(f"{where}.", "need_floor", self.need_floor, allow_zero=True)
+        if self.need_floor != 1 and self.balance_by != "need":
+            raise ConfigError(f"{where}.need_floor={self.need_floor} is the per-stratum minimum of balance_by: need; "
+                              f"set balance_by: need or leave need_floor at 1")
         _positive(f"{where}.", "history_readmit_after", self.history_readmit_after, allow_zero=True)
 
 

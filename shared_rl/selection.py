@@ -223,30 +223,32 @@ class StratifiedSampler:
     ``by_need=False`` (``selection.balance_by: equal``): the ``n`` keys are split as evenly as possible; when n is not
     a multiple of the number of strata, the strata that get one key more are drawn at random.
     ``by_need=True`` (``balance_by: need``, prioritised task sampling as in multi-task curricula): every stratum keeps
-    one key (its outcomes stay observed) and the other n − S go in proportion to its need 1 − p̂_s, p̂_s an
-    exponential average (weight ``need_decay`` on the past) of the stratum's success rate per iteration; largest
-    remainders round the shares, ties go to the lower stratum name. A stratum not yet observed counts need 1; when
-    every stratum is solved (all needs 0) the split is even. So rollouts a solved task would waste on
-    all-success groups go to the tasks that still fail."""
+    ``need_floor`` keys (1: its outcomes stay observed) and the other n − floor·S go in proportion to its need
+    1 − p̂_s, p̂_s an exponential average (weight ``need_decay`` on the past) of the stratum's success rate per
+    iteration; largest remainders round the shares, ties go to the lower stratum name. A stratum not yet observed
+    counts need 1; when every stratum is solved (all needs 0) the split is even. So rollouts a solved task would
+    waste on all-success groups go to the tasks that still fail; with ``need_floor=0`` a stratum whose average
+    reaches 1 gets none at all (and, unobserved, keeps its average)."""
 
-    def __init__(self, inner: UniformSampler, stratum, by_need: bool = False, need_decay: float = 0.7) -> None:
+    def __init__(self, inner: UniformSampler, stratum, by_need: bool = False, need_decay: float = 0.7,
+                 need_floor: int = 1) -> None:
         self.inner, self.stratum = inner, stratum
-        self.by_need, self.need_decay = bool(by_need), float(need_decay)
+        self.by_need, self.need_decay, self.need_floor = bool(by_need), float(need_decay), int(need_floor)
         self.success_rate: dict[str, float] = {}  # str(stratum) -> p̂_s
 
     def shares(self, names: Sequence[Any], n: int, generator: torch.Generator) -> list[int]:
         """Keys per stratum (in the order of ``names``), summing to ``n``."""
-        s = len(names)
-        if not self.by_need or n < s:
+        s, floor = len(names), self.need_floor
+        if not self.by_need or n < s * floor:
             base, extra = divmod(n, s)
             lucky = set(torch.randperm(s, generator=generator)[:extra].tolist())
             return [base + (1 if i in lucky else 0) for i in range(s)]
         need = [1.0 - self.success_rate.get(str(name), 0.0) for name in names]
-        total, rest = sum(need), n - s
+        total, rest = sum(need), n - s * floor
         if total <= 0:
             need, total = [1.0] * s, float(s)
         quota = [rest * w / total for w in need]
-        out = [1 + int(q) for q in quota]
+        out = [floor + int(q) for q in quota]
         by_remainder = sorted(range(s), key=lambda i: (-(quota[i] - int(quota[i])), i))
         for i in by_remainder[: n - sum(out)]:
             out[i] += 1

@@ -185,7 +185,8 @@ class Trainer:
             from .selection import StratifiedSampler
 
             self.sampler = StratifiedSampler(self.sampler, stratum, by_need=cfg.selection.balance_by == "need",
-                                             need_decay=cfg.selection.need_decay)
+                                             need_decay=cfg.selection.need_decay,
+                                             need_floor=cfg.selection.need_floor)
         # reward name -> weight: advantage.weights, else the domain's own defaults (e.g. llm.rewards[].weight);
         # read here, never written back into the trainer's config sections
         defaults = getattr(cfg.domain_config, "default_reward_weights", None)

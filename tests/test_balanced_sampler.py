@@ -67,6 +67,30 @@ def test_need_weighted_strata_hand_computed_and_resumable():
     assert last.shares(names, 10, g) == [2, 2, 2, 2, 2]  # all solved: even split
 
 
+def test_need_floor_zero_gives_solved_strata_nothing_hand_computed():
+    """need_floor=0: the whole budget goes by need, so a stratum at p̂ = 1 gets no keys (floor 1 kept one each)."""
+    keys = list(range(50))
+    stratum = lambda k: f"t{k % 5}"  # noqa: E731
+    s = StratifiedSampler(UniformSampler(), stratum, by_need=True, need_decay=0.5, need_floor=0)
+    g = torch.Generator().manual_seed(0)
+    names = [f"t{i}" for i in range(5)]
+    assert s.shares(names, 10, g) == [2, 2, 2, 2, 2]  # nothing observed: every need is 1
+    # t0..t2 solved (8/8), t3 at 6/8, t4 at 0/8: needs 0, 0, 0, 0.25, 1 -> 10 x 0.2 = 2, 10 x 0.8 = 8
+    s.update([0, 1, 2, 3, 4], [8.0, 8.0, 8.0, 6.0, 0.0], [8] * 5, 0)
+    assert s.shares(names, 10, g) == [0, 0, 0, 2, 8]
+    got = Counter(stratum(k) for k in s.select(keys, 10, g))
+    assert got == {"t3": 2, "t4": 8}
+    # t3 now 8/8 -> p̂ 0.5·0.75 + 0.5 = 0.875, need 0.125; t4 4/8 -> 0.25, need 0.75: quotas 10/7 and 60/7
+    # = 1.43 and 8.57 -> 1 + 8, the spare key to the larger remainder (t4)
+    s.update([3, 4], [8.0, 4.0], [8, 8], 1)
+    assert s.shares(names, 10, g) == [0, 0, 0, 1, 9]
+    floor1 = StratifiedSampler(UniformSampler(), stratum, by_need=True, need_decay=0.5)
+    floor1.load_state_dict(s.state_dict())
+    # the default keeps one key each: 5 spare by need 0.125 / 0.75 -> 0.71 / 4.29 -> 1 + 0 and 1 + 4, the last spare to
+    # the larger remainder (t3)
+    assert floor1.shares(names, 10, g) == [1, 1, 1, 2, 5]
+
+
 def test_balance_by_need_is_validated():
     from shared_rl.config import ConfigError, load_train_config
 
@@ -74,6 +98,10 @@ def test_balance_by_need_is_validated():
         load_train_config({"domain": "toy", "selection": {"balance_by": "need"}})
     with pytest.raises(ConfigError, match="need_decay"):
         load_train_config({"domain": "toy", "selection": {"balance": True, "balance_by": "need", "need_decay": 1.0}})
+    with pytest.raises(ConfigError, match="set balance_by: need or leave need_floor at 1"):
+        load_train_config({"domain": "toy", "selection": {"balance": True, "need_floor": 0}})
+    with pytest.raises(ConfigError, match="need_floor"):
+        load_train_config({"domain": "toy", "selection": {"balance": True, "balance_by": "need", "need_floor": -1}})
 
 
 def test_need_weighted_run_logs_its_shares_and_resumes_exactly(tmp_path, monkeypatch):
