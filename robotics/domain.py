@@ -92,8 +92,8 @@ class RoboticsConfig:
     replay_batch: int = field(default=256, metadata={"help": "chunks per replay minibatch (loss.replay_coef)"})
     replay_source: Literal["demos", "successes"] = field(default="demos", metadata={
         "help": "what loss.replay_coef's BC term imitates: demos = robotics.replay_data (an anchor to the BC data, "
-                "DAPG); successes = this iteration's own successful rollout episodes, every executed chunk, drawn "
-                "equally per task (self-imitation: SIL, Oh et al. 2018; iRe-VLA's supervised phase on successes)"})
+                "DAPG); successes = the run's own successful rollout episodes (success_window iterations), every "
+                "executed chunk, drawn equally per task (self-imitation: SIL, Oh et al. 2018; iRe-VLA's supervised phase on successes)"})
     success_window: int = field(default=1, metadata={
         "help": "replay_source successes: iterations whose successful chunks are kept (1 = the current one; N = "
                 "it and the N-1 before it, a growing set of successes of a rarely solved task; kept in checkpoints)"})
@@ -479,7 +479,8 @@ class RoboticsDomain(DomainBase):
         drawn from (seed, iteration, step), the term of ``loss.replay_coef``. ``replay_source: demos``: demonstration
         chunks, an anchor to the pretraining data (DAPG, Rajeswaran et al. 2018, and the SFT term of VLA RL
         recipes); this rank's rows ``rank::world`` of the global batch, weighted by their share.
-        ``replay_source: successes``: this iteration's own successful chunks, equally per task — self-imitation
+        ``replay_source: successes``: the kept successful chunks (this iteration's and those of the
+        ``success_window`` − 1 before), equally per task — self-imitation
         (SIL, Oh et al. 2018; filtered BC on the policy's successes as iRe-VLA / ReST), which turns every success of a
         rarely solved task into supervised data for its adapter; 0 (no gradient) when nothing succeeded."""
         seed = [self.ctx.seed, iteration, step]
