@@ -266,7 +266,7 @@ class RoboticsDomain(DomainBase):
                 raise ConfigError(f"robotics.replay_data {cfg.replay_data!r} has no demos of the trained tasks {tasks}")
             self._replay = ChunkDataset(demos, m.chunk, self.policy)
         # replay_source successes: per iteration (the last success_window), per task index, the successful chunks
-        self._successes: dict[int, dict[int, dict[str, list[torch.Tensor]]]] = {}
+        self._successes: dict[int, dict[int, dict[str, torch.Tensor]]] = {}
         if cfg.replay_source == "successes" and ctx.num_processes > 1:
             raise ConfigError("robotics.replay_source: successes imitates each process's own rollouts, which would "
                               "make N processes differ from one; launch one process or use replay_source: demos")
@@ -443,10 +443,9 @@ class RoboticsDomain(DomainBase):
         for t in task_index.unique().tolist():
             rows = torch.nonzero(task_index == t).flatten()
             e, c = torch.from_numpy(ep)[rows], torch.from_numpy(ch)[rows]
-            kept = current.setdefault(t, {"images": [], "proprio": [], "actions": []})
-            kept["images"].append(payload["images"][e, c])
-            kept["proprio"].append(payload["proprio"][e, c])
-            kept["actions"].append(acts[rows])
+            new = {"images": payload["images"][e, c], "proprio": payload["proprio"][e, c], "actions": acts[rows]}
+            old = current.get(t)
+            current[t] = new if old is None else {k: torch.cat([old[k], v]) for k, v in new.items()}
 
     def _success_batch(self, rng: np.random.Generator):
         """``replay_batch`` chunks of the kept successes: each row's task uniform over the tasks with kept successes
@@ -472,7 +471,7 @@ class RoboticsDomain(DomainBase):
     def _kept_chunks(self, task: int) -> dict[str, torch.Tensor]:
         """Task ``task``'s kept successful chunks, oldest iteration first."""
         sets = [self._successes[it][task] for it in sorted(self._successes) if task in self._successes[it]]
-        return {k: torch.cat([x for s in sets for x in s[k]]) for k in ("images", "proprio", "actions")}
+        return {k: torch.cat([s[k] for s in sets]) for k in ("images", "proprio", "actions")}
 
     def replay_loss(self, iteration: int, step: int, rank: int = 0, world: int = 1) -> torch.Tensor:
         """The BC loss (``TinyVLA.bc_loss``: flow matching, or cross-entropy over bins) on ``replay_batch`` chunks
@@ -520,7 +519,7 @@ class RoboticsDomain(DomainBase):
         if self.cfg.success_window > 1:  # the kept successes of earlier iterations (exact resume of self-imitation)
             for it, per_task in self._successes.items():
                 for t, kept in per_task.items():
-                    out.update({f"successes.{it}.{t}.{k}": torch.cat(v) for k, v in kept.items()})
+                    out.update({f"successes.{it}.{t}.{k}": v.clone() for k, v in kept.items()})
         return out
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
@@ -532,7 +531,7 @@ class RoboticsDomain(DomainBase):
         for k, v in state.items():
             if k.startswith("successes."):
                 _, it, t, name = k.split(".")
-                self._successes.setdefault(int(it), {}).setdefault(int(t), {}).setdefault(name, []).append(v)
+                self._successes.setdefault(int(it), {}).setdefault(int(t), {})[name] = v
         if self.critic is not None:
             self.critic.load_state_dict(critic)
         if self._best_adapters and best:
