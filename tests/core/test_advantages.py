@@ -15,6 +15,20 @@ def test_grpo_hand_computed():
     assert torch.allclose(adv, torch.tensor([-1.0, 0.0, 1.0, 0.0, 0.0, 0.0]))
 
 
+def test_grpo_eps_damps_groups_whose_rewards_barely_differ():
+    # advantage.eps as a soft std floor (robotics five-task recipe, eps 0.1): success 1 + dense 0.5 * d per episode.
+    # An all-success group whose dense terms differ by 0.02 (std 0.01) is scaled by 0.01 / 0.11 instead of to unit
+    # size; a mixed group (1 of 4 failing, std 0.5) keeps 0.5 / 0.6 of its size.
+    solved = torch.tensor([1.49, 1.50, 1.51])  # mean 1.50, unbiased std 0.01
+    mixed = torch.tensor([1.5, 1.5, 1.5, 0.5])  # mean 1.25, unbiased std 0.5
+    r, g = torch.cat([solved, mixed]), torch.tensor([0, 0, 0, 1, 1, 1, 1])
+    adv = group_advantages(r, g, "grpo", eps=0.1)
+    expected = torch.tensor([-0.01 / 0.11, 0.0, 0.01 / 0.11, 0.25 / 0.6, 0.25 / 0.6, 0.25 / 0.6, -0.75 / 0.6])
+    assert torch.allclose(adv, expected, atol=1e-4)
+    unit = group_advantages(r, g, "grpo", eps=0.0)  # without the floor both groups are unit size
+    assert torch.allclose(unit[:3], torch.tensor([-1.0, 0.0, 1.0]), atol=1e-4)
+
+
 def test_batch_std_hand_computed():
     std = torch.tensor([1.0, 2, 3, 5, 5, 5]).std().item()  # 1.7224...
     adv = group_advantages(R, G, "batch_std", eps=0.0)
