@@ -100,6 +100,11 @@ class RoboticsConfig:
     task_adapters: int = field(default=0, metadata={
         "help": "rank of a per-task low-rank adapter on the fused features, the only weights RL then trains (each "
                 "task's update cannot move another task's actions); 0 = none, train the shared fusion and head"})
+    adapter_steps: Literal["equal", "by_episodes"] = field(default="equal", metadata={
+        "help": "with task_adapters: equal = every task's adapter takes AdamW's full step whenever its task has "
+                "episodes in the minibatch (AdamW normalises each weight's step, so a task informed by 8 episodes "
+                "moves as far as one informed by 40); by_episodes = each task adapter's step is scaled by its "
+                "episodes in the minibatch / the most any task has there (as one shared step would weigh them)"})
     keep_best_adapters: bool = field(default=False, metadata={
         "help": "with task_adapters: at every evaluation score each task's adapter by ODE success on "
                 "val_states_per_task validation reset states (training-split states the rollouts never draw, "
@@ -132,6 +137,9 @@ class RoboticsConfig:
         unknown = [t for t in self.train_tasks if t not in self.env.tasks]
         if unknown:
             raise ConfigError(f"{where}.train_tasks {unknown} are not in {where}.env.tasks {self.env.tasks}")
+        if self.adapter_steps == "by_episodes" and not self.task_adapters:
+            raise ConfigError(f"{where}.adapter_steps: by_episodes scales per-task adapter steps; set "
+                              f"{where}.task_adapters to a rank (16 in the five-task recipe) or adapter_steps: equal")
         if self.keep_best_adapters:
             if not self.task_adapters:
                 raise ConfigError(f"{where}.keep_best_adapters selects per-task adapters; set {where}.task_adapters "
@@ -270,6 +278,13 @@ class RoboticsDomain(DomainBase):
         if cfg.replay_source == "successes" and ctx.num_processes > 1:
             raise ConfigError("robotics.replay_source: successes imitates each process's own rollouts, which would "
                               "make N processes differ from one; launch one process or use replay_source: demos")
+        # adapter_steps by_episodes: episodes per task index in the current optimizer step's minibatch (counted in
+        # log_probs), and the adapters as they were before the step
+        self._step_episodes = torch.zeros(len(cfg.env.tasks), dtype=torch.long)
+        self._adapters_before: tuple[torch.Tensor, torch.Tensor] | None = None
+        if cfg.adapter_steps == "by_episodes" and ctx.num_processes > 1:
+            raise ConfigError("robotics.adapter_steps: by_episodes counts each process's own minibatch rows, which "
+                              "would make N processes differ from one; launch one process or use adapter_steps: equal")
         self.venv = make_vector_env(cfg.env)
         self._text_ids = {t: self.policy.text.token_ids([self._instruction(t)])[0] for t in cfg.env.tasks}
         # keep_best_adapters: per task the best validation success so far, the iteration that scored it, and that
@@ -284,6 +299,25 @@ class RoboticsDomain(DomainBase):
                                   "adapters runs on the main process only); launch one process")
             self._best_adapters = {"down": self.policy.adapters.down.detach().clone(),
                                    "up": self.policy.adapters.up.detach().clone()}
+
+    def before_optimizer_step(self) -> None:
+        if self.cfg.adapter_steps == "by_episodes":
+            a = self.policy.adapters
+            self._adapters_before = (a.down.detach().clone(), a.up.detach().clone())
+
+    def after_optimizer_step(self) -> None:
+        """adapter_steps by_episodes: task t's adapter moves s_t = n_t / max_u n_u of AdamW's step, n_t its
+        episodes in the minibatch (a task without episodes there does not move, not even by momentum)."""
+        if self.cfg.adapter_steps != "by_episodes":
+            return
+        n = self._step_episodes.double()
+        scale = (n / n.max().clamp(min=1)).view(-1, 1, 1)
+        a = self.policy.adapters
+        with torch.no_grad():
+            for w, before in zip((a.down, a.up), self._adapters_before):
+                w.copy_(before + scale.to(w) * (w - before))
+        self._step_episodes.zero_()
+        self._adapters_before = None
 
     @staticmethod
     def _instruction(task: str) -> str:
@@ -359,6 +393,8 @@ class RoboticsDomain(DomainBase):
         p = rollout.index_payload(idx)
         n, c, s = len(idx), self.n_chunks, self.steps_per_chunk
         mask = rollout.mask[idx].reshape(n, c, s)
+        if self.cfg.adapter_steps == "by_episodes" and torch.is_grad_enabled():  # a training forward of this step
+            self._step_episodes += torch.bincount(p["task_index"].cpu(), minlength=len(self.cfg.env.tasks))
         chunks = mask.any(-1)  # chunks with a trained step (and, with a critic, every executed chunk)
         if self.critic is not None:
             chunks = chunks | p["value_mask"].bool()

@@ -14,7 +14,8 @@ One training iteration, as the trainer runs it (see ``shared_rl/trainer.py``)::
         out  = domain.log_probs(rollout, idx, need_kl)                # with grad, [n, T]
         loss = aggregate(POLICY_LOSSES[loss.policy_loss](out.logp, rollout.logp_old[idx], adv[idx],
                                                          rollout.mask[idx], loss)) + kl_coef * aggregate(KL)
-    optimizer step -> domain.after_optimizer_step() -> metrics -> domain.evaluate() -> checkpoint
+    domain.before_optimizer_step() -> optimizer step -> domain.after_optimizer_step()
+    -> metrics -> domain.evaluate() -> checkpoint
 
 **Groups.** ``rollout.keys`` has one entry per group. A key may own several groups (E-GRPO: one per (prompt,
 consolidated step)); the trainer counts, filters, refills and trims by requested key, so a domain returning
@@ -130,6 +131,10 @@ class DomainBase:
     """Convenient defaults for the optional hooks; domains may subclass it."""
 
     config_class: type | None = None
+
+    def before_optimizer_step(self) -> None:
+        """Called right before each optimizer step, after the gradients are summed and clipped (a domain that
+        rescales the step of some weights snapshots them here and rescales in ``after_optimizer_step``)."""
 
     def after_optimizer_step(self) -> None:
         """Called after each optimizer step (EMA updates, schedule moves)."""

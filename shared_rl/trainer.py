@@ -507,6 +507,9 @@ class Trainer:
             return
         self.nonfinite_steps = 0
         stats.add("grad_norm", float(grad_norm), 1.0)
+        before = getattr(self.domain, "before_optimizer_step", None)
+        if before:
+            before()
         self.optimizer.step()
         self.scheduler.step()
         if self.ema is not None:
