@@ -93,7 +93,8 @@ class RoboticsConfig:
     replay_source: Literal["demos", "successes"] = field(default="demos", metadata={
         "help": "what loss.replay_coef's BC term imitates: demos = robotics.replay_data (an anchor to the BC data, "
                 "DAPG); successes = the run's own successful rollout episodes (success_window iterations), every "
-                "executed chunk, drawn equally per task (self-imitation: SIL, Oh et al. 2018; iRe-VLA's supervised phase on successes)"})
+                "executed chunk, drawn equally per task (self-imitation: SIL, Oh et al. 2018; iRe-VLA's supervised "
+                "phase on successes)"})
     success_window: int = field(default=1, metadata={
         "help": "replay_source successes: iterations whose successful chunks are kept (1 = the current one; N = "
                 "it and the N-1 before it, a growing set of successes of a rarely solved task; kept in checkpoints)"})
@@ -394,6 +395,8 @@ class RoboticsDomain(DomainBase):
         n, c, s = len(idx), self.n_chunks, self.steps_per_chunk
         mask = rollout.mask[idx].reshape(n, c, s)
         if self.cfg.adapter_steps == "by_episodes" and torch.is_grad_enabled():  # a training forward of this step
+            if self.policy.adapters.up.grad is None:  # the step's first forward (the trainer zeroes grads to None):
+                self._step_episodes.zero_()  # a step skipped for non-finite gradients leaves no counts behind
             self._step_episodes += torch.bincount(p["task_index"].cpu(), minlength=len(self.cfg.env.tasks))
         chunks = mask.any(-1)  # chunks with a trained step (and, with a critic, every executed chunk)
         if self.critic is not None:

@@ -239,7 +239,8 @@ class AdvantageConfig:
         "help": "several rewards: sum_then_normalize (weighted sum, one estimator) | normalize_then_sum (GDPO)"})
     weights: dict[str, float] = field(default_factory=dict, metadata={
         "help": "reward name -> weight (missing names weigh 1.0; 0 = logged only)"})
-    eps: float = field(default=1e-6, metadata={"help": "added to the std in z-score estimators; also a soft std floor: a group whose rewards differ by much "
+    eps: float = field(default=1e-6, metadata={
+        "help": "added to the std in z-score estimators; also a soft std floor: a group whose rewards differ by much "
                 "less than eps (e.g. all-success groups told apart only by a dense term) gets advantages scaled by "
                 "std / (std + eps) instead of unit size"})
     gamma: float = field(default=1.0, metadata={"help": "gae: discount per decision (action chunk), in (0, 1]"})

@@ -58,8 +58,7 @@ def test_each_task_adapter_moves_its_share_of_the_step(setup):
     dom, ro = setup
     a = dom.policy.adapters
     start = (a.down.detach().clone(), a.up.detach().clone() + 0.01)  # up != 0: down gets a gradient too
-    before = _adapters(dom).clone()
-    before[:, a.down[0].numel():] += 0.01
+    before = torch.cat([start[0].flatten(1), start[1].flatten(1)], 1)
     equal, = _steps(dom, ro, "equal", [[0, 1, 2, 3, 4, 5]], start)
     scaled, = _steps(dom, ro, "by_episodes", [[0, 1, 2, 3, 4, 5]], start)
     d_equal, d_scaled = equal - before, scaled - before
@@ -79,6 +78,18 @@ def test_a_task_without_episodes_in_the_minibatch_does_not_move(setup):
     assert not torch.equal(equal[1][0], equal[0][0])  # AdamW's momentum moves reach's adapter without reach rows
     assert torch.equal(scaled[1][0], scaled[0][0])  # by_episodes holds it where it was
     assert not torch.equal(scaled[1][1], scaled[0][1])
+
+
+def test_a_skipped_step_leaves_no_counts_behind(setup):
+    dom, ro = setup
+    dom.cfg.adapter_steps = "by_episodes"
+    dom.log_probs(ro, torch.arange(6), need_kl=False).logp.sum().backward()  # counted: (2, 4) ...
+    dom.policy.adapters.zero_grad(set_to_none=True)  # ... then the trainer skips the step (non-finite gradients)
+    dom.log_probs(ro, torch.arange(2, 6), need_kl=False).logp.sum().backward()  # the next step's first forward
+    assert dom._step_episodes.tolist() == [0, 4]
+    dom.policy.adapters.zero_grad(set_to_none=True)
+    dom._step_episodes.zero_()
+    dom.cfg.adapter_steps = "equal"
 
 
 def test_no_grad_forwards_are_not_counted(setup):
