@@ -72,6 +72,9 @@ class RoboticsConfig:
         "help": "flow head, evaluation ODE: std of the chain's start; 0 = deterministic"})
     train_states_per_task: int = field(default=50, metadata={"help": "training reset states per task (the keys)"})
     eval_states_per_task: int = field(default=20, metadata={"help": "held-out reset states per task for evaluation"})
+    eval_split: Literal["eval", "train"] = field(default="eval", metadata={
+        "help": "eval = the held-out reset states; train = the first eval_states_per_task of the training states "
+                "RL draws (grove eval RUN robotics.eval_split=train: the policy's generalisation gap)"})
     train_tasks: list[str] = field(default_factory=list,
                                    metadata={"help": "subset of env.tasks for training keys; [] = all"})
     dense_reward: bool = field(default=False, metadata={
@@ -340,7 +343,7 @@ class RoboticsDomain(DomainBase):
         return self._task_of(key)
 
     def eval_keys(self) -> list[int]:
-        return eval_keys(self.cfg.env, self.cfg.eval_states_per_task)[0]
+        return eval_keys(self.cfg.env, self.cfg.eval_states_per_task, self.cfg.eval_split)[0]
 
     def rollout(self, keys: list[int], group_size: int, generator: torch.Generator, iteration: int) -> Rollout:
         env_keys = [k for k in keys for _ in range(group_size)]
@@ -614,7 +617,7 @@ class RoboticsDomain(DomainBase):
         out = self._score_adapters(iteration)
         if self.cfg.report_last:
             last = evaluate_policy(self.policy, self.cfg.env, self.cfg.eval_states_per_task, self.venv, None,
-                                   init_noise=self.cfg.eval_init_noise)
+                                   init_noise=self.cfg.eval_init_noise, split=self.cfg.eval_split)
             out.update({k.replace("eval/", "eval_last/", 1): v for k, v in last.items() if k.startswith("eval/success")})
         with torch.no_grad():
             self.policy.adapters.down.copy_(self._best_adapters["down"])
@@ -627,7 +630,8 @@ class RoboticsDomain(DomainBase):
         out = self._score_adapters(iteration) if self.cfg.keep_best_adapters and not self._selected else {}
         gif_dir = self.ctx.run_dir / "gifs" if (self.cfg.gifs and self.ctx.run_dir is not None) else None
         out.update(evaluate_policy(self.policy, self.cfg.env, self.cfg.eval_states_per_task, self.venv, gif_dir,
-                                   tag=f"it{iteration:04d}-", init_noise=self.cfg.eval_init_noise))
+                                   tag=f"it{iteration:04d}-", init_noise=self.cfg.eval_init_noise,
+                                   split=self.cfg.eval_split))
         return out
 
     def save_pretrained(self, out_dir: Path) -> None:

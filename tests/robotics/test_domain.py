@@ -64,6 +64,29 @@ def test_metaworld_group_shares_its_reset_state_and_eval_states_are_held_out():
     dom.close()
 
 
+def test_eval_split_train_evaluates_the_states_rl_draws(monkeypatch):
+    """robotics.eval_split=train (grove eval RUN robotics.eval_split=train): the ODE evaluation runs on the first
+    eval_states_per_task training states, the keys RL's rollouts draw, to measure the generalisation gap."""
+    import robotics.domain as domain_module
+
+    dom = _domain("flow_sde", eval_split="train", eval_states_per_task=3)
+    assert dom.eval_keys() == dom.train_keys()[:3]
+    seen = []
+    real = domain_module.evaluate_policy
+
+    def spy(*args, **kw):
+        seen.append(kw.get("split"))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(domain_module, "evaluate_policy", spy)
+    out = dom.evaluate(0)
+    assert seen == ["train"] and 0.0 <= out["eval/success"] <= 1.0
+    assert not set(_domain("flow_sde").eval_keys()) & set(dom.train_keys())  # the default stays held out
+    with pytest.raises(ConfigError, match="eval_split"):
+        from_dict(RoboticsConfig, {"eval_split": "val"}, "robotics")
+    dom.close()
+
+
 def test_config_errors_are_actionable():
     with pytest.raises(ConfigError, match="head_mode"):
         _domain("discrete", model=dict(TINY_MODEL, head="flow"))
