@@ -93,6 +93,9 @@ class RoboticsConfig:
         "help": "demonstrations (.npz of `grove robotics collect`) replayed by loss.replay_coef: the BC "
                 "flow-matching / bin loss on them at every optimizer step, an anchor to the BC policy; '' = none"})
     replay_batch: int = field(default=256, metadata={"help": "chunks per replay minibatch (loss.replay_coef)"})
+    replay_tasks: list[str] = field(default_factory=list, metadata={
+        "help": "replay_source demos: the tasks whose demos are replayed (e.g. [push-v3]: imitate the task the clone "
+                "underfits, leave the others to RL alone); [] = every trained task"})
     replay_source: Literal["demos", "successes"] = field(default="demos", metadata={
         "help": "what loss.replay_coef's BC term imitates: demos = robotics.replay_data (an anchor to the BC data, "
                 "DAPG); successes = the run's own successful rollout episodes (success_window iterations), every "
@@ -176,6 +179,9 @@ class RoboticsConfig:
                               f"robotics.replay_data is empty; give the demos .npz (make one with `grove robotics "
                               f"collect --labels expert --out runs/robotics-demos/demos40_dart.npz`) or set "
                               f"robotics.replay_source: successes (self-imitation of the run's successful episodes)")
+        if self.replay_tasks and (self.replay_source != "demos" or train_cfg.loss.replay_coef <= 0):
+            raise ConfigError(f"robotics.replay_tasks {self.replay_tasks} picks the demos loss.replay_coef replays; "
+                              f"set loss.replay_coef > 0 with robotics.replay_source: demos, or replay_tasks: []")
         est = train_cfg.advantage.estimator
         if est in STEP_ESTIMATORS and not self.critic:
             raise ConfigError(f"advantage.estimator {est!r} needs the policy's value head: set robotics.critic: true "
@@ -273,9 +279,13 @@ class RoboticsDomain(DomainBase):
             from .bc import ChunkDataset
             from .data import load_episodes
 
-            demos = [e for e in load_episodes(_resolve(cfg.replay_data)) if e.task in tasks]
+            replayed = cfg.replay_tasks or tasks
+            if set(replayed) - set(tasks):
+                raise ConfigError(f"robotics.replay_tasks {sorted(set(replayed) - set(tasks))} are not trained tasks "
+                                  f"{tasks}")
+            demos = [e for e in load_episodes(_resolve(cfg.replay_data)) if e.task in replayed]
             if not demos:
-                raise ConfigError(f"robotics.replay_data {cfg.replay_data!r} has no demos of the trained tasks {tasks}")
+                raise ConfigError(f"robotics.replay_data {cfg.replay_data!r} has no demos of the replayed tasks {replayed}")
             self._replay = ChunkDataset(demos, m.chunk, self.policy)
         # replay_source successes: per iteration (the last success_window), per task index, the successful chunks
         self._successes: dict[int, dict[int, dict[str, torch.Tensor]]] = {}

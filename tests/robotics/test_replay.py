@@ -71,7 +71,7 @@ def test_replay_config_errors(demos, tmp_path):
                                  proprio=np.zeros((2, 4), np.float32), actions=np.zeros((2, 4), np.float32),
                                  success=np.zeros(2, bool))], tmp_path / "other.npz")
     other.close()
-    with pytest.raises(ConfigError, match="no demos of the trained tasks"):
+    with pytest.raises(ConfigError, match="no demos of the replayed tasks"):
         _domain("flow_sde", replay_data=str(bad))
     # a domain without demonstrations (no replay_loss hook) refuses before training
     toy = {"domain": "toy", "iterations": 1, "loss": {"replay_coef": 0.5}, "logging": {"progress": False}}
@@ -104,6 +104,37 @@ def test_the_anchor_pulls_rl_training_towards_the_demonstrations(demos):
     assert out[0.0][0] == out[2.0][0]  # same start
     # measured: 1.268 -> 1.261 without, -> 1.175 with the anchor (6 optimizer steps)
     assert out[2.0][1] < out[0.0][1] - 0.04 and out[2.0][1] < out[2.0][0] - 0.04, out
+
+
+def test_replay_tasks_picks_whose_demos_are_replayed(tmp_path):
+    """robotics.replay_tasks: [drawer-close-v3] replays that task's demos only (every replayed chunk carries its
+    instruction), [] replays every trained task's; a task that is not trained, or replay_tasks without the demo
+    replay, is refused."""
+    tasks = ["reach-v3", "drawer-close-v3"]
+    env = {"tasks": tasks, "horizon": 8}
+    dom = _domain("sde_one_step", env=env)
+    rng = np.random.default_rng(0)
+    e = dom.cfg.env
+    eps = [Episode(task=t, instruction=dom._instruction(t),
+                   images=rng.integers(0, 255, (5, e.image_size, e.image_size, 3 * len(e.cameras)), dtype=np.uint8),
+                   proprio=rng.normal(size=(5, dom.policy.cfg.proprio_dim)).astype(np.float32),
+                   actions=np.zeros((5, 4), np.float32), success=np.zeros(5, bool)) for t in tasks for _ in range(2)]
+    path = save_episodes(eps, tmp_path / "two_tasks.npz")
+    dom.close()
+    ids = {t: dom.policy.text.token_ids([dom._instruction(t)])[0] for t in tasks}
+    only = _domain("sde_one_step", env=env, replay_data=str(path), replay_tasks=["drawer-close-v3"])
+    assert len(only._replay) == 10 and all(t == ids["drawer-close-v3"] for t in only._replay.text_ids)
+    only.close()
+    both = _domain("sde_one_step", env=env, replay_data=str(path))
+    assert len(both._replay) == 20 and ids["reach-v3"] in both._replay.text_ids
+    both.close()
+    with pytest.raises(ConfigError, match="replay_tasks"):
+        _domain("sde_one_step", env=env, replay_data=str(path), replay_tasks=["push-v3"])
+    data = {"domain": "robotics", "iterations": 1, "logging": {"progress": False},
+            "robotics": {"env": env, "checkpoint": "", "model": TINY_MODEL, "gifs": False,
+                         "replay_data": str(path), "replay_tasks": ["reach-v3"]}}
+    with pytest.raises(ConfigError, match="replay_tasks"):
+        load_train_config(data)
 
 
 def test_a_resumed_run_replays_the_same_batches(demos, tmp_path):
