@@ -143,8 +143,9 @@ def evaluate_policy(policy: TinyVLA, env_cfg: EnvConfig, per_task: int, venv=Non
     """Deterministic (ODE / arg-max) success on the held-out evaluation reset states (or on ``per_task`` states of
     another ``split`` from ``first_index`` on: the validation states of ``robotics.keep_best_adapters``).
 
-    The flow head's ODE starts from Gaussian noise; it is drawn from a generator seeded with ``seed``, so an
-    evaluation is a deterministic function of the weights.
+    The flow head's ODE starts from Gaussian noise; each episode draws it from its own generator, seeded by
+    (``seed``, its reset-state key), so an evaluation is a deterministic function of the weights, and one task's
+    score does not move when only another task's policy changes (``run_episodes(episode_noise_seed=...)``).
     """
     keys, tasks = eval_keys(env_cfg, per_task, split, first_index)
     own = venv is None
@@ -154,7 +155,8 @@ def evaluate_policy(policy: TinyVLA, env_cfg: EnvConfig, per_task: int, venv=Non
     policy.eval()
     try:
         batch = run_episodes(policy, venv, keys, tasks, SamplingSettings(mode=mode, init_noise=init_noise), env_cfg.horizon,
-                             torch.Generator().manual_seed(seed), record_frames=gif_dir is not None)
+                             torch.Generator().manual_seed(seed), record_frames=gif_dir is not None,
+                             episode_noise_seed=seed)
     finally:
         policy.train(was_training)
         if own:

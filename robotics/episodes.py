@@ -50,14 +50,16 @@ class EpisodeBatch:
     frames: list[list[np.ndarray]] | None = None  # per env, the frames seen (for GIFs)
 
 
-def sample_chunk(policy: TinyVLA, h: torch.Tensor, s: SamplingSettings, generator: torch.Generator | None):
-    """One action chunk per row. Returns (actions [B,K,A], chain, stochastic [B,S], logp [B,S], nfe per row)."""
+def sample_chunk(policy: TinyVLA, h: torch.Tensor, s: SamplingSettings, generator: torch.Generator | None,
+                 start_noise: torch.Tensor | None = None):
+    """One action chunk per row. Returns (actions [B,K,A], chain, stochastic [B,S], logp [B,S], nfe per row).
+    ``start_noise`` [B, D]: the flow chain's standard-normal start per row (else drawn from ``generator``)."""
     cfg = policy.cfg
     b = h.shape[0]
     if cfg.head == "flow":
         if s.mode not in ("ode", "flow_sde", "flow_noise", "sde_one_step"):
             raise ValueError(f"a flow head samples with ode/flow_sde/flow_noise/sde_one_step, not {s.mode!r}")
-        out = policy.flow.sample(h, s.mode, generator, s.noise_level, s.logp_reduce, s.init_noise)
+        out = policy.flow.sample(h, s.mode, generator, s.noise_level, s.logp_reduce, s.init_noise, start_noise)
         acts = out.actions.view(b, cfg.chunk, cfg.action_dim)
         return acts, out.chain, out.stochastic, out.logp, cfg.num_denoise_steps
     if s.mode not in ("discrete", "greedy"):
@@ -88,13 +90,24 @@ def run_episodes(
     generator: torch.Generator | None = None,
     record_frames: bool = False,
     device: torch.device | str = "cpu",
+    episode_noise_seed: int | None = None,
 ) -> EpisodeBatch:
-    """Run one episode per key (``tasks[i]`` is the task of ``keys[i]``) to the end; batched over envs."""
+    """Run one episode per key (``tasks[i]`` is the task of ``keys[i]``) to the end; batched over envs.
+
+    ``episode_noise_seed``: the flow chain's start noise of episode i comes from its own generator, seeded by
+    (``episode_noise_seed``, ``keys[i]``), instead of one stream shared by the batch. With the shared stream an
+    episode's draws shift whenever any other episode ends earlier or later, so one task's evaluation moved when
+    only another task's policy changed; per episode, an ODE evaluation of a key is a function of the weights its
+    task uses, its key and the seed alone. (Evaluation: one episode per key; SDE draws stay on ``generator``.)"""
     cfg = policy.cfg
     b, k = len(keys), cfg.chunk
     n_chunks = math.ceil(horizon / k)
     steps = cfg.num_denoise_steps if cfg.head == "flow" else 1
     d = cfg.chunk * cfg.action_dim
+    starts = None
+    if episode_noise_seed is not None and cfg.head == "flow":
+        starts = torch.stack([torch.randn(n_chunks, d, generator=torch.Generator().manual_seed(
+            int(np.random.SeedSequence([episode_noise_seed, int(key)]).generate_state(1)[0]))) for key in keys])
     obs = venv.reset(keys)
     img, pro = obs["image"], obs["proprio"]
     h_, w_, c_ = img.shape[1:]
@@ -120,7 +133,8 @@ def run_episodes(
         proprio[act_idx, c] = pro[act_idx]
         h = policy.encode(torch.from_numpy(img[act_idx]).to(device), torch.from_numpy(pro[act_idx]).to(device),
                           [text_ids[i] for i in act_idx])
-        acts, ch, st, lp, nfe_row = sample_chunk(policy, h, sampling, generator)
+        acts, ch, st, lp, nfe_row = sample_chunk(policy, h, sampling, generator,
+                                                 None if starts is None else starts[act_idx, c])
         nfe += nfe_row * len(act_idx)
         chain[act_idx, c] = ch.cpu().numpy()
         stochastic[act_idx, c] = st.cpu().numpy()

@@ -127,15 +127,17 @@ class FlowActionHead(nn.Module):
 
     @torch.no_grad()
     def sample(self, h: torch.Tensor, mode: str, generator: torch.Generator | None, noise_level: float = 0.7,
-               reduce: str = "sum", init_noise: float = 1.0) -> FlowSample:
+               reduce: str = "sum", init_noise: float = 1.0, start_noise: torch.Tensor | None = None) -> FlowSample:
         """One chunk per row. ``init_noise`` scales the starting point x(σ=1) ~ N(0, init_noise²·I): 0 starts every
         chain at the origin, so the ODE is deterministic and all sampling randomness comes from the SDE steps
-        (the only randomness a log-prob is computed for)."""
+        (the only randomness a log-prob is computed for). ``start_noise`` [B, D]: the standard-normal draw of that
+        start given per row (an evaluation's per-episode noise) instead of drawn from ``generator``."""
         if mode not in MODES:
             raise ValueError(f"unknown flow sampling mode {mode!r}; choose one of {MODES}")
         b, d, s = h.shape[0], self.action_dim, self.num_steps
         dev = h.device
-        x = (torch.randn(b, d, generator=generator) * init_noise).to(dev)
+        z = torch.randn(b, d, generator=generator) if start_noise is None else start_noise
+        x = (z * init_noise).to(dev)
         stochastic = self.stochastic_steps(b, mode, generator, dev)
         chain = [x]
         logp = torch.zeros(b, s, device=dev)

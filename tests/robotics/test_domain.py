@@ -113,3 +113,25 @@ def test_grpo_improves_success_on_the_point_env():
     rewards = [h["reward/mean"] for h in hist if "reward/mean" in h]
     assert last >= first + 0.3, (first, last)
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.2, rewards
+
+
+def test_an_evaluation_episode_does_not_depend_on_the_rest_of_the_batch():
+    """Evaluation noise per episode (run_episodes(episode_noise_seed=...), used by evaluate_policy): an episode's ODE
+    chain is a function of its key and the seed, not of which other episodes share the batch (with one stream for
+    the batch, another task's episodes shifted its draws, so its score moved when only that task's policy did)."""
+    from robotics.episodes import SamplingSettings, run_episodes
+
+    dom = _domain("sde_one_step", eval_states_per_task=3)
+    keys = dom.eval_keys()
+    ode = SamplingSettings(mode="ode")
+
+    def chains(ks, seed=0):
+        tasks = [dom._task_of(k) for k in ks]
+        return run_episodes(dom.policy, dom.venv, ks, tasks, ode, dom.cfg.env.horizon, torch.Generator().manual_seed(9),
+                            episode_noise_seed=seed).chain
+
+    together, alone = chains(keys), chains(keys[2:])
+    assert abs(together[2] - alone[0]).max() < 1e-5, "the last episode's chain must not depend on the episodes before it"
+    assert not (chains(keys[2:], seed=1)[0] == alone[0]).all(), "another seed draws other noise"
+    assert not (together[0] == together[1]).all(), "each key has its own noise"
+    dom.close()
