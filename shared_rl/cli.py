@@ -88,6 +88,8 @@ def check_output_dir(path: str | Path, flag: str = "--out") -> Path:
         try:
             probe.mkdir()
             probe.rmdir()
+        except FileExistsError:
+            pass  # another process (a second run or eval started beside this one) made it between the checks
         except OSError as e:
             raise ConfigError(f"{flag} {text!r} cannot be created in {str(existing)!r} ({e.strerror}); choose "
                               f"another {flag}") from None

@@ -207,3 +207,20 @@ def test_command_groups_are_resolved_by_name(monkeypatch, capsys):
     assert main(["broken-tools"]) == 2
     assert "command group 'broken-tools' needs module 'no_such_module_xyz'" in capsys.readouterr().err
     assert registry.COMMANDS["robotics"] == "robotics.cli:main"
+
+
+def test_output_dir_check_tolerates_a_parent_made_by_a_concurrent_run(tmp_path, monkeypatch):
+    """Two runs (or evals) started together under one new parent: the writability probe of the second finds the
+    folder the first just made; that is a creatable place, not an error (it was: 'cannot be created (File exists)')."""
+    import pathlib
+
+    from shared_rl.cli import check_output_dir
+
+    real_mkdir = pathlib.Path.mkdir
+
+    def raced(self, *args, **kwargs):  # the other process made the probe folder between the exists() check and here
+        real_mkdir(self, *args, **kwargs)
+        raise FileExistsError(17, "File exists")
+
+    monkeypatch.setattr(pathlib.Path, "mkdir", raced)
+    assert check_output_dir(tmp_path / "new_parent" / "run") == tmp_path / "new_parent" / "run"
