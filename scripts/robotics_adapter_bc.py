@@ -15,25 +15,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
-import time
 from pathlib import Path
 
 os.environ.setdefault("MUJOCO_GL", "egl")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from robotics.bc import BCConfig, ChunkDataset, evaluate_policy  # noqa: E402
+from robotics.bc import BCConfig, evaluate_policy, fit_task_adapters  # noqa: E402
 from robotics.collect import collect_demos  # noqa: E402
 from robotics.data import load_episodes, save_episodes  # noqa: E402
 from robotics.envs.metaworld_env import instruction_for  # noqa: E402
 from robotics.envs.vector import make_vector_env  # noqa: E402
 from robotics.policies.vla import TinyVLA  # noqa: E402
-from shared_rl.cli import check_output_file  # noqa: E402
+from shared_rl.cli import check_output_dir, check_output_file  # noqa: E402
 from shared_rl.config import ConfigError, from_dict, load_yaml  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,8 +47,11 @@ def main() -> int:
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/adapter-bc/result.json")
+    p.add_argument("--save", default="", help="also save the adapted policy here (a TinyVLA directory that "
+                                               "robotics.checkpoint can start a run from); default: not saved")
     args = p.parse_args()
     out = check_output_file(args.out, "--out", suffix=".json")
+    save_dir = check_output_dir(args.save, "--save") if args.save else None
     raw = load_yaml(ROOT / "configs/robotics/metaworld_bc_dart_object.yaml")
     c = from_dict(BCConfig, {k: v for k, v in raw.items() if k not in ("kind", "domain")}, "bc")
     env = c.env
@@ -73,12 +73,6 @@ def main() -> int:
     torch.set_num_threads(1)
     policy = TinyVLA.load_pretrained(CLONE)
     policy.add_task_adapters([instruction_for(t) for t in env.tasks], args.rank, torch.Generator().manual_seed(args.seed))
-    for name, prm in policy.named_parameters():
-        prm.requires_grad_(name.startswith("adapters."))  # the recipe's trainable weights, nothing else
-    params = [prm for prm in policy.parameters() if prm.requires_grad]
-    data = ChunkDataset(episodes, policy.cfg.chunk, policy)
-    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
-    rng, gen = np.random.default_rng(args.seed), torch.Generator().manual_seed(args.seed)
     env.num_workers = 2
     venv = make_vector_env(env)
     result = {"demos": str(demos_path), "tasks": tasks, "episodes": len(episodes), "steps": args.steps,
@@ -86,26 +80,15 @@ def main() -> int:
     try:
         result["before"] = evaluate_policy(policy, env, 40, venv)
         print("before:", json.dumps({k: round(v, 3) for k, v in result["before"].items()}), flush=True)
-        policy.train()
-        t0 = time.perf_counter()
-        for step in range(1, args.steps + 1):
-            for g in opt.param_groups:  # cosine decay, as the clone's own training
-                g["lr"] = args.lr * 0.5 * (1 + math.cos(math.pi * step / args.steps))
-            idx = rng.integers(0, len(data), size=args.batch)
-            imgs, pro, tids, chunks = data.batch(idx, c.augment_shift, rng)
-            with torch.no_grad():  # the encoder is frozen
-                img = policy.image_features(imgs)
-            loss = policy.bc_loss(policy.fuse_features(img, pro, tids), chunks, gen)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-            if step % 500 == 0:
-                print(f"step {step}: bc loss {float(loss.detach()):.4f} ({time.perf_counter() - t0:.0f}s)", flush=True)
+        fit_task_adapters(policy, episodes, args.steps, args.batch, args.lr, c.augment_shift, args.seed,
+                          log=lambda m: print(m, flush=True))
         result["after"] = evaluate_policy(policy, env, 40, venv)
         print("after:", json.dumps({k: round(v, 3) for k, v in result["after"].items()}), flush=True)
     finally:
         venv.close()
+    if save_dir is not None:
+        policy.save_pretrained(save_dir)
+        result["saved"] = str(save_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {out}")

@@ -4,6 +4,7 @@ import os
 
 os.environ.setdefault("MUJOCO_GL", "egl")
 
+import numpy as np
 import pytest
 import torch
 
@@ -137,3 +138,51 @@ def test_a_run_with_adapters_resumes_exactly_and_saves_them(tmp_path):
     final = next(p for p in run.rglob("config.json") if (p.parent / "model.safetensors").exists())
     back = TinyVLA.load_pretrained(final.parent)
     assert back.cfg.task_adapters and back.adapters.up.abs().sum() > 0  # trained adapters were saved
+
+
+def _demos(policy, n=4, steps=6, seed=0):
+    from robotics.data import Episode
+
+    rng = np.random.default_rng(seed)
+    c = policy.cfg
+    return [Episode(task=TASKS[i % 2], instruction=TASK_INSTRUCTIONS[TASKS[i % 2]],
+                    images=rng.integers(0, 255, (steps, c.image_size, c.image_size, c.image_channels), dtype=np.uint8),
+                    proprio=rng.normal(size=(steps, c.proprio_dim)).astype(np.float32),
+                    actions=np.full((steps, c.action_dim), 0.6 if i % 2 == 0 else -0.6, np.float32),
+                    success=np.zeros(steps, bool)) for i in range(n)]
+
+
+def _demo_loss(policy, demos):
+    """Mean distance of the ODE policy's action chunks (fixed start noise) from the demos' on every demo frame."""
+    from robotics.bc import ChunkDataset
+
+    data = ChunkDataset(demos, policy.cfg.chunk, policy)
+    imgs, pro, tids, chunks = data.batch(np.arange(len(data)), 0, np.random.default_rng(0))
+    with torch.no_grad():
+        acts = policy.act(policy.encode(imgs, pro, tids), torch.Generator().manual_seed(5))
+    return float((acts - chunks).abs().mean())
+
+
+def test_fitting_the_adapters_trains_only_them_learns_the_demos_and_is_deterministic():
+    from robotics.bc import fit_task_adapters
+
+    def fit(tasks, steps=200):
+        policy = _policy()
+        policy.add_task_adapters([TASK_INSTRUCTIONS[t] for t in TASKS], rank=4, generator=torch.Generator().manual_seed(0))
+        trunk = {k: v.clone() for k, v in policy.state_dict().items() if not k.startswith("adapters.")}
+        demos = [e for e in _demos(policy) if e.task in tasks]
+        before = _demo_loss(policy, demos)
+        losses = fit_task_adapters(policy, demos, steps, batch_size=8, lr=5e-2, augment_shift=0, log_every=0)
+        after = policy.state_dict()
+        assert all(torch.equal(trunk[k], after[k]) for k in trunk)  # nothing but the adapters moved
+        assert _demo_loss(policy, demos) < 0.9 * before  # the demos are being fitted
+        return policy, losses
+
+    policy, losses = fit(TASKS)
+    _, again = fit(TASKS)
+    assert again == losses  # seeded: the same losses bit for bit
+    reach_only, _ = fit(["reach-v3"])
+    assert torch.count_nonzero(reach_only.adapters.up[1]) == 0  # door-open had no demos: its adapter stays zero
+    assert torch.count_nonzero(reach_only.adapters.up[0]) > 0
+    with pytest.raises(ValueError, match="needs task adapters"):
+        fit_task_adapters(_policy(), _demos(_policy()), 1)
