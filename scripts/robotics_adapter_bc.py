@@ -87,7 +87,8 @@ def main() -> int:
     finally:
         venv.close()
     if save_dir is not None:
-        policy.save_pretrained(save_dir)
+        policy.save_pretrained(save_dir)  # as an asset: the model and its evaluation, as `bc` exports one
+        (save_dir / "eval.json").write_text(json.dumps({k: round(v, 4) for k, v in result["after"].items()}, indent=1))
         result["saved"] = str(save_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")

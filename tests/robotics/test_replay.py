@@ -200,3 +200,23 @@ def test_the_observing_assets_load_with_their_proprio_and_are_refused_without():
         _domain("sde_one_step", env=env, checkpoint="assets/metaworld-vla-tiny-dart-goal")
     with pytest.raises(ConfigError, match="include_object=False"):
         _domain("sde_one_step", env={**env, "include_goal": True}, checkpoint="assets/metaworld-vla-tiny-dart-object-push160")
+
+
+def test_the_fitted_asset_is_the_object_clone_plus_five_task_adapters():
+    """``assets/metaworld-vla-tiny-dart-object-fit`` (``python scripts/robotics_adapter_bc.py --steps 12000 --batch 128
+    --save ...``): the object clone's weights bit for bit, plus a rank-16 adapter per task of the five-task recipe,
+    fitted to the clone's own demos; a five-task run keeps those adapters rather than adding fresh ones."""
+    from robotics.envs.metaworld_env import instruction_for
+    from robotics.policies.vla import TinyVLA
+
+    clone = TinyVLA.load_pretrained("assets/metaworld-vla-tiny-dart-object").state_dict()
+    fit = TinyVLA.load_pretrained("assets/metaworld-vla-tiny-dart-object-fit")
+    tasks = ["reach-v3", "push-v3", "door-open-v3", "button-press-topdown-v3", "drawer-close-v3"]
+    assert fit.cfg.task_adapters == [instruction_for(t) for t in tasks] and fit.cfg.adapter_rank == 16
+    state = fit.state_dict()
+    assert set(state) - set(clone) == {"adapters.down", "adapters.up"}
+    assert all(torch.equal(state[k], clone[k]) for k in clone)
+    assert all(torch.count_nonzero(fit.adapters.up[i]) > 0 for i in range(5))  # every task's adapter was fitted
+    up = fit.adapters.up.detach().clone()
+    fit.add_task_adapters([instruction_for(t) for t in tasks], 16)  # what the recipe's domain does: a no-op here
+    assert torch.equal(fit.adapters.up, up)
