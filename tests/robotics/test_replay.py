@@ -220,3 +220,22 @@ def test_the_fitted_asset_is_the_object_clone_plus_five_task_adapters():
     up = fit.adapters.up.detach().clone()
     fit.add_task_adapters([instruction_for(t) for t in tasks], 16)  # what the recipe's domain does: a no-op here
     assert torch.equal(fit.adapters.up, up)
+
+
+def test_the_fitted_recipe_is_the_five_task_recipe_from_the_fitted_clone_with_the_demo_anchor():
+    """``metaworld_mt5_rl_fit.yaml`` differs from ``metaworld_mt5_rl.yaml`` only in its start (the fitted asset) and
+    the replay anchor to the demos that asset was fitted to, so the two recipes' measurements compare."""
+    import dataclasses
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "configs" / "robotics"
+    base, fit = (load_train_config(yaml.safe_load((root / n).read_text()))
+                 for n in ("metaworld_mt5_rl.yaml", "metaworld_mt5_rl_fit.yaml"))
+    assert fit.domain_config.checkpoint == "assets/metaworld-vla-tiny-dart-object-fit"
+    assert (fit.loss.replay_coef, fit.domain_config.replay_batch) == (1.0, 1024)
+    assert fit.domain_config.replay_data == "runs/robotics-demos/demos40_dart_object.npz"
+    fit.domain_config = dataclasses.replace(fit.domain_config, checkpoint=base.domain_config.checkpoint,
+                                            replay_data=base.domain_config.replay_data,
+                                            replay_batch=base.domain_config.replay_batch)
+    fit.loss = dataclasses.replace(fit.loss, replay_coef=base.loss.replay_coef)
+    assert dataclasses.asdict(fit) == dataclasses.asdict(base)
