@@ -134,8 +134,8 @@ def fit_task_adapters(policy: TinyVLA, episodes: list[Episode], steps: int, batc
     from ``lr`` to 0 over ``steps``, gradients clipped to norm 1. Each row trains only its own task's adapter, so the
     demos of one task leave every other task's actions exactly as they were. Returns the loss of every step.
 
-    The five-task clone's 3000 steps over all five tasks underfit push; this fits the adapters to its own demos
-    (docs/methods/robotics.md, "The clone underfits")."""
+    The five-task clone's 3000 steps, shared by five tasks, underfit its own demos (push most); this fits its
+    adapters to them (docs/methods/robotics.md, "The clone underfits its own demos")."""
     if policy.adapters is None:
         raise ValueError("fit_task_adapters needs task adapters on the policy (TinyVLA.add_task_adapters)")
     for name, prm in policy.named_parameters():

@@ -152,7 +152,7 @@ def _demos(policy, n=4, steps=6, seed=0):
                     success=np.zeros(steps, bool)) for i in range(n)]
 
 
-def _demo_loss(policy, demos):
+def _action_error(policy, demos):
     """Mean distance of the ODE policy's action chunks (fixed start noise) from the demos' on every demo frame."""
     from robotics.bc import ChunkDataset
 
@@ -171,14 +171,14 @@ def test_fitting_the_adapters_trains_only_them_learns_the_demos_and_is_determini
         policy.add_task_adapters([TASK_INSTRUCTIONS[t] for t in TASKS], rank=4, generator=torch.Generator().manual_seed(0))
         trunk = {k: v.clone() for k, v in policy.state_dict().items() if not k.startswith("adapters.")}
         demos = [e for e in _demos(policy) if e.task in tasks]
-        before = _demo_loss(policy, demos)
+        before = _action_error(policy, demos)
         losses = fit_task_adapters(policy, demos, steps, batch_size=8, lr=5e-2, augment_shift=0, log_every=0)
         after = policy.state_dict()
         assert all(torch.equal(trunk[k], after[k]) for k in trunk)  # nothing but the adapters moved
-        assert _demo_loss(policy, demos) < 0.9 * before  # the demos are being fitted
+        assert _action_error(policy, demos) < 0.9 * before  # the demos are being fitted
         return policy, losses
 
-    policy, losses = fit(TASKS)
+    _, losses = fit(TASKS)
     _, again = fit(TASKS)
     assert again == losses  # seeded: the same losses bit for bit
     reach_only, _ = fit(["reach-v3"])
