@@ -1,11 +1,15 @@
 """Behaviour cloning of the tiny VLA on noisy scripted-expert demos (``grove train`` with ``kind: supervised``).
 
-``run(cfg, run_dir, log)`` collects demonstrations if the data file does not exist, trains the VLA (flow-matching
-loss for the flow head, cross-entropy over 256 bins for the discrete head) on (frame, proprio, instruction) ->
-next K actions with random-shift augmentation (DrQ, Kostrikov et al. 2021), evaluates the deterministic policy
-(ODE / arg-max) on held-out evaluation reset states, writes ``metrics.jsonl``, ``bc_curve.png`` and the model
-(``model.safetensors`` + ``config.json``) into ``run_dir/model`` and, if ``export_dir`` is set, there too
-(``assets/metaworld-vla-tiny`` is made this way). The run stops at ``train_steps`` or ``time_budget_s``.
+``run(cfg, run_dir, log)`` is five steps, each a function here:
+
+1. ``collect``: the demonstrations (collected first if the data file does not exist);
+2. ``train``: the VLA (flow-matching loss for the flow head, cross-entropy over 256 bins for the discrete head) on
+   (frame, proprio, instruction) -> next K actions with random-shift augmentation (DrQ, Kostrikov et al. 2021),
+   ``metrics.jsonl`` as it goes, the model (``model.safetensors`` + ``config.json``) in ``run_dir/model`` at the
+   end; it stops at ``train_steps`` or ``time_budget_s``;
+3. ``evaluate``: the deterministic policy (ODE / arg-max) on held-out evaluation reset states (``robotics.evaluation``);
+4. ``export``: the model to ``export_dir`` when set (``assets/metaworld-vla-tiny`` is made this way);
+5. ``plot``: ``bc_curve.png``.
 """
 from __future__ import annotations
 
@@ -19,11 +23,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from shared_rl.errors import ConfigError
+
 from .collect import collect_demos
 from .data import Episode, load_episodes, save_episodes
-from .envs.metaworld_env import OBJECT_XYZ, make_key
+from .datasets import ChunkDataset
 from .envs.vector import EnvConfig, make_vector_env
-from .episodes import SamplingSettings, run_episodes, success_by_task, write_gif
+from .evaluation import evaluate_policy
 from .policies.vla import TinyVLA, VLAConfig
 
 
@@ -38,8 +44,6 @@ class CollectConfig:
         "help": "executed (record the noisy action) | expert (DART: the expert's clean action at the noisy state)"})
 
     def check(self, where: str) -> None:
-        from shared_rl.config import ConfigError
-
         if self.labels not in ("executed", "expert"):
             raise ConfigError(f"{where}.labels must be 'executed' or 'expert', got {self.labels!r}")
         low = {t: n for t, n in self.task_demos.items() if n < 1}
@@ -75,8 +79,6 @@ class BCConfig:
                 "needs demos with states; 0 = off"})
 
     def check(self, where: str = "bc") -> None:
-        from shared_rl.config import ConfigError
-
         if self.batch_size < 1 or self.train_steps < 0:
             raise ConfigError(f"{where}: batch_size must be >= 1 and train_steps >= 0")
         if self.env.image_size != self.model.image_size:
@@ -84,47 +86,6 @@ class BCConfig:
         stray = sorted(set(self.collect.task_demos) - set(self.env.tasks))
         if stray:
             raise ConfigError(f"{where}.collect.task_demos names {stray}, which are not in env.tasks {self.env.tasks}")
-
-
-class ChunkDataset:
-    """(frame, proprio, instruction ids, next-K-action chunk) samples from every step of every episode."""
-
-    def __init__(self, episodes: list[Episode], chunk: int, policy: TinyVLA):
-        self.images = np.concatenate([e.images for e in episodes])
-        self.proprio = np.concatenate([e.proprio for e in episodes]).astype(np.float32)
-        chunks, tids = [], []
-        for e in episodes:
-            a = e.actions
-            # after the last action the episode is over (success): pad with "stay" (zero) actions
-            padded = np.concatenate([a, np.zeros((chunk - 1, a.shape[1]), a.dtype)])
-            chunks.append(np.stack([padded[t : t + chunk] for t in range(len(e))]))
-            ids = policy.text.token_ids([e.instruction])[0]
-            tids += [ids] * len(e)
-        self.chunks = np.concatenate(chunks).astype(np.float32)
-        self.text_ids = tids
-        # the object's xyz per frame (Meta-World's 39-d state, obs[4:7]) for the auxiliary loss, when recorded
-        self.objects = (np.concatenate([e.states[:, OBJECT_XYZ] for e in episodes]).astype(np.float32)
-                        if all(e.states is not None for e in episodes) else None)
-
-    def __len__(self) -> int:
-        return len(self.chunks)
-
-    def batch(self, idx: np.ndarray, shift: int, rng: np.random.Generator):
-        imgs = torch.from_numpy(self.images[idx]).permute(0, 3, 1, 2).float() / 255.0 - 0.5
-        if shift:
-            imgs = random_shift(imgs, shift, rng)
-        return imgs, torch.from_numpy(self.proprio[idx]), [self.text_ids[i] for i in idx], torch.from_numpy(self.chunks[idx])
-
-
-def random_shift(imgs: torch.Tensor, pad: int, rng: np.random.Generator) -> torch.Tensor:
-    """Pad by replication and crop back at a random offset per image (DrQ's augmentation)."""
-    n, _, h, w = imgs.shape
-    padded = torch.nn.functional.pad(imgs, (pad, pad, pad, pad), mode="replicate")
-    out = torch.empty_like(imgs)
-    offs = rng.integers(0, 2 * pad + 1, size=(n, 2))
-    for i, (dy, dx) in enumerate(offs):
-        out[i] = padded[i, :, dy : dy + h, dx : dx + w]
-    return out
 
 
 def fit_task_adapters(policy: TinyVLA, episodes: list[Episode], steps: int, batch_size: int = 64, lr: float = 1e-3,
@@ -165,58 +126,30 @@ def fit_task_adapters(policy: TinyVLA, episodes: list[Episode], steps: int, batc
     return losses
 
 
-def eval_keys(env_cfg: EnvConfig, per_task: int, split: str = "eval", first_index: int = 0) -> tuple[list[int], list[str]]:
-    """``per_task`` reset-state keys per task of ``split``, indices ``first_index ..`` (the held-out set by default)."""
-    keys, tasks = [], []
-    for t, task in enumerate(env_cfg.tasks):
-        for i in range(first_index, first_index + per_task):
-            keys.append(make_key(t, split, i))
-            tasks.append(task)
-    return keys, tasks
-
-
-def evaluate_policy(policy: TinyVLA, env_cfg: EnvConfig, per_task: int, venv=None, gif_dir: Path | None = None,
-                    tag: str = "", seed: int = 0, init_noise: float = 1.0, split: str = "eval",
-                    first_index: int = 0) -> dict[str, float]:
-    """Deterministic (ODE / arg-max) success on the held-out evaluation reset states (or on ``per_task`` states of
-    another ``split`` from ``first_index`` on: the validation states of ``robotics.keep_best_adapters``).
-
-    The flow head's ODE starts from Gaussian noise; each episode draws it from its own generator, seeded by
-    (``seed``, its reset-state key), so an evaluation is a deterministic function of the weights, and one task's
-    score does not move when only another task's policy changes (``run_episodes(episode_noise_seed=...)``).
-    """
-    keys, tasks = eval_keys(env_cfg, per_task, split, first_index)
-    own = venv is None
-    venv = venv or make_vector_env(env_cfg)
-    mode = "ode" if policy.cfg.head == "flow" else "greedy"
-    was_training = policy.training
-    policy.eval()
-    try:
-        batch = run_episodes(policy, venv, keys, tasks, SamplingSettings(mode=mode, init_noise=init_noise), env_cfg.horizon,
-                             torch.Generator().manual_seed(seed), record_frames=gif_dir is not None,
-                             episode_noise_seed=seed)
-    finally:
-        policy.train(was_training)
-        if own:
-            venv.close()
-    if gif_dir is not None:
-        gif_dir.mkdir(parents=True, exist_ok=True)
-        for task in env_cfg.tasks:
-            i = tasks.index(task)
-            ok = "ok" if batch.success_once[i] else "fail"
-            write_gif(batch.frames[i], gif_dir / f"{tag}{task}-{ok}.gif")
-    return success_by_task(batch, env_cfg.success_mode)
-
-
 def run(cfg: dict, run_dir: Path, log=print) -> dict[str, float]:
+    """The ``kind: supervised`` job of ``domain: robotics``: collect, train, evaluate, export, plot."""
     from shared_rl.config import from_dict
 
     c: BCConfig = from_dict(BCConfig, cfg, "robotics-bc")
     torch.set_num_threads(max(1, c.threads))
     torch.manual_seed(c.seed)
-    rng = np.random.default_rng(c.seed)
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    episodes = collect(c, log)
+    venv = make_vector_env(c.env)  # one env pool for the evaluations during and after training
+    try:
+        trained = train(c, episodes, venv, run_dir, log)
+        result = evaluate(c, trained, venv, run_dir)
+    finally:
+        venv.close()
+    export(c, run_dir, result, log)
+    plot(trained.history, run_dir / "bc_curve.png")
+    log("bc: " + " ".join(f"{k}={v:.3g}" for k, v in result.items() if k.startswith("eval/")))
+    return result
+
+
+def collect(c: BCConfig, log=print) -> list[Episode]:
+    """The demonstrations of ``env.tasks`` from ``c.data``; collected (and saved there) first if it is missing."""
     data_path = Path(c.data)
     if data_path.is_file():
         episodes = load_episodes(data_path)
@@ -229,48 +162,73 @@ def run(cfg: dict, run_dir: Path, log=print) -> dict[str, float]:
         save_episodes(episodes, data_path)
     episodes = [e for e in episodes if e.task in c.env.tasks]
     if not episodes:
-        from shared_rl.config import ConfigError
-
         raise ConfigError(f"{data_path} has no demos for env.tasks {c.env.tasks}")
+    return episodes
+
+
+@dataclass
+class Trained:
+    """What ``train`` hands to ``evaluate``: the policy, the metric records so far, where and when it stopped."""
+
+    policy: TinyVLA
+    history: list[dict]
+    step: int
+    seconds: float
+
+
+def new_policy(c: BCConfig, episodes: list[Episode]) -> TinyVLA:
+    """A fresh VLA whose input sizes and proprio normalisation come from the demonstrations."""
     mcfg = c.model
     mcfg.image_channels = episodes[0].images.shape[-1]
     mcfg.proprio_dim = episodes[0].proprio.shape[-1]
     allp = np.concatenate([e.proprio for e in episodes])
     mcfg.proprio_mean = allp.mean(0).tolist()
     mcfg.proprio_std = (allp.std(0) + 1e-3).tolist()
-    policy = TinyVLA(mcfg)
-    data = ChunkDataset(episodes, mcfg.chunk, policy)
-    n_params = sum(p.numel() for p in policy.parameters())
-    log(f"bc: {len(data)} samples, model {n_params:,} params, head {mcfg.head}")
-    # the ReinFlow noise head is trained by RL only
-    params = [p for n, p in policy.named_parameters() if not n.startswith("flow.noise_std")]
-    aux = None
-    if c.aux_object_coef > 0:
-        if data.objects is None:
-            from shared_rl.config import ConfigError
+    return TinyVLA(mcfg)
 
-            raise ConfigError(f"aux_object_coef={c.aux_object_coef} needs demos with Meta-World states; {data_path} "
+
+class ObjectHead(torch.nn.Module):
+    """``aux_object_coef``'s training-only linear head: the object's z-scored xyz from the image features (not part
+    of the saved model)."""
+
+    def __init__(self, c: BCConfig, data: ChunkDataset):
+        super().__init__()
+        if data.objects is None:
+            raise ConfigError(f"aux_object_coef={c.aux_object_coef} needs demos with Meta-World states; {c.data} "
                               f"has none (collect them with `grove robotics collect`)")
-        obj_mean, obj_std = data.objects.mean(0), data.objects.std(0) + 1e-3
-        aux = torch.nn.Linear(mcfg.feature_dim, 3)  # not part of the saved model
-        params += list(aux.parameters())
+        self.mean, self.std = data.objects.mean(0), data.objects.std(0) + 1e-3
+        self.linear = torch.nn.Linear(c.model.feature_dim, 3)
+        self.objects = data.objects
+
+    def loss(self, img: torch.Tensor, idx: np.ndarray) -> torch.Tensor:
+        target = torch.from_numpy((self.objects[idx] - self.mean) / self.std)
+        return torch.nn.functional.mse_loss(self.linear(img), target)
+
+
+def train(c: BCConfig, episodes: list[Episode], venv, run_dir: Path, log=print) -> Trained:
+    """AdamW with a cosine schedule over ``train_steps``, gradients clipped to norm 1; a log record every
+    ``log_every`` steps (the mean loss since the last one), an evaluation every ``eval_every``; the model is saved
+    at the end, before the final evaluation (a long run keeps its weights if the evaluation dies, e.g. out of
+    memory)."""
+    rng = np.random.default_rng(c.seed)
+    policy = new_policy(c, episodes)
+    data = ChunkDataset(episodes, c.model.chunk, policy)
+    log(f"bc: {len(data)} samples, model {sum(p.numel() for p in policy.parameters()):,} params, head {c.model.head}")
+    params = [p for n, p in policy.named_parameters() if not n.startswith("flow.noise_std")]  # ReinFlow's: RL only
+    aux = ObjectHead(c, data) if c.aux_object_coef > 0 else None
+    params += list(aux.linear.parameters()) if aux is not None else []
     opt = torch.optim.AdamW(params, lr=c.lr, weight_decay=c.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(1.0, s / max(1, c.train_steps)))))
     gen = torch.Generator().manual_seed(c.seed)
-    metrics_f = open(run_dir / "metrics.jsonl", "w")
-    history, t0, window = [], time.perf_counter(), []
-    step = 0
-    venv = make_vector_env(c.env)
-    result: dict[str, float] = {}
-    try:
+    history, window, step, t0 = [], [], 0, time.perf_counter()
+    with open(run_dir / "metrics.jsonl", "w") as metrics_f:
         for step in range(1, c.train_steps + 1):
             idx = rng.integers(0, len(data), size=c.batch_size)
             imgs, pro, tids, chunks = data.batch(idx, c.augment_shift, rng)
             img = policy.image_features(imgs)  # once: the auxiliary head reads the same features
             loss = policy.bc_loss(policy.fuse_features(img, pro, tids), chunks, gen)
             if aux is not None:
-                target = torch.from_numpy((data.objects[idx] - obj_mean) / obj_std)
-                loss = loss + c.aux_object_coef * torch.nn.functional.mse_loss(aux(img), target)
+                loss = loss + c.aux_object_coef * aux.loss(img, idx)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -296,33 +254,39 @@ def run(cfg: dict, run_dir: Path, log=print) -> dict[str, float]:
             if out_of_time:
                 log(f"bc: time budget {c.time_budget_s:.0f}s reached at step {step}")
                 break
-        # saved before the final evaluation: a long run keeps its weights if the evaluation dies (e.g. out of memory)
-        policy.save_pretrained(run_dir / "model")
-        te = time.perf_counter()
-        result = evaluate_policy(policy, c.env, c.eval_states_per_task, venv,
-                                 gif_dir=run_dir / "gifs" if c.gifs else None, tag="bc-")
-        result["time/eval"] = time.perf_counter() - te
-        result["time/train"] = te - t0
-        result["train_steps"] = step
-        rec = {"step": step, **result}
-        history.append(rec)
-        metrics_f.write(json.dumps(rec) + "\n")
-    finally:
-        metrics_f.close()
-        venv.close()
-    if c.export_dir:
-        dst = Path(c.export_dir)
-        dst.mkdir(parents=True, exist_ok=True)
-        for f in ("model.safetensors", "config.json"):
-            shutil.copy2(run_dir / "model" / f, dst / f)
-        (dst / "eval.json").write_text(json.dumps({k: round(v, 4) for k, v in result.items()}, indent=1))
-        log(f"bc: exported the model to {dst}")
-    _plot(history, run_dir / "bc_curve.png")
-    log("bc: " + " ".join(f"{k}={v:.3g}" for k, v in result.items() if k.startswith("eval/")))
+    policy.save_pretrained(run_dir / "model")
+    return Trained(policy, history, step, time.perf_counter() - t0)
+
+
+def evaluate(c: BCConfig, trained: Trained, venv, run_dir: Path) -> dict[str, float]:
+    """The final held-out evaluation (GIFs in ``run_dir/gifs``), appended to the history and ``metrics.jsonl``."""
+    te = time.perf_counter()
+    result = evaluate_policy(trained.policy, c.env, c.eval_states_per_task, venv,
+                             gif_dir=run_dir / "gifs" if c.gifs else None, tag="bc-")
+    result["time/eval"] = time.perf_counter() - te
+    result["time/train"] = trained.seconds
+    result["train_steps"] = trained.step
+    rec = {"step": trained.step, **result}
+    trained.history.append(rec)
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write(json.dumps(rec) + "\n")
     return result
 
 
-def _plot(history: list[dict], path: Path) -> None:
+def export(c: BCConfig, run_dir: Path, result: dict[str, float], log=print) -> None:
+    """Copy the model to ``export_dir`` (when set) with its evaluation in ``eval.json``."""
+    if not c.export_dir:
+        return
+    dst = Path(c.export_dir)
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in ("model.safetensors", "config.json"):
+        shutil.copy2(run_dir / "model" / f, dst / f)
+    (dst / "eval.json").write_text(json.dumps({k: round(v, 4) for k, v in result.items()}, indent=1))
+    log(f"bc: exported the model to {dst}")
+
+
+def plot(history: list[dict], path: Path) -> None:
+    """The BC loss curve (log scale); nothing without matplotlib."""
     try:
         import matplotlib
 

@@ -36,7 +36,7 @@ from shared_rl.domain import DomainBase, RunContext, StepLogProbs
 from shared_rl.rollout import Rollout
 from shared_rl.flow_kernels import sde_mean_kl
 
-from .bc import eval_keys, evaluate_policy
+from .evaluation import eval_keys, evaluate_policy
 from .envs.metaworld_env import make_key
 from .envs.vector import EnvConfig, make_vector_env
 from .episodes import SamplingSettings, run_episodes
@@ -276,7 +276,7 @@ class RoboticsDomain(DomainBase):
         self._train_keys = [make_key(cfg.env.tasks.index(t), "train", i) for t in tasks for i in range(cfg.train_states_per_task)]
         self._replay = None
         if cfg.replay_data:  # loaded before the env workers start: a bad file fails in a second
-            from .bc import ChunkDataset
+            from .datasets import ChunkDataset
             from .data import load_episodes
 
             replayed = cfg.replay_tasks or tasks

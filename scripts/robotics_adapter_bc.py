@@ -27,7 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from robotics.bc import BCConfig, evaluate_policy, fit_task_adapters  # noqa: E402
+from robotics.bc import BCConfig, fit_task_adapters  # noqa: E402
+from robotics.evaluation import evaluate_policy  # noqa: E402
 from robotics.collect import collect_demos  # noqa: E402
 from robotics.data import load_episodes, save_episodes  # noqa: E402
 from robotics.envs.metaworld_env import instruction_for  # noqa: E402

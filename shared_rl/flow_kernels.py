@@ -3,7 +3,7 @@
 visgen's image/video denoisers and robotics' flow-matching action head both sample and recompute their steps through
 :func:`flow_step`, so there is one Flow-GRPO SDE (and one CPS, one DanceGRPO step) in the project. The Gaussian
 log-prob, the analytic step entropy (E-GRPO) and the equal-std Gaussian mean KL (Flow-GRPO's KL) live here too,
-with the kernels' default noise levels (``DEFAULT_NOISE_LEVEL``).
+with the kernels' default noise levels (``DEFAULT_NOISE_LEVEL``, ``KERNEL_NOISE_LEVELS``).
 
 Convention (diffusers ``FlowMatchEulerDiscreteScheduler``): ``x_sigma = (1 - sigma) * x0 + sigma * eps``; sigma runs
 from 1 (noise) to 0 (data); the model predicts the velocity ``v ~ eps - x0``; one step goes ``sigma -> sigma_next``
@@ -304,8 +304,12 @@ def dance_step(
 Kernel = Callable[..., StepOutput]
 KERNELS: dict[str, Kernel] = {"ode": ode_step, "sde": sde_step, "cps": cps_step, "dance": dance_step}
 
-#: the noise level each kernel uses when none is given (Flow-GRPO a = 0.7; DanceGRPO eta = 0.3 for FLUX)
-DEFAULT_NOISE_LEVEL: dict[str, float] = {"ode": 0.0, "sde": 0.7, "cps": 0.7, "dance": 0.3}
+#: the Flow-GRPO SDE's noise level ``a`` when none is given: Flow-GRPO's own default (Liu et al. 2025, its configs'
+#: ``config.sample.noise_level = 0.7``). Written once here: visgen's kernels and robotics' flow head default to it.
+DEFAULT_NOISE_LEVEL = 0.7
+#: the noise level each kernel uses when none is given (cps reuses Flow-GRPO's a; DanceGRPO eta = 0.3 for FLUX)
+KERNEL_NOISE_LEVELS: dict[str, float] = {"ode": 0.0, "sde": DEFAULT_NOISE_LEVEL, "cps": DEFAULT_NOISE_LEVEL,
+                                         "dance": 0.3}
 
 
 def get_kernel(name: str) -> Kernel:

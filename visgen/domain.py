@@ -142,7 +142,8 @@ class VisgenConfig:
     kernel: Literal["sde", "cps", "dance"] = _help("SDE kernel of the stochastic steps (shared_rl.flow_kernels)", "sde")
     two_stage: TwoStageSettings = _help("Sol-RL two-stage rollout: low-precision explore, full-precision train "
                                         "(visgen.lowprec)", factory=TwoStageSettings)
-    noise_level: Optional[float] = _help("the kernel's noise level: sde/cps a (null: 0.7), dance eta (null: 0.3)")
+    noise_level: Optional[float] = _help("the kernel's noise level: sde/cps a, dance eta (null: the kernel's "
+                                          "default, shared_rl.flow_kernels.KERNEL_NOISE_LEVELS)")
     reduction: Literal["mean", "sum"] = _help("log-prob reduction over latent elements (mean: Flow-GRPO)", "mean")
     rollout_micro_batch: int = _help("samples per transformer forward while sampling (0: the whole call)", 0)
     shared_noise: bool = _help("flat methods: one initial noise per prompt for its whole group (DanceGRPO), so "
@@ -538,9 +539,9 @@ class VisgenDomain(DomainBase):
         return [n for n in self.cfg.reward_names(None) if weights.get(n, 1.0) != 0]  # combine_rewards' default: 1
 
     def _noise_level(self) -> float:
-        from shared_rl.flow_kernels import DEFAULT_NOISE_LEVEL
+        from shared_rl.flow_kernels import KERNEL_NOISE_LEVELS
 
-        return DEFAULT_NOISE_LEVEL[self.cfg.kernel] if self.cfg.noise_level is None else float(self.cfg.noise_level)
+        return KERNEL_NOISE_LEVELS[self.cfg.kernel] if self.cfg.noise_level is None else float(self.cfg.noise_level)
 
     # -------------------------------------------------------------------------------------------- evaluation
     def _eval_settings(self) -> tuple[int, float]:

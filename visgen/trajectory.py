@@ -20,7 +20,7 @@ from typing import Any, Sequence
 
 import torch
 
-from shared_rl.flow_kernels import DEFAULT_NOISE_LEVEL, REDUCTIONS, gaussian_entropy, get_kernel
+from shared_rl.flow_kernels import KERNEL_NOISE_LEVELS, REDUCTIONS, gaussian_entropy, get_kernel
 
 from .engine import flat_forest, forest_payload
 from .pipelines import Conditioning, FlowPipelineAdapter, as_adapter
@@ -171,7 +171,7 @@ def sample(
             guidance embedding (true CFG via ``true_cfg_scale=`` and ``negative_prompt``).
         generator: a ``torch.Generator`` (or one per sample), consumed as described in the module docstring.
         kernel: ``ode``, ``sde`` (Flow-GRPO), ``cps`` or ``dance`` (DanceGRPO) for the stochastic steps.
-        noise_level: the kernel's noise level (None: 0.7 for sde/cps, 0.3 for dance).
+        noise_level: the kernel's noise level (None: ``flow_kernels.KERNEL_NOISE_LEVELS``).
         plan: a built ``StepPlan``, a plan spec / config dict / name, or None (``ode`` kernel: all deterministic;
             otherwise Flow-GRPO: all steps stochastic, all but the last trained).
         latents: initial noise to start from instead of drawing it (model layout, ``[B, ...]``).
@@ -189,7 +189,7 @@ def sample(
     get_kernel(kernel)
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    noise_level = DEFAULT_NOISE_LEVEL[kernel] if noise_level is None else float(noise_level)
+    noise_level = KERNEL_NOISE_LEVELS[kernel] if noise_level is None else float(noise_level)
     prompts = [prompt] if isinstance(prompt, str) else list(prompt)
     batch_size = len(prompts) * num_images_per_prompt
     if isinstance(generator, list) and len(generator) != batch_size:

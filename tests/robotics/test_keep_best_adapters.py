@@ -70,7 +70,7 @@ def test_each_task_ends_with_its_best_scoring_adapter(monkeypatch):
 
 def test_validation_states_are_neither_training_nor_held_out_states():
     dom = _domain("sde_one_step", task_adapters=4, keep_best_adapters=True, val_states_per_task=5)
-    from robotics.bc import eval_keys
+    from robotics.evaluation import eval_keys
 
     val = eval_keys(dom.cfg.env, 5, "train", VAL_FIRST_INDEX)[0]
     assert not set(val) & set(dom.train_keys()) and not set(val) & set(dom.eval_keys())

@@ -154,7 +154,7 @@ def _demos(policy, n=4, steps=6, seed=0):
 
 def _action_error(policy, demos):
     """Mean distance of the ODE policy's action chunks (fixed start noise) from the demos' on every demo frame."""
-    from robotics.bc import ChunkDataset
+    from robotics.datasets import ChunkDataset
 
     data = ChunkDataset(demos, policy.cfg.chunk, policy)
     imgs, pro, tids, chunks = data.batch(np.arange(len(data)), 0, np.random.default_rng(0))

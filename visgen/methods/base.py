@@ -8,6 +8,7 @@ from typing import Any, ClassVar, Literal
 import torch
 
 from shared_rl.config import ConfigError, from_dict
+from shared_rl.flow_kernels import DEFAULT_NOISE_LEVEL
 
 from ..engine import Forest
 
@@ -25,7 +26,7 @@ class KernelSettings:
     """How stochastic steps are drawn and scored (the domain's sampling settings, the same for every method)."""
 
     kernel: str = "sde"
-    noise_level: float = 0.7
+    noise_level: float = DEFAULT_NOISE_LEVEL
     reduction: str = "mean"
     micro_batch: int = 0  # samples per transformer forward while sampling (0: the whole level)
     shared_noise: bool = False  # flat methods: one initial noise per prompt for its whole group

@@ -1,0 +1,58 @@
+"""Evaluation of a VLA policy: deterministic (ODE / arg-max) episodes on reset states of a split.
+
+Shared by behaviour cloning (``robotics.bc``), the RL domain (held-out evaluation, and the validation states of
+``robotics.adapters.keep_best``) and the scripts; it imports neither of them.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .envs.metaworld_env import make_key
+from .envs.vector import EnvConfig, make_vector_env
+from .episodes import SamplingSettings, run_episodes, success_by_task, write_gif
+from .policies.vla import TinyVLA
+
+
+def eval_keys(env_cfg: EnvConfig, per_task: int, split: str = "eval", first_index: int = 0) -> tuple[list[int], list[str]]:
+    """``per_task`` reset-state keys per task of ``split``, indices ``first_index ..`` (the held-out set by default)."""
+    keys, tasks = [], []
+    for t, task in enumerate(env_cfg.tasks):
+        for i in range(first_index, first_index + per_task):
+            keys.append(make_key(t, split, i))
+            tasks.append(task)
+    return keys, tasks
+
+
+def evaluate_policy(policy: TinyVLA, env_cfg: EnvConfig, per_task: int, venv=None, gif_dir: Path | None = None,
+                    tag: str = "", seed: int = 0, init_noise: float = 1.0, split: str = "eval",
+                    first_index: int = 0) -> dict[str, float]:
+    """Deterministic (ODE / arg-max) success on the held-out evaluation reset states (or on ``per_task`` states of
+    another ``split`` from ``first_index`` on: the validation states of ``robotics.adapters.keep_best``).
+
+    The flow head's ODE starts from Gaussian noise; each episode draws it from its own generator, seeded by
+    (``seed``, its reset-state key), so an evaluation is a deterministic function of the weights, and one task's
+    score does not move when only another task's policy changes (``run_episodes(episode_noise_seed=...)``).
+    """
+    keys, tasks = eval_keys(env_cfg, per_task, split, first_index)
+    own = venv is None
+    venv = venv or make_vector_env(env_cfg)
+    mode = "ode" if policy.cfg.head == "flow" else "greedy"
+    was_training = policy.training
+    policy.eval()
+    try:
+        batch = run_episodes(policy, venv, keys, tasks, SamplingSettings(mode=mode, init_noise=init_noise), env_cfg.horizon,
+                             torch.Generator().manual_seed(seed), record_frames=gif_dir is not None,
+                             episode_noise_seed=seed)
+    finally:
+        policy.train(was_training)
+        if own:
+            venv.close()
+    if gif_dir is not None:
+        gif_dir.mkdir(parents=True, exist_ok=True)
+        for task in env_cfg.tasks:
+            i = tasks.index(task)
+            ok = "ok" if batch.success_once[i] else "fail"
+            write_gif(batch.frames[i], gif_dir / f"{tag}{task}-{ok}.gif")
+    return success_by_task(batch, env_cfg.success_mode)
