@@ -96,6 +96,11 @@ def test_config_errors_are_actionable():
         from_dict(RoboticsConfig, {"train_tasks": ["nope-v3"]}, "robotics")
     with pytest.raises(ConfigError, match="init_noise"):
         from_dict(RoboticsConfig, {"eval_init_noise": -1.0}, "robotics")
+    # a key of earlier configs names its new place in one line
+    for old, new in (("task_adapters", "robotics.adapters.rank"), ("replay_data", "robotics.replay.data"),
+                     ("critic_init", "robotics.critic.init"), ("keep_best_adapters", "robotics.adapters.keep_best")):
+        with pytest.raises(ConfigError, match=rf"config key 'robotics.{old}' was replaced: use {new}$"):
+            from_dict(RoboticsConfig, {old: 1}, "robotics")
 
 
 def test_grpo_improves_success_on_the_point_env():

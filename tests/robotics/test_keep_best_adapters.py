@@ -1,4 +1,4 @@
-"""Per-task early stopping (``robotics.keep_best_adapters``): every evaluation scores each task's adapter on
+"""Per-task early stopping (``robotics.adapters.keep_best``): every evaluation scores each task's adapter on
 validation reset states; the run ends with each task's best-scoring adapter (ties to the later one), the final
 held-out evaluation measures exactly that policy, and a resumed run selects what an uninterrupted one does."""
 import json
@@ -14,7 +14,8 @@ import yaml
 from shared_rl.config import ConfigError, from_dict, load_train_config
 
 import robotics.domain as domain_module
-from robotics.domain import VAL_FIRST_INDEX, RoboticsConfig
+from robotics.adapters import VAL_FIRST_INDEX
+from robotics.domain import RoboticsConfig
 from robotics.envs.metaworld_env import decode_key
 from tests.robotics.test_domain import TINY_MODEL, _domain
 
@@ -39,7 +40,7 @@ def test_each_task_ends_with_its_best_scoring_adapter(monkeypatch):
     monkeypatch.setattr(domain_module, "evaluate_policy", fake_evaluate)
     dom = _domain("sde_one_step", env={"kind": "metaworld", "tasks": TASKS, "horizon": 10, "image_size": 32,
                                        "num_workers": 0},
-                  task_adapters=4, keep_best_adapters=True, val_states_per_task=3)
+                  adapters={"rank": 4, "keep_best": True, "val_states_per_task": 3})
     a = dom.policy.adapters
 
     def set_adapters(it):
@@ -69,7 +70,7 @@ def test_each_task_ends_with_its_best_scoring_adapter(monkeypatch):
 
 
 def test_validation_states_are_neither_training_nor_held_out_states():
-    dom = _domain("sde_one_step", task_adapters=4, keep_best_adapters=True, val_states_per_task=5)
+    dom = _domain("sde_one_step", adapters={"rank": 4, "keep_best": True, "val_states_per_task": 5})
     from robotics.evaluation import eval_keys
 
     val = eval_keys(dom.cfg.env, 5, "train", VAL_FIRST_INDEX)[0]
@@ -90,8 +91,8 @@ def _cli_config(tmp_path, **robotics):
            "eval": {"at_start": True, "every": 1}, "logging": {"progress": False},
            "robotics": {"env": {"kind": "point", "tasks": ["point-reach"], "horizon": 8}, "checkpoint": "",
                         "model": TINY_MODEL, "head_mode": "flow_sde", "train_states_per_task": 8,
-                        "eval_states_per_task": 8, "gifs": False, "task_adapters": 4,
-                        "keep_best_adapters": True, "val_states_per_task": 4, **robotics}}
+                        "eval_states_per_task": 8, "gifs": False,
+                        "adapters": {"rank": 4, "keep_best": True, "val_states_per_task": 4}, **robotics}}
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
@@ -139,10 +140,10 @@ def test_the_final_evaluation_is_the_kept_iterations_and_a_resume_selects_the_sa
 
 
 def test_keep_best_adapters_refuses_what_it_cannot_select(tmp_path):
-    with pytest.raises(ConfigError, match="set robotics.task_adapters"):
-        from_dict(RoboticsConfig, {"keep_best_adapters": True}, "robotics")
+    with pytest.raises(ConfigError, match="set robotics.adapters.rank"):
+        from_dict(RoboticsConfig, {"adapters": {"keep_best": True}}, "robotics")
     with pytest.raises(ConfigError, match="val_states_per_task must be >= 1"):
-        from_dict(RoboticsConfig, {"keep_best_adapters": True, "task_adapters": 4, "val_states_per_task": 0}, "robotics")
+        from_dict(RoboticsConfig, {"adapters": {"keep_best": True, "rank": 4, "val_states_per_task": 0}}, "robotics")
     raw = yaml.safe_load(_cli_config(tmp_path).read_text())
     raw["optim"]["ema_decay"] = 0.9
     with pytest.raises(ConfigError, match="optim.ema_decay"):

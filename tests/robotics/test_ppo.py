@@ -14,21 +14,21 @@ from tests.robotics.test_domain import TINY_MODEL, _domain
 
 
 def test_critic_values_in_the_rollout_match_the_recomputed_ones():
-    dom = _domain("sde_one_step", critic=True)
+    dom = _domain("sde_one_step", critic={"enabled": True})
     ro = dom.rollout(dom.train_keys()[:2], 3, torch.Generator().manual_seed(0), 0)
     vm = ro.payload["value_mask"]
     assert vm.shape == (6, dom.n_chunks) and vm.dtype == torch.bool
     assert torch.equal(vm, ro.payload["images"].flatten(2).any(-1) | vm)  # executed chunks
     with torch.no_grad():
-        dom.critic.net[-1].bias.fill_(0.3)
-        dom.critic.net[-1].weight.normal_(0, 0.1)
+        dom.critic.head.net[-1].bias.fill_(0.3)
+        dom.critic.head.net[-1].weight.normal_(0, 0.1)
     ro = dom.rollout(dom.train_keys()[:2], 3, torch.Generator().manual_seed(0), 0)
     out = dom.log_probs(ro, torch.arange(6), need_kl=False)
     assert out.values is not None and out.values.shape == (6, dom.n_chunks)
     assert torch.allclose(out.values[ro.payload["value_mask"]], ro.payload["values"][ro.payload["value_mask"]], atol=1e-5)
     assert (out.values[~ro.payload["value_mask"]] == 0).all()
     out.values.sum().backward()
-    assert dom.critic.net[0].weight.grad.abs().sum() > 0
+    assert dom.critic.head.net[0].weight.grad.abs().sum() > 0
     # detached by default: the critic's loss never reaches the policy
     assert all(p.grad is None or p.grad.abs().sum() == 0 for p in dom.policy.parameters())
     state = dom.state_dict()
@@ -47,7 +47,7 @@ def _ppo_config(**over):
         "logging": {"progress": False},
         "robotics": {"env": {"kind": "point", "tasks": ["point-reach"], "horizon": 8}, "checkpoint": "",
                      "model": TINY_MODEL, "head_mode": "flow_sde", "train_states_per_task": 32,
-                     "eval_states_per_task": 32, "gifs": False, "critic": True},
+                     "eval_states_per_task": 32, "gifs": False, "critic": {"enabled": True}},
     }
     for k, v in over.items():
         data[k] = {**data[k], **v} if isinstance(v, dict) else v
@@ -56,8 +56,8 @@ def _ppo_config(**over):
 
 def test_gae_needs_the_critic():
     data = _ppo_config()
-    data["robotics"] = {**data["robotics"], "critic": False}
-    with pytest.raises(ConfigError, match="robotics.critic: true"):
+    data["robotics"] = {**data["robotics"], "critic": {"enabled": False}}
+    with pytest.raises(ConfigError, match="robotics.critic.enabled: true"):
         load_train_config(data)
 
 

@@ -1,4 +1,4 @@
-"""The demonstration-replay anchor (``loss.replay_coef`` + ``robotics.replay_data``): the loss it adds, its
+"""The demonstration-replay anchor (``loss.replay_coef`` + ``robotics.replay.data``): the loss it adds, its
 invariances (a function of (seed, iteration, step) only; process shares sum to the one-process loss), the config
 errors, that it pulls RL training towards the demonstrations, and that a resumed run replays the same batches."""
 import json
@@ -16,6 +16,7 @@ from shared_rl.config import ConfigError, load_train_config
 from shared_rl.trainer import Trainer
 
 from robotics.data import Episode, save_episodes
+from robotics.envs.metaworld_env import instruction_for
 from tests.robotics.test_domain import TINY_MODEL, _domain
 
 ENV = {"kind": "point", "tasks": ["point-reach"], "horizon": 8}
@@ -25,7 +26,7 @@ def _demos(path, dom, n=6, length=10, seed=0):
     """Synthetic demos in the point env's layout: every action is the same constant chunk (easy to clone)."""
     rng = np.random.default_rng(seed)
     e = dom.cfg.env
-    eps = [Episode(task="point-reach", instruction=dom._instruction("point-reach"),
+    eps = [Episode(task="point-reach", instruction=instruction_for("point-reach"),
                    images=rng.integers(0, 255, (length, e.image_size, e.image_size, e.image_channels), dtype=np.uint8),
                    proprio=rng.normal(size=(length, e.proprio_dim)).astype(np.float32),
                    actions=np.tile(np.array([0.5, -0.5, 0.25, 0.0], np.float32), (length, 1)),
@@ -42,7 +43,7 @@ def demos(tmp_path_factory):
 
 
 def test_replay_loss_is_a_function_of_seed_iteration_and_step(demos):
-    dom = _domain("flow_sde", replay_data=str(demos), replay_batch=16)
+    dom = _domain("flow_sde", replay={"data": str(demos), "batch": 16})
     a, b, c = dom.replay_loss(3, 1), dom.replay_loss(3, 1), dom.replay_loss(3, 2)
     assert a.requires_grad and torch.equal(a, b) and not torch.equal(a, c)
     a.backward()
@@ -52,7 +53,7 @@ def test_replay_loss_is_a_function_of_seed_iteration_and_step(demos):
 
 
 def test_process_shares_sum_to_the_one_process_loss(demos):
-    dom = _domain("discrete", replay_data=str(demos), replay_batch=9)  # cross-entropy: no noise, exact
+    dom = _domain("discrete", replay={"data": str(demos), "batch": 9})  # cross-entropy: no noise, exact
     whole = dom.replay_loss(0, 0)
     shares = [dom.replay_loss(0, 0, rank=r, world=2) for r in range(2)]
     assert torch.allclose(shares[0] + shares[1], whole, atol=1e-6)
@@ -62,17 +63,17 @@ def test_process_shares_sum_to_the_one_process_loss(demos):
 def test_replay_config_errors(demos, tmp_path):
     data = {"domain": "robotics", "iterations": 1, "loss": {"replay_coef": 1.0}, "logging": {"progress": False},
             "robotics": {"env": ENV, "checkpoint": "", "model": TINY_MODEL, "gifs": False}}
-    with pytest.raises(ConfigError, match="robotics.replay_data is empty"):
+    with pytest.raises(ConfigError, match="robotics.replay.data is empty"):
         load_train_config(data)
-    with pytest.raises(ConfigError, match="replay_batch must be >= 1"):
-        _domain("flow_sde", replay_data=str(demos), replay_batch=0)
+    with pytest.raises(ConfigError, match="replay.batch must be >= 1"):
+        _domain("flow_sde", replay={"data": str(demos), "batch": 0})
     other = _domain("flow_sde")
     bad = save_episodes([Episode(task="other", instruction="x", images=np.zeros((2, 8, 8, 3), np.uint8),
                                  proprio=np.zeros((2, 4), np.float32), actions=np.zeros((2, 4), np.float32),
                                  success=np.zeros(2, bool))], tmp_path / "other.npz")
     other.close()
     with pytest.raises(ConfigError, match="no demos of the replayed tasks"):
-        _domain("flow_sde", replay_data=str(bad))
+        _domain("flow_sde", replay={"data": str(bad)})
     # a domain without demonstrations (no replay_loss hook) refuses before training
     toy = {"domain": "toy", "iterations": 1, "loss": {"replay_coef": 0.5}, "logging": {"progress": False}}
     with pytest.raises(ConfigError, match="no demonstrations to replay"):
@@ -86,7 +87,7 @@ def _rl_config(demos, coef):
             "loss": {"replay_coef": coef}, "eval": {"at_start": False}, "logging": {"progress": False},
             "robotics": {"env": ENV, "checkpoint": "", "model": TINY_MODEL, "head_mode": "flow_sde",
                          "train_states_per_task": 8, "eval_states_per_task": 2, "gifs": False,
-                         "replay_data": str(demos), "replay_batch": 32}}
+                         "replay": {"data": str(demos), "batch": 32}}}
 
 
 def test_the_anchor_pulls_rl_training_towards_the_demonstrations(demos):
@@ -107,7 +108,7 @@ def test_the_anchor_pulls_rl_training_towards_the_demonstrations(demos):
 
 
 def test_replay_tasks_picks_whose_demos_are_replayed(tmp_path):
-    """robotics.replay_tasks: [drawer-close-v3] replays that task's demos only (every replayed chunk carries its
+    """robotics.replay.tasks: [drawer-close-v3] replays that task's demos only (every replayed chunk carries its
     instruction), [] replays every trained task's; a task that is not trained, or replay_tasks without the demo
     replay, is refused."""
     tasks = ["reach-v3", "drawer-close-v3"]
@@ -115,25 +116,25 @@ def test_replay_tasks_picks_whose_demos_are_replayed(tmp_path):
     dom = _domain("sde_one_step", env=env)
     rng = np.random.default_rng(0)
     e = dom.cfg.env
-    eps = [Episode(task=t, instruction=dom._instruction(t),
+    eps = [Episode(task=t, instruction=instruction_for(t),
                    images=rng.integers(0, 255, (5, e.image_size, e.image_size, 3 * len(e.cameras)), dtype=np.uint8),
                    proprio=rng.normal(size=(5, dom.policy.cfg.proprio_dim)).astype(np.float32),
                    actions=np.zeros((5, 4), np.float32), success=np.zeros(5, bool)) for t in tasks for _ in range(2)]
     path = save_episodes(eps, tmp_path / "two_tasks.npz")
     dom.close()
-    ids = {t: dom.policy.text.token_ids([dom._instruction(t)])[0] for t in tasks}
-    only = _domain("sde_one_step", env=env, replay_data=str(path), replay_tasks=["drawer-close-v3"])
-    assert len(only._replay) == 10 and all(t == ids["drawer-close-v3"] for t in only._replay.text_ids)
+    ids = {t: dom.policy.text.token_ids([instruction_for(t)])[0] for t in tasks}
+    only = _domain("sde_one_step", env=env, replay={"data": str(path), "tasks": ["drawer-close-v3"]})
+    assert len(only.replay.data) == 10 and all(t == ids["drawer-close-v3"] for t in only.replay.data.text_ids)
     only.close()
-    both = _domain("sde_one_step", env=env, replay_data=str(path))
-    assert len(both._replay) == 20 and ids["reach-v3"] in both._replay.text_ids
+    both = _domain("sde_one_step", env=env, replay={"data": str(path)})
+    assert len(both.replay.data) == 20 and ids["reach-v3"] in both.replay.data.text_ids
     both.close()
-    with pytest.raises(ConfigError, match="replay_tasks"):
-        _domain("sde_one_step", env=env, replay_data=str(path), replay_tasks=["push-v3"])
+    with pytest.raises(ConfigError, match="replay.tasks"):
+        _domain("sde_one_step", env=env, replay={"data": str(path), "tasks": ["push-v3"]})
     data = {"domain": "robotics", "iterations": 1, "logging": {"progress": False},
             "robotics": {"env": env, "checkpoint": "", "model": TINY_MODEL, "gifs": False,
-                         "replay_data": str(path), "replay_tasks": ["reach-v3"]}}
-    with pytest.raises(ConfigError, match="replay_tasks"):
+                         "replay": {"data": str(path), "tasks": ["reach-v3"]}}}
+    with pytest.raises(ConfigError, match="replay.tasks"):
         load_train_config(data)
 
 
@@ -172,11 +173,11 @@ def test_the_grpo_and_ppo_recipes_share_one_rollout_budget():
     grpo, ppo = _five_task_recipes()
     assert (grpo.iterations, grpo.rollout, grpo.seed) == (ppo.iterations, ppo.rollout, ppo.seed)
     assert (grpo.selection.balance_by, grpo.eval) == (ppo.selection.balance_by, ppo.eval)
-    shared = ("checkpoint", "task_adapters", "head_mode", "noise_level", "init_noise", "eval_init_noise",
-              "train_states_per_task", "eval_states_per_task", "keep_best_adapters", "val_states_per_task", "env")
+    shared = ("checkpoint", "adapters", "head_mode", "noise_level", "init_noise", "eval_init_noise",
+              "train_states_per_task", "eval_states_per_task", "env")
     for name in shared:
         assert getattr(grpo.domain_config, name) == getattr(ppo.domain_config, name), name
-    assert ppo.advantage.estimator == "gae" and ppo.domain_config.critic and not grpo.domain_config.critic
+    assert ppo.advantage.estimator == "gae" and ppo.domain_config.critic.enabled and not grpo.domain_config.critic.enabled
 
 
 def test_the_observing_assets_load_with_their_proprio_and_are_refused_without():
@@ -232,10 +233,9 @@ def test_the_fitted_recipe_is_the_five_task_recipe_from_the_fitted_clone_with_th
     base, fit = (load_train_config(yaml.safe_load((root / n).read_text()))
                  for n in ("metaworld_mt5_rl.yaml", "metaworld_mt5_rl_fit.yaml"))
     assert fit.domain_config.checkpoint == "assets/metaworld-vla-tiny-dart-object-fit"
-    assert (fit.loss.replay_coef, fit.domain_config.replay_batch) == (1.0, 1024)
-    assert fit.domain_config.replay_data == "runs/robotics-demos/demos40_dart_object.npz"
+    assert (fit.loss.replay_coef, fit.domain_config.replay.batch) == (1.0, 1024)
+    assert fit.domain_config.replay.data == "runs/robotics-demos/demos40_dart_object.npz"
     fit.domain_config = dataclasses.replace(fit.domain_config, checkpoint=base.domain_config.checkpoint,
-                                            replay_data=base.domain_config.replay_data,
-                                            replay_batch=base.domain_config.replay_batch)
+                                            replay=base.domain_config.replay)
     fit.loss = dataclasses.replace(fit.loss, replay_coef=base.loss.replay_coef)
     assert dataclasses.asdict(fit) == dataclasses.asdict(base)

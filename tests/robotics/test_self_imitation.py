@@ -1,4 +1,4 @@
-"""Self-imitation (``robotics.replay_source: successes`` with ``loss.replay_coef``): the chunks it keeps are exactly
+"""Self-imitation (``robotics.replay.source: successes`` with ``loss.replay_coef``): the chunks it keeps are exactly
 the executed chunks of the iteration's successful episodes, its batch draws tasks equally (hand-counted), its loss is
 the BC loss on that batch as a function of (seed, iteration, step), it trains only the adapters of tasks that
 succeeded, the config refuses what would do nothing, and a resumed run equals an uninterrupted one."""
@@ -39,7 +39,7 @@ def _with_successes(monkeypatch, succeeded):
 
 @pytest.fixture(scope="module")
 def two_tasks():
-    dom = _domain("sde_one_step", env=TWO_TASKS, replay_source="successes", task_adapters=4)
+    dom = _domain("sde_one_step", env=TWO_TASKS, replay={"source": "successes"}, adapters={"rank": 4})
     yield dom
     dom.close()
 
@@ -50,9 +50,9 @@ def test_it_keeps_exactly_the_executed_chunks_of_successful_episodes(two_tasks, 
     _with_successes(monkeypatch, [1, 2])  # reach's second episode, push's first
     ro = dom.rollout(keys, 2, torch.Generator().manual_seed(0), iteration=5)
     valid = ro.payload["images"].flatten(2).any(-1)  # a chunk was planned = its observation was recorded
-    assert dom._kept_tasks() == [0, 1]
+    assert dom.replay.kept_tasks() == [0, 1]
     for task, ep in ((0, 1), (1, 2)):
-        kept = dom._kept_chunks(task)
+        kept = dom.replay.kept_chunks(task)
         n = int(valid[ep].sum())
         assert len(kept["actions"]) == n > 0
         assert torch.equal(kept["images"], ro.payload["images"][ep, :n])
@@ -60,12 +60,12 @@ def test_it_keeps_exactly_the_executed_chunks_of_successful_episodes(two_tasks, 
         want = ro.payload["chain"][ep, :n, -1].clamp(-1, 1).view(n, dom.policy.cfg.chunk, 4)
         assert torch.equal(kept["actions"], want)  # the chunk the env executed
     # another call in the same iteration adds; a new iteration starts over
-    before = len(dom._kept_chunks(0)["actions"])
+    before = len(dom.replay.kept_chunks(0)["actions"])
     dom.rollout(keys, 2, torch.Generator().manual_seed(1), iteration=5)
-    assert len(dom._kept_chunks(0)["actions"]) > before
+    assert len(dom.replay.kept_chunks(0)["actions"]) > before
     _with_successes(monkeypatch, [3])  # only push succeeds in iteration 6
     dom.rollout(keys, 2, torch.Generator().manual_seed(2), iteration=6)
-    assert dom._kept_tasks() == [1]  # success_window 1: iteration 5's set is gone
+    assert dom.replay.kept_tasks() == [1]  # success_window 1: iteration 5's set is gone
 
 
 def test_the_batch_draws_tasks_equally_and_rows_from_their_task(two_tasks, monkeypatch):
@@ -73,18 +73,18 @@ def test_the_batch_draws_tasks_equally_and_rows_from_their_task(two_tasks, monke
     keys = [dom.train_keys()[0], dom.train_keys()[-1]]
     _with_successes(monkeypatch, [0, 1, 2])  # reach has two successful episodes, push one: unequal chunk counts
     dom.rollout(keys, 2, torch.Generator().manual_seed(0), iteration=7)
-    dom.cfg.replay_batch = 400
+    dom.cfg.replay.batch = 400
     try:
-        imgs, pro, tids, acts = dom._success_batch(np.random.default_rng([0, 7, 1]))
+        imgs, pro, tids, acts = dom.replay.sample(np.random.default_rng([0, 7, 1]))
     finally:
-        dom.cfg.replay_batch = 256
+        dom.cfg.replay.batch = 256
     # hand count: row r goes to task (sorted) integers(0, 2)[r]; the rows come grouped by task in that order
     pick = np.random.default_rng([0, 7, 1]).integers(0, 2, size=400)
     n_reach = int((pick == 0).sum())
     reach_ids, push_ids = dom._text_ids["reach-v3"], dom._text_ids["push-v3"]
     assert tids == [reach_ids] * n_reach + [push_ids] * (400 - n_reach)
     assert 150 < n_reach < 250 and imgs.dtype == torch.uint8 and acts.shape == (400, dom.policy.cfg.chunk, 4)
-    push_acts = dom._kept_chunks(1)["actions"]
+    push_acts = dom.replay.kept_chunks(1)["actions"]
     assert all((push_acts == a).all(-1).all(-1).any() for a in acts[n_reach:])  # push rows are push's chunks
 
 
@@ -96,7 +96,7 @@ def test_the_loss_is_the_bc_loss_of_its_batch_and_moves_only_succeeding_adapters
     a, b, c = dom.replay_loss(8, 1), dom.replay_loss(8, 1), dom.replay_loss(8, 2)
     assert torch.equal(a, b) and not torch.equal(a, c)
     seed = [0, 8, 1]
-    imgs, pro, tids, acts = dom._success_batch(np.random.default_rng(seed))
+    imgs, pro, tids, acts = dom.replay.sample(np.random.default_rng(seed))
     gen = torch.Generator().manual_seed(int(np.random.SeedSequence(seed).generate_state(1)[0]))
     want = dom.policy.bc_loss(dom.policy.encode(imgs, pro, tids), acts, gen)
     assert torch.allclose(a, want, rtol=0, atol=0)
@@ -113,26 +113,28 @@ def test_the_loss_is_the_bc_loss_of_its_batch_and_moves_only_succeeding_adapters
 
 
 def test_a_window_keeps_earlier_iterations_and_travels_in_the_state_dict(monkeypatch):
-    dom = _domain("sde_one_step", env=TWO_TASKS, replay_source="successes", task_adapters=4, success_window=2)
+    dom = _domain("sde_one_step", env=TWO_TASKS, replay={"source": "successes", "success_window": 2},
+                  adapters={"rank": 4})
     keys = [dom.train_keys()[0], dom.train_keys()[-1]]
     sizes = {}
     for it, succeeded in ((10, [0]), (11, [3]), (12, [2])):
         _with_successes(monkeypatch, succeeded)
         dom.rollout(keys, 2, torch.Generator().manual_seed(it), iteration=it)
-        sizes[it] = {t: len(dom._kept_chunks(t)["actions"]) for t in dom._kept_tasks()}
+        sizes[it] = {t: len(dom.replay.kept_chunks(t)["actions"]) for t in dom.replay.kept_tasks()}
     assert list(sizes[11]) == [0, 1]  # reach's success of 10 is still kept at 11 ...
     assert list(sizes[12]) == [1] and sizes[12][1] > sizes[11][1]  # ... and gone at 12; push's of 11 and 12 both kept
     state = dom.state_dict()
     assert sorted(k for k in state if k.startswith("successes.")) == [
         f"successes.{it}.1.{n}" for it in (11, 12) for n in ("actions", "images", "proprio")]
-    other = _domain("sde_one_step", env=TWO_TASKS, replay_source="successes", task_adapters=4, success_window=2)
+    other = _domain("sde_one_step", env=TWO_TASKS, replay={"source": "successes", "success_window": 2},
+                    adapters={"rank": 4})
     other.load_state_dict(state)
-    assert other._kept_tasks() == [1]
-    for name, v in dom._kept_chunks(1).items():
-        assert torch.equal(other._kept_chunks(1)[name], v)
+    assert other.replay.kept_tasks() == [1]
+    for name, v in dom.replay.kept_chunks(1).items():
+        assert torch.equal(other.replay.kept_chunks(1)[name], v)
     assert torch.equal(other.replay_loss(12, 0), dom.replay_loss(12, 0))
     with pytest.raises(ConfigError, match="success_window counts iterations"):
-        _domain("sde_one_step", env=TWO_TASKS, replay_source="successes", success_window=0)
+        _domain("sde_one_step", env=TWO_TASKS, replay={"source": "successes", "success_window": 0})
     dom.close()
     other.close()
 
@@ -140,14 +142,14 @@ def test_a_window_keeps_earlier_iterations_and_travels_in_the_state_dict(monkeyp
 def test_config_errors():
     base = {"domain": "robotics", "iterations": 1, "logging": {"progress": False},
             "robotics": {"env": {"kind": "point", "tasks": ["point-reach"], "horizon": 8}, "checkpoint": "",
-                         "model": TINY_MODEL, "gifs": False, "replay_source": "successes"}}
+                         "model": TINY_MODEL, "gifs": False, "replay": {"source": "successes"}}}
     with pytest.raises(ConfigError, match="set loss.replay_coef > 0"):
         load_train_config(base)
-    with pytest.raises(ConfigError, match="replay_data .* would be unused"):
+    with pytest.raises(ConfigError, match="replay.data .* would be unused"):
         load_train_config({**base, "loss": {"replay_coef": 1.0},
-                           "robotics": {**base["robotics"], "replay_data": "demos.npz"}})
-    plain = {**base, "loss": {"replay_coef": 1.0}, "robotics": {**base["robotics"], "replay_source": "demos"}}
-    with pytest.raises(ConfigError, match="replay_source: successes"):
+                           "robotics": {**base["robotics"], "replay": {"source": "successes", "data": "demos.npz"}}})
+    plain = {**base, "loss": {"replay_coef": 1.0}, "robotics": {**base["robotics"], "replay": {"source": "demos"}}}
+    with pytest.raises(ConfigError, match="replay.source: successes"):
         load_train_config(plain)  # the demos error names the alternative
     cfg = from_dict(RoboticsConfig, {**base["robotics"], "env": base["robotics"]["env"]}, "robotics")
     with pytest.raises(ConfigError, match="launch one process"):
@@ -162,8 +164,8 @@ def _rl_config(window=1):
             "checkpoint": {"every": 1, "keep_last": 3},
             "robotics": {"env": {"kind": "point", "tasks": ["point-reach"], "horizon": 16}, "checkpoint": "",
                          "model": TINY_MODEL, "head_mode": "flow_sde", "train_states_per_task": 8,
-                         "eval_states_per_task": 2, "gifs": False, "replay_source": "successes", "replay_batch": 32,
-                         "success_window": window}}
+                         "eval_states_per_task": 2, "gifs": False,
+                         "replay": {"source": "successes", "batch": 32, "success_window": window}}}
 
 
 @pytest.mark.parametrize("window", [1, 3])

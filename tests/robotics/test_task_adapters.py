@@ -1,4 +1,4 @@
-"""Per-task adapters (``robotics.task_adapters``): added, they leave the policy bitwise unchanged; an update from one
+"""Per-task adapters (``robotics.adapters.rank``): added, they leave the policy bitwise unchanged; an update from one
 task's rows cannot move another task's actions; only the adapters train; they survive save/load and a resume."""
 import os
 
@@ -92,10 +92,10 @@ def test_save_and_load_keep_the_adapters(tmp_path):
 
 
 def test_the_domain_trains_only_the_adapters():
-    dom = _domain("sde_one_step", task_adapters=4)
+    dom = _domain("sde_one_step", adapters={"rank": 4})
     names = [n for n, p in dom.policy.named_parameters() if p.requires_grad]
     assert names == ["adapters.down", "adapters.up"]
-    assert dom.policy.cfg.task_adapters == [dom._instruction("point-reach")]
+    assert dom.policy.cfg.task_adapters == [TASK_INSTRUCTIONS["point-reach"]]
     plain = _domain("sde_one_step")
     assert any(n.startswith("flow.") for n, p in plain.policy.named_parameters() if p.requires_grad)
     # the starting policy is the checkpoint's: the same rollout as without adapters
@@ -105,8 +105,8 @@ def test_the_domain_trains_only_the_adapters():
     assert torch.equal(a.rewards["success"], b.rewards["success"]) and torch.equal(a.logp_old, b.logp_old)
     dom.close()
     plain.close()
-    with pytest.raises(ConfigError, match="task_adapters is a rank"):
-        from_dict(RoboticsConfig, {"task_adapters": -1}, "robotics")
+    with pytest.raises(ConfigError, match="adapters.rank is a rank"):
+        from_dict(RoboticsConfig, {"adapters": {"rank": -1}}, "robotics")
 
 
 def test_a_run_with_adapters_resumes_exactly_and_saves_them(tmp_path):
@@ -123,7 +123,7 @@ def test_a_run_with_adapters_resumes_exactly_and_saves_them(tmp_path):
            "eval": {"at_start": False}, "logging": {"progress": False},
            "robotics": {"env": {"kind": "point", "tasks": ["point-reach"], "horizon": 8}, "checkpoint": "",
                         "model": TINY_MODEL, "head_mode": "flow_sde", "train_states_per_task": 8,
-                        "eval_states_per_task": 2, "gifs": False, "task_adapters": 4}}
+                        "eval_states_per_task": 2, "gifs": False, "adapters": {"rank": 4}}}
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(cfg))
     run = tmp_path / "run"

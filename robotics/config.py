@@ -1,0 +1,110 @@
+"""The ``robotics:`` section of an RL config: the policy, the env, exploration and evaluation, plus one section per
+part of the domain (``critic``, ``replay``, ``adapters``), each checking its own fields."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+from shared_rl.errors import ConfigError
+
+from .adapters import VAL_FIRST_INDEX, AdaptersConfig
+from .critic import CriticConfig
+from .envs.vector import EnvConfig
+from .policies.vla import VLAConfig
+from .replay import ReplayConfig
+
+
+def _moved(new: str) -> str:
+    return f"use {new}"
+
+
+@dataclass
+class RoboticsConfig:
+    """The ``robotics:`` section of an RL config."""
+
+    # keys of earlier configs -> where they live now (shared_rl.config.from_dict names the new key in one line)
+    moved_keys = {
+        "critic_hidden": _moved("robotics.critic.hidden"),
+        "critic_detach": _moved("robotics.critic.detach"),
+        "critic_init": _moved("robotics.critic.init"),
+        "replay_source": _moved("robotics.replay.source"),
+        "replay_data": _moved("robotics.replay.data"),
+        "replay_batch": _moved("robotics.replay.batch"),
+        "replay_tasks": _moved("robotics.replay.tasks"),
+        "success_window": _moved("robotics.replay.success_window"),
+        "task_adapters": _moved("robotics.adapters.rank"),
+        "adapter_steps": _moved("robotics.adapters.steps"),
+        "keep_best_adapters": _moved("robotics.adapters.keep_best"),
+        "val_states_per_task": _moved("robotics.adapters.val_states_per_task"),
+        "report_last": _moved("robotics.adapters.report_last"),
+    }
+
+    env: EnvConfig = field(default_factory=EnvConfig)
+    checkpoint: str = field(default="assets/metaworld-vla-tiny",
+                            metadata={"help": "pretrained VLA directory; '' = a freshly initialised `model`"})
+    model: VLAConfig = field(default_factory=VLAConfig)  # only used when checkpoint is ""
+    head_mode: Literal["flow_sde", "flow_noise", "sde_one_step", "discrete"] = field(
+        default="flow_sde", metadata={"help": "exploration: flow_sde | flow_noise (ReinFlow) | sde_one_step | discrete"})
+    noise_level: float = field(default=0.7, metadata={"help": "Flow-GRPO SDE noise level a (flow_sde, sde_one_step)"})
+    temperature: float = field(default=1.0, metadata={"help": "discrete head sampling temperature"})
+    logp_reduce: Literal["sum", "mean"] = field(
+        default="sum", metadata={"help": "sum | mean of log-probs over the chunk's action dims"})
+    init_noise: float = field(default=1.0, metadata={
+        "help": "flow head, rollouts: std of the chain's start x(sigma=1); 0 = only the SDE steps explore"})
+    eval_init_noise: float = field(default=1.0, metadata={
+        "help": "flow head, evaluation ODE: std of the chain's start; 0 = deterministic"})
+    train_states_per_task: int = field(default=50, metadata={"help": "training reset states per task (the keys)"})
+    eval_states_per_task: int = field(default=20, metadata={"help": "held-out reset states per task for evaluation"})
+    eval_split: Literal["eval", "train"] = field(default="eval", metadata={
+        "help": "eval = the held-out reset states; train = the first eval_states_per_task of the training states "
+                "RL draws (grove eval RUN robotics.eval_split=train: the policy's generalisation gap)"})
+    train_tasks: list[str] = field(default_factory=list,
+                                   metadata={"help": "subset of env.tasks for training keys; [] = all"})
+    dense_reward: bool = field(default=False, metadata={
+        "help": "add the 'dense' reward: best shaped Meta-World reward / 10, in [0, 1]"})
+    train_encoder: bool = field(default=True, metadata={
+        "help": "train the image/text/proprio encoders; false = only the fusion MLP and the head"})
+    gifs: bool = field(default=True, metadata={"help": "write a GIF of one evaluation episode per task"})
+    threads: int = field(default=1, metadata={"help": "torch CPU threads"})
+    critic: CriticConfig = field(default_factory=CriticConfig, metadata={
+        "help": "the value head of PPO (advantage.estimator gae)"})
+    replay: ReplayConfig = field(default_factory=ReplayConfig, metadata={
+        "help": "the BC term of loss.replay_coef: demonstrations or the run's own successes"})
+    adapters: AdaptersConfig = field(default_factory=AdaptersConfig, metadata={
+        "help": "per-task adapters: rank, how each task's adapter steps, per-task early stopping"})
+
+    def check(self, where: str = "robotics") -> None:
+        """The sections check themselves (``from_dict`` calls their ``check``); here this section's own fields and
+        what crosses sections."""
+        if self.train_states_per_task < 1 or self.eval_states_per_task < 1:
+            raise ConfigError(f"{where}: train_states_per_task and eval_states_per_task must be >= 1")
+        if self.noise_level <= 0 and self.head_mode in ("flow_sde", "sde_one_step"):
+            raise ConfigError(f"{where}.noise_level must be > 0 for {self.head_mode} (0 is the deterministic ODE)")
+        if self.init_noise < 0 or self.eval_init_noise < 0:
+            raise ConfigError(f"{where}: init_noise and eval_init_noise must be >= 0 (1 = standard normal start)")
+        if self.temperature <= 0:
+            raise ConfigError(f"{where}.temperature must be > 0, got {self.temperature}")
+        unknown = [t for t in self.train_tasks if t not in self.env.tasks]
+        if unknown:
+            raise ConfigError(f"{where}.train_tasks {unknown} are not in {where}.env.tasks {self.env.tasks}")
+        if self.adapters.keep_best and self.train_states_per_task > VAL_FIRST_INDEX:
+            raise ConfigError(f"{where}.train_states_per_task must be <= {VAL_FIRST_INDEX} with adapters.keep_best "
+                              f"(the validation states start at index {VAL_FIRST_INDEX} of the training split)")
+
+    def check_with(self, train_cfg) -> None:
+        self.adapters.check_with(train_cfg)
+        self.replay.check_coef(train_cfg.loss.replay_coef, "loss.replay_coef")
+        self.critic.check_with(train_cfg)
+
+    def rollout_structure(self, train_cfg) -> str:
+        """Flat: a group is ``group_size`` episodes from one reset state (the hook of ``shared_rl.domain``)."""
+        return "flat"
+
+    def reward_names(self, train_cfg) -> list[str]:
+        """The rewards a rollout emits (the core checks ``advantage.weights`` against them before loading)."""
+        return ["success"] + (["dense"] if self.dense_reward else [])
+
+    @property
+    def trained_tasks(self) -> list[str]:
+        return self.train_tasks or self.env.tasks

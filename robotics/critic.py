@@ -1,0 +1,87 @@
+"""The value head of PPO in the robotics domain (``robotics.critic``): its settings and its part of the domain.
+
+The head (``policies.value_head.ValueHead``) reads the policy's fused features of a chunk's observation and the
+chunk's time. A flat rollout gets the values of every executed chunk in its payload (``values``, ``value_mask``,
+without grad); ``log_probs`` recomputes them with grad (``Critic.values``) for the value loss of the ``gae``
+advantage estimator.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from shared_rl.errors import ConfigError
+
+from .parts import Part
+from .policies.value_head import ValueHead
+
+
+@dataclass
+class CriticConfig:
+    """``robotics.critic``: the value head's architecture."""
+
+    enabled: bool = field(default=False, metadata={
+        "help": "a value head V(features, time) per action chunk (PPO: advantage.estimator gae, loss.value_coef)"})
+    hidden: int = field(default=256, metadata={"help": "critic MLP width"})
+    detach: bool = field(default=True, metadata={
+        "help": "the critic reads the policy's fused features without gradient (true) or trains them too (false)"})
+    init: float = field(default=0.0, metadata={"help": "the critic's initial value (its last layer starts at 0)"})
+
+    def check(self, where: str = "robotics.critic") -> None:
+        if self.hidden < 1:
+            raise ConfigError(f"{where}.hidden is the MLP width, >= 1; got {self.hidden}")
+
+    def check_with(self, train_cfg, where: str = "robotics.critic") -> None:
+        """A critic estimator (gae) needs the value head."""
+        from shared_rl.advantages import STEP_ESTIMATORS
+
+        est = train_cfg.advantage.estimator
+        if est in STEP_ESTIMATORS and not self.enabled:
+            raise ConfigError(f"advantage.estimator {est!r} needs the policy's value head: set {where}.enabled: true "
+                              f"(and loss.value_coef > 0 to train it)")
+
+
+class Critic(Part):
+    """The value head, its payload entries and its recomputed values. ``encode(images, proprio, task_index)``: the
+    policy's fused features of observations (the domain's)."""
+
+    state_prefix = "critic."
+
+    def __init__(self, cfg: CriticConfig, feature_dim: int, n_chunks: int, device: torch.device,
+                 encode: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]):
+        self.cfg, self.n_chunks, self.device, self._encode = cfg, n_chunks, device, encode
+        self.head = ValueHead(feature_dim, cfg.hidden, init_value=cfg.init).to(device)
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return list(self.head.parameters())
+
+    def on_rollout(self, batch, payload: dict[str, Any], iteration: int) -> None:
+        valid = torch.from_numpy(batch.chunk_valid)
+        payload["value_mask"] = valid
+        payload["values"] = self._rollout_values(payload["images"], payload["proprio"], payload["task_index"], valid)
+
+    @torch.no_grad()
+    def _rollout_values(self, images, proprio, task_index, valid, batch: int = 512) -> torch.Tensor:
+        """``[N, C]`` the values of every executed chunk's observation (0 elsewhere), without grad."""
+        ep, ch = torch.nonzero(valid, as_tuple=True)
+        out = torch.zeros(valid.shape)
+        for i in range(0, len(ep), batch):
+            e, c = ep[i: i + batch], ch[i: i + batch]
+            h = self._encode(images[e, c], proprio[e, c], task_index[e])
+            out[e, c] = self.head(h, c.float().to(self.device) / self.n_chunks).float().cpu()
+        return out
+
+    def values(self, h: torch.Tensor, ep: torch.Tensor, ch: torch.Tensor, n: int) -> torch.Tensor:
+        """``[n, C]`` the values (with grad) of the chunks (``ep``, ``ch``) whose features are ``h``; 0 elsewhere."""
+        c = self.n_chunks
+        v = self.head(h.detach() if self.cfg.detach else h, ch.float().to(self.device) / c)
+        return torch.zeros(n * c, device=self.device).index_put(((ep * c + ch).to(self.device),), v).view(n, c)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {f"{self.state_prefix}{k}": v.detach().clone() for k, v in self.head.state_dict().items()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        n = len(self.state_prefix)
+        self.head.load_state_dict({k[n:]: v for k, v in state.items() if k.startswith(self.state_prefix)})
