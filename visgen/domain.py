@@ -46,6 +46,8 @@ from .lowprec import TwoStageSettings
 from .pipelines.memory import MemorySettings
 from .policy import EmaSettings, FlowPolicy, LoraSettings
 from .rollout import VisgenRollouts
+from .tasks import get_task
+from .tasks.files import read_prompt_file  # noqa: F401  (visgen.domain.read_prompt_file, as before)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHAPES_ASSET_HINT = ("build it with `python -m visgen.pretrain configs/visgen/shapes_pretrain.yaml --out "
@@ -117,9 +119,8 @@ class VisgenConfig:
     model: str = _help("local diffusers pipeline directory (relative: the working directory, then the repo) or a "
                        "Hugging Face hub id", "assets/shapes-sd3-tiny")
     dtype: Literal["float32", "bfloat16", "float16"] = _help("dtype the pipeline is loaded in", "float32")
-    task: Literal["shapes", "words", "file"] = _help("prompts: 'shapes' / 'words' = an embedded task (train/held-out "
-                                                     "split as in pretraining); 'file' = train_prompts / eval_prompts "
-                                                     "files", "shapes")
+    task: str = _help("the task (visgen.tasks): 'shapes' / 'words' / 'video_shapes' = an embedded task (its "
+                      "train/held-out split, as in pretraining); 'file' = train_prompts / eval_prompts files", "shapes")
     train_prompts: Optional[str] = _help(".txt (one prompt a line) or .jsonl (objects with 'prompt' and reward "
                                          "metadata) for task: file")
     eval_prompts: Optional[str] = _help("held-out prompt file for task: file (null: no evaluation)")
@@ -191,10 +192,7 @@ class VisgenConfig:
             raise ConfigError(f"{where}.eval_fraction must be in (0, 1), got {self.eval_fraction}")
         if not self.rewards:
             raise ConfigError(f"{where}.rewards must list at least one reward, e.g. [{{name: shapes}}]")
-        if self.task == "file" and not self.train_prompts:
-            raise ConfigError(f"{where}.train_prompts must name a prompt file when task is 'file'")
-        if self.task in ("shapes", "words") and (self.train_prompts or self.eval_prompts):
-            raise ConfigError(f"{where}: train_prompts/eval_prompts are for task: file; the {self.task} task has its own")
+        get_task(self.task, f"{where}.task").check(self, where)
         if self.score_chunks < 1:
             raise ConfigError(f"{where}.score_chunks must be >= 1, got {self.score_chunks}")
         if self.overlap_rewards and self.score_chunks < 2:
@@ -336,33 +334,6 @@ def load_pipeline(model: str, dtype: torch.dtype):
     return pipe, location, local
 
 
-def read_prompt_file(path: str) -> tuple[list[str], list[dict]]:
-    """Prompts and per-prompt metadata from ``.txt`` (one a line) or ``.jsonl`` (objects with a ``prompt`` field)."""
-    p = Path(path).expanduser()
-    found = [c for c in ([p] if p.is_absolute() else [Path.cwd() / p, REPO_ROOT / p]) if c.is_file()]
-    if not found:
-        raise ConfigError(f"prompt file {path!r} does not exist (relative paths: the working directory, then the repo)")
-    file = found[0]
-    prompts, metas = [], []
-    for n, line in enumerate(file.read_text().splitlines(), 1):
-        line = line.strip()
-        if not line:
-            continue
-        if file.suffix == ".jsonl":
-            try:
-                item = json.loads(line)
-                prompts.append(str(item["prompt"]))
-            except (json.JSONDecodeError, KeyError, TypeError):
-                raise ConfigError(f"{file}:{n}: expected a JSON object with a 'prompt' field") from None
-            metas.append(item)
-        else:
-            prompts.append(line)
-            metas.append({})
-    if not prompts:
-        raise ConfigError(f"prompt file {file} holds no prompts")
-    return prompts, metas
-
-
 # ------------------------------------------------------------------------------------------------------ domain
 class VisgenDomain(DomainBase):
     """GRPO-family RL of a diffusers flow-matching pipeline (see the module docstring)."""
@@ -377,6 +348,7 @@ class VisgenDomain(DomainBase):
         from .rewards.video import OffloadedReward
 
         self.cfg, self.ctx = cfg, ctx
+        self.task = get_task(cfg.task)
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
         if ctx.device.type == "cpu":
@@ -409,13 +381,9 @@ class VisgenDomain(DomainBase):
 
         self.rewards = [(spec.name, guarded(spec.name, get_reward(spec.name, **spec.kwargs))) for spec in cfg.rewards]
         self.eval_rewards = list(self.rewards)
-        if cfg.task == "shapes" and not any(name == "shapes" for name, _ in self.rewards):
-            # the task's own metric, always reported
-            self.eval_rewards.append(("shapes", guarded("shapes", get_reward("shapes"))))
-        if cfg.task == "words" and not any(name == "ocr" for name, _ in self.rewards):
-            from .tasks.words import OCR_SETTINGS
-
-            self.eval_rewards.append(("ocr", guarded("ocr", get_reward("ocr", **OCR_SETTINGS))))
+        if self.task.eval_reward and not any(name == self.task.eval_reward[0] for name, _ in self.rewards):
+            name, kwargs = self.task.eval_reward  # the task's own metric, always reported
+            self.eval_rewards.append((name, guarded(name, get_reward(name, **kwargs))))
         self.gold_rewards = [(spec.name, guarded(spec.name, get_reward(spec.name, **spec.kwargs)))
                              for spec in cfg.gold_rewards]
         self.method = cfg.rollout_method()
@@ -446,28 +414,7 @@ class VisgenDomain(DomainBase):
 
     def _load_prompts(self, settings: dict) -> None:
         cfg = self.cfg
-        if cfg.task == "words":
-            from .tasks import words
-
-            seed = cfg.split_seed if cfg.split_seed is not None else int(settings.get("split_seed", 0))
-            fraction = cfg.eval_fraction if cfg.eval_fraction is not None else float(settings.get("eval_fraction", 0.2))
-            train, held_out = words.split_prompts(seed, fraction)
-            self.train_prompts, self.train_meta = [s.prompt for s in train], [s.to_dict() for s in train]
-            self.eval_prompts, self.eval_meta = [s.prompt for s in held_out], [s.to_dict() for s in held_out]
-        elif cfg.task == "shapes":
-            from .tasks import shapes
-
-            seed = cfg.split_seed if cfg.split_seed is not None else int(settings.get("split_seed", 0))
-            fraction = cfg.eval_fraction if cfg.eval_fraction is not None else float(settings.get("eval_fraction", 0.2))
-            train, held_out = shapes.split_prompts(seed, fraction)
-            self.train_prompts, self.train_meta = [s.prompt for s in train], [s.to_dict() for s in train]
-            self.eval_prompts, self.eval_meta = [s.prompt for s in held_out], [s.to_dict() for s in held_out]
-        else:
-            self.train_prompts, self.train_meta = read_prompt_file(cfg.train_prompts)
-            if cfg.eval_prompts:
-                self.eval_prompts, self.eval_meta = read_prompt_file(cfg.eval_prompts)
-            else:
-                self.eval_prompts, self.eval_meta = [], []
+        self.train_prompts, self.train_meta, self.eval_prompts, self.eval_meta = self.task.prompts(cfg, settings)
         if cfg.train_subset is not None:
             bad = [i for i in cfg.train_subset if not 0 <= i < len(self.train_prompts)]
             if bad or not cfg.train_subset:
@@ -568,7 +515,7 @@ class VisgenDomain(DomainBase):
 
     def evaluate(self, iteration: int) -> dict[str, float]:
         """Held-out prompts, ODE sampling, fixed seeds: mean of every reward output (``eval/score``,
-        ``eval/strict`` for the shapes task, plus strict accuracy per prompt kind)."""
+        ``eval/strict`` for the shapes reward, plus strict accuracy per prompt kind, and the task's own metrics)."""
         e = self.cfg.eval
         if not self.eval_prompts:
             return {}
@@ -581,9 +528,7 @@ class VisgenDomain(DomainBase):
         for name, values in scores.items():
             ok = torch.isfinite(values)
             out[f"eval/{EVAL_NAMES.get(name, name)}"] = float(values[ok].mean()) if ok.any() else float("nan")
-        if self.cfg.task == "words" and "ocr" in scores:  # words read exactly (OCR score 1)
-            ok = torch.isfinite(scores["ocr"])
-            out["eval/ocr_exact"] = float((scores["ocr"][ok] == 1).float().mean()) if ok.any() else float("nan")
+        out.update(self.task.eval_metrics(scores))
         if self.gold_rewards:  # held-out gold rewards on the same images (never trained on)
             from .rewards.gold import gold_metrics
 

@@ -92,10 +92,9 @@ def preflight(cfg, train_cfg, read_prompt_file, resolve_model_location, import_r
     import_rewards()
     for i, spec in enumerate(cfg.rewards):
         _check_reward_arguments(f"visgen.rewards[{i}]", spec.name, spec.kwargs)
-    if cfg.task != "file":
-        return  # the shapes task's own prompts are the grammar's
-    files = [("train_prompts", cfg.train_prompts)] + ([("eval_prompts", cfg.eval_prompts)] if cfg.eval_prompts else [])
-    for key, path in files:
+    from .tasks import get_task
+
+    for key, path in get_task(cfg.task).prompt_files(cfg):  # an embedded task's own prompts are its grammar's
         prompts, metas = read_prompt_file(path)
         if key == "train_prompts" and cfg.train_subset is not None:
             bad = [i for i in cfg.train_subset if not 0 <= i < len(prompts)]

@@ -29,6 +29,8 @@ from typing import Iterable, Sequence
 import numpy as np
 from scipy import ndimage
 
+from .base import ImageTask, register_task
+
 IMAGE_SIZE = 32
 
 # Colours: RGB used by the renderer and the hue (degrees) the checker expects. Far apart on the hue circle so a
@@ -425,3 +427,36 @@ def score_batch(images: np.ndarray, specs: Iterable[PromptSpec]) -> tuple[np.nda
         scores.append(score)
         stricts.append(float(strict))
     return np.asarray(scores, dtype=np.float32), np.asarray(stricts, dtype=np.float32)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The registered task (visgen.tasks.base)
+# ----------------------------------------------------------------------------------------------------------------
+
+@register_task
+class ShapesTask(ImageTask):
+    """RL prompts from the seeded split, measured by the ``shapes`` reward; pretrains the tiny SD3 (32x32)."""
+
+    name = "shapes"
+    eval_reward = ("shapes", {})
+
+    def split_prompts(self, seed: int, eval_fraction: float) -> tuple[list, list]:
+        return split_prompts(seed, eval_fraction)
+
+    def render(self, spec, rng, conf) -> np.ndarray:
+        return render(spec, rng)
+
+    def build_pipeline(self, conf):
+        from visgen import tiny
+
+        return tiny.build_pipeline(seed=conf.seed)
+
+    def score(self, samples, specs: list) -> dict[str, float]:
+        """Mean attribute score, strict accuracy, and strict accuracy per prompt kind."""
+        score, strict = score_batch(samples.numpy(), specs)
+        out = {"score": float(np.nanmean(score)), "strict": float(np.nanmean(strict))}
+        for kind in ("single", "count", "pair"):
+            mask = np.array([s.kind == kind for s in specs])
+            if mask.any():
+                out[f"strict_{kind}"] = float(np.nanmean(strict[mask]))
+        return out

@@ -23,7 +23,7 @@ square is below what the analytic checker can tell apart on blurred generations.
 The model: :func:`build_tiny_wan` — a stock ``WanPipeline`` (Wan 2.1 architecture, Wan Team, "Wan: Open and Advanced
 Large-Scale Video Generative Models", 2025) built offline from ``WanTransformer3DModel``, ``AutoencoderKLWan`` and a
 tiny ``UMT5EncoderModel`` with a locally built word-level tokenizer. 9 frames at 32x32 are latents ``[16, 3, 4, 4]``
-(the causal VAE compresses time 4x after the first frame and space 8x). ``visgen.tasks.video_pretrain`` trains it;
+(the causal VAE compresses time 4x after the first frame and space 8x). ``visgen.pretrain`` trains it (``task: video_shapes``);
 ``assets/video-wan-tiny`` is the result.
 
 Everything is deterministic: :func:`all_prompts` enumerates the prompts in a fixed order, :func:`split_prompts`
@@ -35,11 +35,15 @@ import itertools
 import json
 import math
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence
 
 import numpy as np
+
+from shared_rl.config import ConfigError
+
+from .base import EmbeddedTask, PretrainConfig, register_task
 
 FRAMES = 9
 SIZE = 32
@@ -438,3 +442,66 @@ def save_before_after_clips(before, after, prompts: Sequence[str], per_prompt: i
         f"each row: {per_prompt} clips before training, then the same seeds after\n"
         + "\n".join(f"row {i}: {p}" for i, p in enumerate(prompts)) + "\n")
     return written
+
+
+# ------------------------------------------------------------------------------------------------ the registered task
+@dataclass
+class VideoPretrainConfig(PretrainConfig):
+    """Pretraining settings of the moving-shapes task: the shared ones plus the clips' and the tiny Wan's shape."""
+
+    caption_noise: float = field(default=0.0, metadata={
+        "help": "fraction of clips moving another direction than their prompt says (weakly aligned captions)"})
+    frames: int = field(default=FRAMES, metadata={"help": "frames per clip (4k+1 for the Wan VAE)"})
+    size: int = field(default=SIZE, metadata={"help": "clip side in pixels (multiple of 8)"})
+    max_sequence_length: int = field(default=10, metadata={"help": "text tokens (the longest prompt is 9)"})
+    model: dict = field(default_factory=dict, metadata={"help": "keyword arguments of build_tiny_wan"})
+
+    def check(self, where: str) -> None:
+        if (self.frames - 1) % 4 or self.size % 8:
+            raise ConfigError(f"{where}.frames must be 4k+1 and size a multiple of 8 (the Wan VAE), got "
+                              f"{self.frames} frames at {self.size} px")
+        if not 0.0 <= self.caption_noise < 1.0:
+            raise ConfigError(f"{where}.caption_noise must be in [0, 1), got {self.caption_noise}")
+
+
+@register_task
+class VideoShapesTask(EmbeddedTask):
+    """RL prompts from the seeded split (2 held-out (colour, shape) pairs per direction), measured by the
+    ``video_shapes`` reward; pretrains the tiny Wan (``build_tiny_wan``)."""
+
+    name = "video_shapes"
+    eval_reward = ("video_shapes", {})
+    pretrain_config = VideoPretrainConfig
+    # fewer, larger samples than the image tasks; the periodic evaluation is the final one, held-out prompts only
+    pretrain_defaults = {"dataset_size": 4096, "vae": {"steps": 600, "batch_size": 16},
+                         "transformer": {"steps": 3000, "warmup_steps": 100},
+                         "eval": {"every": 500, "samples_per_prompt": 4, "final_samples_per_prompt": None,
+                                  "train_prompts": 0}}
+    model = "tiny_wan"
+
+    def check(self, cfg, where: str) -> None:
+        super().check(cfg, where)
+        if cfg.eval_fraction is not None:
+            raise ConfigError(f"{where}.eval_fraction is not a setting of the video_shapes task (it holds out 2 "
+                              "(colour, shape) pairs per direction); remove it")
+
+    def split_prompts(self, seed: int, eval_fraction: float) -> tuple[list, list]:
+        return split_prompts(seed)
+
+    def split(self, conf) -> tuple[list, list]:
+        return split_prompts(conf.split_seed)
+
+    def render(self, spec, rng, conf) -> np.ndarray:
+        """A clip of ``spec``; with ``caption_noise`` its object moves another way than the prompt says (drawn from
+        ``rng`` before the clip, so the draws interleave with the rendering's)."""
+        if conf.caption_noise > 0 and rng.random() < conf.caption_noise:
+            other = [d for d in DIRECTIONS if d != spec.direction]
+            spec = ClipSpec(spec.color, spec.shape, other[int(rng.integers(len(other)))])
+        return render_clip(spec, rng, conf.frames, conf.size)
+
+    def build_pipeline(self, conf):
+        return build_tiny_wan(seed=conf.seed, **conf.model)
+
+    def score(self, samples, specs: list) -> dict[str, float]:
+        score, strict = score_batch(samples.numpy(), specs)
+        return {"score": float(np.nanmean(score)), "strict": float(np.nanmean(strict))}

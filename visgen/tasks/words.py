@@ -21,10 +21,12 @@ from __future__ import annotations
 import itertools
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 import numpy as np
+
+from .base import ImagePretrainConfig, ImageTask, register_task
 
 IMAGE_SIZE = 32
 ALPHABET = "ACEHKNRT"
@@ -174,3 +176,66 @@ def render_batch(specs, seed: int = 0, size: int = IMAGE_SIZE) -> np.ndarray:
     """``[N,3,size,size]`` renders of ``specs`` (WordSpec or str) with jitter drawn from one seeded generator."""
     rng = np.random.default_rng(seed)
     return np.stack([render(s.word if isinstance(s, WordSpec) else s, rng, size) for s in specs])
+
+
+# ------------------------------------------------------------------------------------------------ the registered task
+@dataclass
+class WordsPretrainConfig(ImagePretrainConfig):
+    """Pretraining settings of the words task: the shared ones plus the image size and the pipeline's shape."""
+
+    resolution: int = field(default=IMAGE_SIZE, metadata={
+        "help": "image side in pixels (32: the smallest the OCR model reads reliably, docs/tasks/words.md)"})
+    pipeline: dict = field(default_factory=dict, metadata={"help": "extra visgen.tiny.build_pipeline arguments"})
+
+
+@lru_cache(maxsize=1)
+def _ocr_reader():
+    """The task's OCR reward (one per process: building it loads the ONNX models)."""
+    from visgen.rewards.ocr import OcrReward
+
+    return OcrReward(**OCR_SETTINGS)
+
+
+@register_task
+class WordsTask(ImageTask):
+    """RL prompts from the seeded word split, read by the ``ocr`` reward; pretrains the tiny SD3 with a tokenizer
+    that spells the quoted word letter by letter."""
+
+    name = "words"
+    eval_reward = ("ocr", OCR_SETTINGS)
+    pretrain_config = WordsPretrainConfig
+
+    def split_prompts(self, seed: int, eval_fraction: float) -> tuple[list, list]:
+        return split_prompts(seed, eval_fraction)
+
+    def eval_metrics(self, scores: dict) -> dict[str, float]:
+        """``eval/ocr_exact``: the fraction of words read exactly (OCR score 1)."""
+        if "ocr" not in scores:
+            return {}
+        ok = scores["ocr"].isfinite()
+        return {"eval/ocr_exact": float((scores["ocr"][ok] == 1).float().mean()) if ok.any() else float("nan")}
+
+    def render(self, spec, rng, conf) -> np.ndarray:
+        return render(spec.word, rng, conf.resolution)
+
+    def build_pipeline(self, conf):
+        from visgen import tiny
+
+        pipe = tiny.build_pipeline(words=vocabulary(), seed=conf.seed, sample_size=conf.resolution, **conf.pipeline)
+        pipe.tokenizer = pipe.tokenizer_2 = build_tokenizer()  # same ids; spells the quoted word
+        return pipe
+
+    def score(self, samples, specs: list) -> dict[str, float]:
+        """OCR score (1 - normalised edit distance) and exact-read rate (``visgen.rewards.ocr``)."""
+        score = _ocr_reader()(samples, [s.prompt for s in specs])["ocr"]
+        return {"ocr": float(score.nanmean()), "exact": float((score == 1).float().mean())}
+
+    def after_vae(self, vae, held_out: list, conf) -> dict[str, float]:
+        """``vae/ocr``: the OCR score of the VAE's reconstructions of 64 held-out renders (is the latent space
+        legible?)."""
+        import torch
+
+        truth = torch.from_numpy(render_batch(held_out[:64], seed=123, size=conf.resolution))
+        with torch.no_grad():
+            recon = (vae.decode(vae.encode(truth * 2 - 1).latent_dist.mean).sample / 2 + 0.5).clamp(0, 1)
+        return {"vae/ocr": self.score(recon, held_out[:64])["ocr"]}
