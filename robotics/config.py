@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-
+from shared_rl.domain import DomainConfig
 from shared_rl.errors import ConfigError
 
 from .adapters import VAL_FIRST_INDEX, AdaptersConfig
@@ -20,7 +20,7 @@ def _moved(new: str) -> str:
 
 
 @dataclass
-class RoboticsConfig:
+class RoboticsConfig(DomainConfig):
     """The ``robotics:`` section of an RL config."""
 
     # keys of earlier configs -> where they live now (shared_rl.config.from_dict names the new key in one line)

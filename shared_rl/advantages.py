@@ -1,27 +1,116 @@
-"""Advantage estimators, registered by name (verl ``core_algos`` style). Pure tensor functions.
+"""Advantage estimators: ONE registry (verl ``core_algos`` style), one call shape, each with its formula and its own
+settings. Pure tensor functions.
 
-Flat estimators take per-sample rewards ``r[N]`` and group ids ``g[N]``; tree estimators take the parent array
-of a forest and leaf rewards. Every estimator documents its formula; ``tests/core/test_advantages.py`` checks
-each against hand-computed numbers.
+``ESTIMATORS[name]`` is an :class:`Estimator`; every one is called the same way::
+
+    out = ESTIMATORS[name](AdvantageInputs(rewards, group_ids, weights, parent, ..., values, value_mask), cfg)
+    out.advantages   # [N] one per sequence (flat, tree), or [N, C] one per decision (step: a critic)
+    out.returns      # [N, C] value targets (step), else None
+
+Three kinds, by what they read: ``flat`` (rewards within groups of the same key: grpo, rloo, …), ``tree`` (the
+parent array of a forest and its leaf rewards: depth_zscore, treerl, …) and ``step`` (a critic's values per
+decision: gae). Flat and tree estimators are registered kernels ``fn(r, g | parent, eps) -> [N]`` wrapped with the
+shared multi-reward combination (``advantage.multi_reward``) and clip; a step estimator is registered whole.
+Settings shared by every estimator live in ``AdvantageConfig`` (clip, eps, weights, multi_reward); an estimator's
+own (gae's gamma, lam, …) in its settings dataclass, written beside its name
+(``advantage.estimator: {name: gae, gamma: 0.99}``). ``tests/core/test_advantages.py`` and ``tests/test_gae.py``
+check each against hand-computed numbers.
 """
 from __future__ import annotations
 
-from typing import Callable
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 
+from .errors import ConfigError
 from .tree import is_leaf, leaf_counts, tree_depth, tree_roots
 
-ESTIMATORS: dict[str, Callable[..., torch.Tensor]] = {}
-TREE_ESTIMATORS: dict[str, Callable[..., torch.Tensor]] = {}
+
+@dataclass
+class AdvantageInputs:
+    """What an estimator may read. ``rewards``: name -> ``[N]`` per sequence (NaN: missing, or an internal tree
+    node); ``group_ids`` ``[N]``; ``weights``: reward name -> weight (missing names weigh 1, 0 = logged only);
+    ``parent`` ``[N]`` (trees; −1 for roots) and ``fusion_logit`` (BranchGRPO's weighted fusion); for a critic
+    ``values`` / ``value_mask`` / ``step_rewards`` ``[N, C]`` (see ``shared_rl.domain``) and ``all_reduce``, which
+    sums a tensor over processes in place (identity with one process; batch statistics span every rank)."""
+
+    rewards: dict[str, torch.Tensor]
+    group_ids: torch.Tensor
+    weights: dict[str, float] = field(default_factory=dict)
+    parent: torch.Tensor | None = None
+    fusion_logit: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+    value_mask: torch.Tensor | None = None
+    step_rewards: torch.Tensor | None = None
+    all_reduce: Callable[[torch.Tensor], torch.Tensor] = lambda t: t
 
 
-def register(name: str, tree: bool = False):
+@dataclass
+class AdvantageOutput:
+    advantages: torch.Tensor  # [N] (flat, tree) or [N, C] (step)
+    returns: torch.Tensor | None = None  # [N, C] value targets (step)
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class NoSettings:
+    """The settings of an estimator that has none of its own."""
+
+
+@dataclass
+class Estimator:
+    """A registered advantage estimator: ``kind`` flat | tree | step, its kernel, its settings class."""
+
+    name: str
+    kind: str
+    kernel: Callable[..., Any]
+    settings_class: type = NoSettings
+
+    def __call__(self, inputs: AdvantageInputs, cfg, settings: Any = None) -> AdvantageOutput:
+        """``cfg``: the ``AdvantageConfig`` (clip, eps, weights' combination); ``settings``: this estimator's own
+        (default: ``cfg.estimator.settings`` when ``cfg`` chose this estimator, else the defaults)."""
+        if settings is None:
+            chosen = getattr(cfg, "estimator", None)
+            settings = chosen.settings if getattr(chosen, "name", None) == self.name else self.settings_class()
+        if self.kind == "step":
+            return self.kernel(inputs, cfg, settings)
+        adv = combined_advantages(self, inputs, cfg.multi_reward, cfg.eps)
+        if cfg.clip is not None:
+            adv = adv.clamp(-cfg.clip, cfg.clip)
+        return AdvantageOutput(adv, metrics={"advantage/abs_mean": float(adv.abs().mean())})
+
+
+ESTIMATORS: dict[str, Estimator] = {}
+
+
+def register(name: str, kind: str = "flat", settings: type = NoSettings):
+    """Decorator: register a flat kernel ``fn(r [N], group_ids [N], eps) -> [N]``, a tree kernel
+    ``fn(parent [N], leaf_reward [N], eps, fusion_logit=None) -> [N]`` or a whole step estimator
+    ``fn(inputs, cfg, settings) -> AdvantageOutput`` as ``advantage.estimator: name``."""
+    if kind not in ("flat", "tree", "step"):
+        raise ValueError(f"estimator kind must be flat, tree or step, got {kind!r}")
+
     def deco(fn):
-        (TREE_ESTIMATORS if tree else ESTIMATORS)[name] = fn
+        if name in ESTIMATORS and ESTIMATORS[name].kernel is not fn:
+            raise ValueError(f"advantage estimator {name!r} is already registered")
+        ESTIMATORS[name] = Estimator(name, kind, fn, settings)
         return fn
 
     return deco
+
+
+def estimator_names(kind: str) -> list[str]:
+    """The registered estimators of one kind, sorted."""
+    return sorted(n for n, e in ESTIMATORS.items() if e.kind == kind)
+
+
+def _get(name: str, kind: str) -> Estimator:
+    est = ESTIMATORS.get(name)
+    if est is None or est.kind != kind:
+        raise KeyError(f"unknown {kind} advantage estimator {name!r}; known: {estimator_names(kind)}")
+    return est
 
 
 def _group_stats(r: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -89,14 +178,13 @@ def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, method: str
 
     NaN rewards (failed reward calls, internal tree nodes) are excluded from group statistics and get 0.
     """
-    if method not in ESTIMATORS:
-        raise KeyError(f"unknown advantage estimator {method!r}; known: {sorted(ESTIMATORS)}")
+    kernel = _get(method, "flat").kernel
     rewards = torch.as_tensor(rewards)
     group_ids = torch.as_tensor(group_ids)
     ok = torch.isfinite(rewards)
     out = torch.zeros_like(rewards, dtype=torch.float32)
     if ok.any():
-        out[ok] = ESTIMATORS[method](rewards[ok].float(), group_ids[ok], eps=eps).float()
+        out[ok] = kernel(rewards[ok].float(), group_ids[ok], eps=eps).float()
     return out
 
 
@@ -172,7 +260,7 @@ def _tree_zscore(parent: torch.Tensor, v: torch.Tensor, eps: float) -> torch.Ten
     return adv.float()
 
 
-@register("depth_zscore", tree=True)
+@register("depth_zscore", kind="tree")
 def depth_zscore(parent: torch.Tensor, leaf_reward: torch.Tensor, eps: float = 1e-6,
                  fusion_logit: torch.Tensor | None = None) -> torch.Tensor:
     """BranchGRPO (Li et al. 2025): A(i) = (v(i) − mean_d) / (std_d + eps) over the nodes at i's depth d in i's
@@ -181,7 +269,7 @@ def depth_zscore(parent: torch.Tensor, leaf_reward: torch.Tensor, eps: float = 1
     return _tree_zscore(parent, tree_values(parent, leaf_reward, fusion_logit), eps)
 
 
-@register("sibling", tree=True)
+@register("sibling", kind="tree")
 def sibling(parent: torch.Tensor, leaf_reward: torch.Tensor, eps: float = 1e-6,
             fusion_logit: torch.Tensor | None = None) -> torch.Tensor:
     """TreeRL local advantage (Hou et al. 2025): A(i) = v(i) − v(parent(i)); roots 0."""
@@ -191,7 +279,7 @@ def sibling(parent: torch.Tensor, leaf_reward: torch.Tensor, eps: float = 1e-6,
     return torch.where((parent >= 0) & torch.isfinite(adv), adv, torch.zeros_like(adv))
 
 
-@register("leaf_global", tree=True)
+@register("leaf_global", kind="tree")
 def leaf_global(parent: torch.Tensor, leaf_reward: torch.Tensor, eps: float = 1e-6,
                 fusion_logit: torch.Tensor | None = None) -> torch.Tensor:
     """TreeRL global advantage: A(i) = v(i) − v(root(i)); roots 0."""
@@ -201,7 +289,7 @@ def leaf_global(parent: torch.Tensor, leaf_reward: torch.Tensor, eps: float = 1e
     return torch.where((parent >= 0) & torch.isfinite(adv), adv, torch.zeros_like(adv))
 
 
-@register("treerl", tree=True)
+@register("treerl", kind="tree")
 def treerl(parent: torch.Tensor, leaf_reward: torch.Tensor, eps: float = 1e-6,
            fusion_logit: torch.Tensor | None = None) -> torch.Tensor:
     """TreeRL combined: A(i) = [(v(i) − v(root)) + (v(i) − v(parent))] / sqrt(#leaves below i); roots 0."""
@@ -212,7 +300,7 @@ def treerl(parent: torch.Tensor, leaf_reward: torch.Tensor, eps: float = 1e-6,
     return adv.float()
 
 
-@register("tree_leaf_zscore", tree=True)
+@register("tree_leaf_zscore", kind="tree")
 def tree_leaf_zscore(parent: torch.Tensor, leaf_reward: torch.Tensor, eps: float = 1e-6,
                      fusion_logit: torch.Tensor | None = None) -> torch.Tensor:
     """TreeGRPO reward backup (Ding & Ye 2025), as implemented here.
@@ -245,59 +333,42 @@ def tree_advantages(parent: torch.Tensor, leaf_reward: torch.Tensor, method: str
                     fusion_logit: torch.Tensor | None = None) -> torch.Tensor:
     """Advantage of the edge parent(i) → i for every node i (0 for roots) by registered tree ``method``; node values
     by :func:`tree_values` (``fusion_logit``: BranchGRPO's log-prob-weighted fusion, None = leaf mean)."""
-    if method not in TREE_ESTIMATORS:
-        raise KeyError(f"unknown tree advantage estimator {method!r}; known: {sorted(TREE_ESTIMATORS)}")
+    kernel = _get(method, "tree").kernel
     if fusion_logit is None:
-        return TREE_ESTIMATORS[method](parent, leaf_reward, eps=eps).float()
-    return TREE_ESTIMATORS[method](parent, leaf_reward, eps=eps, fusion_logit=fusion_logit).float()
+        return kernel(parent, leaf_reward, eps=eps).float()
+    return kernel(parent, leaf_reward, eps=eps, fusion_logit=fusion_logit).float()
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Several rewards, one advantage.
 
 
-def combine_rewards(
-    rewards: dict[str, torch.Tensor],
-    group_ids: torch.Tensor,
-    method: str = "grpo",
-    weights: dict[str, float] | None = None,
-    mode: str = "sum_then_normalize",
-    parent: torch.Tensor | None = None,
-    clip: float | None = None,
-    eps: float = 1e-6,
-    fusion_logit: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Advantages from several named rewards.
+def combined_advantages(est: Estimator, inputs: AdvantageInputs, mode: str = "sum_then_normalize",
+                        eps: float = 1e-6) -> torch.Tensor:
+    """A flat or tree estimator's advantages from several named rewards (unclipped).
 
     ``sum_then_normalize``: A = adv(Σ_k w_k r_k).  ``normalize_then_sum`` (GDPO; DanceGRPO/MixGRPO multi-reward
-    aggregation): A = Σ_k w_k adv(r_k). Weights default to 1 for every reward. A tree estimator is used when
-    ``method`` is a tree method (then ``parent`` is required). Result clipped to ±``clip`` (Flow-GRPO uses 5).
-    """
+    aggregation): A = Σ_k w_k adv(r_k). Weights default to 1 for every reward; weight 0 leaves a reward out."""
+    rewards, weights = inputs.rewards, inputs.weights or {}
     if not rewards:
         raise ValueError("no rewards to compute advantages from")
-    weights = weights or {}
     unknown = set(weights) - set(rewards)
     if unknown:
         raise KeyError(f"advantage weights name unknown rewards {sorted(unknown)}; rewards are {sorted(rewards)}")
     names = [k for k in rewards if weights.get(k, 1.0) != 0]
 
     def adv_of(r: torch.Tensor) -> torch.Tensor:
-        if method in TREE_ESTIMATORS:
-            if parent is None:
-                raise ValueError(f"tree estimator {method!r} needs a tree rollout (parent array)")
-            return tree_advantages(parent, r, method, eps, fusion_logit)
-        return group_advantages(r, group_ids, method, eps)
+        if est.kind == "tree":
+            if inputs.parent is None:
+                raise ValueError(f"tree estimator {est.name!r} needs a tree rollout (parent array)")
+            return tree_advantages(inputs.parent, r, est.name, eps, inputs.fusion_logit)
+        return group_advantages(r, inputs.group_ids, est.name, eps)
 
     if mode == "sum_then_normalize":
-        total = sum(weights.get(k, 1.0) * rewards[k].float() for k in names)
-        adv = adv_of(total)
-    elif mode == "normalize_then_sum":
-        adv = sum(weights.get(k, 1.0) * adv_of(rewards[k].float()) for k in names)
-    else:
-        raise ValueError(f"unknown multi-reward mode {mode!r}")
-    if clip is not None:
-        adv = adv.clamp(-clip, clip)
-    return adv
+        return adv_of(sum(weights.get(k, 1.0) * rewards[k].float() for k in names))
+    if mode == "normalize_then_sum":
+        return sum(weights.get(k, 1.0) * adv_of(rewards[k].float()) for k in names)
+    raise ValueError(f"unknown multi-reward mode {mode!r}")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -308,18 +379,6 @@ def combine_rewards(
 # plus the optional per-decision rewards ``payload["step_rewards"]`` [N, C]. The value after the last decision is
 # 0 (the episode ended: success, or the horizon). These estimators use no groups.
 
-STEP_ESTIMATORS: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {}
-
-
-def register_step(name: str):
-    def deco(fn):
-        STEP_ESTIMATORS[name] = fn
-        return fn
-
-    return deco
-
-
-@register_step("gae")
 def gae(rewards: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, gamma: float = 1.0,
         lam: float = 0.95) -> tuple[torch.Tensor, torch.Tensor]:
     """GAE (Schulman et al. 2016, "High-Dimensional Continuous Control Using Generalized Advantage Estimation"),
@@ -361,12 +420,76 @@ def terminal_rewards(outcome: torch.Tensor, valid: torch.Tensor, step_rewards: t
     return out
 
 
-def step_advantages(method: str, outcome: torch.Tensor, values: torch.Tensor, valid: torch.Tensor,
-                    gamma: float, lam: float, step_rewards: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-decision advantages and value targets of registered step estimator ``method`` (see ``gae``)."""
-    if method not in STEP_ESTIMATORS:
-        raise KeyError(f"unknown step advantage estimator {method!r}; known: {sorted(STEP_ESTIMATORS)}")
-    if values.shape != valid.shape:
-        raise ValueError(f"values {tuple(values.shape)} and value_mask {tuple(valid.shape)} must have one entry per "
+@dataclass
+class GAESettings:
+    """The critic's settings, all in one place: how its values become advantages and how it is trained."""
+
+    gamma: float = field(default=1.0, metadata={"help": "discount per decision (action chunk), in (0, 1]"})
+    lam: float = field(default=0.95, metadata={"help": "lambda in [0, 1] (1 = Monte-Carlo return - value)"})
+    normalize: str = field(default="none", metadata={
+        "help": "none | batch (z-score the advantages over the iteration's taken decisions of every process, as PPO)"})
+    value_coef: float = field(default=0.0, metadata={
+        "help": "weight of the critic's value loss (losses.value_loss); 0 = the critic is not trained"})
+    value_clip: float | None = field(default=None, metadata={
+        "help": "clip the new value to V_old +- value_clip in the value loss (PPO2 / RL4VLA); null = no clip"})
+    warmup: int = field(default=0, metadata={
+        "help": "first iterations that train only the critic (policy loss and auxiliary losses weigh 0); needs "
+                "value_coef > 0"})
+    lr: float | None = field(default=None, metadata={
+        "help": "learning rate of the domain's critic_parameters() (a second AdamW group); null = optim.lr"})
+
+    def check(self, where: str) -> None:
+        if not 0 < self.gamma <= 1:
+            raise ConfigError(f"{where}.gamma must be in (0, 1], got {self.gamma}")
+        if not 0 <= self.lam <= 1:
+            raise ConfigError(f"{where}.lam must be in [0, 1], got {self.lam}")
+        if self.normalize not in ("none", "batch"):
+            raise ConfigError(f"{where}.normalize must be none or batch, got {self.normalize!r}")
+        if self.value_coef < 0:
+            raise ConfigError(f"{where}.value_coef must be >= 0, got {self.value_coef}")
+        if self.value_clip is not None and self.value_clip <= 0:
+            raise ConfigError(f"{where}.value_clip must be > 0 (null = no clip), got {self.value_clip}")
+        if self.warmup < 0:
+            raise ConfigError(f"{where}.warmup must be >= 0, got {self.warmup}")
+        if self.warmup and self.value_coef <= 0:
+            raise ConfigError(f"{where}.warmup={self.warmup} trains only the critic, but value_coef is 0; set "
+                              f"{where}.value_coef > 0 (e.g. 0.5)")
+        if self.lr is not None and self.lr <= 0:
+            raise ConfigError(f"{where}.lr must be > 0 (null = optim.lr), got {self.lr}")
+
+
+@register("gae", kind="step", settings=GAESettings)
+def gae_estimator(inputs: AdvantageInputs, cfg, settings: GAESettings) -> AdvantageOutput:
+    """Per-decision advantages and value targets (:func:`gae`) of each sequence from the critic's values
+    (``inputs.values``, ``value_mask``) and its weighted outcome reward as the reward of its last taken decision
+    (plus ``step_rewards``). ``normalize: batch`` z-scores them over the taken decisions of every process
+    (``inputs.all_reduce``); then ``cfg.clip``. Decisions not taken get 0."""
+    w = inputs.weights or {}
+    values, vmask = inputs.values.float(), inputs.value_mask.bool()
+    if values.shape != vmask.shape:
+        raise ValueError(f"values {tuple(values.shape)} and value_mask {tuple(vmask.shape)} must have one entry per "
                          f"decision, [N, C]")
-    return STEP_ESTIMATORS[method](terminal_rewards(outcome, valid, step_rewards), values, valid, gamma=gamma, lam=lam)
+    outcome = sum(w.get(k, 1.0) * r.float() for k, r in inputs.rewards.items() if w.get(k, 1.0) != 0)
+    if not torch.is_tensor(outcome):
+        outcome = torch.zeros(values.shape[0])
+    step_r = inputs.step_rewards.float() if inputs.step_rewards is not None else None
+    adv, returns = gae(terminal_rewards(outcome, vmask, step_r), values, vmask, gamma=settings.gamma, lam=settings.lam)
+    if settings.normalize == "batch":  # every rank takes part, also one with no rows
+        x = adv[vmask].double()
+        st = inputs.all_reduce(torch.stack([x.new_tensor(float(x.numel())), x.sum(), (x * x).sum()]))
+        cnt = max(float(st[0]), 1.0)
+        mean = float(st[1]) / cnt
+        std = math.sqrt(max(float(st[2]) / cnt - mean * mean, 0.0))
+        adv = torch.where(vmask, (adv - mean) / (std + cfg.eps), torch.zeros_like(adv))
+    if cfg.clip is not None:
+        adv = adv.clamp(-cfg.clip, cfg.clip)
+    metrics = {}
+    if vmask.any():
+        v, r = values[vmask], returns[vmask]
+        metrics["advantage/abs_mean"] = float(adv[vmask].abs().mean())
+        metrics["value/mean"] = float(v.mean())
+        var = float(r.var()) if r.numel() > 1 else 0.0
+        metrics["value/explained_variance"] = 1.0 - float((r - v).var()) / var if var > 0 else 0.0
+    else:
+        metrics["advantage/abs_mean"] = 0.0
+    return AdvantageOutput(adv, returns, metrics)

@@ -159,3 +159,63 @@ def load_latest_checkpoint(ckpt_root: Path, log=print) -> tuple[Path, dict[str, 
         state = json.loads((path / "state.json").read_text())
         return path, model_state, optimizer_state, state
     return None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A training run's state: what ``Trainer.save`` writes and ``Trainer.resume`` restores (exact resume: the weights,
+# AdamW, the schedule, the weight average, the key sampler, the domain's extra state and every RNG).
+
+
+def run_state(iteration: int, optim, sampler, domain) -> dict[str, Any]:
+    """The JSON part of a checkpoint (``state.json``)."""
+    opt = optim.state()
+    return {
+        "iteration": iteration,
+        "scheduler": opt.pop("scheduler"),
+        "sampler": sampler.state_dict(),
+        "domain": domain.extra_state(),
+        "rng": rng_state(),
+        **opt,
+    }
+
+
+def save_run(ckpt_root: Path, iteration: int, domain, optim, sampler, dist, fsdp, keep_last: int) -> Path | None:
+    """Write the run's checkpoint at ``iteration`` (a collective under FSDP2: every rank gathers the shards; rank 0
+    writes the one-process layout). Returns its path on the main process, else None."""
+    if fsdp is not None:
+        from .distributed import full_optimizer_state, full_tensors
+
+        model_state = full_tensors(domain.state_dict())
+        opt_state = full_optimizer_state(optim.adamw.state_dict())
+    elif dist.is_main:
+        model_state, opt_state = domain.state_dict(), optim.adamw.state_dict()
+        if optim.ema is not None:
+            model_state = {**model_state, **optim.ema.tensors()}
+    if not dist.is_main:
+        return None
+    return save_checkpoint(ckpt_root, iteration, model_state, opt_state, run_state(iteration, optim, sampler, domain),
+                           keep_last)
+
+
+def restore_run(ckpt_root: Path, domain, optim, sampler, fsdp, log=print) -> tuple[Path, int] | None:
+    """Restore the newest valid checkpoint under ``ckpt_root`` into the domain, optimiser, sampler and the RNGs;
+    returns (its path, its iteration), or None when there is none."""
+    found = load_latest_checkpoint(ckpt_root, log)
+    if found is None:
+        return None
+    path, model_state, opt_state, state = found
+    ema_prefix = "_ema/"  # optim.WeightEMA.PREFIX
+    ema_state = {k: model_state.pop(k) for k in [k for k in model_state if k.startswith(ema_prefix)]}
+    if fsdp is not None:  # full tensors -> this rank's shards, laid out like the live parameters
+        from .distributed import shard_like, shard_optimizer_state
+
+        current = domain.state_dict()
+        model_state = {k: shard_like(v, current[k]) if k in current else v for k, v in sorted(model_state.items())}
+        if opt_state is not None:
+            opt_state = shard_optimizer_state(opt_state, optim.adamw)
+    domain.load_state_dict(model_state)
+    optim.load(opt_state, state, ema_state)
+    sampler.load_state_dict(state["sampler"])
+    domain.load_extra_state(state.get("domain", {}))
+    set_rng_state(state["rng"])
+    return path, int(state["iteration"])

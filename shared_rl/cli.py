@@ -196,8 +196,7 @@ def _load_config(args) -> tuple[dict, Path]:
 def batch_arithmetic(cfg) -> list[str]:
     """What one iteration and the whole run sample and step, in words (``--dry-run`` and the docs)."""
     r, o = cfg.rollout, cfg.optim
-    hook = getattr(cfg.domain_config, "rollout_structure", None)
-    structure = hook(cfg) if callable(hook) else "flat"
+    structure = cfg.domain_config.rollout_structure(cfg)
     seqs = r.groups_per_iteration * r.group_size
     per_call = r.groups_per_call or r.groups_per_iteration
     calls = -(-r.groups_per_iteration // per_call)
@@ -498,7 +497,7 @@ def catalog() -> list[tuple[str, list[str]]]:
     import typing
 
     from . import registry
-    from .advantages import ESTIMATORS, TREE_ESTIMATORS
+    from .advantages import estimator_names
     from .config import LossConfig, SelectionConfig
     from .losses import KL_ESTIMATORS, POLICY_LOSSES
 
@@ -510,8 +509,9 @@ def catalog() -> list[tuple[str, list[str]]]:
         ("supervised jobs (grove pretrain, kind: supervised)", registry.supervised_names()),
         ("benchmarks (grove bench NAME)", registry.benchmark_names()),
         ("command groups (grove NAME ...)", registry.command_names()),
-        ("advantage estimators, flat (advantage.estimator)", sorted(ESTIMATORS)),
-        ("advantage estimators, tree rollouts (advantage.estimator)", sorted(TREE_ESTIMATORS)),
+        ("advantage estimators, flat (advantage.estimator)", estimator_names("flat")),
+        ("advantage estimators, tree rollouts (advantage.estimator)", estimator_names("tree")),
+        ("advantage estimators with a critic (advantage.estimator: {name: gae, ...})", estimator_names("step")),
         ("policy losses (loss.policy_loss)", sorted(POLICY_LOSSES)),
         ("KL estimators (loss.kl_estimator)", sorted(KL_ESTIMATORS)),
         ("loss aggregations (loss.aggregation)", literal(LossConfig, "aggregation")),

@@ -26,11 +26,98 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
+class Choice:
+    """A registered part chosen by name, with its own settings (verl ``core_algos`` style): written in YAML as the
+    name alone (``policy_loss: sapo``: the part's default settings) or as a mapping with ``name`` and the part's
+    settings (``policy_loss: {name: sapo, tau_pos: 1.0}``). ``settings`` is an instance of the registered part's
+    settings dataclass (an empty one for a part without settings). Subclasses name their registry in ``entries()``,
+    whose values carry ``settings_class``; ``kind`` is the config path used in messages."""
+
+    kind = "choice"
+
+    def __init__(self, name: str, settings: Any = None) -> None:
+        self.name = name
+        self.settings = settings if settings is not None else self.settings_class_of(name)()
+
+    @staticmethod
+    def entries() -> dict[str, Any]:
+        raise NotImplementedError
+
+    @classmethod
+    def settings_class_of(cls, name: str) -> type:
+        known = cls.entries()
+        if name not in known:
+            close = difflib.get_close_matches(str(name), sorted(known), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"{cls.kind} {name!r} is unknown{hint}; choose one of {sorted(known)}")
+        return known[name].settings_class
+
+    @classmethod
+    def parse(cls, value: Any, where: str) -> "Choice":
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            return cls(cls._checked_name(value, where))
+        if isinstance(value, dict) and "name" in value:
+            name = cls._checked_name(value["name"], where)
+            rest = {k: v for k, v in value.items() if k != "name"}
+            return cls(name, from_dict(cls.settings_class_of(name), rest, f"{where}"))
+        raise ConfigError(f"{where}: expected a name or a mapping {{name: ..., <its settings>}}, got {value!r}")
+
+    @classmethod
+    def _checked_name(cls, name: Any, where: str) -> str:
+        if not isinstance(name, str):
+            raise ConfigError(f"{where}.name: expected a string, got {type(name).__name__} {name!r}")
+        known = cls.entries()
+        if name not in known:
+            close = difflib.get_close_matches(name, sorted(known), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"{where} {name!r} is unknown{hint}; choose one of {sorted(known)}")
+        return name
+
+    def to_config(self) -> Any:
+        """The YAML form: the name alone when the part has no settings, else ``{name, **settings}``."""
+        fields_ = to_dict(self.settings) if dataclasses.is_dataclass(self.settings) else {}
+        return {"name": self.name, **fields_} if fields_ else self.name
+
+    def __eq__(self, other: Any) -> bool:
+        return type(other) is type(self) and (other.name, other.settings) == (self.name, self.settings)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.to_config()!r})"
+
+
+class PolicyLossChoice(Choice):
+    """``loss.policy_loss``: a ``shared_rl.losses.POLICY_LOSSES`` entry and its settings."""
+
+    kind = "loss.policy_loss"
+
+    @staticmethod
+    def entries() -> dict[str, Any]:
+        from .losses import POLICY_LOSSES
+
+        return POLICY_LOSSES
+
+
+class EstimatorChoice(Choice):
+    """``advantage.estimator``: a ``shared_rl.advantages.ESTIMATORS`` entry and its settings."""
+
+    kind = "advantage.estimator"
+
+    @staticmethod
+    def entries() -> dict[str, Any]:
+        from .advantages import ESTIMATORS
+
+        return ESTIMATORS
+
+
 def _coerce(value: Any, tp: Any, where: str) -> Any:
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
     if tp is Any:
         return value
+    if isinstance(tp, type) and issubclass(tp, Choice):
+        return tp.parse(value, where)
     if origin in (Union, types.UnionType):
         if value is None and type(None) in args:
             return None
@@ -126,6 +213,8 @@ def from_dict(cls: type, data: dict | None, where: str = "") -> Any:
 
 def to_dict(obj: Any) -> Any:
     """Dataclass -> plain dict (Paths as strings), for writing the resolved config."""
+    if isinstance(obj, Choice):
+        return obj.to_config()
     if dataclasses.is_dataclass(obj):
         return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
     if isinstance(obj, dict):
@@ -157,6 +246,12 @@ def describe(obj: Any, prefix: str = "") -> list[tuple[str, Any, Any, str]]:
             default = f.default_factory()
         else:
             default = dataclasses.MISSING
+        if isinstance(value, Choice):  # the part's name, then its own settings as path.<setting>
+            rows.append((path, value.name, default.name if isinstance(default, Choice) else default,
+                         f.metadata.get("help", "")))
+            if dataclasses.is_dataclass(value.settings):
+                rows += describe(value.settings, f"{path}.")
+            continue
         rows.append((path, value, default, f.metadata.get("help", "")))
     return rows
 
@@ -178,6 +273,8 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
         parts = key.strip().split(".")
         for p in parts[:-1]:
             nxt = node.setdefault(p, {})
+            if isinstance(nxt, str) and p in node:  # a registered part given by name: loss.policy_loss.tau_pos=2
+                nxt = node[p] = {"name": nxt}
             if not isinstance(nxt, dict):
                 raise ConfigError(f"override {item!r}: {p!r} is not a section")
             node = nxt
@@ -229,11 +326,17 @@ class RolloutConfig:
             raise ConfigError(f"{where}.group_size must be >= 2 for group-relative advantages, got {self.group_size}")
 
 
+_CRITIC_MOVED = "the critic's settings belong to its estimator: advantage.estimator: {name: gae, gamma: .., lam: .., " \
+                "normalize: .., value_coef: .., value_clip: .., warmup: .., lr: ..}"
+
+
 @dataclass
 class AdvantageConfig:
-    estimator: str = field(default="grpo", metadata={
-        "help": "flat: grpo | batch_std | dr_grpo | rloo | mc_median; tree rollouts: depth_zscore | sibling | "
-                "leaf_global | treerl | tree_leaf_zscore; with a critic (PPO; the domain supplies values): gae"})
+    estimator: EstimatorChoice = field(default_factory=lambda: EstimatorChoice("grpo"), metadata={
+        "help": "a shared_rl.advantages.ESTIMATORS entry, by name or {name: .., <its settings>}: flat grpo | batch_std "
+                "| dr_grpo | rloo | mc_median; tree rollouts depth_zscore | sibling | leaf_global | treerl | "
+                "tree_leaf_zscore; with a critic (PPO; the domain supplies values) {name: gae, gamma, lam, normalize, "
+                "value_coef, value_clip, warmup, lr}"})
     clip: Optional[float] = field(default=5.0, metadata={"help": "clip advantages to [-clip, clip]; null = no clip"})
     multi_reward: Literal["normalize_then_sum", "sum_then_normalize"] = field(default="sum_then_normalize", metadata={
         "help": "several rewards: sum_then_normalize (weighted sum, one estimator) | normalize_then_sum (GDPO)"})
@@ -243,45 +346,32 @@ class AdvantageConfig:
         "help": "added to the std in z-score estimators; also a soft std floor: a group whose rewards differ by much "
                 "less than eps (e.g. all-success groups told apart only by a dense term) gets advantages scaled by "
                 "std / (std + eps) instead of unit size"})
-    gamma: float = field(default=1.0, metadata={"help": "gae: discount per decision (action chunk), in (0, 1]"})
-    lam: float = field(default=0.95, metadata={"help": "gae: lambda in [0, 1] (1 = Monte-Carlo return - value)"})
-    normalize: Literal["none", "batch"] = field(default="none", metadata={
-        "help": "gae: none | batch (z-score the advantages over the iteration's taken decisions, as PPO)"})
+
+    moved_keys: typing.ClassVar[dict[str, str]] = {"gamma": _CRITIC_MOVED, "lam": _CRITIC_MOVED,
+                                                    "normalize": _CRITIC_MOVED}
 
     def check(self, where: str) -> None:
-        from .advantages import ESTIMATORS, STEP_ESTIMATORS, TREE_ESTIMATORS
-
-        if not 0 < self.gamma <= 1:
-            raise ConfigError(f"{where}.gamma must be in (0, 1], got {self.gamma}")
-        if not 0 <= self.lam <= 1:
-            raise ConfigError(f"{where}.lam must be in [0, 1], got {self.lam}")
-        known = sorted(ESTIMATORS) + sorted(TREE_ESTIMATORS) + sorted(STEP_ESTIMATORS)
-        if self.estimator not in known:
-            close = difflib.get_close_matches(self.estimator, known, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ConfigError(f"{where}.estimator {self.estimator!r} is unknown{hint}; choose one of {known}")
         if self.clip is not None:
             _positive(f"{where}.", "clip", self.clip)
+
+    @property
+    def kind(self) -> str:
+        """flat | tree | step: what the estimator reads (group ids, the parent array, or a critic's values)."""
+        return EstimatorChoice.entries()[self.estimator.name].kind
 
 
 @dataclass
 class LossConfig:
-    policy_loss: str = field(default="clipped", metadata={
-        "help": "shared_rl.losses.POLICY_LOSSES entry: clipped (PPO/GRPO/DAPO) | gspo (sequence ratio) | cispo "
-                "(clipped IS weight) | sapo (soft gate)"})
+    policy_loss: Optional[PolicyLossChoice] = field(default=None, metadata={
+        "help": "a shared_rl.losses.POLICY_LOSSES entry, by name or {name: .., <its settings>}: clipped (PPO/GRPO/"
+                "DAPO) | gspo (sequence ratio) | cispo (clipped IS weight) | {name: sapo, tau_pos, tau_neg} (soft "
+                "gate) | {name: guard, center, reweight} (GRPO-Guard); null = the loss the domain's method implies "
+                "(visgen objective nft / awm), else clipped"})
     clip_low: float = field(default=0.2, metadata={"help": "ratio clip below: 1 - clip_low (clipped, gspo, cispo)"})
     clip_high: Optional[float] = field(default=None, metadata={
         "help": "ratio clip above: 1 + clip_high; null = clip_low, larger = DAPO clip-higher"})
     dual_clip: Optional[float] = field(default=None, metadata={
         "help": "dual clip constant c > 1 bounding the loss of negative advantages (clipped, gspo); null = off"})
-    sapo_tau_pos: float = field(default=1.0, metadata={"help": "sapo: gate temperature for positive advantages"})
-    sapo_tau_neg: float = field(default=1.05, metadata={"help": "sapo: gate temperature for advantages <= 0"})
-    guard_center: bool = field(default=True, metadata={"help": "guard (GRPO-Guard): centre each step's normalised "
-                                                               "log-ratio (removes the ratio-below-1 bias)"})
-    guard_reweight: bool = field(default=True, metadata={"help": "guard: restore each unclipped step's gradient scale "
-                                                                 "(sigma_mean / sigma_t)"})
-    objective_adv_max: float = field(default=5.0, metadata={
-        "help": "nft: A_max, the advantage clip that maps A to DiffusionNFT's optimality weight r in [0, 1]"})
     aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = field(
         default="token-mean", metadata={"help": "token-mean (DAPO) | seq-mean-token-mean (GRPO) | "
                                                 "seq-mean-token-sum-norm (Dr. GRPO)"})
@@ -290,43 +380,31 @@ class LossConfig:
     kl_coef: float = field(default=0.0, metadata={"help": "weight of the KL(policy || reference) term; 0 = no KL"})
     kl_estimator: str = field(default="domain", metadata={
         "help": "shared_rl.losses.KL_ESTIMATORS entry: domain (the domain's own KL, else k3) | k1 | k3"})
-    value_coef: float = field(default=0.0, metadata={
-        "help": "weight of the critic's value loss (PPO with advantage.estimator: gae); 0 = no value loss"})
-    value_clip: Optional[float] = field(default=None, metadata={
-        "help": "clip the new value to V_old +- value_clip in the value loss (PPO2 / RL4VLA); null = no clip"})
-    critic_warmup: int = field(default=0, metadata={
-        "help": "first iterations that train only the critic (policy loss weight 0); needs value_coef > 0"})
-    replay_coef: float = field(default=0.0, metadata={
-        "help": "weight of the domain's replay loss (its supervised pretraining loss on its own demonstrations, "
-                "robotics: flow-matching BC on robotics.replay_data) added at every optimizer step: an anchor to "
-                "the pretraining data against forgetting; 0 = off"})
+
+    moved_keys: typing.ClassVar[dict[str, str]] = {
+        "sapo_tau_pos": "policy_loss: {name: sapo, tau_pos: .., tau_neg: ..}",
+        "sapo_tau_neg": "policy_loss: {name: sapo, tau_pos: .., tau_neg: ..}",
+        "guard_center": "policy_loss: {name: guard, center: .., reweight: ..}",
+        "guard_reweight": "policy_loss: {name: guard, center: .., reweight: ..}",
+        "objective_adv_max": "the nft loss's own setting (visgen.objective: {name: nft, adv_max: ..})",
+        "value_coef": _CRITIC_MOVED, "value_clip": _CRITIC_MOVED, "critic_warmup": _CRITIC_MOVED,
+        "replay_coef": "the domain's own replay settings (robotics.replay: {coef: .., data: ..})",
+    }
 
     def check(self, where: str) -> None:
-        from .losses import KL_ESTIMATORS, POLICY_LOSSES
+        from .losses import KL_ESTIMATORS
 
-        for name, value, known in (("policy_loss", self.policy_loss, POLICY_LOSSES),
-                                   ("kl_estimator", self.kl_estimator, KL_ESTIMATORS)):
-            if value not in known:
-                close = difflib.get_close_matches(value, sorted(known), n=1)
-                hint = f" (did you mean {close[0]!r}?)" if close else ""
-                raise ConfigError(f"{where}.{name} {value!r} is unknown{hint}; choose one of {sorted(known)}")
+        if self.kl_estimator not in KL_ESTIMATORS:
+            close = difflib.get_close_matches(self.kl_estimator, sorted(KL_ESTIMATORS), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"{where}.kl_estimator {self.kl_estimator!r} is unknown{hint}; choose one of "
+                              f"{sorted(KL_ESTIMATORS)}")
         _positive(f"{where}.", "clip_low", self.clip_low)
         if self.clip_high is not None:
             _positive(f"{where}.", "clip_high", self.clip_high)
         if self.dual_clip is not None and self.dual_clip <= 1:
             raise ConfigError(f"{where}.dual_clip must be > 1 (e.g. 3.0), got {self.dual_clip}")
-        _positive(f"{where}.", "sapo_tau_pos", self.sapo_tau_pos)
-        _positive(f"{where}.", "sapo_tau_neg", self.sapo_tau_neg)
-        _positive(f"{where}.", "objective_adv_max", self.objective_adv_max)
         _positive(f"{where}.", "kl_coef", self.kl_coef, allow_zero=True)
-        _positive(f"{where}.", "value_coef", self.value_coef, allow_zero=True)
-        if self.value_clip is not None:
-            _positive(f"{where}.", "value_clip", self.value_clip)
-        _positive(f"{where}.", "critic_warmup", self.critic_warmup, allow_zero=True)
-        _positive(f"{where}.", "replay_coef", self.replay_coef, allow_zero=True)
-        if self.critic_warmup and self.value_coef <= 0:
-            raise ConfigError(f"{where}.critic_warmup={self.critic_warmup} trains only the critic, but value_coef "
-                              f"is 0; set {where}.value_coef > 0 (e.g. 0.5)")
         if self.max_steps_norm is not None:
             _positive(f"{where}.", "max_steps_norm", self.max_steps_norm)
 
@@ -341,8 +419,6 @@ class OptimConfig:
     warmup_steps: int = field(default=0, metadata={"help": "optimizer steps of linear warm-up to lr; 0 = none"})
     schedule: Literal["constant", "cosine", "linear"] = field(
         default="constant", metadata={"help": "lr after warm-up: constant | cosine | linear (decay to 0 at the end)"})
-    critic_lr: Optional[float] = field(default=None, metadata={
-        "help": "learning rate of the domain's critic (PPO, its critic_parameters()); null = lr"})
     ema_decay: float = field(default=0.0, metadata={
         "help": "weight averaging (Polyak): an EMA of the trained weights, decay min(ema_decay, (1+t)/(10+t)) at "
                 "optimizer step t, is what evaluation and the exported model use; rollouts and updates use the live "
@@ -352,10 +428,10 @@ class OptimConfig:
     micro_batch_size: int = field(
         default=0, metadata={"help": "sequences per forward/backward (gradient accumulation); 0 = the whole minibatch"})
 
+    moved_keys: typing.ClassVar[dict[str, str]] = {"critic_lr": _CRITIC_MOVED}
+
     def check(self, where: str) -> None:
         _positive(f"{where}.", "lr", self.lr)
-        if self.critic_lr is not None:
-            _positive(f"{where}.", "critic_lr", self.critic_lr)
         _positive(f"{where}.", "inner_epochs", self.inner_epochs)
         _positive(f"{where}.", "minibatches_per_epoch", self.minibatches_per_epoch)
         _positive(f"{where}.", "micro_batch_size", self.micro_batch_size, allow_zero=True)
@@ -391,17 +467,10 @@ class SelectionConfig:
     history_window: int = field(
         default=2, metadata={"help": "history: skip a key after this many all-success or all-fail groups"})
     history_readmit_after: int = field(default=5, metadata={"help": "history: iterations until a skipped key returns"})
-    balance: bool = field(default=False, metadata={
-        "help": "draw keys from each of the domain's key strata (robotics: tasks) per iteration, as balance_by says"})
-    balance_by: Literal["equal", "need"] = field(default="equal", metadata={
-        "help": "with balance: equal = the same number of keys per stratum | need = one key each, the rest in "
-                "proportion to each stratum's recent failure rate 1 - EMA(success)"})
-    need_decay: float = field(default=0.7, metadata={
-        "help": "balance_by need: weight of the past in each stratum's success-rate average, in [0, 1)"})
-    need_floor: int = field(default=1, metadata={
-        "help": "balance_by need: keys every stratum gets before the rest is split by need (1 = every task stays "
-                "observed; 0 = a task whose success average reaches 1 gets no rollouts, so none of the budget goes "
-                "to all-success groups, and with per-task adapters its weights stop moving)"})
+
+    moved_keys: typing.ClassVar[dict[str, str]] = {
+        k: "per-stratum key balance is the domain's own setting (robotics.balance: {enabled: .., by: .., need_decay: "
+           "..., need_floor: ..})" for k in ("balance", "balance_by", "need_decay", "need_floor")}
 
     def check(self, where: str) -> None:
         lo, hi = (self.band + [None, None])[:2]
@@ -417,14 +486,6 @@ class SelectionConfig:
         if len(self.vade_prior) != 2 or not all(v > 0 for v in self.vade_prior):
             raise ConfigError(f"{where}.vade_prior must be two positive numbers [alpha0, beta0], got {self.vade_prior}")
         _positive(f"{where}.", "history_window", self.history_window)
-        if not 0 <= self.need_decay < 1:
-            raise ConfigError(f"{where}.need_decay must be in [0, 1), got {self.need_decay}")
-        if self.balance_by == "need" and not self.balance:
-            raise ConfigError(f"{where}.balance_by: need weights the strata of selection.balance; set balance: true")
-        _positive(f"{where}.", "need_floor", self.need_floor, allow_zero=True)
-        if self.need_floor != 1 and self.balance_by != "need":
-            raise ConfigError(f"{where}.need_floor={self.need_floor} is the per-stratum minimum of balance_by: need; "
-                              f"set balance_by: need or leave need_floor at 1")
         _positive(f"{where}.", "history_readmit_after", self.history_readmit_after, allow_zero=True)
 
 
@@ -520,18 +581,25 @@ class TrainConfig:
                 f"optim.minibatches_per_epoch={self.optim.minibatches_per_epoch} must divide the "
                 f"{self.rollout.groups_per_iteration}x{self.rollout.group_size} sequences per iteration"
             )
-        if self.selection.sampler == "vade" and self.selection.filter == "none":
-            pass  # VADE alone is fine: it steers which keys are drawn
+
+    def policy_loss_choice(self) -> PolicyLossChoice:
+        """The policy loss this run trains with: ``loss.policy_loss`` when set, else the one the domain's method
+        implies (its config's ``policy_loss`` hook: visgen's likelihood-free objectives), else ``clipped``. Read,
+        never stored: the config stays as the user wrote it."""
+        if self.loss.policy_loss is not None:
+            return self.loss.policy_loss
+        implied = self.domain_config.policy_loss(self) if self.domain_config is not None else None
+        return implied if implied is not None else PolicyLossChoice("clipped")
 
 
 def load_train_config(data: dict) -> TrainConfig:
     """Validate a full YAML dict: trainer sections plus the domain section (``data[domain]``).
 
-    Cross-checks with the domain: a tree advantage estimator needs tree rollouts, which the domain config's optional
-    hook ``rollout_structure(train_cfg) -> "flat" | "tree"`` reports (see ``shared_rl.domain``; a config without the
-    hook is not checked until every in-tree domain has it, then absent will mean flat); then the config's own
-    ``check_with(train_cfg)`` if it has one."""
-    from .advantages import ESTIMATORS, TREE_ESTIMATORS
+    Cross-checks with the domain (its config's hooks, ``shared_rl.domain.DomainConfig``): the advantage estimator's
+    kind against ``rollout_structure(train_cfg)`` (a tree estimator needs tree rollouts, a critic's needs flat
+    ones); then the config's own ``check_with(train_cfg)``; then reward names. Nothing here changes the config."""
+    from .advantages import estimator_names
+    from .domain import DomainConfig
     from .registry import resolve_domain
 
     data = dict(data)
@@ -539,35 +607,29 @@ def load_train_config(data: dict) -> TrainConfig:
     if not isinstance(domain, str):
         raise ConfigError(f"domain must be a name like 'visgen', got {domain!r}")
     domain_cls = resolve_domain(domain)
+    if not (isinstance(domain_cls.config_class, type) and issubclass(domain_cls.config_class, DomainConfig)):
+        raise TypeError(f"domain {domain!r}: its config_class must subclass shared_rl.domain.DomainConfig")
     domain_section = data.pop(domain, None)
     cfg = from_dict(TrainConfig, data)
     cfg.domain_config = from_dict(domain_cls.config_class, domain_section or {}, domain)
-    hook = getattr(cfg.domain_config, "rollout_structure", None)
-    structure = hook(cfg) if callable(hook) else "flat"  # a domain without the hook has flat rollouts
+    structure = cfg.domain_config.rollout_structure(cfg)
     if structure not in ("flat", "tree"):
         raise ConfigError(f"{type(cfg.domain_config).__name__}.rollout_structure returned {structure!r}; it must "
                           f"return 'flat' or 'tree'")
-    est = cfg.advantage.estimator
-    if structure == "flat" and est in TREE_ESTIMATORS:
+    est, kind = cfg.advantage.estimator.name, cfg.advantage.kind
+    if structure == "flat" and kind == "tree":
         raise ConfigError(f"advantage.estimator {est!r} needs tree rollouts; this config's {domain} rollouts are "
-                          f"flat: use a flat estimator ({', '.join(ESTIMATORS)}), or configure tree rollouts in the "
-                          f"{domain!r} section if the domain has them")
+                          f"flat: use a flat estimator ({', '.join(estimator_names('flat'))}), or configure tree "
+                          f"rollouts in the {domain!r} section if the domain has them")
     sequences = cfg.rollout.groups_per_iteration * cfg.rollout.group_size
     if structure == "flat" and cfg.optim.minibatches_per_epoch > sequences:
         raise ConfigError(f"optim.minibatches_per_epoch={cfg.optim.minibatches_per_epoch} is more than the "
                           f"{cfg.rollout.groups_per_iteration}x{cfg.rollout.group_size}={sequences} sequences an "
                           f"iteration samples (each optimizer step needs one); use at most {sequences}")
-    from .advantages import STEP_ESTIMATORS
-
-    if est in STEP_ESTIMATORS and structure != "flat":
+    if kind == "step" and structure != "flat":
         raise ConfigError(f"advantage.estimator {est!r} needs flat rollouts (sequences of decisions); this config's "
-                          f"{domain} rollouts are trees: use a tree estimator ({', '.join(TREE_ESTIMATORS)})")
-    if est not in STEP_ESTIMATORS and cfg.loss.value_coef > 0:
-        raise ConfigError(f"loss.value_coef={cfg.loss.value_coef} trains a critic, but advantage.estimator {est!r} "
-                          f"uses none; set advantage.estimator: gae (PPO) or loss.value_coef: 0")
-    check_domain = getattr(cfg.domain_config, "check_with", None)
-    if callable(check_domain):
-        check_domain(cfg)
+                          f"{domain} rollouts are trees: use a tree estimator ({', '.join(estimator_names('tree'))})")
+    cfg.domain_config.check_with(cfg)
     _check_reward_names(cfg)
     return cfg
 
@@ -577,8 +639,7 @@ def _check_reward_names(cfg: TrainConfig) -> None:
     the domain config's optional hook ``reward_names(train_cfg) -> list[str] | None`` before any model loads (a
     domain without the hook, or whose hook returns None because a reward's outputs are only known when it runs, is
     checked at its first rollout)."""
-    hook = getattr(cfg.domain_config, "reward_names", None)
-    names = hook(cfg) if callable(hook) else None
+    names = cfg.domain_config.reward_names(cfg)
     if names is None:
         return
     names = list(names)

@@ -1,50 +1,42 @@
-"""The contract between the domain-agnostic trainer and a domain (visgen, robotics, llm, toy).
+"""The contract between the domain-agnostic trainer and a domain (visgen, robotics, llm, toy): one hook protocol,
+declared here once.
 
 A domain is found by name through ``shared_rl.registry`` (a string -> "module:Class" table plus the
-``grove.domains`` entry point group), so ``shared_rl`` never imports ``visgen`` or ``robotics``.
+``grove.domains`` entry point group), so ``shared_rl`` never imports ``visgen`` or ``robotics``. A domain subclasses
+``DomainBase`` and names its settings class (``config_class``, a dataclass subclassing ``DomainConfig``, filled from
+the YAML section named after the domain). Every optional hook has its default on these two base classes; the
+trainer and the config loader call them directly (no probing).
 
-One training iteration, as the trainer runs it (see ``shared_rl/trainer.py``)::
+One training iteration, as the trainer runs it (``shared_rl/trainer.py``; ``shared_rl/reference.py`` is the same
+loop on one screen)::
 
-    keys    = sampler.select(train_keys, groups_per_iteration)       # prompts / reset states
-    rollout = domain.rollout(keys, group_size, generator, iteration)  # no grad; rewards included
+    keys    = sampler.select(domain.train_keys(), groups_per_iteration)   # sampler = domain.key_sampler(configured)
+    rollout = domain.rollout(keys, group_size, generator, iteration)    # no grad; rewards included
     rollout = selection filter by key (+ refill: more keys, domain.rollout again; trim to groups_per_iteration keys)
     sampler.update(each drawn key once, successes summed over its groups)
-    adv     = advantages(rollout.rewards, rollout.group_ids | rollout.parent)
+    adv     = ESTIMATORS[advantage.estimator](rewards, group ids | parent array | critic values)
     for epoch, minibatch, micro-batch:
-        out  = domain.log_probs(rollout, idx, need_kl)                # with grad, [n, T]
-        loss = aggregate(POLICY_LOSSES[loss.policy_loss](out.logp, rollout.logp_old[idx], adv[idx],
-                                                         rollout.mask[idx], loss)) + kl_coef * aggregate(KL)
+        out  = domain.log_probs(rollout, idx, need_kl)                  # with grad, [n, T]
+        loss = aggregate(policy_loss(out.logp, rollout.logp_old[idx], adv[idx], rollout.mask[idx])) + kl_coef*KL
+             (+ value_coef * value loss with a critic estimator)
+    + Σ coef·loss over domain.auxiliary_losses(iteration, step, rank, world)   # e.g. robotics' demo replay
     domain.before_optimizer_step() -> optimizer step -> domain.after_optimizer_step()
-    -> metrics -> domain.evaluate() -> checkpoint
+    -> metrics -> domain.evaluate() -> checkpoint (domain.state_dict, domain.extra_state)
 
 **Groups.** ``rollout.keys`` has one entry per group. A key may own several groups (E-GRPO: one per (prompt,
 consolidated step)); the trainer counts, filters, refills and trims by requested key, so a domain returning
 several groups per key lists the key once per group and, when one call may request the same key twice, says
 which request each group answers in ``Rollout.key_index``.
 
-**A critic (PPO, ``advantage.estimator: gae``).** The domain's rollout puts in its payload ``values`` ``[N, C]``
-(the critic's value of the state at each of a sequence's C decisions, e.g. action chunks; each decision owns
-T / C consecutive steps) and ``value_mask`` ``[N, C]`` (the decisions taken, a prefix of each row), optionally
+**A critic (PPO, ``advantage.estimator: {name: gae, ...}``).** The domain's rollout puts in its payload ``values``
+``[N, C]`` (the critic's value of the state at each of a sequence's C decisions, e.g. action chunks; each decision
+owns T / C consecutive steps) and ``value_mask`` ``[N, C]`` (the decisions taken, a prefix of each row), optionally
 ``step_rewards`` ``[N, C]``; ``log_probs`` returns ``StepLogProbs.values`` with grad, and the critic's parameters
-are among ``parameters()``. The trainer turns them into per-step advantages (``advantages.gae``) and adds
-``loss.value_coef ·`` the value loss (``losses.value_loss``).
+are among ``parameters()`` and listed by ``critic_parameters()``. The estimator turns them into per-step advantages
+and value targets (``advantages.gae``); the trainer adds ``value_coef ·`` the value loss (``losses.value_loss``).
 
 **Deferred behaviour log-probs.** A domain whose rollout is sampled by the current weights may leave
 ``logp_old`` to the trainer's first forward: it marks those steps in ``Rollout.logp_deferred``.
-
-**Config hooks.** A domain's ``config_class`` may define, besides ``check(where)``:
-
-- ``rollout_structure(self, train_cfg) -> "flat" | "tree"``: whether rollouts under ``train_cfg`` are trees
-  (``Rollout.parent`` set). ``load_train_config`` refuses a tree advantage estimator
-  (``advantages.TREE_ESTIMATORS``) with flat rollouts in one line. Absent means flat (for now: not checked, until
-  every in-tree domain has the hook).
-- ``check_with(self, train_cfg)``: any other cross-check against the trainer's sections (may fill defaults).
-- ``reward_names(self, train_cfg) -> list[str] | None``: the reward names a rollout will emit (None: not knowable
-  before a rollout); ``load_train_config`` checks ``advantage.weights`` and ``selection.band_reward`` against them
-  (without it, only the first rollout would find a typo).
-- ``preflight(self, train_cfg)``: checks that read the run's small inputs (prompt files, datasets, importable
-  ``module:function`` rewards, reward arguments) and whether the configured rewards can score them, run by
-  ``shared_rl.preflight`` before any model loads and before the run directory exists; raise ``ConfigError``.
 """
 from __future__ import annotations
 
@@ -127,10 +119,67 @@ class Domain(Protocol):
         """Held-out evaluation; keys start with ``eval/``. Called before the first update and at the end."""
 
 
-class DomainBase:
-    """Convenient defaults for the optional hooks; domains may subclass it."""
+class DomainConfig:
+    """Base of every domain's settings dataclass: the config hooks the loader calls, with their defaults. None of
+    them may change the config (a config is what the user wrote; derived values are computed on demand)."""
 
-    config_class: type | None = None
+    def check(self, where: str) -> None:
+        """Validate this section's own fields; raise ``ConfigError`` with one line naming the key to change."""
+
+    def check_with(self, train_cfg) -> None:
+        """Cross-checks against the trainer's sections (``TrainConfig``); raise ``ConfigError``. Must not mutate."""
+
+    def rollout_structure(self, train_cfg) -> str:
+        """``"flat"`` or ``"tree"`` (``Rollout.parent`` set): whether rollouts under ``train_cfg`` are trees. The
+        loader refuses a tree advantage estimator with flat rollouts, and a critic's with trees, in one line."""
+        return "flat"
+
+    def reward_names(self, train_cfg) -> list[str] | None:
+        """The reward names a rollout will emit (None: not knowable before a rollout); the loader checks
+        ``advantage.weights`` and ``selection.band_reward`` against them (without it only the first rollout would
+        find a typo)."""
+        return None
+
+    def preflight(self, train_cfg) -> None:
+        """Checks that read the run's small inputs (prompt files, datasets, importable ``module:function`` rewards,
+        reward arguments) and whether the configured rewards can score them; run by ``shared_rl.preflight`` before
+        any model loads and before the run directory exists; raise ``ConfigError``."""
+
+    def default_reward_weights(self) -> dict[str, float]:
+        """Reward name -> weight when ``advantage.weights`` is empty (e.g. ``llm.rewards[].weight``)."""
+        return {}
+
+    def policy_loss(self, train_cfg):
+        """The policy loss (a ``config.PolicyLossChoice``) the domain's own method implies, or None. Used when
+        ``loss.policy_loss`` is null (``TrainConfig.policy_loss_choice``): visgen's likelihood-free objectives (NFT,
+        AWM) bring their loss with them, so a recipe chooses the method once."""
+        return None
+
+
+class DomainBase:
+    """The optional hooks of a domain, with their defaults; every domain subclasses it."""
+
+    config_class: type[DomainConfig] = DomainConfig
+
+    def critic_parameters(self) -> list[torch.nn.Parameter]:
+        """The critic's (value head's) parameters, also among ``parameters()``; a critic estimator with its own
+        ``lr`` steps them at that rate (PPO practice: a value head moving at the policy's rate turns its own noise
+        into advantage noise)."""
+        return []
+
+    def key_sampler(self, sampler):
+        """The key sampler the trainer draws with: the configured one (``selection.sampler``), or the domain's
+        wrapping of it (robotics: ``selection.StratifiedSampler`` over its tasks, from its own config). A sampler
+        reports its own metrics (``iteration_metrics``)."""
+        return sampler
+
+    def auxiliary_losses(self, iteration: int, step: int, rank: int, world: int) -> dict[str, tuple[float, torch.Tensor]]:
+        """Named ``(coefficient, loss with grad)`` terms added to each optimizer step after its micro-batches
+        (skipped while a critic warms up): e.g. robotics' replay of its demonstrations, an anchor against
+        forgetting. Drawn from (seed, ``iteration``, optimizer ``step``) only, so a resumed run replays the same
+        batches; with ``world`` processes each returns its share of one global minibatch (rows ``rank::world``,
+        weighted by their fraction) so that the sum over ranks is the global mean. The trainer logs ``loss/<name>``."""
+        return {}
 
     def before_optimizer_step(self) -> None:
         """Called right before each optimizer step, after the gradients are summed and clipped (a domain that
@@ -138,14 +187,6 @@ class DomainBase:
 
     def after_optimizer_step(self) -> None:
         """Called after each optimizer step (EMA updates, schedule moves)."""
-
-    def replay_loss(self, iteration: int, step: int, rank: int, world: int) -> torch.Tensor:
-        """The supervised anchor of ``loss.replay_coef`` (with grad): the pretraining loss on a minibatch of the
-        domain's own demonstrations, drawn from (seed, ``iteration``, optimizer ``step``) only, so a resumed run
-        replays the same batches. With ``world`` processes each returns its share of one global minibatch (rows
-        ``rank::world``, weighted by their fraction) so that the sum over ranks is the global mean. Domains without
-        demonstrations do not override it; the trainer then refuses ``replay_coef > 0`` before training."""
-        raise NotImplementedError
 
     def extra_state(self) -> dict[str, Any]:
         """JSON-serialisable state to resume exactly (besides ``state_dict``)."""

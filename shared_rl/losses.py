@@ -6,17 +6,20 @@ robot action heads) and tokens (LLM). Aggregations are normalised by **global** 
 step (``Normalizer``), so splitting a minibatch into micro-batches and accumulating gradients gives the same
 gradient as one big batch (``tests/core/test_losses.py`` checks it).
 
-**Policy losses** (``loss.policy_loss``), registered with ``@register_policy_loss(name)`` in ``POLICY_LOSSES``
-(the pattern of verl's ``register_policy_loss``). Every entry has the one signature::
+**Policy losses** (``loss.policy_loss``), registered with ``@register_policy_loss(name, settings=...)`` in
+``POLICY_LOSSES`` (the pattern of verl's ``register_policy_loss``); each owns its settings dataclass, written in
+YAML beside its name (``policy_loss: {name: sapo, tau_pos: 1.0}``). Every entry has the one signature::
 
-    fn(logp, logp_old, advantages, mask, cfg: LossConfig) -> (loss [n, T], stats)
+    fn(logp, logp_old, advantages, mask, cfg: LossConfig, settings, terms: StepLogProbs) -> (loss [n, T], stats)
 
 ``logp`` ``[n, T]`` (with grad), ``logp_old`` ``[n, T]`` behaviour log-probs, ``advantages`` ``[n]`` (one per
 sequence) or ``[n, T]``, ``mask`` ``[n, T]`` trained steps; ``loss`` is per step and already multiplied by the
 mask (the trainer then ``aggregate``s it); ``stats`` holds detached ``[n, T]`` tensors ``ratio`` (the importance
 ratio the loss used), ``clipped`` (1.0 where the loss cut the step's gradient) and ``log_ratio``.
-Likelihood-free losses (``nft``, ``awm``; registered with ``uses_domain_terms=True``) also get ``terms=`` the
-domain's ``StepLogProbs`` and combine its ``objective_pos``/``objective_neg`` with the advantage instead of a ratio.
+``cfg`` holds the settings several losses share (the ratio clip, the dual clip); ``settings`` the loss's own;
+``terms`` is the domain's ``StepLogProbs`` of the micro-batch, which likelihood-free losses (``nft``, ``awm``) read
+(``objective_pos``/``objective_neg``, combined with the advantage instead of a ratio) and GRPO-Guard too
+(``step_std``).
 
 **KL estimators** (``loss.kl_estimator``), registered with ``@register_kl_estimator(name)`` in ``KL_ESTIMATORS``,
 all ``fn(logp, ref_logp, domain_kl) -> [n, T]`` per-step KL(π‖π_ref) with grad: ``k1`` and ``k3`` estimate it from
@@ -25,7 +28,7 @@ reference log-probs, ``domain`` takes the domain's own (``StepLogProbs.kl``, e.g
 from __future__ import annotations
 
 import difflib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -131,17 +134,21 @@ PolicyLoss = Callable[..., "tuple[torch.Tensor, dict[str, torch.Tensor]]"]
 POLICY_LOSSES: dict[str, PolicyLoss] = {}
 
 
-def register_policy_loss(name: str, uses_domain_terms: bool = False) -> Callable[[PolicyLoss], PolicyLoss]:
-    """Decorator: make ``fn(logp, logp_old, advantages, mask, cfg) -> (loss [n, T], stats)`` selectable as
-    ``loss.policy_loss: name`` (register before the config is loaded; the name is checked there).
+@dataclass
+class NoSettings:
+    """The settings of a loss that has none of its own."""
 
-    ``uses_domain_terms``: the loss is likelihood-free and combines the domain's per-step objective terms
-    (``StepLogProbs.objective_pos/neg``), which the trainer then passes as the keyword ``terms=``."""
+
+def register_policy_loss(name: str, settings: type = NoSettings) -> Callable[[PolicyLoss], PolicyLoss]:
+    """Decorator: make ``fn(logp, logp_old, advantages, mask, cfg, settings, terms) -> (loss [n, T], stats)``
+    selectable as ``loss.policy_loss: name`` (register before the config is loaded; the name is checked there).
+    ``settings``: the loss's own settings dataclass (fields with defaults and ``metadata["help"]``), built from the
+    keys written beside its name."""
 
     def wrap(fn: PolicyLoss) -> PolicyLoss:
         if name in POLICY_LOSSES and POLICY_LOSSES[name] is not fn:
             raise ValueError(f"policy loss {name!r} is already registered ({POLICY_LOSSES[name].__qualname__})")
-        fn.uses_domain_terms = uses_domain_terms
+        fn.settings_class = settings
         POLICY_LOSSES[name] = fn
         return fn
 
@@ -168,7 +175,7 @@ def _per_step(advantages: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 @register_policy_loss("clipped")
 def clipped_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-                 cfg: "LossConfig") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                 cfg: "LossConfig", settings: NoSettings, terms=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped surrogate with a per-step ratio (PPO, Schulman et al. 2017; GRPO, Shao et al. 2024; DAPO
     clip-higher, Yu et al. 2025; dual clip, Ye et al. 2020).
 
@@ -178,9 +185,17 @@ def clipped_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.T
     return clipped_surrogate(logp, logp_old, advantages, mask, cfg.clip_low, cfg.clip_high, cfg.dual_clip, "step")
 
 
-@register_policy_loss("guard", uses_domain_terms=True)
+@dataclass
+class GuardSettings:
+    center: bool = field(default=True, metadata={
+        "help": "centre each step's normalised log-ratio (removes the ratio-below-1 bias)"})
+    reweight: bool = field(default=True, metadata={
+        "help": "restore each unclipped step's gradient scale (sigma_mean / sigma_t)"})
+
+
+@register_policy_loss("guard", settings=GuardSettings)
 def guard_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-               cfg: "LossConfig", terms=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+               cfg: "LossConfig", settings: GuardSettings, terms=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GRPO-Guard (Wang et al., "GRPO-Guard: Mitigating Implicit Over-Optimization in Flow Matching via Regulated
     Clipping", 2025): the clipped surrogate on a per-step *normalised* ratio, so that one clip range acts on high-
     and low-noise denoising steps alike. grove's reading of the paper's RatioNorm and gradient reweighting:
@@ -189,8 +204,8 @@ def guard_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Ten
       −‖Δμ‖²/(2σ_t²)): low-noise steps get wide ratios that the clip cuts, high-noise steps narrow ones it never
       touches. RatioNorm: ``ℓ̂_t = (ℓ_t − c_t)·σ_t/σ̄`` with ℓ_t the log-ratio, σ_t the step's transition std (the
       domain's ``StepLogProbs.step_std``), σ̄ its mean over the call's trained steps, and c_t the mean of ``ℓ_t·σ_t/σ̄``
-      over the call's rows at step t (detached; ``loss.guard_center``), which removes the bias so ρ̂ centres at 1.
-    - Gradient reweighting (``loss.guard_reweight``): each step's loss is multiplied by σ̄/σ_t, which restores the
+      over the call's rows at step t (detached; setting ``center``), which removes the bias so ρ̂ centres at 1.
+    - Gradient reweighting (setting ``reweight``): each step's loss is multiplied by σ̄/σ_t, which restores the
       unclipped gradient of the plain surrogate — normalisation then changes *which* steps clip, not how hard the
       unclipped ones pull.
 
@@ -205,19 +220,19 @@ def guard_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Ten
     mean_std = std[trained].mean() if trained.any() else torch.ones((), dtype=logp.dtype, device=logp.device)
     scale = torch.where(trained, std / mean_std, torch.ones_like(std))
     lr = (logp - logp_old) * m * scale
-    if cfg.guard_center:
+    if settings.center:
         centre = (lr.detach() * m).sum(0, keepdim=True) / m.sum(0, keepdim=True).clamp(min=1)
         lr = (lr - centre) * m
     loss, st = clipped_surrogate(logp_old + lr, logp_old, advantages, mask, cfg.clip_low, cfg.clip_high,
                                  cfg.dual_clip, "step")
-    if cfg.guard_reweight:
+    if settings.reweight:
         loss = loss / scale
     return loss, st
 
 
 @register_policy_loss("gspo")
 def gspo_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-              cfg: "LossConfig") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+              cfg: "LossConfig", settings: NoSettings, terms=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization"): the clipped surrogate on the
     length-normalised sequence ratio.
 
@@ -230,7 +245,7 @@ def gspo_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tens
 
 @register_policy_loss("cispo")
 def cispo_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-               cfg: "LossConfig") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+               cfg: "LossConfig", settings: NoSettings, terms=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """CISPO (MiniMax-M1, MiniMax 2025, "Scaling Test-Time Compute Efficiently with Lightning Attention"): clip
     the importance weight, not the update — every step keeps a gradient.
 
@@ -249,14 +264,25 @@ def cispo_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Ten
     return loss * m, {"ratio": ratio.detach(), "clipped": is_clipped, "log_ratio": lr.detach()}
 
 
-@register_policy_loss("sapo")
+@dataclass
+class SapoSettings:
+    tau_pos: float = field(default=1.0, metadata={"help": "gate temperature for positive advantages"})
+    tau_neg: float = field(default=1.05, metadata={"help": "gate temperature for advantages <= 0"})
+
+    def check(self, where: str) -> None:
+        for name in ("tau_pos", "tau_neg"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{where}.{name} must be > 0, got {getattr(self, name)}")
+
+
+@register_policy_loss("sapo", settings=SapoSettings)
 def sapo_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-              cfg: "LossConfig") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+              cfg: "LossConfig", settings: SapoSettings, terms=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """SAPO (Gao et al. 2025, Qwen team, "Soft Adaptive Policy Optimization"): a smooth sigmoid gate instead of the
     hard clip.
 
-    ρ_t = exp(logp_t − logp_old_t);  L_t = −f(ρ_t)·A with f(ρ) = σ(τ(ρ−1))·4/τ, τ = ``sapo_tau_pos`` for A > 0 and
-    ``sapo_tau_neg`` for A ≤ 0 (the paper's 1.0 / 1.05: negative-advantage gradients fade faster).
+    ρ_t = exp(logp_t − logp_old_t);  L_t = −f(ρ_t)·A with f(ρ) = σ(τ(ρ−1))·4/τ, τ = ``tau_pos`` for A > 0 and
+    ``tau_neg`` for A ≤ 0 (the paper's 1.0 / 1.05: negative-advantage gradients fade faster).
     f'(ρ) = 4σ(1−σ) is 1 at ρ = 1 (the unclipped surrogate's gradient) and decays smoothly away from it.
     ``clipped`` marks the steps whose gate weight 4σ(1−σ) fell below 1/2 (gradient more than halved).
     """
@@ -264,7 +290,7 @@ def sapo_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tens
     adv = _per_step(advantages, logp)
     lr = (logp - logp_old) * m
     ratio = torch.exp(lr)
-    tau = torch.where(adv > 0, torch.full_like(adv, cfg.sapo_tau_pos), torch.full_like(adv, cfg.sapo_tau_neg))
+    tau = torch.where(adv > 0, torch.full_like(adv, settings.tau_pos), torch.full_like(adv, settings.tau_neg))
     gate = torch.sigmoid(tau * (ratio - 1.0))
     loss = -gate * (4.0 / tau) * adv
     weight = (4.0 * gate * (1.0 - gate)).detach()
@@ -284,15 +310,25 @@ def _domain_terms(name: str, terms, need_neg: bool):
     return terms.objective_pos, terms.objective_neg
 
 
-@register_policy_loss("nft", uses_domain_terms=True)
+@dataclass
+class NFTSettings:
+    adv_max: float = field(default=5.0, metadata={
+        "help": "A_max, the advantage clip that maps A to DiffusionNFT's optimality weight r in [0, 1]"})
+
+    def check(self, where: str) -> None:
+        if self.adv_max <= 0:
+            raise ConfigError(f"{where}.adv_max must be > 0, got {self.adv_max}")
+
+
+@register_policy_loss("nft", settings=NFTSettings)
 def nft_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, cfg,
-             terms=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+             settings: NFTSettings, terms=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """DiffusionNFT (Zheng et al., "DiffusionNFT: Online Diffusion Reinforcement with Forward Process", NVlabs,
     ICLR 2026): the optimality weight r = clip(clip(A, ±A_max)/A_max/2 + 1/2, 0, 1) mixes the domain's implicit
     positive and negative branch losses, L = A_max · [r · P + (1 − r) · N] (P, N already divided by NFT's β and
-    their adaptive weights by the domain). A_max = ``loss.objective_adv_max``."""
+    their adaptive weights by the domain). A_max = setting ``adv_max``."""
     pos, neg = _domain_terms("nft", terms, need_neg=True)
-    a_max = float(cfg.objective_adv_max)
+    a_max = float(settings.adv_max)
     adv = advantages.to(pos.dtype)
     adv = adv[:, None].expand_as(pos) if adv.dim() == 1 else adv
     r = (adv.clamp(-a_max, a_max) / a_max / 2 + 0.5).clamp(0.0, 1.0)
@@ -300,9 +336,9 @@ def nft_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tenso
     return loss * mask.to(loss.dtype), _no_ratio_stats(logp)
 
 
-@register_policy_loss("awm", uses_domain_terms=True)
+@register_policy_loss("awm")
 def awm_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, cfg,
-             terms=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+             settings: NoSettings, terms=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Advantage Weighted Matching (Xue et al., "Advantage Weighted Matching: Aligning RL with Pretraining in
     Diffusion Models", 2025): the pretraining flow-matching loss on the policy's own samples, weighted by the
     advantage, L = A · ‖v_θ(x_t, t) − (ε − x0)‖² (the domain's ``objective_pos``; mean over latent elements)."""

@@ -58,6 +58,4 @@ def preflight(cfg) -> None:
         _need_package("logging.wandb", "wandb", "pip install wandb")
     if cfg.logging.tensorboard:
         _need_package("logging.tensorboard", "tensorboard", "pip install tensorboard")
-    hook = getattr(cfg.domain_config, "preflight", None)
-    if callable(hook):
-        hook(cfg)
+    cfg.domain_config.preflight(cfg)

@@ -70,6 +70,13 @@ class UniformSampler:
     def update(self, keys: Sequence[int], successes: Sequence[float], counts: Sequence[int], iteration: int) -> None:
         pass
 
+    def iteration_metrics(self, keys: Sequence[int], group_keys: Sequence[int], successes: Sequence[float],
+                          counts: Sequence[int]) -> dict[str, float]:
+        """What the sampler reports of an iteration: ``keys`` drawn first, and the first round's groups (their
+        keys, summed successes and counts). ``selection/skipped``: the keys held out of this draw (history)."""
+        skipped = self.num_skipped()
+        return {} if skipped is None else {"selection/skipped": skipped}
+
     def num_skipped(self) -> int | None:
         """Keys held out of the last draw; ``None``: this sampler holds none out by design."""
         return None
@@ -215,14 +222,14 @@ def make_sampler(cfg) -> UniformSampler:
 
 
 class StratifiedSampler:
-    """Per-stratum keys (``selection.balance: true``) over the strata the domain's ``key_stratum(key)`` names
-    (robotics: the task of a reset state), each stratum's share drawn by the wrapped sampler from that stratum's keys
+    """Per-stratum keys over the strata ``stratum(key)`` names (a domain wraps the configured sampler in it through
+    its ``key_sampler`` hook; robotics: the task of a reset state, ``robotics.balance``), each stratum's share drawn by the wrapped sampler from that stratum's keys
     (so history skipping and VADE still apply within a stratum); every stratum's keys also pass through the wrapped
     sampler's ``update``.
 
-    ``by_need=False`` (``selection.balance_by: equal``): the ``n`` keys are split as evenly as possible; when n is not
+    ``by_need=False`` (balance by equal): the ``n`` keys are split as evenly as possible; when n is not
     a multiple of the number of strata, the strata that get one key more are drawn at random.
-    ``by_need=True`` (``balance_by: need``, prioritised task sampling as in multi-task curricula): every stratum keeps
+    ``by_need=True`` (balance by need, prioritised task sampling as in multi-task curricula): every stratum keeps
     ``need_floor`` keys (1: its outcomes stay observed) and the other n − floor·S go in proportion to its need
     1 − p̂_s, p̂_s an exponential average (weight ``need_decay`` on the past) of the stratum's success rate per
     iteration; largest remainders round the shares, ties go to the lower stratum name. A stratum not yet observed
@@ -281,6 +288,19 @@ class StratifiedSampler:
             acc[0] += float(succ)
             acc[1] += float(cnt)
         return {name: succ / cnt for name, (succ, cnt) in sorted(per.items()) if cnt > 0}
+
+    def iteration_metrics(self, keys: Sequence[int], group_keys: Sequence[int], successes: Sequence[float],
+                          counts: Sequence[int]) -> dict[str, float]:
+        """The wrapped sampler's metrics, plus ``selection/keys/<stratum>`` (by need: where the keys went) and
+        ``selection/success/<stratum>`` (each stratum's success over the first round's groups: per-task curves)."""
+        out = {}
+        if self.by_need:
+            for k in keys:
+                name = f"selection/keys/{self.stratum(k)}"
+                out[name] = out.get(name, 0) + 1
+        out.update({f"selection/success/{name}": r for name, r in self.rates(group_keys, successes, counts).items()})
+        out.update(self.inner.iteration_metrics(keys, group_keys, successes, counts))
+        return out
 
     def num_skipped(self) -> int | None:
         """The wrapped sampler's held-out keys (``None`` when it holds none out by design)."""

@@ -13,12 +13,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .domain import DomainBase, RunContext, StepLogProbs
+from .domain import DomainBase, DomainConfig, RunContext, StepLogProbs
 from .rollout import Rollout
 
 
 @dataclass
-class ToyConfig:
+class ToyConfig(DomainConfig):
     num_contexts: int = field(default=8, metadata={"help": "contexts (keys) of the bandit"})
     num_actions: int = field(default=4, metadata={"help": "actions per step"})
     horizon: int = field(default=4, metadata={"help": "actions per sequence (per tree edge with tree_branch > 1)"})

@@ -1,4 +1,5 @@
-"""selection.balance: every stratum (robotics: task) gets the same number of keys per iteration."""
+"""Per-stratum key balance (a domain's ``key_sampler`` hook wrapping ``StratifiedSampler``; robotics: its tasks,
+``robotics.balance``): every stratum gets its share of keys per iteration."""
 from collections import Counter
 
 import pytest
@@ -28,14 +29,12 @@ def test_stratified_sampler_balances_and_keeps_the_inner_rule():
     assert s.num_skipped() == 2 and StratifiedSampler(UniformSampler(), stratum).num_skipped() is None
 
 
-def test_balance_needs_the_domain_hook():
+def test_balance_is_the_domains_setting_not_the_cores():
     from shared_rl.config import ConfigError, load_train_config
-    from shared_rl.trainer import Trainer
 
-    cfg = load_train_config({"domain": "toy", "iterations": 1, "selection": {"balance": True},
-                             "logging": {"progress": False}})
-    with pytest.raises(ConfigError, match="key_stratum"):
-        Trainer(cfg, None, log=lambda s: None)
+    for key in ("balance", "balance_by", "need_decay", "need_floor"):
+        with pytest.raises(ConfigError, match=f"selection.{key}' was replaced: per-stratum key balance is the domain"):
+            load_train_config({"domain": "toy", "selection": {key: 1}})
 
 
 def test_need_weighted_strata_hand_computed_and_resumable():
@@ -91,19 +90,6 @@ def test_need_floor_zero_gives_solved_strata_nothing_hand_computed():
     assert floor1.shares(names, 10, g) == [1, 1, 1, 2, 5]
 
 
-def test_balance_by_need_is_validated():
-    from shared_rl.config import ConfigError, load_train_config
-
-    with pytest.raises(ConfigError, match="set balance: true"):
-        load_train_config({"domain": "toy", "selection": {"balance_by": "need"}})
-    with pytest.raises(ConfigError, match="need_decay"):
-        load_train_config({"domain": "toy", "selection": {"balance": True, "balance_by": "need", "need_decay": 1.0}})
-    with pytest.raises(ConfigError, match="set balance_by: need or leave need_floor at 1"):
-        load_train_config({"domain": "toy", "selection": {"balance": True, "need_floor": 0}})
-    with pytest.raises(ConfigError, match="need_floor"):
-        load_train_config({"domain": "toy", "selection": {"balance": True, "balance_by": "need", "need_floor": -1}})
-
-
 def test_need_weighted_run_logs_its_shares_and_resumes_exactly(tmp_path, monkeypatch):
     """A toy run whose contexts fall in two strata: the need-weighted shares are logged per stratum, sum to
     groups_per_iteration, and a run stopped after 2 iterations and resumed equals the uninterrupted one."""
@@ -114,11 +100,11 @@ def test_need_weighted_run_logs_its_shares_and_resumes_exactly(tmp_path, monkeyp
     from shared_rl.cli import main
     from shared_rl.toy import ToyDomain
 
-    monkeypatch.setattr(ToyDomain, "key_stratum", lambda self, k: f"s{k % 3}", raising=False)
+    monkeypatch.setattr(ToyDomain, "key_sampler", lambda self, inner: StratifiedSampler(
+        inner, lambda k: f"s{k % 3}", by_need=True, need_decay=0.0))
     cfg = {"domain": "toy", "seed": 1, "iterations": 4, "logging": {"progress": False},
            "checkpoint": {"every": 1, "keep_last": 2}, "rollout": {"groups_per_iteration": 12, "group_size": 4},
-           "optim": {"lr": 0.5}, "toy": {"num_contexts": 9, "init_scale": 3.0},
-           "selection": {"balance": True, "balance_by": "need", "need_decay": 0.0}}
+           "optim": {"lr": 0.5}, "toy": {"num_contexts": 9, "init_scale": 3.0}}
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
 
     def records(run):

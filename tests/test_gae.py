@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from shared_rl import registry
-from shared_rl.advantages import STEP_ESTIMATORS, gae, step_advantages, terminal_rewards
-from shared_rl.config import ConfigError, load_train_config
-from shared_rl.domain import DomainBase, StepLogProbs
+from shared_rl.advantages import ESTIMATORS, AdvantageInputs, gae, terminal_rewards
+from shared_rl.config import AdvantageConfig, ConfigError, from_dict, load_train_config
+from shared_rl.domain import DomainBase, DomainConfig, StepLogProbs
 from shared_rl.losses import value_loss
 from shared_rl.rollout import Rollout
 
@@ -56,9 +56,28 @@ def test_terminal_rewards_put_the_outcome_on_the_last_taken_decision():
     valid = torch.tensor([[True, True, False], [True, True, True], [False, False, False]])
     out = terminal_rewards(torch.tensor([2.0, 3.0, 5.0]), valid, torch.full((3, 3), 0.1))
     assert torch.allclose(out, torch.tensor([[0.1, 2.1, 0.0], [0.1, 0.1, 3.1], [0.0, 0.0, 0.0]]))
-    assert "gae" in STEP_ESTIMATORS
-    with pytest.raises(KeyError, match="unknown step advantage estimator"):
-        step_advantages("nope", torch.zeros(1), torch.zeros(1, 2), torch.ones(1, 2, dtype=torch.bool), 1.0, 1.0)
+    assert ESTIMATORS["gae"].kind == "step"
+
+
+def test_gae_estimator_has_the_registry_call_shape_and_its_own_settings():
+    # two rows, outcome reward on the last taken decision; gamma 0.9, lambda 0.5 as above
+    cfg = from_dict(AdvantageConfig, {"estimator": {"name": "gae", "gamma": 0.9, "lam": 0.5}, "clip": None})
+    values = torch.tensor([[0.5, 0.6, 0.8], [0.5, 0.6, 9.0]])
+    valid = torch.tensor([[True, True, True], [True, True, False]])
+    out = ESTIMATORS["gae"](AdvantageInputs({"r": torch.tensor([1.0, 1.0])}, torch.tensor([0, 0]), {},
+                                            values=values, value_mask=valid), cfg)
+    want, ret = gae(terminal_rewards(torch.tensor([1.0, 1.0]), valid), values, valid, gamma=0.9, lam=0.5)
+    assert torch.equal(out.advantages, want) and torch.equal(out.returns, ret)
+    assert torch.allclose(out.advantages[0], torch.tensor([0.1345, 0.21, 0.2]), atol=1e-6)
+    # normalize: batch z-scores over the taken decisions (through all_reduce: here one process)
+    cfg = from_dict(AdvantageConfig, {"estimator": {"name": "gae", "gamma": 0.9, "lam": 0.5, "normalize": "batch"},
+                                      "clip": None, "eps": 0.0})
+    calls = []
+    out = ESTIMATORS["gae"](AdvantageInputs({"r": torch.tensor([1.0, 1.0])}, torch.tensor([0, 0]), {}, values=values,
+                                            value_mask=valid, all_reduce=lambda t: calls.append(t) or t), cfg)
+    x = want[valid].double()
+    assert len(calls) == 1 and torch.allclose(out.advantages[valid], ((x - x.mean()) / x.std(unbiased=False)).float())
+    assert (out.advantages[~valid] == 0).all()
 
 
 def test_value_loss_clipping_formula():
@@ -84,7 +103,7 @@ def test_value_loss_clipping_formula():
 
 
 @dataclass
-class ChainConfig:
+class ChainConfig(DomainConfig):
     horizon: int = field(default=32, metadata={"help": "decisions per episode"})
     num_keys: int = field(default=64, metadata={"help": "training keys"})
 
@@ -159,10 +178,9 @@ def _chain_cfg(estimator: str, seed: int, iterations: int) -> dict:
            "optim": {"lr": 0.05, "inner_epochs": 1, "minibatches_per_epoch": 1, "grad_clip": None},
            "loss": {"aggregation": "token-mean", "clip_low": 0.2}, "advantage": {"estimator": estimator},
            "eval": {"at_start": False}, "logging": {"progress": False}}
-    if estimator == "gae":
-        cfg["advantage"].update({"gamma": 1.0, "lam": 0.9, "normalize": "batch"})
-        cfg["loss"].update({"value_coef": 1.0, "value_clip": None})
-        cfg["optim"]["critic_lr"] = 0.01  # at the policy's 0.05 the critic's own noise swamps the 1/T signal
+    if estimator == "gae":  # critic lr 0.01: at the policy's 0.05 the critic's own noise swamps the 1/T signal
+        cfg["advantage"]["estimator"] = {"name": "gae", "gamma": 1.0, "lam": 0.9, "normalize": "batch",
+                                         "value_coef": 1.0, "value_clip": None, "lr": 0.01}
     return cfg
 
 
@@ -196,18 +214,22 @@ def test_gae_beats_grpo_in_more_seeds(monkeypatch, seed):
 def test_config_errors_for_a_critic(monkeypatch):
     monkeypatch.setitem(registry.DOMAINS, "chain_toy", f"{__name__}:ChainDomain")
     bad = _chain_cfg("grpo", 0, 1)
-    bad["loss"]["value_coef"] = 0.5
-    with pytest.raises(ConfigError, match="value_coef"):
+    bad["loss"]["value_coef"] = 0.5  # a key of earlier configs: says where the critic's settings went
+    with pytest.raises(ConfigError, match="loss.value_coef' was replaced: the critic's settings belong to its estimator"):
+        load_train_config(bad)
+    bad = _chain_cfg("grpo", 0, 1)
+    bad["advantage"]["estimator"] = {"name": "grpo", "value_coef": 0.5}  # grpo has no critic to train
+    with pytest.raises(ConfigError, match="unknown config key 'advantage.estimator.value_coef'"):
         load_train_config(bad)
     bad = _chain_cfg("gae", 0, 1)
-    bad["advantage"]["lam"] = 1.5
+    bad["advantage"]["estimator"]["lam"] = 1.5
     with pytest.raises(ConfigError, match="lam must be in"):
         load_train_config(bad)
     bad = _chain_cfg("gae", 0, 1)
-    bad["optim"]["critic_lr"] = -1.0
-    with pytest.raises(ConfigError, match="critic_lr"):
+    bad["advantage"]["estimator"]["lr"] = -1.0
+    with pytest.raises(ConfigError, match="advantage.estimator.lr must be > 0"):
         load_train_config(bad)
     bad = _chain_cfg("gae", 0, 1)
-    bad["loss"].update({"value_coef": 0.0, "critic_warmup": 2})
-    with pytest.raises(ConfigError, match="critic_warmup"):
+    bad["advantage"]["estimator"].update({"value_coef": 0.0, "warmup": 2})
+    with pytest.raises(ConfigError, match="warmup=2 trains only the critic"):
         load_train_config(bad)

@@ -38,7 +38,7 @@ from typing import Any, ClassVar, Literal, Optional
 import torch
 
 from shared_rl.config import ConfigError
-from shared_rl.domain import DomainBase, RunContext, StepLogProbs
+from shared_rl.domain import DomainBase, DomainConfig, RunContext, StepLogProbs
 from shared_rl.rewards import RewardGuardConfig, guarded_reward
 from shared_rl.rollout import Rollout
 
@@ -106,7 +106,7 @@ class EvalSettings:
 
 
 @dataclass
-class VisgenConfig:
+class VisgenConfig(DomainConfig):
     """Settings of the ``visgen:`` section of a training YAML (validated without loading any model)."""
 
     # keys of earlier configs and what replaced them (shared_rl.config.from_dict reports them in one line)
@@ -245,7 +245,7 @@ class VisgenConfig:
 
     def check_with(self, cfg) -> None:
         """Checks that need the trainer sections too."""
-        from shared_rl.advantages import TREE_ESTIMATORS
+        from shared_rl.advantages import estimator_names
 
         method = self.rollout_method()
         method.check(self.num_inference_steps, cfg.rollout.group_size, f"visgen.method[{method.name}]")
@@ -255,21 +255,22 @@ class VisgenConfig:
         from .objectives import OBJECTIVES
 
         objective = self.training_objective()
-        get_policy_loss(cfg.loss.policy_loss)  # a known name (checked with a did-you-mean in the loss section)
-        likelihood_free_loss = cfg.loss.policy_loss in {c.policy_loss for c in OBJECTIVES.values() if c.likelihood_free}
-        if objective.likelihood_free and cfg.loss.policy_loss != objective.policy_loss:
+        loss_name = cfg.policy_loss_choice().name
+        get_policy_loss(loss_name)  # a known name (checked with a did-you-mean in the loss section)
+        likelihood_free_loss = loss_name in {c.policy_loss for c in OBJECTIVES.values() if c.likelihood_free}
+        if objective.likelihood_free and loss_name != objective.policy_loss:
             raise ConfigError(f"visgen.objective {objective.name!r} trains with loss.policy_loss: "
-                              f"{objective.policy_loss} (got {cfg.loss.policy_loss!r})")
+                              f"{objective.policy_loss} (got {loss_name!r})")
         if not objective.likelihood_free and likelihood_free_loss:
-            raise ConfigError(f"loss.policy_loss {cfg.loss.policy_loss!r} needs visgen.objective: "
-                              f"{{name: {cfg.loss.policy_loss}}}")
+            raise ConfigError(f"loss.policy_loss {loss_name!r} needs visgen.objective: "
+                              f"{{name: {loss_name}}}")
         if getattr(method.settings, "prune_estimator", "unset") is None and (
                 method.settings.width_prune != "none"):
-            if cfg.advantage.estimator not in TREE_ESTIMATORS:
+            if cfg.advantage.kind != "tree":
                 raise ConfigError(f"visgen.method[{method.name}].width_prune ranks edges by a tree estimator; "
-                                  f"advantage.estimator is {cfg.advantage.estimator!r}: set prune_estimator "
-                                  f"(one of {sorted(TREE_ESTIMATORS)})")
-            self.method = {**self.method, "prune_estimator": cfg.advantage.estimator}  # resolved: pruning = training
+                                  f"advantage.estimator is {cfg.advantage.estimator.name!r}: set prune_estimator "
+                                  f"(one of {estimator_names('tree')})")
+            self.method = {**self.method, "prune_estimator": cfg.advantage.estimator.name}  # resolved: pruning = training
         if self.two_stage.enabled:
             from .lowprec import check_precision
 

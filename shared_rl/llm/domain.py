@@ -20,7 +20,7 @@ from typing import Any, Literal
 import torch
 
 from ..config import ConfigError
-from ..domain import DomainBase, RunContext, StepLogProbs
+from ..domain import DomainBase, DomainConfig, RunContext, StepLogProbs
 from ..rewards import RewardGuardConfig, guarded_reward
 from ..rollout import Rollout
 from .engine import RolloutEngine, TorchRolloutEngine
@@ -47,7 +47,7 @@ class LLMEvalSettings:
 
 
 @dataclass
-class LLMConfig:
+class LLMConfig(DomainConfig):
     """Settings of the ``llm:`` section.
 
     model / tokenizer: a local directory (relative paths resolve against the repository, e.g. the embedded
@@ -162,12 +162,12 @@ class LLMConfig:
     def check_with(self, cfg: Any) -> None:
         """Cross-checks against the trainer config (called by ``shared_rl.config.load_train_config``, after the core
         check that a tree estimator has tree rollouts)."""
-        from ..advantages import TREE_ESTIMATORS
+        from ..advantages import estimator_names
 
-        est = cfg.advantage.estimator
-        if self.tree.enabled and est not in TREE_ESTIMATORS:
+        est = cfg.advantage.estimator.name
+        if self.tree.enabled and cfg.advantage.kind != "tree":
             raise ConfigError(f"llm.tree.enabled needs a tree advantage estimator; set advantage.estimator to one of "
-                              f"{sorted(TREE_ESTIMATORS)} (got {est!r})")
+                              f"{estimator_names('tree')} (got {est!r})")
         unknown = set(cfg.advantage.weights) - set(self.default_reward_weights())
         if unknown:
             raise ConfigError(f"advantage.weights names {sorted(unknown)}, which are not llm.rewards labels "

@@ -3,7 +3,8 @@ import math
 import pytest
 import torch
 
-from shared_rl.advantages import combine_rewards, group_advantages, tree_advantages, tree_values
+from shared_rl.advantages import ESTIMATORS, AdvantageInputs, group_advantages, tree_advantages, tree_values
+from shared_rl.config import AdvantageConfig, ConfigError, EstimatorChoice, from_dict
 
 R = torch.tensor([1.0, 2.0, 3.0, 5.0, 5.0, 5.0])
 G = torch.tensor([0, 0, 0, 1, 1, 1])
@@ -109,20 +110,44 @@ def test_flat_group_is_depth_one_tree():
     assert torch.allclose(dz[1:], flat, atol=1e-6)
 
 
+def _adv(rewards, g, name, weights=None, mode="sum_then_normalize", clip=None, parent=None):
+    """Every estimator is called the same way: ESTIMATORS[name](inputs, advantage config)."""
+    cfg = AdvantageConfig(estimator=EstimatorChoice(name), clip=clip, multi_reward=mode)
+    return ESTIMATORS[name](AdvantageInputs(rewards, g, weights or {}, parent), cfg).advantages
+
+
 def test_multi_reward_modes_and_clip():
     rewards = {"a": torch.tensor([0.0, 1.0, 0.0, 1.0]), "b": torch.tensor([0.0, 0.0, 10.0, 10.0])}
     g = torch.zeros(4, dtype=torch.long)
     w = {"a": 1.0, "b": 0.5}
-    sum_first = combine_rewards(rewards, g, "dr_grpo", w, "sum_then_normalize", clip=None)
+    sum_first = _adv(rewards, g, "dr_grpo", w, "sum_then_normalize")
     assert torch.allclose(sum_first, torch.tensor([0.0, 1, 5, 6]) - 3.0)
-    norm_first = combine_rewards(rewards, g, "dr_grpo", w, "normalize_then_sum", clip=None)
+    norm_first = _adv(rewards, g, "dr_grpo", w, "normalize_then_sum")
     assert torch.allclose(norm_first, torch.tensor([-0.5, 0.5, -0.5, 0.5]) + 0.5 * torch.tensor([-5.0, -5, 5, 5]))
-    clipped = combine_rewards(rewards, g, "dr_grpo", w, "normalize_then_sum", clip=2.0)
+    clipped = _adv(rewards, g, "dr_grpo", w, "normalize_then_sum", clip=2.0)
     assert clipped.abs().max() == 2.0
     with pytest.raises(KeyError):
-        combine_rewards(rewards, g, "grpo", {"c": 1.0})
+        _adv(rewards, g, "grpo", {"c": 1.0})
     with pytest.raises(ValueError):
-        combine_rewards(rewards, g, "depth_zscore")  # tree estimator without a tree
+        _adv(rewards, g, "depth_zscore")  # tree estimator without a tree
+    tree = _adv({"r": LEAF}, torch.zeros(len(LEAF), dtype=torch.long), "sibling", parent=PARENT)
+    assert torch.equal(tree, tree_advantages(PARENT, LEAF, "sibling"))
+
+
+def test_one_registry_one_call_shape_with_own_settings():
+    kinds = {e.kind for e in ESTIMATORS.values()}
+    assert kinds == {"flat", "tree", "step"}
+    cfg = from_dict(AdvantageConfig, {"estimator": {"name": "gae", "gamma": 0.9, "lam": 0.5}})
+    assert (cfg.estimator.name, cfg.estimator.settings.gamma, cfg.estimator.settings.lam) == ("gae", 0.9, 0.5)
+    assert cfg.kind == "step" and from_dict(AdvantageConfig, {"estimator": "rloo"}).kind == "flat"
+    with pytest.raises(ConfigError, match="did you mean 'grpo'"):
+        from_dict(AdvantageConfig, {"estimator": "grpp"})
+    with pytest.raises(ConfigError, match="unknown config key 'advantage.estimator.gama'"):
+        from_dict(AdvantageConfig, {"estimator": {"name": "gae", "gama": 0.9}}, "advantage")
+    with pytest.raises(ConfigError, match="advantage.estimator.gamma must be in"):
+        from_dict(AdvantageConfig, {"estimator": {"name": "gae", "gamma": 0.0}}, "advantage")
+    with pytest.raises(ConfigError, match="was replaced: the critic's settings belong to its estimator"):
+        from_dict(AdvantageConfig, {"lam": 0.9}, "advantage")
 
 
 def test_tree_leaf_zscore_hand_computed():

@@ -3,8 +3,8 @@ import math
 import pytest
 import torch
 
-from shared_rl.config import ConfigError, LossConfig
-from shared_rl.losses import (KL_ESTIMATORS, POLICY_LOSSES, Normalizer, aggregate, clipped_surrogate,
+from shared_rl.config import ConfigError, LossConfig, apply_overrides, from_dict, to_dict
+from shared_rl.losses import (KL_ESTIMATORS, POLICY_LOSSES, NoSettings, Normalizer, SapoSettings, aggregate, clipped_surrogate,
                               get_policy_loss, kl_k1, kl_k3, kl_per_step)
 
 
@@ -64,17 +64,17 @@ def test_micro_batch_split_gives_same_gradient(name):
     adv = torch.randn(n)
     mask = torch.rand(n, T) > 0.3
     cfg, fn = LossConfig(clip_low=0.2, clip_high=0.28), POLICY_LOSSES[name]
-    _, st = fn(feats * w, logp_old, adv, mask, cfg)
+    _, st = fn(feats * w, logp_old, adv, mask, cfg, fn.settings_class())
     assert 0 < float(st["clipped"][mask].mean()) < 1, name
     for mode in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
         norm = Normalizer.from_mask(mask)
         w.grad = None
-        loss, _ = fn(feats * w, logp_old, adv, mask, cfg)
+        loss, _ = fn(feats * w, logp_old, adv, mask, cfg, fn.settings_class())
         aggregate(loss, mask, mode, norm).backward()
         full = w.grad.clone()
         w.grad = None
         for idx in (torch.arange(0, 2), torch.arange(2, 5), torch.arange(5, 6)):
-            loss, _ = fn(feats[idx] * w, logp_old[idx], adv[idx], mask[idx], cfg)
+            loss, _ = fn(feats[idx] * w, logp_old[idx], adv[idx], mask[idx], cfg, fn.settings_class())
             aggregate(loss, mask[idx], mode, norm).backward()
         assert torch.allclose(w.grad, full, atol=1e-6), (name, mode)
 
@@ -86,7 +86,7 @@ def test_registry_entries_share_one_signature_and_match_the_surrogate():
     adv, mask = torch.randn(3), torch.rand(3, 4) > 0.2
     cfg = LossConfig(clip_low=0.2, clip_high=0.28, dual_clip=3.0)
     for name, level in (("clipped", "step"), ("gspo", "sequence")):
-        got, st = POLICY_LOSSES[name](logp, logp_old, adv, mask, cfg)
+        got, st = POLICY_LOSSES[name](logp, logp_old, adv, mask, cfg, NoSettings())
         want, st_want = clipped_surrogate(logp, logp_old, adv, mask, 0.2, 0.28, 3.0, level)
         assert torch.equal(got, want) and all(torch.equal(st[k], st_want[k]) for k in st_want)
     from shared_rl.domain import StepLogProbs
@@ -95,8 +95,7 @@ def test_registry_entries_share_one_signature_and_match_the_surrogate():
     terms = StepLogProbs(logp=logp, objective_pos=torch.rand(3, 4), objective_neg=torch.rand(3, 4),
                          step_std=torch.rand(3, 4) + 0.1)
     for name, fn in POLICY_LOSSES.items():
-        extra = {"terms": terms} if getattr(fn, "uses_domain_terms", False) else {}
-        loss, st = fn(logp, logp_old, adv, mask, cfg, **extra)
+        loss, st = fn(logp, logp_old, adv, mask, cfg, fn.settings_class(), terms=terms)
         assert loss.shape == (3, 4) and bool((loss[~mask] == 0).all()), name
         assert {"ratio", "clipped", "log_ratio"} <= set(st), name
     with pytest.raises(KeyError, match="did you mean 'sapo'"):
@@ -109,7 +108,7 @@ def test_cispo_hand_computed():
     # dL/dlogp = -w·A (the weight is a constant): -1.2, -0.9, +0.8, +1.1
     logp = torch.log(torch.tensor([[1.5, 0.9], [0.5, 1.1]])).requires_grad_()
     loss, st = POLICY_LOSSES["cispo"](logp, torch.zeros(2, 2), torch.tensor([1.0, -1.0]), torch.ones(2, 2),
-                                      LossConfig(clip_low=0.2))
+                                      LossConfig(clip_low=0.2), NoSettings())
     assert torch.allclose(loss, torch.tensor([[-0.486558, 0.094824], [-0.554518, 0.104841]]), atol=1e-5)
     assert st["clipped"].tolist() == [[1.0, 0.0], [1.0, 0.0]]
     loss.sum().backward()
@@ -125,7 +124,7 @@ def test_sapo_hand_computed():
     # gate weights 4σ(1-σ): 1, 0.786448, 1, 0.157611 -> only the last is below 1/2 ("clipped")
     logp = torch.log(torch.tensor([[1.0, 2.0], [1.0, 4.0]])).requires_grad_()
     loss, st = POLICY_LOSSES["sapo"](logp, torch.zeros(2, 2), torch.tensor([1.0, -1.0]), torch.ones(2, 2),
-                                     LossConfig(sapo_tau_pos=1.0, sapo_tau_neg=1.05))
+                                     LossConfig(), SapoSettings(tau_pos=1.0, tau_neg=1.05))
     assert torch.allclose(loss, torch.tensor([[-2.0, -2.924234], [1.904762, 3.652985]]), atol=1e-5)
     assert st["clipped"].tolist() == [[0.0, 0.0], [0.0, 1.0]]
     loss.sum().backward()
@@ -137,7 +136,7 @@ def test_every_loss_has_the_unclipped_gradient_at_ratio_one():
     for name in ("clipped", "gspo", "cispo", "sapo"):
         logp.grad = None
         loss, st = POLICY_LOSSES[name](logp, torch.zeros(2, 3), torch.tensor([2.0, -1.0]), torch.ones(2, 3),
-                                       LossConfig())
+                                       LossConfig(), POLICY_LOSSES[name].settings_class())
         assert torch.all(st["ratio"] == 1) and not st["clipped"].any(), name
         loss.sum().backward()
         want = torch.tensor([[-2.0] * 3, [1.0] * 3])  # gspo: 3 steps x (1/3 of the mean's gradient each)
@@ -146,11 +145,26 @@ def test_every_loss_has_the_unclipped_gradient_at_ratio_one():
 
 def test_loss_config_checks_the_registry_names():
     with pytest.raises(ConfigError, match="policy_loss 'cipso' is unknown \\(did you mean 'cispo'\\?\\)"):
-        LossConfig(policy_loss="cipso").check("loss")
+        from_dict(LossConfig, {"policy_loss": "cipso"}, "loss")
     with pytest.raises(ConfigError, match="kl_estimator 'k4' is unknown"):
         LossConfig(kl_estimator="k4").check("loss")
-    with pytest.raises(ConfigError, match="sapo_tau_neg must be > 0"):
-        LossConfig(sapo_tau_neg=0.0).check("loss")
+
+
+def test_each_loss_owns_its_settings():
+    cfg = from_dict(LossConfig, {"policy_loss": {"name": "sapo", "tau_neg": 2.0}}, "loss")
+    assert cfg.policy_loss.name == "sapo" and cfg.policy_loss.settings == SapoSettings(tau_pos=1.0, tau_neg=2.0)
+    assert to_dict(cfg)["policy_loss"] == {"name": "sapo", "tau_pos": 1.0, "tau_neg": 2.0}  # round-trips
+    assert from_dict(LossConfig, to_dict(cfg), "loss").policy_loss == cfg.policy_loss
+    assert to_dict(from_dict(LossConfig, {"policy_loss": "gspo"}))["policy_loss"] == "gspo"  # no settings: the name
+    with pytest.raises(ConfigError, match="loss.policy_loss.tau_neg must be > 0"):
+        from_dict(LossConfig, {"policy_loss": {"name": "sapo", "tau_neg": 0.0}}, "loss")
+    with pytest.raises(ConfigError, match="unknown config key 'loss.policy_loss.tau_pos'"):
+        from_dict(LossConfig, {"policy_loss": {"name": "clipped", "tau_pos": 1.0}}, "loss")  # clipped has none
+    with pytest.raises(ConfigError, match="config key 'loss.sapo_tau_neg' was replaced: policy_loss: {name: sapo"):
+        from_dict(LossConfig, {"sapo_tau_neg": 1.0}, "loss")
+    # a setting of a loss given by name can be overridden on the command line
+    over = apply_overrides({"loss": {"policy_loss": "sapo"}}, ["loss.policy_loss.tau_pos=3"])
+    assert from_dict(LossConfig, over["loss"], "loss").policy_loss.settings.tau_pos == 3.0
 
 
 def test_kl_estimators():

@@ -9,14 +9,14 @@ import torch
 
 from shared_rl import registry
 from shared_rl.config import ConfigError, load_train_config
-from shared_rl.domain import DomainBase, StepLogProbs
+from shared_rl.domain import DomainBase, DomainConfig, StepLogProbs
 from shared_rl.llm.domain import LLMConfig
 from shared_rl.rollout import Rollout
 from shared_rl.trainer import Trainer
 
 
 @dataclass
-class MultiGroupConfig:
+class MultiGroupConfig(DomainConfig):
     num_keys: int = 6
     groups_per_key: int = 3
     set_key_index: bool = True
@@ -93,23 +93,21 @@ def _multi_trainer(monkeypatch, groups_per_iteration=4, sampler="vade", **domain
         updates[-1].append((list(keys), list(successes), list(counts)))
         return real_update(keys, successes, counts, it)
 
-    import shared_rl.trainer as trainer_module
+    real_estimator = tr.estimator
 
-    real_combine = trainer_module.combine_rewards
-
-    def combine(rewards, group_ids, *a, **k):  # the groups that reach the advantages (after filter and trim)
-        r = rewards["score"]
+    def combine(inputs, cfg):  # the groups that reach the advantages (after filter and trim)
+        r, group_ids = inputs.rewards["score"], inputs.group_ids
         groups = []
         for g in torch.unique(group_ids).tolist():
             low = float(r[group_ids == g].min())
             key = int(low // 10)
             groups.append((key, round(low - 10 * key)))
         trained[-1].append(sorted(groups))
-        return real_combine(rewards, group_ids, *a, **k)
+        return real_estimator(inputs, cfg)
 
     monkeypatch.setattr(tr.sampler, "select", select)
     monkeypatch.setattr(tr.sampler, "update", update)
-    monkeypatch.setattr(trainer_module, "combine_rewards", combine)
+    monkeypatch.setattr(tr, "estimator", combine)
 
     def run(it):
         selects.append([])

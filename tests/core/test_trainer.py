@@ -158,10 +158,10 @@ def test_a_registered_policy_loss_is_picked_by_name_from_the_config():
     calls = []
 
     @register_policy_loss("test_halved_clipped")
-    def halved(logp, logp_old, advantages, mask, cfg):
+    def halved(logp, logp_old, advantages, mask, cfg, settings, terms=None):
         """Half the clipped surrogate: L = ½·L_clipped (same stats)."""
         calls.append(tuple(logp.shape))
-        loss, stats = clipped_loss(logp, logp_old, advantages, mask, cfg)
+        loss, stats = clipped_loss(logp, logp_old, advantages, mask, cfg, settings)
         return 0.5 * loss, stats
 
     try:

@@ -17,7 +17,7 @@ def test_every_method_is_a_valid_demo_config():
         assert cfg.domain_config.eval.samples_per_prompt == 4
         # one optimizer step per batch (the demo's) except the likelihood-free objectives' tuned 8
         assert cfg.optim.minibatches_per_epoch == (8 if name in ("nft", "awm") else 1), name
-    assert load_train_config(variant_config("nft", 0, 3, False)).loss.policy_loss == "nft"
+    assert load_train_config(variant_config("nft", 0, 3, False)).policy_loss_choice().name == "nft"
 
 
 def test_noise_band_first_reach_and_speedups():

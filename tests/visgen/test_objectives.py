@@ -10,7 +10,7 @@ import torch
 from shared_rl.config import ConfigError, load_train_config
 from shared_rl.domain import StepLogProbs
 from shared_rl.config import LossConfig
-from shared_rl.losses import awm_loss, nft_loss
+from shared_rl.losses import NFTSettings, NoSettings, awm_loss, nft_loss
 from shared_rl.trainer import Trainer
 from visgen.objectives import flow_matching_loss, nft_branch_losses, objective_from_config
 
@@ -32,23 +32,23 @@ def test_nft_branch_losses_hand_computed():
 
 
 def test_nft_and_awm_policy_losses_hand_computed():
-    cfg = LossConfig(policy_loss="nft", objective_adv_max=5.0)
+    cfg, nft = LossConfig(), NFTSettings(adv_max=5.0)
     zeros = torch.zeros(3, 1)
     terms = StepLogProbs(logp=zeros, objective_pos=torch.ones(3, 1), objective_neg=torch.full((3, 1), 2.0))
     # A = 5, -5, 0 -> r = 1, 0, 1/2 -> L = 5 * [1, 2, 1.5]
-    loss, st = nft_loss(zeros, zeros, torch.tensor([5.0, -5.0, 0.0]), torch.ones(3, 1), cfg, terms=terms)
+    loss, st = nft_loss(zeros, zeros, torch.tensor([5.0, -5.0, 0.0]), torch.ones(3, 1), cfg, nft, terms=terms)
     assert loss.flatten().tolist() == pytest.approx([5.0, 10.0, 7.5])
     assert (st["ratio"] == 1).all() and (st["clipped"] == 0).all()
     # advantages beyond A_max saturate r at 1 (and at 0 below -A_max)
-    loss, _ = nft_loss(zeros, zeros, torch.tensor([50.0, -50.0, 2.5]), torch.ones(3, 1), cfg, terms=terms)
+    loss, _ = nft_loss(zeros, zeros, torch.tensor([50.0, -50.0, 2.5]), torch.ones(3, 1), cfg, nft, terms=terms)
     assert loss.flatten().tolist() == pytest.approx([5.0, 10.0, 5 * (0.75 + 0.5)])
     # AWM: A * flow-matching loss; masked steps contribute nothing
     awm_terms = StepLogProbs(logp=torch.zeros(2, 2), objective_pos=torch.tensor([[0.5, 9.0], [0.25, 9.0]]))
     loss, _ = awm_loss(torch.zeros(2, 2), torch.zeros(2, 2), torch.tensor([2.0, -1.0]),
-                       torch.tensor([[True, False], [True, False]]), cfg, terms=awm_terms)
+                       torch.tensor([[True, False], [True, False]]), cfg, NoSettings(), terms=awm_terms)
     assert loss.tolist() == [[1.0, 0.0], [-0.25, 0.0]]
     with pytest.raises(ConfigError, match="likelihood-free"):
-        nft_loss(zeros, zeros, torch.zeros(3), torch.ones(3, 1), cfg, terms=StepLogProbs(logp=zeros))
+        nft_loss(zeros, zeros, torch.zeros(3), torch.ones(3, 1), cfg, nft, terms=StepLogProbs(logp=zeros))
 
 
 def test_flow_matching_loss_hand_computed():
@@ -127,25 +127,25 @@ def test_objective_config_contract(tiny_dir):
 
 
 def test_grpo_guard_ratio_norm_hand_computed():
-    from shared_rl.losses import clipped_loss, guard_loss
+    from shared_rl.losses import GuardSettings, NoSettings, clipped_loss, guard_loss
 
-    cfg = LossConfig(policy_loss="guard", clip_low=0.01)
+    cfg, guard = LossConfig(clip_low=0.01), GuardSettings()
     logp = torch.tensor([[0.02, 0.02], [0.0, 0.0]], requires_grad=True)
     old, adv, mask = torch.zeros(2, 2), torch.ones(2), torch.ones(2, 2, dtype=torch.bool)
     terms = StepLogProbs(logp=logp, step_std=torch.tensor([[1.0, 3.0], [1.0, 3.0]]))
     # sigma_mean 2 -> scales 0.5, 1.5; log-ratios 0.01, 0.03 (row 0), 0 (row 1); centred per step column:
     # +-0.005 at the high-noise step, +-0.015 at the low-noise one
-    loss, st = guard_loss(logp, old, adv, mask, cfg, terms=terms)
+    loss, st = guard_loss(logp, old, adv, mask, cfg, guard, terms=terms)
     assert torch.allclose(st["log_ratio"], torch.tensor([[0.005, 0.015], [-0.005, -0.015]]), atol=1e-7)
     # clip range 0.01: only the low-noise step of row 0 clips (exp(0.015) > 1.01); the plain surrogate clips both
     assert st["clipped"].tolist() == [[0.0, 1.0], [0.0, 0.0]]
-    assert clipped_loss(logp, old, adv, mask, cfg)[1]["clipped"][0].tolist() == [1.0, 1.0]
+    assert clipped_loss(logp, old, adv, mask, cfg, NoSettings())[1]["clipped"][0].tolist() == [1.0, 1.0]
     # gradient reweighting: an unclipped step pulls exactly as in the plain surrogate, -A * rho
     loss.sum().backward()
     assert logp.grad[0, 0].item() == pytest.approx(-math.exp(0.005), rel=1e-6)
     assert logp.grad[0, 1].item() == 0.0  # clipped
     # at the first inner step (ratio 1) the normalised ratio is exactly 1 too
-    _, st = guard_loss(torch.zeros(2, 2), old, adv, mask, cfg, terms=terms)
+    _, st = guard_loss(torch.zeros(2, 2), old, adv, mask, cfg, guard, terms=terms)
     assert (st["ratio"] == 1).all()
 
 

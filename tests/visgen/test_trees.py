@@ -11,7 +11,7 @@ from .conftest import CALL_OPTIONS, SIZES
 
 from shared_rl.advantages import tree_advantages, tree_values
 from shared_rl.config import ConfigError
-from shared_rl.domain import DomainBase
+from shared_rl.domain import DomainBase, DomainConfig
 from shared_rl.advantages import tree_leaf_zscore
 from shared_rl.flow_kernels import flow_step
 from visgen.engine import StepSegment, grow_forest
@@ -380,7 +380,7 @@ def test_flux_tree_recompute_exact(flux_pipe):
 
 # ----------------------------------------------------------------------------------------------- trainer
 @dataclass
-class _TinyCfg:
+class _TinyCfg(DomainConfig):
     method: str = "branch"
 
     def rollout_structure(self, train_cfg) -> str:

@@ -21,7 +21,7 @@ from typing import Literal, Optional
 
 import torch
 
-from shared_rl.advantages import TREE_ESTIMATORS, tree_advantages
+from shared_rl.advantages import estimator_names, tree_advantages
 from shared_rl.config import ConfigError
 
 from ..engine import Forest, StepSegment, grow_forest
@@ -89,8 +89,8 @@ class BranchSettings:
                  f"{where}.depth_prune must be [lo, hi) with 1 <= lo < hi (depth 1 = the first edges), got {self.depth_prune}")
         require(self.fusion_temperature > 0, f"{where}.fusion_temperature must be > 0, got {self.fusion_temperature}")
         if self.prune_estimator is not None:
-            require(self.prune_estimator in TREE_ESTIMATORS, f"{where}.prune_estimator must be a tree estimator "
-                 f"({sorted(TREE_ESTIMATORS)}), got {self.prune_estimator!r}")
+            require(self.prune_estimator in estimator_names("tree"), f"{where}.prune_estimator must be a tree estimator "
+                 f"({estimator_names('tree')}), got {self.prune_estimator!r}")
 
 
 @dataclass
