@@ -215,6 +215,16 @@ class VisgenConfig(DomainConfig):
                               f"SDE step of {self.num_inference_steps}); widen it, or use visgen.objective nft/awm, "
                               "which train on clean samples from any sampler")
 
+    def kernel_settings(self):
+        """How the stochastic steps are drawn and scored (``visgen.methods.KernelSettings``); a null noise level is
+        the kernel's default (``shared_rl.flow_kernels.KERNEL_NOISE_LEVELS``)."""
+        from shared_rl.flow_kernels import KERNEL_NOISE_LEVELS
+
+        from .methods import KernelSettings
+
+        level = KERNEL_NOISE_LEVELS[self.kernel] if self.noise_level is None else float(self.noise_level)
+        return KernelSettings(self.kernel, level, self.reduction, self.rollout_micro_batch, self.shared_noise)
+
     def rollout_method(self, where: str = "visgen.method"):
         """The configured ``visgen.methods`` method (a fresh object built from ``method``)."""
         from .methods import method_from_config
@@ -342,7 +352,6 @@ class VisgenDomain(DomainBase):
     config_class = VisgenConfig
 
     def __init__(self, cfg: VisgenConfig, ctx: RunContext) -> None:
-        from .methods import KernelSettings
         from .pipelines import as_adapter
         from .pipelines.memory import apply_memory_settings
         from .rewards import get_reward
@@ -388,20 +397,12 @@ class VisgenDomain(DomainBase):
         self.gold_rewards = [(spec.name, guarded(spec.name, get_reward(spec.name, **spec.kwargs)))
                              for spec in cfg.gold_rewards]
         self.method = cfg.rollout_method()
-        kernel = KernelSettings(cfg.kernel, self._noise_level(), cfg.reduction, cfg.rollout_micro_batch,
-                                cfg.shared_noise)
         self.objective = cfg.training_objective()
         if self.objective.name == "nft":  # DiffusionNFT's lagging "old" adapter (v_old)
             self.policy.enable_old_policy(self.objective.settings.old_decay_max, self.objective.settings.old_decay_ramp)
-        self.rollouts = VisgenRollouts(self.adapter, self.method, kernel, self.train_prompts, self.train_meta,
-                                       self.score, cfg.num_inference_steps, cfg.guidance_scale, self._sample_kwargs(),
-                                       reference=self.policy.reference, kl_type=cfg.kl_type, objective=self.objective,
-                                       old=self.policy.old_weights if self.policy.old is not None else None)
-        if cfg.two_stage.enabled:  # Sol-RL: the explorer copy, re-synced from the live weights every rollout call
-            from .lowprec import LowPrecisionExplorer
-
-            self.rollouts.two_stage = (cfg.two_stage, LowPrecisionExplorer(self.pipe, cfg.two_stage.precision))
-        self.rollouts.score_chunks, self.rollouts.overlap_rewards = cfg.score_chunks, cfg.overlap_rewards
+        self.rollouts = VisgenRollouts.from_config(cfg, self.adapter, self.policy, self.method, self.objective,
+                                                   self.train_prompts, self.train_meta, self.score,
+                                                   self._sample_kwargs())
         self._before_grid: torch.Tensor | None = None
         if not self.policy.has_base_switch and cfg.eval.grid_prompts:
             self._before_grid = self._grid_images()  # full tuning: no adapter to switch off later
@@ -485,11 +486,6 @@ class VisgenDomain(DomainBase):
         """The reward outputs with a non-zero ``advantage.weights`` entry (all when no weights are given)."""
         weights = getattr(self.cfg, "_advantage_weights", {})
         return [n for n in self.cfg.reward_names(None) if weights.get(n, 1.0) != 0]  # combine_rewards' default: 1
-
-    def _noise_level(self) -> float:
-        from shared_rl.flow_kernels import KERNEL_NOISE_LEVELS
-
-        return KERNEL_NOISE_LEVELS[self.cfg.kernel] if self.cfg.noise_level is None else float(self.cfg.noise_level)
 
     # -------------------------------------------------------------------------------------------- evaluation
     def _eval_settings(self) -> tuple[int, float]:

@@ -4,8 +4,8 @@
 ``rollout``: encode the prompts → the method grows its forest on the engine (``visgen.engine``) → decode the
 leaves → score them → the method's after-rewards hook (pruning) → a ``shared_rl.rollout.Rollout`` whose
 sequences are the leaf chains (flat methods) or every node's edge with the parent array (tree methods).
-``log_probs``: ``visgen.recompute.recompute_edges`` on the rows asked for. ``VisgenDomain`` owns one of these; tests
-build one around a tiny pipeline and a toy reward.
+``log_probs``: ``visgen.recompute.recompute_edges`` on the rows asked for. ``VisgenDomain`` owns one of these, built
+by :meth:`VisgenRollouts.from_config` from its config; tests build one around a tiny pipeline and a toy reward.
 """
 from __future__ import annotations
 
@@ -31,29 +31,48 @@ class VisgenRollouts:
     """Rollouts of ``method`` for prompts ``prompts[key]`` scored by ``score(images, prompts, metas) -> {name: [N]}``.
 
     ``reference``: a context-manager factory under which the adapter computes the reference velocity (the LoRA
-    adapter switched off), used for the KL when ``log_probs(..., need_kl=True)``.
+    adapter switched off), used for the KL when ``log_probs(..., need_kl=True)``. ``old``: the same for the old
+    policy's weights (DiffusionNFT). ``two_stage``: ``(TwoStageSettings, LowPrecisionExplorer)`` for Sol-RL
+    rollouts. ``score_chunks`` / ``overlap_rewards``: overlapped scoring (``_chunked_rollout`` at the end of this
+    module).
     """
 
     def __init__(self, adapter, method: RolloutMethod, kernel: KernelSettings, prompts: list[str], metas: list[dict],
                  score: Callable[..., dict[str, torch.Tensor]], num_inference_steps: int, guidance_scale: float = 1.0,
                  sample_kwargs: dict[str, Any] | None = None, reference: Callable[[], ContextManager] | None = None,
                  kl_type: str = "mean", objective: Objective | None = None,
-                 old: Callable[[], ContextManager] | None = None) -> None:
+                 old: Callable[[], ContextManager] | None = None, *, two_stage: tuple[Any, Any] | None = None,
+                 score_chunks: int = 1, overlap_rewards: bool = False) -> None:
         self.adapter, self.method, self.kernel = adapter, method, kernel
         self.prompts, self.metas, self.score = prompts, metas, score
         self.num_inference_steps, self.guidance_scale = num_inference_steps, guidance_scale
         self.sample_kwargs = dict(sample_kwargs or {})
         self.reference, self.kl_type = reference, kl_type
         self.objective = objective or LogProbObjective(None)
-        self.old = old  # the old policy's weights (DiffusionNFT)
-        self.two_stage: tuple[Any, Any] | None = None  # (TwoStageSettings, LowPrecisionExplorer): Sol-RL rollouts
+        self.old = old
+        self.two_stage = two_stage
+        self.score_chunks, self.overlap_rewards = score_chunks, overlap_rewards
         self._cond_meta: dict[str, Any] | None = None
         self._next_forward = 0  # forward ids stay unique across rollout calls (refills concatenate payloads)
 
-    # Overlapped scoring (``visgen.score_chunks`` / ``visgen.overlap_rewards``, set by the domain): see
-    # ``_chunked_rollout`` at the end of this module.
-    score_chunks: int = 1
-    overlap_rewards: bool = False
+    @classmethod
+    def from_config(cls, cfg, adapter, policy, method: RolloutMethod, objective: Objective, prompts: list[str],
+                    metas: list[dict], score: Callable[..., dict[str, torch.Tensor]],
+                    sample_kwargs: dict[str, Any]) -> "VisgenRollouts":
+        """The rollouts a ``VisgenConfig`` ``cfg`` describes, around the domain's pipeline ``adapter``, its
+        ``policy`` (``visgen.policy.FlowPolicy``: the KL reference, and the old weights once the objective enabled
+        them), the configured ``method`` and ``objective``, the training prompts and the reward call: the kernel
+        and its noise level, the step count and guidance, the KL type, the Sol-RL explorer and score chunking all
+        come from ``cfg`` here."""
+        two_stage = None
+        if cfg.two_stage.enabled:  # Sol-RL: the explorer copy, re-synced from the live weights every rollout call
+            from .lowprec import LowPrecisionExplorer
+
+            two_stage = (cfg.two_stage, LowPrecisionExplorer(adapter.pipe, cfg.two_stage.precision))
+        return cls(adapter, method, cfg.kernel_settings(), prompts, metas, score, cfg.num_inference_steps,
+                   cfg.guidance_scale, sample_kwargs, reference=policy.reference, kl_type=cfg.kl_type,
+                   objective=objective, old=policy.old_weights if policy.old is not None else None,
+                   two_stage=two_stage, score_chunks=cfg.score_chunks, overlap_rewards=cfg.overlap_rewards)
 
     @torch.no_grad()
     def rollout(self, keys: list[int], group_size: int, generator: torch.Generator, iteration: int) -> Rollout:
