@@ -72,8 +72,7 @@ class Estimator:
         """``cfg``: the ``AdvantageConfig`` (clip, eps, weights' combination); ``settings``: this estimator's own
         (default: ``cfg.estimator.settings`` when ``cfg`` chose this estimator, else the defaults)."""
         if settings is None:
-            chosen = getattr(cfg, "estimator", None)
-            settings = chosen.settings if getattr(chosen, "name", None) == self.name else self.settings_class()
+            settings = cfg.estimator.settings if cfg.estimator.name == self.name else self.settings_class()
         if self.kind == "step":
             return self.kernel(inputs, cfg, settings)
         adv = combined_advantages(self, inputs, cfg.multi_reward, cfg.eps)

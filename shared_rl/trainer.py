@@ -209,7 +209,7 @@ class Trainer:
         per step for a critic estimator, whose per-decision advantages fill only this rank's rows (the others are
         trained elsewhere); it keeps (old values, value targets, value mask) of the local rows for the value loss."""
         a = self.cfg.advantage
-        if a.kind != "step":
+        if self.critic is None:
             out = self.estimator(AdvantageInputs(view.rewards, view.group_ids, self.reward_weights, view.parent,
                                                  view.fusion_logit), a)
             metrics.update(out.metrics)
