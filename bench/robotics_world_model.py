@@ -14,7 +14,7 @@ Rows (``variant``):
    ÷ row 1's gain), ``real_step_saving_vs_sim`` (row 1's env steps ÷ this row's), the training-time audit
    (``hallucinated_success_rate``, ``reward_model_precision``/``recall``, image MSE at imagined depths 1/6/12),
    and a final audit with the trained policy where *every* imagined episode is replayed;
-4. ``sim flat groups`` vs ``sim branching groups`` (``robotics-tree``, TreeRL estimator) at equal env steps;
+4. ``sim flat groups`` vs ``sim branching groups`` (``robotics.rollout.name: tree``, TreeRL estimator) at equal env steps;
 5. throughput: imagined env steps/s (world model, decoding frames for the VLA) vs simulator env steps/s with
    rendering, same policy and batch.
 """
@@ -71,14 +71,15 @@ def _throughput(domain, batch: int, horizon: int) -> tuple[float, float]:
     from robotics.envs.metaworld_env import make_key
     from robotics.episodes import SamplingSettings, run_episodes
 
-    keys = list(domain.keyframes)[:batch]
-    tasks = [domain._task_of(k) for k in keys]
+    imagination = domain.rollouts  # robotics.rollout.name: world_model
+    keys = list(imagination.keyframes)[:batch]
+    tasks = [imagination.task_of(k) for k in keys]
     s = SamplingSettings(mode="ode")
     t = time.perf_counter()
-    before = domain.imagine.model_steps
-    b = run_episodes(domain.policy, domain.imagine, keys, tasks, s, horizon, torch.Generator().manual_seed(0))
+    before = imagination.imagine.model_steps
+    b = run_episodes(domain.policy, imagination.imagine, keys, tasks, s, horizon, torch.Generator().manual_seed(0))
     imag = float(b.length.sum()) / (time.perf_counter() - t)
-    assert domain.imagine.model_steps > before
+    assert imagination.imagine.model_steps > before
     real_keys = [make_key(0, "train", i) for i in range(batch)]
     domain.venv.reset(real_keys)  # envs and renderers built outside the timing
     t = time.perf_counter()
@@ -91,16 +92,16 @@ def _final_audit(domain, n_keys: int, group: int, seed: int = 123) -> dict:
     """Imagine ``n_keys`` x ``group`` rollouts with the trained policy and replay every one of them in MuJoCo."""
     import torch
 
-    w = domain.cfg.world_model
+    w = domain.cfg.rollout.world_model
     old, learn = w.audit_fraction, w.learn_from_audit
     w.audit_fraction, w.learn_from_audit = 1.0, False  # measure only: these replays are not training data
     rng = np.random.default_rng(seed)
-    keys = [int(k) for k in rng.choice(list(domain.keyframes), n_keys, replace=False)]
+    keys = [int(k) for k in rng.choice(list(domain.rollouts.keyframes), n_keys, replace=False)]
     try:
         ro = domain.rollout(keys, group, torch.Generator().manual_seed(seed), 0)
     finally:
         w.audit_fraction, w.learn_from_audit = old, learn
-    return {k.removeprefix("audit/"): v for k, v in ro.info.items() if k.startswith("audit/")} | {"last": domain.last_audit}
+    return {k.removeprefix("audit/"): v for k, v in ro.info.items() if k.startswith("audit/")} | {"last": domain.rollouts.last_audit}
 
 
 def run(out_dir: Path, quick: bool = False, log=print) -> dict:
@@ -117,22 +118,24 @@ def run(out_dir: Path, quick: bool = False, log=print) -> dict:
     wm_meta = json.loads((ROOT / "assets" / "metaworld-wm-tiny" / "meta.json").read_text())
 
     # 1. the world-model variant first (its real steps size the equal-budget sim run)
-    wm_over = [o.replace("eval_states_per_task", "robotics-wm.eval_states_per_task") for o in small]
+    wm_over = [o.replace("eval_states_per_task", "robotics.eval_states_per_task") for o in small]
     if quick:
-        wm_over += ["robotics-wm.world_model.coevolve_every=1", "robotics-wm.world_model.coevolve_episodes=2",
-                    "robotics-wm.world_model.refit_steps=2", "robotics-wm.world_model.refit_success_steps=2", "iterations=2"]
+        wm = "robotics.rollout.world_model"
+        wm_over += [f"{wm}.coevolve_every=1", f"{wm}.coevolve_episodes=2", f"{wm}.refit_steps=2",
+                    f"{wm}.refit_success_steps=2", "iterations=2"]
     log("bench robotics-world-model: imagined GRPO")
     tr, hist, wall = _train(WM_CFG, wm_over, out_dir / "wm-grpo", log)
     dom = tr.domain
     wm_before, wm_after = _gain(hist)
-    wm_real = dom.real_env_steps
+    wm_real = dom.rollouts.real_env_steps
     it_rows = [h for h in hist if "audit/episodes" in h]
     audit_train = {k: _nanmean([h.get(f"audit/{k}") for h in it_rows]) for k in
                    ("hallucinated_success_rate", "reward_model_precision", "reward_model_recall", "imagined_success_rate",
                     "replay_success_rate", "image_mse_step1", "image_mse_step6", "image_mse_step12")}
     final = _final_audit(dom, 4 if quick else 24, 4 if quick else 8)
-    imag_sps, sim_sps = _throughput(dom, 8 if quick else 64, 16 if quick else dom.cfg.world_model.horizon)
-    counts = {"coevolve": dom.real_steps_coevolve, "replay": dom.real_steps_replay, "audit": dom.audit_steps}
+    imag_sps, sim_sps = _throughput(dom, 8 if quick else 64, 16 if quick else dom.cfg.rollout.world_model.horizon)
+    counts = {"coevolve": dom.rollouts.real_steps_coevolve, "replay": dom.rollouts.real_steps_replay,
+              "audit": dom.rollouts.audit_steps}
     dom.close()
     del tr, dom  # the real data with MuJoCo states is GBs: free it before the simulator runs (a full run was OOM-killed)
     import gc
@@ -188,21 +191,19 @@ def run(out_dir: Path, quick: bool = False, log=print) -> dict:
     log("bench robotics-world-model: sim flat groups")
     _, f_hist, f_wall = _train(SIM_CFG, flat_over, out_dir / "sim-flat", log)
     tree_cfg = load_yaml(SIM_CFG)
-    tree_cfg["domain"] = "robotics-tree"
-    tree_cfg["robotics-tree"] = tree_cfg.pop("robotics")
-    tree_cfg["robotics-tree"]["branch"] = ({"at_chunks": [0, 12], "factors": [2, 2]} if quick else
-                                           {"at_chunks": [0, 12, 24], "factors": [2, 2, 2]})
+    tree_cfg["robotics"]["rollout"] = {"name": "tree", "branch": ({"at_chunks": [0, 12], "factors": [2, 2]} if quick else
+                                                                  {"at_chunks": [0, 12, 24], "factors": [2, 2, 2]})}
     tree_cfg["advantage"]["estimator"] = "treerl"
     flat_per_group = _env_steps(f_hist) / max(1, n_it * (2 if quick else 8))
     # trees per iteration for equal env steps: the flat run's steps per group / a measured tree's (dry rollout)
-    tr_dry = _trainer(tree_cfg, [o.replace("robotics.", "robotics-tree.") for o in sim_over], None, log)
+    tr_dry = _trainer(tree_cfg, sim_over, None, log)
     ro = tr_dry.domain.rollout(tr_dry.domain.train_keys()[:2], 8, torch.Generator().manual_seed(0), 0)
     tree_per_group = ro.info["env/steps"] / 2
     tr_dry.domain.close()
     groups = max(1, int(round((2 if quick else 8) * flat_per_group / max(1.0, tree_per_group))))
     log(f"bench robotics-world-model: sim branching groups ({groups} trees per iteration)")
-    _, t_hist, t_wall = _train(tree_cfg, [o.replace("robotics.", "robotics-tree.") for o in flat_over] +
-                               [f"rollout.groups_per_iteration={groups}"], out_dir / "sim-tree", log)
+    _, t_hist, t_wall = _train(tree_cfg, flat_over + [f"rollout.groups_per_iteration={groups}"], out_dir / "sim-tree",
+                               log)
     for name, h, wl, g in (("sim flat groups (8 x 8 episodes), grpo", f_hist, f_wall, 2 if quick else 8),
                            (f"sim branching groups ({groups} trees x 8 leaves, branch at chunks 0/12/24), treerl",
                             t_hist, t_wall, groups)):

@@ -85,6 +85,9 @@ class RunContext:
     process_index: int = 0
     num_processes: int = 1
     log: Any = print  # a callable taking one string, for human-readable progress lines
+    # the validated TrainConfig (None for a domain built by hand): trainer-section values a domain needs at run time
+    # (e.g. which rewards train, advantage.weights) are read from here, never copied into its own config
+    train_cfg: Any = None
 
 
 @runtime_checkable

@@ -102,6 +102,7 @@ def clipped_surrogate(
     clip_high: float | None = None,
     dual_clip: float | None = None,
     ratio_level: str = "step",
+    max_log_ratio: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Per-step clipped surrogate loss (PPO, Schulman et al. 2017; GRPO; DAPO clip-higher, Yu et al. 2025): the
     implementation of the registered ``clipped`` (``ratio_level="step"``) and ``gspo`` (``"sequence"``) losses.
@@ -116,6 +117,8 @@ def clipped_surrogate(
         adv = adv[:, None].expand_as(logp)
     hi = clip_low if clip_high is None else clip_high
     lr = log_ratio(logp, logp_old, mask, ratio_level)
+    if max_log_ratio is not None:  # GSPO as verl: a bounded value, no gradient beyond the bound
+        lr = lr.clamp(max=max_log_ratio)
     ratio = torch.exp(lr)
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + hi)
@@ -187,10 +190,23 @@ def clipped_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.T
 
 @dataclass
 class GuardSettings:
+    scale: str = field(default="sigma", metadata={
+        "help": "sigma: the log-ratio times the step's transition std sigma_t (Flow-Factory's GRPOGuardTrainer, the "
+                "reference) | relative: times sigma_t / mean sigma (grove before 2026-12; the same up to a per-call "
+                "constant, which then changes the effective clip range)"})
     center: bool = field(default=True, metadata={
-        "help": "centre each step's normalised log-ratio (removes the ratio-below-1 bias)"})
-    reweight: bool = field(default=True, metadata={
-        "help": "restore each unclipped step's gradient scale (sigma_mean / sigma_t)"})
+        "help": "remove the ratio-below-1 bias of each step column (detached mean over the call's rows; the "
+                "reference adds the analytic +||mu - mu_old||^2 / (2 sigma_t), which needs the rollout's means)"})
+    step_weight: str = field(default="balanced", metadata={
+        "help": "balanced: no further factor, so unclipped steps of every noise level pull alike (the paper's "
+                "reweighting; the reference) | flow_grpo: divide each step's loss by its scale, restoring plain "
+                "Flow-GRPO's 1/sigma_t gradient (normalisation then only decides which steps clip)"})
+
+    def check(self, where: str) -> None:
+        if self.scale not in ("sigma", "relative"):
+            raise ConfigError(f"{where}.scale must be sigma or relative, got {self.scale!r}")
+        if self.step_weight not in ("balanced", "flow_grpo"):
+            raise ConfigError(f"{where}.step_weight must be balanced or flow_grpo, got {self.step_weight!r}")
 
 
 @register_policy_loss("guard", settings=GuardSettings)
@@ -198,49 +214,60 @@ def guard_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Ten
                cfg: "LossConfig", settings: GuardSettings, terms=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GRPO-Guard (Wang et al., "GRPO-Guard: Mitigating Implicit Over-Optimization in Flow Matching via Regulated
     Clipping", 2025): the clipped surrogate on a per-step *normalised* ratio, so that one clip range acts on high-
-    and low-noise denoising steps alike. grove's reading of the paper's RatioNorm and gradient reweighting:
+    and low-noise denoising steps alike, and every step's gradient has the same scale.
 
-    - For a Gaussian step of std σ_t the log-ratio scales like Δμ/σ_t (and its mean is the negative bias
-      −‖Δμ‖²/(2σ_t²)): low-noise steps get wide ratios that the clip cuts, high-noise steps narrow ones it never
-      touches. RatioNorm: ``ℓ̂_t = (ℓ_t − c_t)·σ_t/σ̄`` with ℓ_t the log-ratio, σ_t the step's transition std (the
-      domain's ``StepLogProbs.step_std``), σ̄ its mean over the call's trained steps, and c_t the mean of ``ℓ_t·σ_t/σ̄``
-      over the call's rows at step t (detached; setting ``center``), which removes the bias so ρ̂ centres at 1.
-    - Gradient reweighting (setting ``reweight``): each step's loss is multiplied by σ̄/σ_t, which restores the
-      unclipped gradient of the plain surrogate — normalisation then changes *which* steps clip, not how hard the
-      unclipped ones pull.
+    For a Gaussian step of std σ_t the log-ratio is ℓ_t = mean(ε·Δμ)/σ_t − ‖Δμ‖²/(2σ_t²) (mean-reduced, ε the
+    step's noise): its spread scales like 1/σ_t and its mean is biased below 0, so a fixed clip cuts low-noise
+    steps and never touches high-noise ones, and their gradients differ by σ_max/σ_min. RatioNorm, as the reference
+    (X-GenGroup/Flow-Factory ``GRPOGuardTrainer``): ``ℓ̂_t = ℓ_t·σ_t + b_t`` = mean(ε·Δμ), with σ_t the domain's
+    ``StepLogProbs.step_std``; the bias b_t is the detached mean of ``ℓ_t·σ_t`` over the call's rows at step t
+    (setting ``center``; the reference's analytic ‖Δμ‖²/(2σ_t) needs the rollout's means, which grove does not
+    store). The gradient of ``ℓ̂_t`` no longer carries 1/σ_t: unclipped steps of every noise level pull alike
+    (setting ``step_weight: balanced``, the paper's equalised gradients). ``step_weight: flow_grpo`` divides each
+    step's loss by its scale instead, which restores plain Flow-GRPO's gradient. ``scale: relative`` uses
+    σ_t/σ̄ (σ̄ the call's mean std) in place of σ_t.
 
-    ρ̂ = 1 exactly at the first inner step (ℓ = 0), like the plain surrogate. The centring statistic is over the rows
-    of one forward call (the whole minibatch with ``optim.micro_batch_size: 0``)."""
+    ρ̂ = 1 exactly at the first inner step (ℓ = 0), like the plain surrogate."""
     if terms is None or terms.step_std is None:
         raise ConfigError("loss.policy_loss 'guard' (GRPO-Guard) needs a domain that reports each step's transition "
                           "std (StepLogProbs.step_std): the visgen flow domains do")
     m = mask.to(logp.dtype)
     std = terms.step_std.to(logp).detach()
     trained = m.bool() & (std > 0)
-    mean_std = std[trained].mean() if trained.any() else torch.ones((), dtype=logp.dtype, device=logp.device)
-    scale = torch.where(trained, std / mean_std, torch.ones_like(std))
+    if settings.scale == "relative":
+        mean_std = std[trained].mean() if trained.any() else torch.ones((), dtype=logp.dtype, device=logp.device)
+        std = std / mean_std
+    scale = torch.where(trained, std, torch.ones_like(std))
     lr = (logp - logp_old) * m * scale
     if settings.center:
         centre = (lr.detach() * m).sum(0, keepdim=True) / m.sum(0, keepdim=True).clamp(min=1)
         lr = (lr - centre) * m
     loss, st = clipped_surrogate(logp_old + lr, logp_old, advantages, mask, cfg.clip_low, cfg.clip_high,
                                  cfg.dual_clip, "step")
-    if settings.reweight:
+    if settings.step_weight == "flow_grpo":
         loss = loss / scale
     return loss, st
 
 
-@register_policy_loss("gspo")
+@dataclass
+class GSPOSettings:
+    max_log_ratio: float = field(default=10.0, metadata={
+        "help": "clamp of the sequence log-ratio (verl's compute_policy_loss_gspo: value bounded, gradient 0 beyond)"})
+
+
+@register_policy_loss("gspo", settings=GSPOSettings)
 def gspo_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-              cfg: "LossConfig", settings: NoSettings, terms=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+              cfg: "LossConfig", settings: GSPOSettings, terms=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization"): the clipped surrogate on the
     length-normalised sequence ratio.
 
     s_i = exp((1/|y_i|) Σ_t m_t·(logp_t − logp_old_t)), the same for every step of sequence i (gradient through
-    the mean); L_t = max(−A·s_i, −A·clip(s_i, 1−ε_lo, 1+ε_hi)) (+ dual clip as ``clipped``).
+    the mean); L_t = max(−A·s_i, −A·clip(s_i, 1−ε_lo, 1+ε_hi)) (+ dual clip as ``clipped``). As verl, log s_i is
+    clamped at ``max_log_ratio`` (10): beyond it the value stays e^10 and the gradient is 0, so one runaway sequence
+    cannot blow up a negative-advantage loss.
     """
     return clipped_surrogate(logp, logp_old, advantages, mask, cfg.clip_low, cfg.clip_high, cfg.dual_clip,
-                             "sequence")
+                             "sequence", max_log_ratio=settings.max_log_ratio)
 
 
 @register_policy_loss("cispo")

@@ -19,8 +19,6 @@ DOMAINS: dict[str, str] = {
     "llm": "shared_rl.llm.domain:LLMDomain",
     "visgen": "visgen.domain:VisgenDomain",
     "robotics": "robotics.domain:RoboticsDomain",
-    "robotics-tree": "robotics.branching:TreeRoboticsDomain",
-    "robotics-wm": "robotics.world_model.domain:WorldModelDomain",
 }
 
 SUPERVISED: dict[str, str] = {

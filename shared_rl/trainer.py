@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from .advantages import ESTIMATORS, AdvantageInputs, AdvantageOutput
-from .checkpoint import restore_run, save_run
+from .checkpoint import restore_run, rng_state, save_run, set_rng_state
 from .collect import Collector, iteration_seed, oom_hint, weighted_reward  # noqa: F401  (iteration_seed re-exported)
 from .config import ConfigError, TrainConfig, dump_train_config
 from .domain import RunContext, StepLogProbs
@@ -33,7 +33,9 @@ from .losses import Normalizer, aggregate, get_policy_loss, kl_per_step, value_l
 from .metrics import MetricsLogger, plot_metrics
 from .optim import Optimizer, WeightEMA, make_scheduler  # noqa: F401  (re-exported)
 from .registry import resolve_domain
+from .rewards import RewardInterrupted, clear_interrupt, interrupt_rewards, reward_calls
 from .rollout import Rollout
+from .rundir import atomic_write_text, begin_final, commit_final
 from .selection import make_sampler
 
 
@@ -72,7 +74,7 @@ class Trainer:
             self.device = torch.device("cuda", self.dist.local_rank)
         torch.manual_seed(cfg.seed)
         ctx = RunContext(run_dir=self.run_dir, device=self.device, seed=cfg.seed, log=log,
-                         process_index=self.dist.rank, num_processes=self.dist.world)
+                         process_index=self.dist.rank, num_processes=self.dist.world, train_cfg=cfg)
         self.domain = resolve_domain(cfg.domain)(cfg.domain_config, ctx)
         self.fsdp = self._setup_fsdp() if cfg.distributed.strategy == "fsdp2" else None
         params = [p for p in self.domain.parameters() if p.requires_grad]
@@ -159,7 +161,9 @@ class Trainer:
         t0 = time.perf_counter()
 
         # 1–4. select keys, roll out (rewards included), filter and refill by key, update the key sampler
+        reward_calls.begin()
         got = self.collector.collect(it, gen)
+        reward_calls.check(it)  # every reward call failed: stop (exit 1) rather than train on NaN
         local, view, metrics = got.local, got.view, got.metrics
         if self.fsdp is not None and any_rank(self.dist, local is None):
             raise RuntimeError(f"iteration {it}: a process sampled no sequence, so it cannot pad its FSDP2 training "
@@ -467,7 +471,16 @@ class Trainer:
     def _run_one(self, it: int, logger: MetricsLogger, bar) -> bool:
         """Iteration ``it`` with its evaluation, record and checkpoint; True when a signal asked the run to stop."""
         cfg = self.cfg
-        metrics = self.iteration(it)
+        before = (self.sampler.state_dict(), self.domain.extra_state(), rng_state())
+        try:
+            metrics = self.iteration(it)
+        except RewardInterrupted:  # a signal abandoned a stuck reward (collect changes no weights): checkpoint
+            self.sampler.load_state_dict(before[0])  # the state from before this iteration, which then replays
+            self.domain.load_extra_state(before[1])
+            set_rng_state(before[2])
+            self.save(it)
+            self._log_stop(it)
+            return True
         metrics.update(self.resume_note)
         self.resume_note = {}
         step = it + 1
@@ -498,6 +511,7 @@ class Trainer:
     def _stop_on_signals(self):
         """SIGINT / SIGTERM: finish the current iteration, checkpoint, exit; a second Ctrl-C aborts at once."""
         old_handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+        clear_interrupt()
 
         def on_signal(signum, frame):
             name = signal.Signals(signum).name
@@ -508,6 +522,7 @@ class Trainer:
                          + (" (Ctrl-C again to abort without saving)" if name == "SIGINT" else ""))
             self._stop_requested = True
             self.stop_signal = self.stop_signal or name
+            interrupt_rewards()  # a reward still running STOP_GRACE_S from now is abandoned
 
         try:
             for sig in old_handlers:
@@ -549,12 +564,14 @@ class Trainer:
         if not self.run_dir:
             return
         main = self.dist.is_main
+        final = begin_final(self.run_dir, main)  # written aside, renamed to final/ last: whole or absent
         if main or self.fsdp is not None:  # FSDP2: every rank takes part in the gather
             with self.optim.averaged():
-                self.domain.save_pretrained(self.run_dir / "final")
+                self.domain.save_pretrained(final)
         with self._gathered():
             if main:
                 self._finish_main()
+                commit_final(self.run_dir)
 
     def _finish_main(self) -> None:
         from .metrics import read_metrics
@@ -570,7 +587,7 @@ class Trainer:
                      if k.startswith("eval/") and isinstance(first.get(k), (int, float))
                      and isinstance(last.get(k), (int, float))]
             summary = "summary (step %d -> %d)\n  " % (first["step"], last["step"]) + "\n  ".join(lines)
-            (self.run_dir / "summary.txt").write_text(summary + "\n")
+            atomic_write_text(self.run_dir / "summary.txt", summary + "\n")
             self.log(summary)
         self.log(f"run directory: {self.run_dir}")
 

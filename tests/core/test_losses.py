@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from shared_rl.config import ConfigError, LossConfig, apply_overrides, from_dict, to_dict
-from shared_rl.losses import (KL_ESTIMATORS, POLICY_LOSSES, NoSettings, Normalizer, SapoSettings, aggregate, clipped_surrogate,
+from shared_rl.losses import (KL_ESTIMATORS, POLICY_LOSSES, GuardSettings, NoSettings, Normalizer, SapoSettings, aggregate, clipped_surrogate,
                               get_policy_loss, kl_k1, kl_k3, kl_per_step)
 
 
@@ -86,7 +86,7 @@ def test_registry_entries_share_one_signature_and_match_the_surrogate():
     adv, mask = torch.randn(3), torch.rand(3, 4) > 0.2
     cfg = LossConfig(clip_low=0.2, clip_high=0.28, dual_clip=3.0)
     for name, level in (("clipped", "step"), ("gspo", "sequence")):
-        got, st = POLICY_LOSSES[name](logp, logp_old, adv, mask, cfg, NoSettings())
+        got, st = POLICY_LOSSES[name](logp, logp_old, adv, mask, cfg, POLICY_LOSSES[name].settings_class())
         want, st_want = clipped_surrogate(logp, logp_old, adv, mask, 0.2, 0.28, 3.0, level)
         assert torch.equal(got, want) and all(torch.equal(st[k], st_want[k]) for k in st_want)
     from shared_rl.domain import StepLogProbs
@@ -185,3 +185,56 @@ def test_kl_estimators():
 
     mean = torch.tensor([[1.0, 3.0]])
     assert torch.allclose(sde_mean_kl(mean, torch.zeros(1, 2), torch.tensor([2.0])), torch.tensor([(1 / 8 + 9 / 8) / 2]))
+
+
+def test_gspo_clamps_the_sequence_log_ratio_as_verl():
+    # one token, log-ratio 12, A = -1: verl's loss is e^10 = 22026.47 with no gradient (unclamped: e^12 = 162754.8)
+    logp = torch.tensor([[12.0]], requires_grad=True)
+    loss, st = POLICY_LOSSES["gspo"](logp, torch.zeros(1, 1), torch.tensor([-1.0]), torch.ones(1, 1), LossConfig(),
+                                     POLICY_LOSSES["gspo"].settings_class())
+    assert loss.item() == pytest.approx(math.exp(10.0), rel=1e-6)
+    loss.sum().backward()
+    assert logp.grad.item() == 0.0
+    # below the bound nothing changes
+    small, _ = POLICY_LOSSES["gspo"](torch.tensor([[0.5]]), torch.zeros(1, 1), torch.tensor([-1.0]), torch.ones(1, 1),
+                                     LossConfig(clip_low=10.0), POLICY_LOSSES["gspo"].settings_class())
+    assert small.item() == pytest.approx(math.exp(0.5))
+
+
+def _guard_step_grads(settings):
+    """GRPO-Guard on 2 rows x 2 steps with sigma = (0.5, 0.05), mean shift 1e-3, A = +1 / -1: each step's gradient.
+    logp_t(theta) = mean_d[-(sigma_t*eps - theta)^2 / (2 sigma_t^2)] + const, the mean-reduced Gaussian step log-prob
+    with the new mean shifted by theta; the rows' noise is the same at both steps."""
+    from shared_rl.domain import StepLogProbs
+    from shared_rl.losses import guard_loss
+
+    eps = torch.tensor([[1.0, -0.5, 0.3, 0.8], [-0.7, 0.2, 1.1, -0.4]])  # row means 0.4, 0.05
+    sigma = torch.tensor([0.5, 0.05])
+    theta = torch.tensor(1e-3, requires_grad=True)
+
+    def logp(th):
+        return torch.stack([(-(s * eps - th) ** 2 / (2 * s * s)).mean(1) for s in sigma], 1)  # [2 rows, 2 steps]
+
+    old = logp(torch.tensor(0.0)).detach()
+    terms = StepLogProbs(logp=old, step_std=sigma.expand(2, 2).clone())
+    grads = []
+    for j in range(2):
+        theta.grad = None
+        loss, _ = guard_loss(logp(theta), old, torch.tensor([1.0, -1.0]), torch.ones(2, 2, dtype=torch.bool),
+                             LossConfig(clip_low=0.2), settings, terms=terms)
+        loss[:, j].sum().backward()
+        grads.append(abs(theta.grad.item()))
+    return grads
+
+
+def test_grpo_guard_equalises_the_step_gradients_as_the_reference():
+    # sigma-scaled log-ratio: d/dtheta = mean(eps) - theta/sigma per row; rows (+1, -1):
+    #   step 0: -(0.4 - 0.002) + (0.05 - 0.002) = -0.350;  step 1: -(0.4 - 0.02) + (0.05 - 0.02) = -0.350
+    g = _guard_step_grads(GuardSettings())
+    assert g[0] == pytest.approx(0.350, abs=2e-3) and g[1] == pytest.approx(0.350, abs=2e-3)
+    assert 0.8 <= g[0] / g[1] <= 1.25
+    # step_weight: flow_grpo restores Flow-GRPO's 1/sigma gradients: the low-noise step pulls ~10x harder
+    g = _guard_step_grads(GuardSettings(step_weight="flow_grpo"))
+    assert g[1] / g[0] == pytest.approx(10.0, rel=0.01)
+    with pytest.raises(ConfigError, match="step_weight must be balanced or flow_grpo"):
+        from_dict(LossConfig, {"policy_loss": {"name": "guard", "step_weight": "equal"}}, "loss")

@@ -9,7 +9,7 @@ import torch
 
 from shared_rl.config import ConfigError, load_train_config
 from shared_rl.domain import StepLogProbs
-from shared_rl.config import LossConfig
+from shared_rl.config import LossConfig, PolicyLossChoice
 from shared_rl.losses import NFTSettings, NoSettings, awm_loss, nft_loss
 from shared_rl.trainer import Trainer
 from visgen.objectives import flow_matching_loss, nft_branch_losses, objective_from_config
@@ -61,10 +61,10 @@ def _cfg(tiny_dir, objective="nft", method=None, micro=0, lr=1e-2, **over):
         "domain": "visgen", "seed": 3, "iterations": 1,
         "rollout": {"groups_per_iteration": 2, "group_size": over.pop("group_size", 4)},
         "advantage": {"estimator": over.pop("estimator", "grpo"), "weights": {"shapes_strict": 0.0}},
-        "loss": {"policy_loss": objective, "kl_coef": over.pop("kl_coef", 0.0)},
+        "loss": {"kl_coef": over.pop("kl_coef", 0.0)},  # policy_loss: null, the objective's
         "optim": {"lr": lr, "micro_batch_size": micro}, "logging": {"progress": False}, "eval": {"at_start": False},
         "visgen": {"model": str(tiny_dir), "num_inference_steps": 4, "lora": {"rank": 4, "alpha": 8},
-                   "method": method or {"name": "ode"}, "objective": {"name": objective, "timesteps_per_sample": 2},
+                   "method": method, "objective": {"name": objective, "timesteps_per_sample": 2},
                    "eval": {"max_prompts": 2, "samples_per_prompt": 1, "grid_prompts": 0}, **over},
     })
 
@@ -114,10 +114,34 @@ def test_nft_on_tree_rollouts_trains_leaves_only(tiny_dir):
 
 
 def test_objective_config_contract(tiny_dir):
-    with pytest.raises(ConfigError, match="trains with loss.policy_loss: nft"):
-        load_train_config({"domain": "visgen", "visgen": {"model": str(tiny_dir), "objective": {"name": "nft"}}})
+    """A likelihood-free objective is one choice: it brings its loss (nft with the objective's adv_max) and the ODE
+    sampler; a loss.policy_loss that says otherwise is one line; an explicit method stays the user's."""
+    def load(loss=None, **visgen):
+        return load_train_config({"domain": "visgen", **({"loss": loss} if loss else {}),
+                                  "visgen": {"model": str(tiny_dir), **visgen}})
+
+    cfg = load(objective={"name": "nft", "adv_max": 2.0})
+    assert cfg.loss.policy_loss is None  # the config stays as written; the choice is derived
+    assert cfg.policy_loss_choice() == PolicyLossChoice("nft", NFTSettings(adv_max=2.0))
+    assert cfg.domain_config.method is None and cfg.domain_config.rollout_method().name == "ode"
+    assert load(objective={"name": "awm"}).policy_loss_choice() == PolicyLossChoice("awm")
+    assert load().policy_loss_choice().name == "clipped"
+    assert load().domain_config.rollout_method().name == "flow_grpo"  # log_prob: Flow-GRPO's sampler
+    consistent = load({"policy_loss": {"name": "nft", "adv_max": 2.0}}, objective={"name": "nft", "adv_max": 2.0})
+    assert consistent.policy_loss_choice().settings.adv_max == 2.0
+    assert load(objective={"name": "nft"}, method={"name": "flow_grpo"}).domain_config.rollout_method().name == \
+        "flow_grpo"  # any sampler works (trees too: test_nft_on_tree_rollouts_trains_leaves_only)
+    with pytest.raises(ConfigError, match=r"loss.policy_loss 'clipped' contradicts visgen.objective 'nft', which "
+                                          r"trains with \{'name': 'nft', 'adv_max': 5.0\}; remove loss.policy_loss"):
+        load({"policy_loss": "clipped"}, objective={"name": "nft"})
+    with pytest.raises(ConfigError, match="contradicts visgen.objective 'nft'"):
+        load({"policy_loss": {"name": "nft", "adv_max": 3.0}}, objective={"name": "nft"})
+    with pytest.raises(ConfigError, match="contradicts visgen.objective 'awm'"):
+        load({"policy_loss": "nft"}, objective={"name": "awm"})
     with pytest.raises(ConfigError, match="needs visgen.objective"):
-        load_train_config({"domain": "visgen", "loss": {"policy_loss": "awm"}, "visgen": {"model": str(tiny_dir)}})
+        load({"policy_loss": "awm"})
+    with pytest.raises(ConfigError, match="adv_max must be > 0"):
+        objective_from_config({"name": "nft", "adv_max": 0.0})
     with pytest.raises(ConfigError, match="trains nothing under the log_prob objective"):
         load_train_config({"domain": "visgen", "visgen": {"model": str(tiny_dir), "method": {"name": "ode"}}})
     with pytest.raises(ConfigError, match="did you mean 'nft'"):
@@ -129,7 +153,8 @@ def test_objective_config_contract(tiny_dir):
 def test_grpo_guard_ratio_norm_hand_computed():
     from shared_rl.losses import GuardSettings, NoSettings, clipped_loss, guard_loss
 
-    cfg, guard = LossConfig(clip_low=0.01), GuardSettings()
+    # grove's earlier form (relative scale, Flow-GRPO gradient); the reference default is tested in test_losses.py
+    cfg, guard = LossConfig(clip_low=0.01), GuardSettings(scale="relative", step_weight="flow_grpo")
     logp = torch.tensor([[0.02, 0.02], [0.0, 0.0]], requires_grad=True)
     old, adv, mask = torch.zeros(2, 2), torch.ones(2), torch.ones(2, 2, dtype=torch.bool)
     terms = StepLogProbs(logp=logp, step_std=torch.tensor([[1.0, 3.0], [1.0, 3.0]]))
