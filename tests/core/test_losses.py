@@ -155,7 +155,7 @@ def test_each_loss_owns_its_settings():
     assert cfg.policy_loss.name == "sapo" and cfg.policy_loss.settings == SapoSettings(tau_pos=1.0, tau_neg=2.0)
     assert to_dict(cfg)["policy_loss"] == {"name": "sapo", "tau_pos": 1.0, "tau_neg": 2.0}  # round-trips
     assert from_dict(LossConfig, to_dict(cfg), "loss").policy_loss == cfg.policy_loss
-    assert to_dict(from_dict(LossConfig, {"policy_loss": "gspo"}))["policy_loss"] == "gspo"  # no settings: the name
+    assert to_dict(from_dict(LossConfig, {"policy_loss": "cispo"}))["policy_loss"] == "cispo"  # no settings: the name
     with pytest.raises(ConfigError, match="loss.policy_loss.tau_neg must be > 0"):
         from_dict(LossConfig, {"policy_loss": {"name": "sapo", "tau_neg": 0.0}}, "loss")
     with pytest.raises(ConfigError, match="unknown config key 'loss.policy_loss.tau_pos'"):
