@@ -26,6 +26,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from .rundir import check_run_dir
+
 
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
@@ -43,6 +45,14 @@ def _fsync_dir(path: Path) -> None:
         finally:
             os.close(fd)
     except OSError:
+        pass
+
+
+def _fsync_file(path: Path) -> None:
+    try:
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
+    except OSError:  # no such file yet (a run without records)
         pass
 
 
@@ -73,8 +83,14 @@ def save_checkpoint(
     state: dict[str, Any],
     keep_last: int = 2,
 ) -> Path:
-    """Write checkpoint ``step_{iteration:06d}`` atomically; prune to the newest ``keep_last``."""
-    ckpt_root.mkdir(parents=True, exist_ok=True)
+    """Write checkpoint ``step_{iteration:06d}`` atomically; prune to the newest ``keep_last``. The run directory
+    (``ckpt_root``'s parent) must exist: one that vanished is never recreated (``RunDirectoryLost``). Its
+    ``metrics.jsonl`` is fsynced first, so the records up to a checkpoint are on disk whenever the checkpoint is."""
+    check_run_dir(ckpt_root.parent)
+    ckpt_root.mkdir(exist_ok=True)
+    _fsync_file(ckpt_root.parent / "metrics.jsonl")
+    for leftover in ckpt_root.glob(".trash-*"):  # what a kill during an earlier rotation left half deleted
+        shutil.rmtree(leftover, ignore_errors=True)
     final = ckpt_root / f"step_{iteration:06d}"
     tmp = ckpt_root / f".tmp-step_{iteration:06d}"
     if tmp.exists():
@@ -90,12 +106,16 @@ def save_checkpoint(
     for p in tmp.iterdir():
         with open(p, "rb") as f:
             os.fsync(f.fileno())
+    # rename before delete: a kill (or a second Ctrl-C) during a slow rmtree must never leave half a checkpoint
+    # under a final name; a half-deleted ``.trash-*`` is ignored by readers and removed by the next save
     if final.exists():
-        shutil.rmtree(final)
+        os.replace(final, ckpt_root / f".trash-{final.name}")
     os.replace(tmp, final)
-    _fsync_dir(ckpt_root)
     for old in list_checkpoints(ckpt_root)[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
+        os.replace(old, ckpt_root / f".trash-{old.name}")
+    _fsync_dir(ckpt_root)
+    for trash in ckpt_root.glob(".trash-*"):
+        shutil.rmtree(trash, ignore_errors=True)
     return final
 
 

@@ -36,8 +36,9 @@ import time
 from pathlib import Path
 
 from .config import apply_overrides, describe, dump_train_config, load_train_config, load_yaml, to_dict
-from .errors import ConfigError, NonFiniteError, ResourceError
+from .errors import ConfigError, NonFiniteError, ResourceError, RunDirectoryLost
 from .rewards import RewardFailure
+from .rundir import RunLock, atomic_write_text, holder, is_empty_run_dir
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "visgen" / "shapes_grpo.yaml"
@@ -119,36 +120,66 @@ def check_output_file(path: str | Path, flag: str, suffix: str = "", overwrite: 
 
 
 class _RunDir:
-    """Create the run directory lazily (after validation and model loading); remove what was created again when
-    setup fails before anything useful is written."""
+    """Create the run directory lazily (after validation and model loading) and lock it (one writer per run
+    directory: ``shared_rl.rundir``); remove what was created again when setup fails before anything useful is
+    written. ``release`` drops the lock (``_fit`` and the commands call it when they end)."""
 
-    def __init__(self, path: Path, resume: bool, if_not_empty: str = "") -> None:
+    def __init__(self, path: Path, resume: bool, if_not_empty: str = "", command: str = "grove train") -> None:
         self.path = Path(path)
+        self.resume = resume
+        self.command = command
         self.created: Path | None = None  # the outermost directory this process created
+        self.lock: RunLock | None = None
         self.main = int(os.environ.get("RANK", "0")) == 0  # under accelerate/torchrun only rank 0 writes
+        self.if_not_empty = if_not_empty or f"pass --resume {path} to continue that run or choose another --out"
         if not resume:
             check_output_dir(path)
-            if self.main and self.path.exists() and any(self.path.iterdir()):
-                raise ConfigError(f"{str(path)!r} is not empty; "
-                                  + (if_not_empty or f"pass --resume {path} to continue that run or choose another --out"))
+            if self.main and self.path.exists() and not is_empty_run_dir(self.path):
+                self._refuse_not_empty()
+
+    def _refuse_not_empty(self) -> None:
+        owner = holder(self.path)
+        if owner is not None:  # a run is writing there right now: say whose
+            raise RunLock(self.path, self.command).busy(owner)
+        raise ConfigError(f"{str(self.path)!r} is not empty; {self.if_not_empty}")
 
     def create(self) -> Path:
-        if self.main and not self.path.exists():
+        """The directory, created if needed and locked by this process (``RunDirectoryBusy`` when another holds
+        it; a directory another writer filled since ``__init__`` is refused as not empty)."""
+        if not self.main:
+            return self.path
+        if not self.path.exists():
             outer = self.path.absolute()
             while not outer.parent.exists():
                 outer = outer.parent
             try:
                 self.path.mkdir(parents=True)
+                self.created = outer
+            except FileExistsError:
+                pass  # a run started beside this one made it first: the lock decides which of the two writes
             except OSError as e:  # os.access cannot see every reason (read-only mounts, quotas, root squash)
                 raise ConfigError(f"cannot create run directory {str(self.path)!r} ({e.strerror}); choose another "
                                   f"--out") from None
-            self.created = outer
+        try:
+            self.lock = RunLock(self.path, self.command, log=_log).acquire()
+            if not self.resume and not is_empty_run_dir(self.path):
+                self._refuse_not_empty()
+        except ConfigError:
+            self.release()
+            self.created = None  # what is there now belongs to the other writer: never remove it
+            raise
         return self.path
 
     def discard(self) -> None:
         if self.created is not None:
             shutil.rmtree(self.created, ignore_errors=True)
             self.created = None
+        self.release()
+
+    def release(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
 
     def has_checkpoint(self) -> bool:
         from .checkpoint import list_checkpoints
@@ -156,20 +187,49 @@ class _RunDir:
         return bool(list_checkpoints(self.path / "checkpoints"))
 
 
+def _write_run_file(path: Path, text: str, flag: str = "--out") -> None:
+    """Write a file of the run whole or not at all (temp file + rename); a full disk or a read-only file system
+    at this point is an input problem (exit code 2), and no empty or truncated file is left behind."""
+    try:
+        atomic_write_text(path, text)
+    except OSError as e:
+        raise ConfigError(f"cannot write {str(path)!r} ({e.strerror}); free space or choose another {flag}") from None
+
+
 @contextlib.contextmanager
 def _input_errors(domain: str):
-    """File-system errors raised while a domain loads its inputs (a path that vanished, a permission) are input
-    problems: one line with exit code 2. Domains raise ConfigError for everything else they can name; other
+    """Errors raised while a domain loads its inputs that are input problems become one line with exit code 2:
+    file-system errors (a path that vanished, a permission), a file that is not UTF-8, a module the config names
+    that does not import (missing, a syntax error, or raising in its top-level code: ``preflight.user_code_failure``),
+    and a size that does not fit in memory. Domains raise ConfigError for everything else they can name; other
     exceptions (KeyError, AssertionError, ...) are programming errors and keep their traceback.
     ``GROVE_DEBUG=1`` re-raises with the traceback."""
+    from .preflight import user_code_failure
+
     try:
         yield
     except ConfigError:
         raise
-    except OSError as e:
+    except Exception as e:  # noqa: BLE001 — sorted below: input problems become one line, the rest re-raise
         if os.environ.get("GROVE_DEBUG"):
             raise
-        raise ConfigError(f"{domain}: {' '.join(str(e).split())}") from e
+        if isinstance(e, OSError):
+            why = " ".join(str(e).split())
+        elif isinstance(e, UnicodeDecodeError):
+            why = f"an input file is not UTF-8 text ({e.reason} at offset {e.start}); save it as UTF-8"
+        elif isinstance(e, ModuleNotFoundError) and (e.name or "").split(".")[0] not in _OWN_PACKAGES:
+            why = f"{e}; install it or fix the name in the config"
+        elif (found := user_code_failure(e)) is not None:
+            why = found
+        elif (alloc := _allocation_failure(e)) is not None:
+            why = (f"building it asks for more memory than this machine has ({alloc}); lower the sizes in the "
+                   f"config")
+        else:
+            raise
+        raise ConfigError(f"{domain}: {why}") from e
+
+
+_OWN_PACKAGES = ("shared_rl", "visgen", "robotics", "bench")
 
 
 def _quiet_loading() -> None:
@@ -189,8 +249,18 @@ def _load_config(args) -> tuple[dict, Path]:
     else:
         config_path = DEFAULT_CONFIG if DEFAULT_CONFIG.is_file() else FALLBACK_CONFIG
         _log(f"grove: no config given; running the default {config_path.relative_to(REPO_ROOT)}")
-    data = apply_overrides(load_yaml(config_path), args.overrides)
-    return data, config_path
+    return _read_config(config_path, args.overrides), config_path
+
+
+def _read_config(config_path: Path, overrides: list[str]) -> dict:
+    """The config file with its overrides applied; the bytes are checked before YAML reads them (UTF-8 text,
+    bounded size, nesting and alias expansion: ``preflight.check_config_file``)."""
+    from .preflight import check_config_file, check_override_text
+
+    check_config_file(config_path)
+    for override in overrides:
+        check_override_text(override)
+    return apply_overrides(load_yaml(config_path), overrides)
 
 
 def batch_arithmetic(cfg) -> list[str]:
@@ -235,8 +305,18 @@ def _dry_run(cfg, config_path: Path, run_dir: Path, what: str) -> int:
     return 0
 
 
+def _allocation_failure(e: BaseException) -> str | None:
+    """The one-line reason when ``e`` is a failed host-memory allocation (torch's CPU allocator raises a plain
+    RuntimeError, Python a MemoryError), else None."""
+    text = " ".join(str(e).split())
+    if isinstance(e, MemoryError) or "can't allocate memory" in text or "DefaultCPUAllocator" in text:
+        return text[:200] or type(e).__name__
+    return None
+
+
 def _fit(trainer, run: _RunDir) -> int:
-    """Run the trainer; map how it stopped to the exit code (Ctrl-C: 130 after its checkpoint)."""
+    """Run the trainer; map how it stopped to the exit code (Ctrl-C: 130 after its checkpoint); release the run
+    directory's lock however it ends."""
     try:
         trainer.fit(resume=trainer.restored_from is not None)
     except KeyboardInterrupt:  # a second Ctrl-C: abort without saving
@@ -246,6 +326,15 @@ def _fit(trainer, run: _RunDir) -> int:
         else:
             _log(f"grove: interrupted; the newest checkpoint is kept: resume with: grove train --resume {run.path}")
         return EXIT_INTERRUPTED
+    except (RuntimeError, MemoryError) as e:
+        why = _allocation_failure(e)
+        if why is None:
+            raise
+        raise ResourceError(f"out of host memory during the run ({why}); lower the sizes the config asks for "
+                            f"(rollout.groups_per_iteration, rollout.group_size, the domain's sizes); the newest "
+                            f"checkpoint is kept") from e
+    finally:
+        run.release()
     return EXIT_INTERRUPTED if trainer.stop_signal == "SIGINT" else 0
 
 
@@ -275,11 +364,13 @@ def cmd_train(args, force_supervised: bool = False) -> int:
             return 0
         try:
             run_dir = run.create()
-            (run_dir / "config.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
+            _write_run_file(run_dir / "config.yaml", yaml.safe_dump(data, sort_keys=False))
             result = fn(body, run_dir, _log)
         except ConfigError:
             run.discard()
             raise
+        finally:
+            run.release()
         _log(f"grove: done: {result}")
         return 0
 
@@ -295,7 +386,7 @@ def cmd_train(args, force_supervised: bool = False) -> int:
             trainer = Trainer(cfg, run.path, log=_log)  # builds the domain (loads models) before writing anything
         run_dir = run.create()
         if run.main:
-            (run_dir / "config.yaml").write_text(yaml.safe_dump(dump_train_config(cfg), sort_keys=False))
+            _write_run_file(run_dir / "config.yaml", yaml.safe_dump(dump_train_config(cfg), sort_keys=False))
     except ConfigError:
         run.discard()
         raise
@@ -319,7 +410,7 @@ def _run_config(run_dir: Path, flag: str, overrides: list[str]):
         raise ConfigError(f"{flag} {str(run_dir)!r} is not a grove run directory (it does not exist)")
     if not (run_dir / "config.yaml").is_file():
         raise ConfigError(f"{flag} {str(run_dir)!r}: no config.yaml there (not a grove run directory)")
-    data = apply_overrides(load_yaml(run_dir / "config.yaml"), overrides)
+    data = _read_config(run_dir / "config.yaml", overrides)
     if data.get("kind", "rl") == "supervised":
         raise ConfigError(f"{flag} {str(run_dir)!r} is a supervised run; {flag} works on RL runs (grove pretrain "
                           f"starts supervised jobs afresh)")
@@ -346,6 +437,8 @@ def cmd_resume(args) -> int:
     import yaml
 
     from .checkpoint import checkpoint_iteration
+    from .metrics import check_history
+    from .rundir import final_complete
     from .trainer import Trainer
 
     run_path = Path(args.resume)
@@ -356,30 +449,41 @@ def cmd_resume(args) -> int:
         raise ConfigError(f"--resume writes into {str(run_path)!r} itself; drop --out (to branch a run, copy its "
                           f"directory and resume the copy)")
     cfg = _run_config(run_path, "--resume", args.overrides)
-    checkpoint = _usable_checkpoint(run_path, "--resume")
-    done = checkpoint_iteration(checkpoint)
-    if done >= cfg.iterations:
-        raise ConfigError(f"--resume {str(run_path)!r}: its newest checkpoint is at iteration {done} of "
-                          f"{cfg.iterations}, nothing is left to train; pass iterations=N with N > {done} to continue")
-    if args.dry_run:
-        return _dry_run(cfg, run_path / "config.yaml", run_path, "train --resume")
-    _quiet_loading()
-    with _input_errors(cfg.domain):
-        trainer = Trainer(cfg, run_path, log=_log)
-    _restore(trainer, run_path / "checkpoints", "--resume")
-    trainer.log(f"resumed from {trainer.restored_from} at iteration {trainer.start_iteration}")
-    run = _RunDir(run_path, resume=True)
-    if args.overrides and run.main:
-        old = (run_path / "config.yaml").read_text().splitlines()
-        notes = [line for line in old if line.startswith("#")]
-        notes.append(f"# resumed at iteration {done} ({time.strftime('%Y-%m-%d %H:%M:%S')}) with: "
-                     f"{' '.join(args.overrides)}")
-        text = "\n".join(notes) + "\n" + yaml.safe_dump(dump_train_config(cfg), sort_keys=False)
-        tmp = run_path / ".config.yaml.tmp"
-        tmp.write_text(text)
-        os.replace(tmp, run_path / "config.yaml")
-        trainer.resume_note = {"resume/overrides": " ".join(args.overrides)}
-    return _fit(trainer, run)
+    run = _RunDir(run_path, resume=True, command="grove train --resume")
+    if not args.dry_run:
+        run.create()  # the lock, before the checks read the state another writer could be changing
+    try:
+        check_history(run_path / "metrics.jsonl")
+        checkpoint = _usable_checkpoint(run_path, "--resume")
+        done = checkpoint_iteration(checkpoint)
+        export_only = done >= cfg.iterations
+        if export_only and final_complete(run_path):
+            raise ConfigError(f"--resume {str(run_path)!r}: its newest checkpoint is at iteration {done} of "
+                              f"{cfg.iterations}, nothing is left to train; pass iterations=N with N > {done} to "
+                              f"continue")
+        if args.dry_run:
+            return _dry_run(cfg, run_path / "config.yaml", run_path, "train --resume")
+        _quiet_loading()
+        with _input_errors(cfg.domain):
+            trainer = Trainer(cfg, run_path, log=_log)
+        _restore(trainer, run_path / "checkpoints", "--resume")
+        if export_only:  # it finished training but was stopped while exporting: export again, train nothing
+            trainer.log(f"{run_path}: trained to iteration {done} but its final/ export is missing or was cut "
+                        f"short; exporting it again from {trainer.restored_from}")
+            trainer._finish()
+            return 0
+        trainer.log(f"resumed from {trainer.restored_from} at iteration {trainer.start_iteration}")
+        if args.overrides and run.main:
+            old = (run_path / "config.yaml").read_text().splitlines()
+            notes = [line for line in old if line.startswith("#")]
+            notes.append(f"# resumed at iteration {done} ({time.strftime('%Y-%m-%d %H:%M:%S')}) with: "
+                         f"{' '.join(args.overrides)}")
+            text = "\n".join(notes) + "\n" + yaml.safe_dump(dump_train_config(cfg), sort_keys=False)
+            _write_run_file(run_path / "config.yaml", text, flag="run directory")
+            trainer.resume_note = {"resume/overrides": " ".join(args.overrides)}
+        return _fit(trainer, run)
+    finally:
+        run.release()
 
 
 def cmd_eval(args) -> int:
@@ -394,7 +498,7 @@ def cmd_eval(args) -> int:
         check_output_dir(args.out)  # the text as given: Path("") would silently be "."
     out = Path(args.out) if args.out is not None else Path("runs") / (
         f"eval-{run_dir.absolute().name}-{time.strftime('%Y%m%d-%H%M%S')}")
-    target = _RunDir(out, resume=False, if_not_empty="choose another --out for the results")
+    target = _RunDir(out, resume=False, if_not_empty="choose another --out for the results", command="grove eval")
     inside = out.absolute().resolve()
     if inside == run_dir.absolute().resolve() or run_dir.absolute().resolve() in inside.parents:
         raise ConfigError(f"eval --out {str(out)!r} is inside the run {str(run_dir)!r}; grove eval never changes a "
@@ -409,10 +513,13 @@ def cmd_eval(args) -> int:
     except ConfigError:
         target.discard()
         raise
-    metrics = trainer._evaluate(trainer.start_iteration)
-    result = {"run": str(run_dir), "checkpoint": str(checkpoint), "iteration": trainer.start_iteration,
-              "overrides": list(args.overrides), "metrics": metrics}
-    (out_dir / "results.json").write_text(json.dumps(result, indent=1, default=float) + "\n")
+    try:
+        metrics = trainer.evaluate(trainer.start_iteration)
+        result = {"run": str(run_dir), "checkpoint": str(checkpoint), "iteration": trainer.start_iteration,
+                  "overrides": list(args.overrides), "metrics": metrics}
+        _write_run_file(out_dir / "results.json", json.dumps(result, indent=1, default=float) + "\n")
+    finally:
+        target.release()
     print(json.dumps(metrics, indent=1))
     _log(f"grove: results in {out_dir / 'results.json'}")
     return 0
@@ -473,7 +580,7 @@ def cmd_config(args) -> int:
     if not args.config:
         raise ConfigError("config show needs a config, e.g. grove config show configs/toy.yaml")
     config_path = Path(args.config)
-    data = apply_overrides(load_yaml(config_path), args.overrides)
+    data = _read_config(config_path, args.overrides)
     if data.get("kind", "rl") == "supervised":
         raise ConfigError(f"{config_path}: config show resolves RL configs; this one is kind: supervised "
                           f"(its job validates it when run: grove pretrain {config_path})")
@@ -650,7 +757,7 @@ def _main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"grove: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
-    except (ResourceError, NonFiniteError, RewardFailure) as e:
+    except (ResourceError, NonFiniteError, RewardFailure, RunDirectoryLost) as e:
         print(f"grove: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -16,3 +16,12 @@ class ResourceError(RuntimeError):
 
 class NonFiniteError(RuntimeError):
     """Too many consecutive optimizer steps had NaN/Inf losses or gradients."""
+
+
+class RunDirectoryBusy(ConfigError):
+    """Another process writes the run directory (its lock is held): exit code 2, the message names the owner."""
+
+
+class RunDirectoryLost(RuntimeError):
+    """The run directory was deleted, moved or replaced while the run was writing it: the run stops (exit code 1)
+    instead of recreating it elsewhere or half-empty."""

@@ -3,13 +3,23 @@
 
 One JSON object per line with ``step`` and the metric names of DESIGN.md §4 (``reward/mean``, ``loss/policy``,
 ``eval/<metric>``, ...). Step 0 holds the evaluation before the first update.
+
+Crash tolerance: records are appended and flushed one line at a time; ``shared_rl.checkpoint.save_checkpoint``
+fsyncs the file before each checkpoint, so every record up to a checkpoint survives a power cut. A kill or a full
+disk during an append can leave a *torn* last line (no newline, not JSON): ``read_history`` drops it loudly, and
+``truncate_after`` (at every start and resume) rewrites the file without it, through a temporary file and a
+rename. A line that is not JSON anywhere else is not a crash artefact; ``check_history`` refuses to resume over it.
 """
 from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Any
+
+from .errors import ConfigError
+from .rundir import atomic_path, check_run_dir
 
 
 def _clean(v: Any) -> Any:
@@ -22,8 +32,10 @@ def _clean(v: Any) -> Any:
 
 class MetricsLogger:
     def __init__(self, run_dir: Path | None, tensorboard: bool = False, wandb: bool = False, project: str = "grove",
-                 config: dict | None = None) -> None:
+                 config: dict | None = None, log=None) -> None:
+        self.run_dir = run_dir
         self.path = run_dir / "metrics.jsonl" if run_dir else None
+        self.log_fn = log or _stderr
         self.tb = None
         self.wandb = None
         if run_dir and tensorboard:
@@ -39,15 +51,19 @@ class MetricsLogger:
             self.wandb = wb.init(project=project, config=config or {}, dir=str(run_dir) if run_dir else None)
 
     def truncate_after(self, step: int) -> None:
-        """Drop records past ``step`` (written after the checkpoint a resumed run restarts from)."""
+        """Drop records past ``step`` (written after the checkpoint a resumed run restarts from) and a torn last
+        line (loudly); the file is replaced through a temporary file and a rename."""
         if not self.path or not self.path.is_file():
             return
-        keep = [ln for ln in self.path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= step]
-        self.path.write_text("".join(ln + "\n" for ln in keep))
+        check_run_dir(self.run_dir)
+        keep = [text for text, record in _history_lines(self.path, self.log_fn) if record["step"] <= step]
+        with atomic_path(self.path) as tmp:
+            tmp.write_text("".join(text + "\n" for text in keep))
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         record = {"step": step, **{k: _clean(v) for k, v in metrics.items()}}
         if self.path:
+            check_run_dir(self.run_dir)  # never append into a recreated folder: the run stops instead
             with open(self.path, "a") as f:
                 f.write(json.dumps(record) + "\n")
                 f.flush()
@@ -66,8 +82,60 @@ class MetricsLogger:
             self.wandb.finish()
 
 
+def _parse(path: Path) -> tuple[list[tuple[int, str, dict[str, Any] | None]], int]:
+    """([(line number, text, the record or None when the line is not one)], the last non-empty line's number)."""
+    rows, last = [], 0
+    for n, line in enumerate(Path(path).read_bytes().decode("utf-8", errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        last = n
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            record = None
+        ok = isinstance(record, dict) and isinstance(record.get("step"), int)
+        rows.append((n, line, record if ok else None))
+    return rows, last
+
+
+def check_history(path: Path) -> None:
+    """ConfigError when ``metrics.jsonl`` has a line that is not a record anywhere but at its end (a torn last
+    line is what a crash leaves and is dropped at resume; damage in the middle is not, and is never dropped
+    silently). ``grove train --resume`` calls it before anything is written."""
+    path = Path(path)
+    if not path.is_file():
+        return
+    rows, last = _parse(path)
+    inner = [(n, text) for n, text, record in rows if record is None and n != last]
+    if inner:
+        n, text = inner[0]
+        raise ConfigError(f"{path}: line {n} is not a metrics record ({text[:60]!r}); the history is damaged in "
+                          f"the middle, not torn at its end: repair or delete that line, then resume")
+
+
+def _history_lines(path: Path, log) -> list[tuple[str, dict[str, Any]]]:
+    rows, last = _parse(path)
+    for n, text, record in rows:
+        if record is None:
+            what = "its torn last line" if n == last else f"line {n} (not a metrics record)"
+            log(f"WARNING: {path}: dropped {what}: {text[:60]!r}")
+    return [(text, record) for _, text, record in rows if record is not None]
+
+
+def _stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def read_history(path: Path, log=_stderr) -> list[dict[str, Any]]:
+    """The records of ``metrics.jsonl``. A torn last line (a crash or a full disk during the append) is dropped
+    with a warning through ``log``; so are other lines that are not records (``check_history`` refuses those
+    before a resume)."""
+    return [record for _, record in _history_lines(path, log)]
+
+
 def read_metrics(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(ln) for ln in Path(path).read_text().splitlines() if ln.strip()]
+    """The records of ``metrics.jsonl`` (a torn last line dropped, see ``read_history``)."""
+    return read_history(path)
 
 
 def _numeric(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
@@ -159,6 +227,7 @@ def plot_metrics(records: list[dict[str, Any]], out_png: Path, title: str = "") 
         fig.suptitle(title)
     # fixed margins: tight_layout costs about a second per call on a busy CPU, at the end of every run
     fig.subplots_adjust(left=0.07, right=0.98, bottom=0.08, top=0.9 if title else 0.95, wspace=0.28, hspace=0.45)
-    fig.savefig(out_png, dpi=90)
+    with atomic_path(out_png) as tmp:
+        fig.savefig(tmp, dpi=90)
     plt.close(fig)
     return out_png

@@ -6,6 +6,8 @@ held-out evaluation:
 
 - the device exists (``device: cuda`` without a GPU, ``cuda:3`` on a one-GPU machine, ``mps`` off Apple);
 - the optional loggers asked for are installed (``logging.wandb``, ``logging.tensorboard``);
+- integers the libraries can hold (``check_numbers``: int64, 32-bit seeds, a bounded batch) and the files the
+  config names, read defensively by their suffix (``check_named_files``: UTF-8 text, parquet/npz/safetensors marks);
 - the domain's own input checks: the domain config's optional hook ``preflight(train_cfg)`` reads its small
   inputs (prompt files, datasets, ``module:function`` rewards) and checks that the configured rewards can score
   them (``shared_rl.domain`` documents the hook).
@@ -54,8 +56,242 @@ def _need_package(flag: str, package: str, install: str) -> None:
 def preflight(cfg) -> None:
     """Everything ``grove train`` can check about a validated ``TrainConfig`` before loading a model."""
     resolve_device(cfg.device)
+    check_numbers(cfg)
+    check_named_files(cfg)
     if cfg.logging.wandb:
         _need_package("logging.wandb", "wandb", "pip install wandb")
     if cfg.logging.tensorboard:
         _need_package("logging.tensorboard", "tensorboard", "pip install tensorboard")
     cfg.domain_config.preflight(cfg)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Inputs read defensively: the config file itself, the numbers that reach torch and numpy, the files a config
+# names, and user code imported while a domain is built. All run before the run directory exists (and in
+# --dry-run, except what only building the domain can show: a module that fails to import, a size that does not
+# fit in memory, which the CLI turns into one line as well).
+
+MAX_CONFIG_BYTES = 1 << 20  # a config is a page of YAML; a larger file is the wrong file (a dataset, a binary)
+MAX_YAML_DEPTH = 64  # nesting: PyYAML's composer recurses per level (a deep file was a RecursionError)
+MAX_YAML_NODES = 200_000  # values after alias expansion ("billion laughs" anchors)
+MAX_SEQUENCES = 1 << 24  # sequences one iteration may sample (groups_per_iteration x group_size)
+INT64_MAX = 2**63 - 1  # the largest integer a torch tensor or numpy int64 holds
+SEED_MAX = 2**32 - 1  # numpy's seeds are 32-bit
+TEXT_SUFFIXES = {".txt", ".jsonl", ".json", ".yaml", ".yml", ".csv", ".tsv", ".md", ".py"}
+_SCAN_BYTES = 64 << 20  # at most this much of the files a config names is read by the checks
+_SCAN_FILES = 500  # at most this many files of a directory a config names
+
+
+def check_text(raw: bytes, where: str, what: str) -> None:
+    """ConfigError unless ``raw`` is UTF-8 text without NUL bytes; the line says where it is not."""
+    nul = raw.find(b"\x00")
+    if nul >= 0:
+        raise ConfigError(f"{where} is not text (a NUL byte at offset {nul}): is it {what}?")
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        if e.start >= len(raw) - 3 and e.reason == "unexpected end of data":
+            return  # a read cut a multi-byte character at the end of the checked prefix
+        raise ConfigError(f"{where} is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}); save it as "
+                          f"UTF-8 (is it {what}?)") from None
+
+
+def check_yaml_text(text: str, where: str) -> None:
+    """ConfigError when YAML ``text`` nests deeper than ``MAX_YAML_DEPTH`` or expands (through aliases) to more
+    than ``MAX_YAML_NODES`` values; read as an event stream, which never recurses. Syntax errors are left to the
+    loader, which names the line."""
+    import yaml
+
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    sizes: list[int] = [0]  # values counted in each open collection (the stream at the bottom)
+    anchors: dict[str, int] = {}
+    open_anchors: list[str | None] = []
+    try:
+        for event in yaml.parse(text, Loader=loader):
+            if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
+                if len(open_anchors) >= MAX_YAML_DEPTH:
+                    raise ConfigError(f"{where} nests more than {MAX_YAML_DEPTH} levels deep; a grove config is "
+                                      f"a few levels of sections")
+                sizes.append(1)
+                open_anchors.append(event.anchor)
+            elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
+                size = sizes.pop()
+                anchor = open_anchors.pop()
+                if anchor:
+                    anchors[anchor] = size
+                sizes[-1] += size
+            elif isinstance(event, yaml.ScalarEvent):
+                sizes[-1] += 1
+                if event.anchor:
+                    anchors[event.anchor] = 1
+            elif isinstance(event, yaml.AliasEvent):
+                sizes[-1] += anchors.get(event.anchor, 1)
+            if sum(sizes) > MAX_YAML_NODES:
+                raise ConfigError(f"{where} expands to more than {MAX_YAML_NODES:,} values (YAML anchors and "
+                                  f"aliases repeat whole sections); write the values out")
+    except yaml.YAMLError:
+        return
+
+
+def check_config_file(path) -> None:
+    """The config file as bytes, before YAML reads it: a regular file of at most ``MAX_CONFIG_BYTES``, UTF-8 text,
+    nesting and alias expansion bounded. A missing file is left to ``load_yaml`` (its own message)."""
+    from pathlib import Path
+
+    p = Path(path)
+    if not p.is_file():
+        return
+    size = p.stat().st_size
+    if size > MAX_CONFIG_BYTES:
+        raise ConfigError(f"config file {str(p)!r} is {size:,} bytes; a config is at most {MAX_CONFIG_BYTES:,} "
+                          f"bytes of YAML: is it the right file?")
+    try:
+        raw = p.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"config file {str(p)!r} cannot be read ({e.strerror})") from None
+    check_text(raw, f"config file {str(p)!r}", "a YAML config")
+    check_yaml_text(raw.decode("utf-8"), f"config file {str(p)!r}")
+
+
+def check_override_text(override: str) -> None:
+    """A ``key=value`` override: UTF-8-clean and bounded like a config file (the value is read as YAML)."""
+    if len(override) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"override {override[:40]!r}... is {len(override):,} characters; at most "
+                          f"{MAX_CONFIG_BYTES:,}")
+    if "\x00" in override:
+        raise ConfigError(f"override {override[:40]!r} holds a NUL character")
+    key, _, value = override.partition("=")
+    check_yaml_text(value, f"override {key!r}")
+
+
+def _walk(value, where: str):
+    """(dotted name, value) of every leaf of a config (dataclasses, dicts, lists)."""
+    import dataclasses
+
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for f in dataclasses.fields(value):
+            if not f.name.startswith("_"):
+                yield from _walk(getattr(value, f.name), f"{where}.{f.name}" if where else f.name)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield from _walk(v, f"{where}.{k}")
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            yield from _walk(v, f"{where}[{i}]")
+    else:
+        yield where, value
+
+
+def _leaves(cfg):
+    for where, value in _walk(cfg, ""):
+        if where.startswith("domain_config"):
+            where = cfg.domain + where[len("domain_config"):]
+        yield where, value
+
+
+def check_numbers(cfg) -> None:
+    """Integers the libraries can hold: every integer setting within int64, every seed within numpy's 32 bits,
+    and at most ``MAX_SEQUENCES`` sequences per iteration (more is a typo that would ask for terabytes)."""
+    for where, value in _leaves(cfg):
+        if isinstance(value, bool) or not isinstance(value, int):
+            continue
+        name = where.rsplit(".", 1)[-1]
+        if name.endswith("seed") and not 0 <= value <= SEED_MAX:
+            raise ConfigError(f"{where}={value} is not a seed numpy and torch accept; use 0..{SEED_MAX}")
+        if abs(value) > INT64_MAX:
+            raise ConfigError(f"{where}={value} is too large: torch and numpy hold integers up to 2^63-1")
+    r = cfg.rollout
+    if r.groups_per_iteration * r.group_size > MAX_SEQUENCES:
+        raise ConfigError(f"rollout.groups_per_iteration x rollout.group_size = {r.groups_per_iteration} x "
+                          f"{r.group_size} = {r.groups_per_iteration * r.group_size:,} sequences per iteration; "
+                          f"at most {MAX_SEQUENCES:,} (lower them)")
+
+
+def _check_file(path, where: str, budget: list[int]) -> None:
+    suffix = path.suffix.lower()
+    what = f"{where} {str(path)!r}"
+    try:
+        if suffix in TEXT_SUFFIXES:
+            with open(path, "rb") as f:
+                raw = f.read(min(budget[0], _SCAN_BYTES))
+            budget[0] -= len(raw)
+            check_text(raw, what, f"the {suffix[1:]} text it is named as")
+            return
+        magic = {".parquet": (b"PAR1", b"PAR1"), ".npz": (b"PK", b""), ".safetensors": (b"", b"")}.get(suffix)
+        if magic is None:
+            return
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            f.seek(max(0, size - 4))
+            tail = f.read(4)
+    except OSError as e:
+        raise ConfigError(f"{what} cannot be read ({e.strerror})") from None
+    head_magic, tail_magic = magic
+    if suffix == ".safetensors":
+        ok = len(head) == 8 and 0 < int.from_bytes(head, "little") <= size - 8
+    else:
+        ok = size >= len(head_magic) + len(tail_magic) and head.startswith(head_magic) and tail.endswith(tail_magic)
+    if not ok:
+        raise ConfigError(f"{what} is not a valid {suffix[1:]} file (its first bytes are {head[:8]!r}); is it the "
+                          f"right file, completely downloaded?")
+
+
+def check_named_files(cfg) -> None:
+    """Each file (or directory of files) a string setting names, read defensively by its suffix: text files
+    (prompts, JSONL datasets, JSON metadata) must be UTF-8 without NUL bytes, parquet / npz / safetensors files
+    must carry their format's marks. Bounded: at most ``_SCAN_BYTES`` read and ``_SCAN_FILES`` files per
+    directory. Names that are not paths here (hub ids, reward names) are skipped."""
+    from pathlib import Path
+
+    budget = [_SCAN_BYTES]
+    for where, value in _leaves(cfg):
+        if not isinstance(value, str) or not value or "\x00" in value or len(value) > 4096:
+            continue
+        path = Path(value).expanduser()
+        try:
+            if path.is_file():
+                _check_file(path, where, budget)
+            elif path.is_dir() and path.resolve() != Path("/"):
+                count = 0
+                for child in sorted(path.rglob("*")):
+                    if any(part.startswith(".") for part in child.relative_to(path).parts):
+                        continue
+                    if child.is_file():
+                        _check_file(child, where, budget)
+                        count += 1
+                        if count >= _SCAN_FILES:
+                            break
+        except OSError:
+            continue  # unreadable names are the domain's to report, in its own words
+
+
+def user_code_failure(exc: BaseException) -> str | None:
+    """One line when ``exc`` was raised while importing a module that is neither grove's nor an installed
+    library's (a ``module:function`` reward, an engine class, a video reward loader): a syntax error in it, or any
+    exception its top-level code raised. None for everything else (grove's own errors keep their traceback)."""
+    import sysconfig
+    import traceback
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    ours = [root / pkg for pkg in ("shared_rl", "visgen", "robotics", "bench")]
+    libraries = {Path(sysconfig.get_paths()[key]).resolve() for key in ("stdlib", "platstdlib", "purelib", "platlib")}
+
+    def user_file(name: str | None) -> bool:
+        if not name or name.startswith("<"):
+            return False
+        p = Path(name).resolve()
+        return not any(p.is_relative_to(d) for d in ours) and not any(p.is_relative_to(d) for d in libraries)
+
+    if isinstance(exc, SyntaxError) and user_file(exc.filename):
+        return f"{exc.filename}:{exc.lineno}: SyntaxError: {exc.msg}; fix the module"
+    importing = False
+    for frame in traceback.extract_tb(exc.__traceback__):
+        if frame.filename.startswith("<frozen importlib"):
+            importing = True
+        elif importing and frame.name == "<module>" and user_file(frame.filename):
+            message = " ".join(str(exc).split())[:200]
+            return (f"importing {frame.filename} raised {type(exc).__name__}: {message} (its line {frame.lineno}); "
+                    f"fix the module")
+    return None
