@@ -1,4 +1,6 @@
-"""Branching (tree) rollouts for robot policies, in MuJoCo or in a world model: one tree core, three modalities.
+"""Branching (tree) rollouts for robot policies, in MuJoCo or in a world model: one tree core, three modalities
+(``robotics.rollout: {name: tree, branch: ...}`` in the simulator, ``name: world_model`` with ``branch`` in
+imagination).
 
 A group of G episodes from one reset state shares a prefix and branches at chosen chunk boundaries
 (``BranchConfig``: ``at_chunks`` with ``factors``, their product = G leaves). Branching copies the environment
@@ -27,7 +29,6 @@ import torch
 from shared_rl.errors import ConfigError
 from shared_rl.rollout import Rollout
 
-from .domain import RoboticsConfig, RoboticsDomain
 from .episodes import SamplingSettings, sample_chunk
 from .envs.metaworld_env import instruction_for
 from .policies.vla import TinyVLA
@@ -35,14 +36,15 @@ from .policies.vla import TinyVLA
 
 @dataclass
 class BranchConfig:
-    """Where a group branches. Empty ``at_chunks`` = flat groups (G independent episodes)."""
+    """``robotics.rollout.branch``: where a group branches. Empty ``at_chunks`` = flat groups (G independent
+    episodes)."""
 
     at_chunks: list[int] = field(default_factory=list, metadata={
         "help": "chunk boundaries where every live episode of a group branches, increasing, e.g. [0, 8, 16]"})
     factors: list[int] = field(default_factory=list, metadata={
         "help": "children per branch point, e.g. [2, 2, 2]; their product = rollout.group_size leaves"})
 
-    def check(self, where: str = "branch") -> None:
+    def check(self, where: str = "robotics.rollout.branch") -> None:
         if len(self.at_chunks) != len(self.factors):
             raise ConfigError(f"{where}: at_chunks {self.at_chunks} and factors {self.factors} need the same length")
         if any(c < 0 for c in self.at_chunks) or any(b <= a for a, b in zip(self.at_chunks, self.at_chunks[1:])):
@@ -208,37 +210,3 @@ def tree_rollout(tree: TreeEpisodes, keys: list[int], env_tasks: list[str], succ
     return Rollout(keys=list(keys), group_ids=torch.from_numpy(tree.group), rewards=rewards, logp_old=logp_old.float(),
                    mask=mask, parent=torch.from_numpy(tree.parent), payload=payload, nfe=tree.nfe,
                    info={"env/steps": int(tree.env_steps), "env/episodes": int(tree.leaf.sum())})
-
-
-@dataclass
-class TreeRoboticsConfig(RoboticsConfig):
-    """``robotics-tree:`` = the ``robotics:`` section plus ``branch`` (tree groups in the simulator)."""
-
-    branch: BranchConfig = field(default_factory=BranchConfig, metadata={
-        "help": "branch points and factors; empty = flat groups"})
-
-    def check(self, where: str = "robotics-tree") -> None:
-        super().check(where)
-        self.branch.check(f"{where}.branch")
-
-    def rollout_structure(self, train_cfg) -> str:
-        return "tree" if self.branch.enabled else "flat"
-
-    def check_with(self, train_cfg) -> None:
-        if self.branch.enabled and self.branch.leaves != train_cfg.rollout.group_size:
-            raise ConfigError(f"branch.factors {self.branch.factors} make {self.branch.leaves} leaves per group but "
-                              f"rollout.group_size is {train_cfg.rollout.group_size}; make them equal")
-
-
-class TreeRoboticsDomain(RoboticsDomain):
-    """The robotics domain with branching groups (registered as ``robotics-tree``)."""
-
-    config_class = TreeRoboticsConfig
-
-    def rollout(self, keys: list[int], group_size: int, generator: torch.Generator, iteration: int) -> Rollout:
-        if not self.cfg.branch.enabled:
-            return super().rollout(keys, group_size, generator, iteration)
-        self.policy.eval()
-        tree = run_branching_episodes(self.policy, self.venv, list(keys), [self._task_of(k) for k in keys],
-                                      self.sampling, self.cfg.env.horizon, self.cfg.branch, generator, self.device)
-        return tree_rollout(tree, list(keys), self.cfg.env.tasks, self.cfg.env.success_mode, self.cfg.dense_reward)

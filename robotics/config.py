@@ -1,5 +1,6 @@
 """The ``robotics:`` section of an RL config: the policy, the env, exploration and evaluation, plus one section per
-part of the domain (``critic``, ``replay``, ``adapters``), each checking its own fields."""
+part of the domain (``critic``, ``replay``, ``adapters``, and the ``rollout`` strategy), each checking its own
+fields."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -13,6 +14,7 @@ from .critic import CriticConfig
 from .envs.vector import EnvConfig
 from .policies.vla import VLAConfig
 from .replay import ReplayConfig
+from .rollouts import RolloutSettings
 
 
 def _moved(new: str) -> str:
@@ -38,6 +40,9 @@ class RoboticsConfig(DomainConfig):
         "keep_best_adapters": _moved("robotics.adapters.keep_best"),
         "val_states_per_task": _moved("robotics.adapters.val_states_per_task"),
         "report_last": _moved("robotics.adapters.report_last"),
+        "branch": _moved("robotics.rollout: {name: tree, branch: {at_chunks: [...], factors: [...]}} (domain: "
+                         "robotics)"),
+        "world_model": _moved("robotics.rollout: {name: world_model, world_model: {...}} (domain: robotics)"),
     }
 
     env: EnvConfig = field(default_factory=EnvConfig)
@@ -73,6 +78,8 @@ class RoboticsConfig(DomainConfig):
         "help": "the BC term of loss.replay_coef: demonstrations or the run's own successes"})
     adapters: AdaptersConfig = field(default_factory=AdaptersConfig, metadata={
         "help": "per-task adapters: rank, how each task's adapter steps, per-task early stopping"})
+    rollout: RolloutSettings = field(default_factory=RolloutSettings, metadata={
+        "help": "where episodes come from: flat or tree groups in the simulator, or the learned world model"})
 
     def check(self, where: str = "robotics") -> None:
         """The sections check themselves (``from_dict`` calls their ``check``); here this section's own fields and
@@ -91,15 +98,22 @@ class RoboticsConfig(DomainConfig):
         if self.adapters.keep_best and self.train_states_per_task > VAL_FIRST_INDEX:
             raise ConfigError(f"{where}.train_states_per_task must be <= {VAL_FIRST_INDEX} with adapters.keep_best "
                               f"(the validation states start at index {VAL_FIRST_INDEX} of the training split)")
+        if self.rollout.name != "flat" and (self.critic.enabled or self.replay.source == "successes"):
+            what = "critic.enabled" if self.critic.enabled else "replay.source: successes"
+            raise ConfigError(f"{where}.{what} learns from the episodes of flat groups in the simulator; with "
+                              f"{where}.rollout.name: {self.rollout.name} set rollout.name: flat or turn it off")
+        if self.rollout.world_model.reward == "reference" and self.env.kind != "metaworld":
+            raise ConfigError(f"{where}.rollout.world_model.reward: reference needs Meta-World (scripted expert demos)")
 
     def check_with(self, train_cfg) -> None:
+        self.rollout.check_with(train_cfg)
         self.adapters.check_with(train_cfg)
         self.replay.check_coef(train_cfg.loss.replay_coef, "loss.replay_coef")
         self.critic.check_with(train_cfg)
 
     def rollout_structure(self, train_cfg) -> str:
-        """Flat: a group is ``group_size`` episodes from one reset state (the hook of ``shared_rl.domain``)."""
-        return "flat"
+        """Flat (a group is ``group_size`` episodes from one reset state) or tree (``rollout.branch``)."""
+        return self.rollout.structure()
 
     def reward_names(self, train_cfg) -> list[str]:
         """The rewards a rollout emits (the core checks ``advantage.weights`` against them before loading)."""

@@ -22,8 +22,9 @@ Contract mapping (``shared_rl/domain.py``):
 
 Features beyond that are parts (``robotics.parts.Part``), each with its own config section and module: the value
 head (``critic.py``), the replay of demonstrations or successes (``replay.py``), the task adapters' step scaling and
-keep-best selection (``adapters.py``). The domain builds the parts its config asks for and forwards every hook to
-each of them.
+keep-best selection (``adapters.py``), and the rollout strategy that says where episodes come from (``rollouts.py``:
+flat or tree groups in the simulator, or imagination in the learned world model). The domain builds the parts its
+config asks for and forwards every hook to each of them.
 """
 from __future__ import annotations
 
@@ -31,7 +32,6 @@ import copy
 import math
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from shared_rl.config import ConfigError
@@ -42,13 +42,14 @@ from shared_rl.rollout import Rollout
 from .adapters import AdapterSteps, KeepBestAdapters, add_adapters
 from .config import RoboticsConfig
 from .critic import Critic
-from .envs.metaworld_env import decode_key, instruction_for, make_key
+from .envs.metaworld_env import decode_key, instruction_for
 from .envs.vector import make_vector_env
-from .episodes import SamplingSettings, run_episodes
+from .episodes import SamplingSettings
 from .evaluation import eval_keys, evaluate_policy
 from .parts import Part
 from .policies.vla import TinyVLA
 from .replay import DemoReplay, SuccessReplay
+from .rollouts import rollout_class
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 ENV_ACTION_DIM = 4  # Meta-World's action: hand displacement xyz + gripper effort
@@ -127,9 +128,7 @@ class RoboticsDomain(DomainBase):
         self.sampling = SamplingSettings(mode=cfg.head_mode, noise_level=cfg.noise_level, temperature=cfg.temperature,
                                          logp_reduce=cfg.logp_reduce, init_noise=cfg.init_noise)
         self.steps_per_chunk = m.num_denoise_steps if m.head == "flow" else 1
-        self.n_chunks = math.ceil(cfg.env.horizon / m.chunk)
-        self._train_keys = [make_key(cfg.env.tasks.index(t), "train", i) for t in cfg.trained_tasks
-                            for i in range(cfg.train_states_per_task)]
+        self.n_chunks = math.ceil(cfg.rollout.horizon(cfg.env) / m.chunk)
         self._text_ids = {t: self.policy.text.token_ids([instruction_for(t)])[0] for t in cfg.env.tasks}
         self.critic = (Critic(cfg.critic, m.hidden, self.n_chunks, self.device, self._encode_tasks)
                        if cfg.critic.enabled else None)
@@ -140,8 +139,11 @@ class RoboticsDomain(DomainBase):
         self.keep_best = (KeepBestAdapters(cfg.adapters, self.policy, cfg.env.tasks, self._evaluate,
                                            (cfg.eval_states_per_task, cfg.eval_split), ctx.num_processes)
                           if cfg.adapters.keep_best else None)
+        # where episodes come from: the simulator (flat or tree groups) or the world model (robotics.rollout.name)
+        self.rollouts = rollout_class(cfg.rollout.name)(cfg, ctx, self.policy, self.venv, self.sampling)
         # every hook goes to each part in this order (the state dict's too)
-        self.parts: list[Part] = [p for p in (self.critic, self.keep_best, self.replay, self.adapter_steps) if p]
+        self.parts: list[Part] = [p for p in (self.critic, self.keep_best, self.replay, self.adapter_steps,
+                                              self.rollouts) if p is not None]
 
     def _make_replay(self) -> DemoReplay | SuccessReplay | None:
         cfg, ctx = self.cfg, self.ctx
@@ -165,7 +167,7 @@ class RoboticsDomain(DomainBase):
 
     # ------------------------------------------------------------------------------------------------------
     def train_keys(self) -> list[int]:
-        return list(self._train_keys)
+        return self.rollouts.train_keys()
 
     def key_stratum(self, key: int) -> str:
         """The task of a reset-state key (``selection.balance: true`` draws every task equally often)."""
@@ -175,15 +177,10 @@ class RoboticsDomain(DomainBase):
         return eval_keys(self.cfg.env, self.cfg.eval_states_per_task, self.cfg.eval_split)[0]
 
     def rollout(self, keys: list[int], group_size: int, generator: torch.Generator, iteration: int) -> Rollout:
-        env_keys = [k for k in keys for _ in range(group_size)]
-        tasks = [self._task_of(k) for k in env_keys]
-        self.policy.eval()
-        batch = run_episodes(self.policy, self.venv, env_keys, tasks, self.sampling, self.cfg.env.horizon, generator,
-                             device=self.device)
-        ro = flat_rollout(batch, list(keys), group_size, self.cfg.env.tasks, self.cfg.env.success_mode,
-                          self.cfg.dense_reward)
-        for part in self.parts:
-            part.on_rollout(batch, ro.payload, iteration)
+        ro, episodes = self.rollouts.rollout(list(keys), group_size, generator, iteration)
+        if episodes is not None:  # flat groups in the simulator: the parts that learn from episodes see them
+            for part in self.parts:
+                part.on_rollout(episodes, ro.payload, iteration)
         return ro
 
     def log_probs(self, rollout: Rollout, idx: torch.Tensor, need_kl: bool) -> StepLogProbs:
@@ -316,19 +313,3 @@ class RoboticsDomain(DomainBase):
     def close(self) -> None:
         self.venv.close()
 
-
-def flat_rollout(batch, keys: list[int], group_size: int, env_tasks: list[str], success_mode: str,
-                 dense: bool) -> Rollout:
-    """The trainer's view of flat groups (``episodes.EpisodeBatch``, ``group_size`` episodes per key in order)."""
-    n, c, s = batch.stochastic.shape
-    mask = torch.from_numpy(batch.stochastic & batch.chunk_valid[..., None]).reshape(n, c * s)
-    logp_old = torch.from_numpy(batch.logp).reshape(n, c * s) * mask
-    succ = batch.success_once if success_mode == "once" else batch.success_end
-    rewards = {"success": torch.from_numpy(succ.astype(np.float32))}
-    if dense:
-        rewards["dense"] = torch.from_numpy(batch.dense)
-    payload = {"images": torch.from_numpy(batch.images), "proprio": torch.from_numpy(batch.proprio),
-               "chain": torch.from_numpy(batch.chain), "task_index": torch.tensor([env_tasks.index(t) for t in batch.tasks])}
-    return Rollout(keys=list(keys), group_ids=torch.arange(len(keys)).repeat_interleave(group_size), rewards=rewards,
-                   logp_old=logp_old.float(), mask=mask, payload=payload, nfe=batch.nfe,
-                   info={"env/steps": int(batch.length.sum()), "env/episodes": n})

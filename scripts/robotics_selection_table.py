@@ -1,4 +1,4 @@
-"""Markdown rows of five-task runs with per-task early stopping (``robotics.keep_best_adapters``).
+"""Markdown rows of five-task runs with per-task early stopping (``robotics.adapters.keep_best``).
 
     python scripts/robotics_selection_table.py runs/kb/s0 runs/kb/s1 ...
 
@@ -18,7 +18,7 @@ def row(run: Path) -> str:
     records = read_metrics(run / "metrics.jsonl")
     evals = [r for r in records if "eval/success" in r]
     if not evals or "select/val_best" not in evals[-1]:
-        raise SystemExit(f"{run}: no finished run with keep_best_adapters (no select/val_best in its last evaluation)")
+        raise SystemExit(f"{run}: no finished run with adapters.keep_best (no select/val_best in its last evaluation)")
     first, last = evals[0], evals[-1]
     tasks = sorted(k[len("eval/success/"):] for k in last if k.startswith("eval/success/"))
     per_task = " | ".join(f"{first[f'eval/success/{t}']:.3g} → {last[f'eval/success/{t}']:.3g} "
@@ -35,7 +35,7 @@ def row(run: Path) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("runs", nargs="+", type=Path, help="run directories of `grove train` with keep_best_adapters")
+    ap.add_argument("runs", nargs="+", type=Path, help="run directories of `grove train` with robotics.adapters.keep_best")
     args = ap.parse_args()
     tasks = sorted(k[len("eval/success/"):] for k in read_metrics(args.runs[0] / "metrics.jsonl")[0]
                    if k.startswith("eval/success/"))

@@ -1,12 +1,12 @@
-"""Imagined GRPO: the robotics RL contract with the learned world model as the simulator (``domain: robotics-wm``).
+"""Imagined GRPO: the robotics domain's rollouts in the learned world model (``robotics.rollout.name: world_model``).
 
-The trainer, the VLA, the group layout and the log-prob recompute are the simulator domain's
-(``robotics.domain.RoboticsDomain``, with branching groups from ``robotics.branching``); only where episodes come
-from changes:
+The trainer, the VLA, the group layout and the log-prob recompute are the simulator's (``robotics.domain``, with
+branching groups from ``robotics.branching`` when ``rollout.branch`` is set); this rollout strategy changes only
+where episodes come from:
 
 - **Keyframe starts** (WoVR, "World models as Verifiable RL environments": keyframe-initialised rollouts): the
   training keys are real chunk boundaries along recorded real trajectories of *training* reset states; an
-  imagined rollout starts from the real frame there and runs ``world_model.horizon`` env steps (short: the
+  imagined rollout starts from the real frame there and runs ``rollout.world_model.horizon`` env steps (short: the
   world-model error grows with depth).
 - **Imagined rewards**: the success model (``reward.SuccessModel``) or VLA-RFT's reference-frame similarity
   (``reward: reference``) decides success at every imagined chunk; ``dense`` = the best success probability.
@@ -26,20 +26,17 @@ from changes:
 from __future__ import annotations
 
 import json
-import math
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
 
 import numpy as np
 import torch
 
 from shared_rl.errors import ConfigError
-from shared_rl.rollout import Rollout
 
-from ..branching import TreeRoboticsConfig, TreeRoboticsDomain, run_branching_episodes, tree_rollout
+from ..branching import run_branching_episodes, tree_rollout
 from ..envs.metaworld_env import decode_key, make_key
 from ..episodes import run_episodes
+from ..rollouts import RolloutStrategy, flat_rollout
 from .audit import audit, replay
 from .data import load_chunk_episodes
 from .env import WorldModelEnv, sample_keyframes
@@ -47,96 +44,35 @@ from .model import WorldModel
 from .reward import ReferenceSimilarity, SuccessModel, calibrate_threshold, fit_success_model
 from .train import calibrate_uncertainty, collect_policy_episodes, fit_world_model, resolve
 
-
-@dataclass
-class ImaginationSettings:
-    """The ``world_model:`` part of a ``robotics-wm`` section."""
-
-    checkpoint: str = field(default="assets/metaworld-wm-tiny", metadata={
-        "help": "world model + success model directory (grove train configs/robotics/world_model.yaml)"})
-    data: str = field(default="", metadata={
-        "help": "real chunk episodes (keyframes, refits); '' = the one named in the checkpoint's meta.json"})
-    horizon: int = field(default=48, metadata={"help": "imagined env steps per rollout (from the keyframe)"})
-    keyframe_stride: int = field(default=2, metadata={"help": "every n-th chunk boundary of a real trajectory is a keyframe"})
-    keyframe_min_chunk: int = field(default=0, metadata={"help": "earliest boundary used as a keyframe (0 = the reset)"})
-    keyframe_max_chunk: int = field(default=24, metadata={"help": "latest boundary used as a keyframe"})
-    keyframe_limit: int = field(default=400, metadata={"help": "random subset of keyframes kept (0 = all)"})
-    keyframe_states: int = field(default=10, metadata={
-        "help": "keyframes come from real trajectories of the first n training reset states per task"})
-    reward: Literal["classifier", "reference"] = field(default="classifier", metadata={
-        "help": "classifier (success model) | reference (VLA-RFT: similarity to an expert demo's final frame)"})
-    reference_tau: float = field(default=0.02, metadata={"help": "reference reward: exp(-mse / tau)"})
-    reference_threshold: float = field(default=0.5, metadata={"help": "reference reward: success above this"})
-    uncertainty_threshold: float = field(default=3.0, metadata={
-        "help": "truncate when the disagreement exceeds this x its held-out 95th percentile (0 = never)"})
-    pessimistic: bool = field(default=True, metadata={
-        "help": "imagined success = the minimum success probability over the ensemble heads (against exploits)"})
-    uncertain: Literal["truncate", "drop", "ignore"] = field(default="truncate", metadata={
-        "help": "truncated rollouts: truncate (score the last trusted frame) | drop (NaN reward) | ignore"})
-    coevolve_every: int = field(default=0, metadata={"help": "refit on fresh real rollouts every n iterations (0 = never)"})
-    coevolve_episodes: int = field(default=16, metadata={"help": "real policy episodes per co-evolution round"})
-    refit_steps: int = field(default=200, metadata={"help": "world-model steps per refit"})
-    refit_success_steps: int = field(default=200, metadata={"help": "success-model steps per refit"})
-    refit_batch: int = field(default=16, metadata={"help": "windows per refit step"})
-    refit_lr: float = field(default=3e-4, metadata={"help": "refit learning rate"})
-    audit_fraction: float = field(default=0.25, metadata={"help": "share of imagined episodes replayed in MuJoCo"})
-    learn_from_audit: bool = field(default=False, metadata={
-        "help": "add audit replays to the real data (their steps then COUNT as real steps) for the next refit"})
-    recalibrate: bool = field(default=False, metadata={
-        "help": "re-choose the success threshold on the newest real data at each refit (noisy with few episodes)"})
-    recent_weight: int = field(default=4, metadata={
-        "help": "refits weigh data since the previous refit this many times (the policy's newest behaviour)"})
-
-    def check(self, where: str = "world_model") -> None:
-        if self.horizon < 1 or self.keyframe_stride < 1 or self.keyframe_states < 1:
-            raise ConfigError(f"{where}: horizon, keyframe_stride and keyframe_states must be >= 1")
-        if not 0.0 <= self.audit_fraction <= 1.0:
-            raise ConfigError(f"{where}.audit_fraction must be in [0, 1], got {self.audit_fraction}")
-        if self.uncertainty_threshold < 0 or self.coevolve_every < 0 or self.coevolve_episodes < 1:
-            raise ConfigError(f"{where}: uncertainty_threshold and coevolve_every must be >= 0, coevolve_episodes >= 1")
-
-
-@dataclass
-class WorldModelRLConfig(TreeRoboticsConfig):
-    """``robotics-wm:`` = the ``robotics-tree:`` section plus ``world_model`` (imagination settings)."""
-
-    world_model: ImaginationSettings = field(default_factory=ImaginationSettings, metadata={
-        "help": "where imagined episodes come from and how they are checked"})
-
-    def check(self, where: str = "robotics-wm") -> None:
-        super().check(where)
-        self.world_model.check(f"{where}.world_model")
-        if self.world_model.reward == "reference" and self.env.kind != "metaworld":
-            raise ConfigError(f"{where}.world_model.reward: reference needs Meta-World (scripted expert demos)")
-
-
 KEYFRAME_ID_BASE = 300_000  # keyframe keys: make_key(task, "train", 300000 + n), apart from reset states and demos
 
 
-class WorldModelDomain(TreeRoboticsDomain):
-    config_class = WorldModelRLConfig
+class WorldModelRollout(RolloutStrategy):
+    """Imagined episodes from keyframes; the simulator (``venv``) serves co-evolution, audits and evaluation."""
 
-    def __init__(self, cfg: WorldModelRLConfig, ctx) -> None:
-        super().__init__(cfg, ctx)
-        w = cfg.world_model
+    def __init__(self, cfg, ctx, policy, venv, sampling) -> None:
+        super().__init__(cfg, ctx, policy, venv, sampling)
+        w = cfg.rollout.world_model
         ck = resolve(w.checkpoint)
         try:
             self.wm = WorldModel.load(ck)
             self.success = SuccessModel.load(ck)
         except FileNotFoundError as e:
-            raise ConfigError(f"robotics-wm.world_model.checkpoint: {e}; make it with "
+            raise ConfigError(f"robotics.rollout.world_model.checkpoint: {e}; make it with "
                               f"`grove train configs/robotics/world_model.yaml`") from None
         meta = json.loads((ck / "meta.json").read_text()) if (ck / "meta.json").is_file() else {}
         data = w.data or meta.get("data", "")
         if not data:
-            raise ConfigError("robotics-wm.world_model.data: no real data named here nor in the checkpoint's meta.json")
+            raise ConfigError("robotics.rollout.world_model.data: no real data named here nor in the checkpoint's "
+                              "meta.json")
         if not resolve(data).is_file() and "config" in meta:  # a fresh checkout has the asset, not runs/: re-collect
             from shared_rl.config import from_dict
 
             from .data import save_chunk_episodes
             from .train import WorldModelTrainConfig, collect_real_data
 
-            ctx.log(f"robotics-wm: {data} missing; re-collecting the world model's real data as its meta.json says")
+            ctx.log(f"robotics world model: {data} missing; re-collecting the world model's real data as its "
+                    f"meta.json says")
             eps, _ = collect_real_data(from_dict(WorldModelTrainConfig, meta["config"], "meta.json"), ctx.log)
             save_chunk_episodes(eps, resolve(data))
         self.real_data = load_chunk_episodes(resolve(data))
@@ -148,21 +84,21 @@ class WorldModelDomain(TreeRoboticsDomain):
         self._wm_opt = None
         self._pending: list = []  # audit replays learned from since the last refit
         self._audit_rng = np.random.default_rng(ctx.seed + 17)
+        self._coevolved_at = -1  # the iteration of the last co-evolution (one per iteration, refills included)
         self.keyframes = self._keyframes(self.real_data, first_id=KEYFRAME_ID_BASE)
         if not self.keyframes:
-            raise ConfigError(f"robotics-wm: no keyframe in {data} for tasks {cfg.train_tasks or cfg.env.tasks} "
+            raise ConfigError(f"robotics.rollout.world_model: no keyframe in {data} for tasks {cfg.trained_tasks} "
                               f"(policy rollouts with simulator states on the first {w.keyframe_states} training states)")
         reference = self._references() if w.reward == "reference" else None
         self.imagine = WorldModelEnv(self.wm, self.keyframes, w.horizon, success=self.success, reference=reference,
                                      success_mode=cfg.env.success_mode, uncertainty_threshold=w.uncertainty_threshold,
                                      pessimistic=w.pessimistic)
-        self.n_chunks = math.ceil(w.horizon / self.policy.cfg.chunk)
         self.last_audit: dict = {}
 
     # -- keyframes
     def _keyframes(self, episodes, first_id: int):
-        w = self.cfg.world_model
-        tasks = set(self.cfg.train_tasks or self.cfg.env.tasks)
+        w = self.cfg.rollout.world_model
+        tasks = set(self.cfg.trained_tasks)
         eps = [e for e in episodes if e.task in tasks and e.source == "policy" and e.states is not None
                and decode_key(e.key)[1] == "train" and decode_key(e.key)[2] < w.keyframe_states]
         return sample_keyframes(eps, self.task_index, stride=w.keyframe_stride, max_chunk=w.keyframe_max_chunk,
@@ -196,15 +132,12 @@ class WorldModelDomain(TreeRoboticsDomain):
             refs[key] = self.wm.encode(torch.from_numpy(frame[None]))[0]
         for r in rends.values():
             r.close()
-        w = self.cfg.world_model
+        w = self.cfg.rollout.world_model
         return ReferenceSimilarity(refs, w.reference_tau, w.reference_threshold)
 
     def train_keys(self) -> list[int]:
+        """The keyframes (their keys decode to their task, as reset-state keys do)."""
         return list(self.keyframes)
-
-    def _task_of(self, key: int) -> str:
-        kf = self.keyframes.get(key)
-        return kf.task if kf is not None else super()._task_of(key)
 
     @property
     def real_env_steps(self) -> int:
@@ -213,8 +146,8 @@ class WorldModelDomain(TreeRoboticsDomain):
     # -- co-evolution
     def coevolve(self, generator: torch.Generator, log=None) -> dict[str, float]:
         """Real rollouts of the current policy -> refit world model + success model -> new keyframes."""
-        w = self.cfg.world_model
-        tasks = self.cfg.train_tasks or self.cfg.env.tasks
+        w = self.cfg.rollout.world_model
+        tasks = self.cfg.trained_tasks
         n = w.coevolve_episodes
         idx = torch.randint(0, w.keyframe_states, (n,), generator=generator).tolist()
         keys = [make_key(self.cfg.env.tasks.index(tasks[i % len(tasks)]), "train", j) for i, j in enumerate(idx)]
@@ -242,41 +175,40 @@ class WorldModelDomain(TreeRoboticsDomain):
                 "coevolve/new_keyframes": float(len(new))}
 
     # -- rollouts
-    def rollout(self, keys: list[int], group_size: int, generator: torch.Generator, iteration: int) -> Rollout:
-        w = self.cfg.world_model
+    def rollout(self, keys, group_size, generator, iteration):
+        w = self.cfg.rollout.world_model
         info: dict[str, float] = {}
-        if w.coevolve_every and iteration > 0 and iteration % w.coevolve_every == 0 and getattr(self, "_coevolved_at", -1) != iteration:
+        if w.coevolve_every and iteration > 0 and iteration % w.coevolve_every == 0 and self._coevolved_at != iteration:
             self._coevolved_at = iteration
             info.update(self.coevolve(generator))
         self.policy.eval()
-        tasks = [self._task_of(k) for k in keys]
-        if self.cfg.branch.enabled:
-            tree = run_branching_episodes(self.policy, self.imagine, list(keys), tasks, self.sampling, w.horizon,
-                                          self.cfg.branch, generator, self.device)
+        if self.cfg.rollout.branch.enabled:
+            tree = run_branching_episodes(self.policy, self.imagine, list(keys), [self.task_of(k) for k in keys],
+                                          self.sampling, w.horizon, self.cfg.rollout.branch, generator, self.device)
             ro = tree_rollout(tree, list(keys), self.cfg.env.tasks, self.cfg.env.success_mode, self.cfg.dense_reward)
             leaves = np.nonzero(tree.leaf)[0]
             slots = tree.leaf_slot[leaves]
         else:
             env_keys = [k for k in keys for _ in range(group_size)]
-            batch = run_episodes(self.policy, self.imagine, env_keys, [self._task_of(k) for k in env_keys], self.sampling,
+            batch = run_episodes(self.policy, self.imagine, env_keys, [self.task_of(k) for k in env_keys], self.sampling,
                                  w.horizon, generator, device=self.device)
-            n, c, s = len(env_keys), self.n_chunks, self.steps_per_chunk
-            mask = torch.from_numpy(batch.stochastic & batch.chunk_valid[..., None]).reshape(n, c * s)
-            succ = batch.success_once if self.cfg.env.success_mode == "once" else batch.success_end
-            rewards = {"success": torch.from_numpy(succ.astype(np.float32))}
-            if self.cfg.dense_reward:
-                rewards["dense"] = torch.from_numpy(batch.dense)
-            payload = {"images": torch.from_numpy(batch.images), "proprio": torch.from_numpy(batch.proprio),
-                       "chain": torch.from_numpy(batch.chain),
-                       "task_index": torch.tensor([self.cfg.env.tasks.index(t) for t in batch.tasks])}
-            ro = Rollout(keys=list(keys), group_ids=torch.arange(len(keys)).repeat_interleave(group_size), rewards=rewards,
-                         logp_old=(torch.from_numpy(batch.logp).reshape(n, c * s) * mask).float(), mask=mask,
-                         payload=payload, nfe=batch.nfe, info={"env/steps": int(batch.length.sum()), "env/episodes": n})
-            leaves = np.arange(n)
+            ro = flat_rollout(batch, keys, group_size, self.cfg.env.tasks, self.cfg.env.success_mode, self.cfg.dense_reward)
+            leaves = np.arange(len(env_keys))
             slots = leaves
+        info.update(self._uncertain(ro, leaves, slots))
+        info["wm/imagined_success"] = float(np.mean([self.imagine.slots[s].success_once for s in slots]))
+        info["wm/model_steps"] = float(self.imagine.model_steps)
+        info["wm/real_env_steps"] = float(self.real_env_steps)
+        if w.audit_fraction > 0:
+            info.update(self._audit(slots))
+        ro.info.update(info)
+        return ro, None  # imagined episodes: no part learns from them directly
+
+    def _uncertain(self, ro, leaves: np.ndarray, slots: np.ndarray) -> dict[str, float]:
+        """``uncertain``: the rewards (and trained steps) of the leaves whose imagination was truncated."""
+        w = self.cfg.rollout.world_model
         slot_states = self.imagine.slots
         truncated = np.array([slot_states[s].truncated for s in slots])
-        info["wm/truncated_frac"] = float(truncated.mean()) if len(truncated) else 0.0
         if w.uncertain != "ignore" and truncated.any():
             rows = torch.from_numpy(leaves[truncated])
             for name in ro.rewards:
@@ -289,16 +221,10 @@ class WorldModelDomain(TreeRoboticsDomain):
             if w.uncertain == "drop":
                 ro.mask[rows] = False
                 ro.logp_old[rows] = 0.0
-        info["wm/imagined_success"] = float(np.mean([slot_states[s].success_once for s in slots]))
-        info["wm/model_steps"] = float(self.imagine.model_steps)
-        info["wm/real_env_steps"] = float(self.real_env_steps)
-        if w.audit_fraction > 0:
-            info.update(self._audit(slots))
-        ro.info.update(info)
-        return ro
+        return {"wm/truncated_frac": float(truncated.mean()) if len(truncated) else 0.0}
 
     def _audit(self, slots: np.ndarray) -> dict[str, float]:
-        w = self.cfg.world_model
+        w = self.cfg.rollout.world_model
         n = max(1, int(round(w.audit_fraction * len(slots))))
         pick = self._audit_rng.choice(len(slots), n, replace=False)
         states = [self.imagine.slots[int(slots[i])] for i in pick]
@@ -326,9 +252,8 @@ class WorldModelDomain(TreeRoboticsDomain):
         return out
 
     def evaluate(self, iteration: int) -> dict[str, float]:
-        out = super().evaluate(iteration)  # the physics simulator, held-out reset states
-        out["eval/real_env_steps"] = float(self.real_env_steps)
-        return out
+        """The domain evaluates in the physics simulator, on held-out reset states; this adds the real-step budget."""
+        return {"eval/real_env_steps": float(self.real_env_steps)}
 
     def extra_state(self) -> dict:
         return {"real_steps_coevolve": self.real_steps_coevolve, "real_steps_replay": self.real_steps_replay,
@@ -340,7 +265,6 @@ class WorldModelDomain(TreeRoboticsDomain):
         self.real_steps_replay = int(state.get("real_steps_replay", 0))
 
     def save_pretrained(self, out_dir: Path) -> None:
-        super().save_pretrained(out_dir)
+        """Next to the policy (saved by the domain): the refit world model and success model."""
         self.wm.save(Path(out_dir) / "world_model")
         self.success.save(Path(out_dir) / "world_model")
-

@@ -12,7 +12,8 @@ from shared_rl.config import ConfigError, from_dict, load_train_config
 from shared_rl.domain import RunContext
 from shared_rl.trainer import Trainer
 
-from robotics.branching import BranchConfig, TreeRoboticsConfig, TreeRoboticsDomain, run_branching_episodes
+from robotics.branching import BranchConfig, run_branching_episodes
+from robotics.domain import RoboticsConfig, RoboticsDomain
 from robotics.episodes import SamplingSettings
 from robotics.policies.vla import TinyVLA, VLAConfig
 
@@ -23,9 +24,10 @@ POINT = {"kind": "point", "tasks": ["point-reach"], "horizon": 24}
 
 def _domain(branch, env=None, **extra):
     sec = {"env": env or dict(POINT), "checkpoint": "", "model": dict(TINY_VLA), "head_mode": "flow_sde",
-           "train_states_per_task": 8, "eval_states_per_task": 4, "gifs": False, "branch": branch, **extra}
-    cfg = from_dict(TreeRoboticsConfig, sec, "robotics-tree")
-    return TreeRoboticsDomain(cfg, RunContext(run_dir=None, device=torch.device("cpu"), seed=0))
+           "train_states_per_task": 8, "eval_states_per_task": 4, "gifs": False,
+           "rollout": {"name": "tree", "branch": branch}, **extra}
+    cfg = from_dict(RoboticsConfig, sec, "robotics")
+    return RoboticsDomain(cfg, RunContext(run_dir=None, device=torch.device("cpu"), seed=0))
 
 
 def test_branching_rollouts_share_prefixes_and_get_tree_advantages():
@@ -109,16 +111,28 @@ def test_branch_config_errors():
         BranchConfig(at_chunks=[0, 4], factors=[2]).check()
     with pytest.raises(ConfigError, match="increasing"):
         BranchConfig(at_chunks=[4, 4], factors=[2, 2]).check()
-    base = {"domain": "robotics-tree", "iterations": 1, "rollout": {"groups_per_iteration": 2, "group_size": 4},
+    section = {"env": dict(POINT), "checkpoint": "", "model": dict(TINY_VLA), "head_mode": "flow_sde",
+               "train_states_per_task": 4, "eval_states_per_task": 2, "gifs": False}
+    base = {"domain": "robotics", "iterations": 1, "rollout": {"groups_per_iteration": 2, "group_size": 4},
             "advantage": {"estimator": "treerl"}, "logging": {"progress": False}, "eval": {"at_start": False, "every": 0},
             "optim": {"inner_epochs": 1, "minibatches_per_epoch": 1},
-            "robotics-tree": {"env": dict(POINT), "checkpoint": "", "model": dict(TINY_VLA), "head_mode": "flow_sde",
-                              "train_states_per_task": 4, "eval_states_per_task": 2, "gifs": False,
-                              "branch": {"at_chunks": [0, 2], "factors": [2, 2]}}}
+            "robotics": {**section, "rollout": {"name": "tree", "branch": {"at_chunks": [0, 2], "factors": [2, 2]}}}}
     Trainer(load_train_config(base), None, log=lambda s: None).fit()  # one tree iteration through the trainer
-    bad = {**base, "robotics-tree": {**base["robotics-tree"], "branch": {"at_chunks": [0], "factors": [2]}}}
+    bad = {**base, "robotics": {**section, "rollout": {"name": "tree", "branch": {"at_chunks": [0], "factors": [2]}}}}
     with pytest.raises(ConfigError, match="group_size"):
         load_train_config(bad)
-    flat = {**base, "robotics-tree": {**base["robotics-tree"], "branch": {}}}
+    flat = {**base, "robotics": {**section, "rollout": {"name": "flat"}}}
     with pytest.raises(ConfigError, match="tree rollouts"):
         load_train_config(flat)
+    # the strategy's settings are checked against its name, and what needs flat groups refuses trees
+    for rollout, match in (({"name": "tree"}, "name: tree branches at"),
+                           ({"name": "flat", "branch": {"at_chunks": [0], "factors": [4]}}, "makes tree groups"),
+                           ({"name": "tree", "branch": {"at_chunks": [0], "factors": [4]}, "world_model": {"horizon": 8}},
+                            "world_model is read by name: world_model only")):
+        with pytest.raises(ConfigError, match=match):
+            from_dict(RoboticsConfig, {**section, "rollout": rollout}, "robotics")
+    with pytest.raises(ConfigError, match="critic.enabled learns from the episodes of flat groups"):
+        from_dict(RoboticsConfig, {**section, "critic": {"enabled": True},
+                                   "rollout": {"name": "tree", "branch": {"at_chunks": [0], "factors": [4]}}}, "robotics")
+    with pytest.raises(ConfigError, match=r"config key 'robotics.branch' was replaced: use robotics.rollout: \{name: tree"):
+        from_dict(RoboticsConfig, {**section, "branch": {"at_chunks": [0], "factors": [4]}}, "robotics")

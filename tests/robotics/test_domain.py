@@ -142,3 +142,21 @@ def test_an_evaluation_episode_does_not_depend_on_the_rest_of_the_batch():
     assert not (chains(keys[2:], seed=1)[0] == alone[0]).all(), "another seed draws other noise"
     assert not (together[0] == together[1]).all(), "each key has its own noise"
     dom.close()
+
+
+def test_every_rl_recipe_parses_as_one_robotics_domain():
+    """The recipes in configs/robotics are on the current keys; flat, tree and world-model rollouts are one domain
+    with a rollout strategy (``robotics.rollout.name``)."""
+    from pathlib import Path
+
+    import yaml
+
+    names = {}
+    for path in sorted((Path(__file__).resolve().parents[2] / "configs" / "robotics").glob("*.yaml")):
+        data = yaml.safe_load(path.read_text())
+        if data.get("kind") == "supervised":
+            continue
+        cfg = load_train_config(data)
+        assert cfg.domain == "robotics", path.name
+        names[path.name] = cfg.domain_config.rollout.name
+    assert names["world_model_grpo.yaml"] == "world_model" and names["metaworld_mt5_rl.yaml"] == "flat"

@@ -13,7 +13,7 @@ import pytest
 import torch
 import yaml
 
-import robotics.domain as domain_mod
+import robotics.rollouts as rollouts_mod
 from shared_rl.cli import main
 from shared_rl.config import ConfigError, from_dict, load_train_config
 from shared_rl.domain import RunContext
@@ -26,7 +26,7 @@ TWO_TASKS = {"tasks": ["reach-v3", "push-v3"], "horizon": 12}
 
 def _with_successes(monkeypatch, succeeded):
     """run_episodes as usual, then episodes ``succeeded`` (indices of the batch) marked successful."""
-    real = domain_mod.run_episodes
+    real = rollouts_mod.run_episodes
 
     def fake(*args, **kwargs):
         batch = real(*args, **kwargs)
@@ -34,7 +34,7 @@ def _with_successes(monkeypatch, succeeded):
         batch.success_once[list(succeeded)] = True
         return batch
 
-    monkeypatch.setattr(domain_mod, "run_episodes", fake)
+    monkeypatch.setattr(rollouts_mod, "run_episodes", fake)
 
 
 @pytest.fixture(scope="module")

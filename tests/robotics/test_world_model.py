@@ -205,14 +205,14 @@ def test_coevolution_loop_runs_two_rounds(tiny_asset):
                                             refit_success_steps=4, audit_fraction=0.5))
     tr = Trainer(cfg, None, log=lambda s: None)
     n_keys = len(tr.domain.train_keys())
-    steps0 = tr.domain.real_env_steps
+    steps0 = tr.domain.rollouts.real_env_steps
     hist = tr.fit()
     rounds = [h for h in hist if "coevolve/real_steps" in h]
     assert len(rounds) == 2, "iterations 1 and 2 refit on fresh real rollouts"
-    assert tr.domain.real_env_steps == steps0 + sum(h["coevolve/real_steps"] for h in rounds)
+    assert tr.domain.rollouts.real_env_steps == steps0 + sum(h["coevolve/real_steps"] for h in rounds)
     assert len(tr.domain.train_keys()) > n_keys, "fresh trajectories add keyframes"
     assert all("audit/replay_success_rate" in h and "wm/imagined_success" in h for h in hist)
-    assert "eval/success" in hist[-1] and hist[-1]["eval/real_env_steps"] == tr.domain.real_env_steps
+    assert "eval/success" in hist[-1] and hist[-1]["eval/real_env_steps"] == tr.domain.rollouts.real_env_steps
 
 
 def test_imagined_rollouts_drop_uncertain_episodes_and_config_errors(tiny_asset):
@@ -222,7 +222,7 @@ def test_imagined_rollouts_drop_uncertain_episodes_and_config_errors(tiny_asset)
     tr = Trainer(cfg, None, log=lambda s: None)
     dom = tr.domain
     ro = dom.rollout(dom.train_keys()[:2], 4, torch.Generator().manual_seed(0), 0)
-    trunc = torch.tensor([s.truncated for s in dom.imagine.slots])
+    trunc = torch.tensor([s.truncated for s in dom.rollouts.imagine.slots])
     assert ro.info["wm/truncated_frac"] == float(trunc.float().mean()) >= 0.5, "a tiny threshold truncates at once"
     assert torch.isnan(ro.rewards["success"][trunc]).all() and not ro.mask[trunc].any()
     assert torch.isfinite(ro.rewards["success"][~trunc]).all(), "imagined successes are kept (never truncated)"
@@ -232,11 +232,14 @@ def test_imagined_rollouts_drop_uncertain_episodes_and_config_errors(tiny_asset)
         Trainer(load_train_config(wm_train_config(root / "nowhere", root / "vla")), None, log=lambda s: None)
 
 
-@pytest.mark.parametrize("target", ["robotics.world_model.model:WorldModelConfig", "robotics.world_model.domain:ImaginationSettings",
-                                    "robotics.world_model.domain:WorldModelRLConfig", "robotics.world_model.train:WorldModelTrainConfig",
+@pytest.mark.parametrize("target", ["robotics.world_model.model:WorldModelConfig",
+                                    "robotics.world_model.settings:ImaginationSettings",
+                                    "robotics.world_model.train:WorldModelTrainConfig",
                                     "robotics.world_model.train:CollectSettings", "robotics.world_model.reward:SuccessModelConfig",
-                                    "robotics.branching:BranchConfig", "robotics.branching:TreeRoboticsConfig"])
-def test_every_world_model_setting_has_help_text(target):
+                                    "robotics.branching:BranchConfig", "robotics.rollouts:RolloutSettings",
+                                    "robotics.critic:CriticConfig", "robotics.replay:ReplayConfig",
+                                    "robotics.adapters:AdaptersConfig", "robotics.config:RoboticsConfig"])
+def test_every_world_model_and_robotics_setting_has_help_text(target):
     import dataclasses
     import importlib
     import typing

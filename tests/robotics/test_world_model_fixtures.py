@@ -37,12 +37,13 @@ def tiny_wm_asset(root: Path, train_steps: int = 30) -> Path:
 
 def wm_train_config(asset: Path, policy: Path, **wm) -> dict:
     return {
-        "domain": "robotics-wm", "seed": 0, "iterations": 3,
+        "domain": "robotics", "seed": 0, "iterations": 3,
         "rollout": {"groups_per_iteration": 2, "group_size": 4},
         "advantage": {"estimator": "grpo"}, "optim": {"lr": 1e-4, "inner_epochs": 1, "minibatches_per_epoch": 1},
         "eval": {"at_start": False, "every": 0}, "logging": {"progress": False},
-        "robotics-wm": {"env": dict(POINT_ENV), "checkpoint": str(policy), "head_mode": "flow_sde",
-                        "train_states_per_task": 6, "eval_states_per_task": 2, "gifs": False,
-                        "world_model": {"checkpoint": str(asset), "horizon": 12, "keyframe_states": 6,
-                                        "keyframe_stride": 1, **wm}},
+        "robotics": {"env": dict(POINT_ENV), "checkpoint": str(policy), "head_mode": "flow_sde",
+                     "train_states_per_task": 6, "eval_states_per_task": 2, "gifs": False,
+                     "rollout": {"name": "world_model",
+                                 "world_model": {"checkpoint": str(asset), "horizon": 12, "keyframe_states": 6,
+                                                 "keyframe_stride": 1, **wm}}},
     }

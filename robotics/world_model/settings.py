@@ -1,0 +1,55 @@
+"""The ``robotics.rollout.world_model`` settings: where imagined episodes start and how they are checked."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from shared_rl.errors import ConfigError
+
+
+@dataclass
+class ImaginationSettings:
+    """``robotics.rollout.world_model`` (with ``rollout.name: world_model``)."""
+
+    checkpoint: str = field(default="assets/metaworld-wm-tiny", metadata={
+        "help": "world model + success model directory (grove train configs/robotics/world_model.yaml)"})
+    data: str = field(default="", metadata={
+        "help": "real chunk episodes (keyframes, refits); '' = the one named in the checkpoint's meta.json"})
+    horizon: int = field(default=48, metadata={"help": "imagined env steps per rollout (from the keyframe)"})
+    keyframe_stride: int = field(default=2, metadata={"help": "every n-th chunk boundary of a real trajectory is a keyframe"})
+    keyframe_min_chunk: int = field(default=0, metadata={"help": "earliest boundary used as a keyframe (0 = the reset)"})
+    keyframe_max_chunk: int = field(default=24, metadata={"help": "latest boundary used as a keyframe"})
+    keyframe_limit: int = field(default=400, metadata={"help": "random subset of keyframes kept (0 = all)"})
+    keyframe_states: int = field(default=10, metadata={
+        "help": "keyframes come from real trajectories of the first n training reset states per task"})
+    reward: Literal["classifier", "reference"] = field(default="classifier", metadata={
+        "help": "classifier (success model) | reference (VLA-RFT: similarity to an expert demo's final frame)"})
+    reference_tau: float = field(default=0.02, metadata={"help": "reference reward: exp(-mse / tau)"})
+    reference_threshold: float = field(default=0.5, metadata={"help": "reference reward: success above this"})
+    uncertainty_threshold: float = field(default=3.0, metadata={
+        "help": "truncate when the disagreement exceeds this x its held-out 95th percentile (0 = never)"})
+    pessimistic: bool = field(default=True, metadata={
+        "help": "imagined success = the minimum success probability over the ensemble heads (against exploits)"})
+    uncertain: Literal["truncate", "drop", "ignore"] = field(default="truncate", metadata={
+        "help": "truncated rollouts: truncate (score the last trusted frame) | drop (NaN reward) | ignore"})
+    coevolve_every: int = field(default=0, metadata={"help": "refit on fresh real rollouts every n iterations (0 = never)"})
+    coevolve_episodes: int = field(default=16, metadata={"help": "real policy episodes per co-evolution round"})
+    refit_steps: int = field(default=200, metadata={"help": "world-model steps per refit"})
+    refit_success_steps: int = field(default=200, metadata={"help": "success-model steps per refit"})
+    refit_batch: int = field(default=16, metadata={"help": "windows per refit step"})
+    refit_lr: float = field(default=3e-4, metadata={"help": "refit learning rate"})
+    audit_fraction: float = field(default=0.25, metadata={"help": "share of imagined episodes replayed in MuJoCo"})
+    learn_from_audit: bool = field(default=False, metadata={
+        "help": "add audit replays to the real data (their steps then COUNT as real steps) for the next refit"})
+    recalibrate: bool = field(default=False, metadata={
+        "help": "re-choose the success threshold on the newest real data at each refit (noisy with few episodes)"})
+    recent_weight: int = field(default=4, metadata={
+        "help": "refits weigh data since the previous refit this many times (the policy's newest behaviour)"})
+
+    def check(self, where: str = "robotics.rollout.world_model") -> None:
+        if self.horizon < 1 or self.keyframe_stride < 1 or self.keyframe_states < 1:
+            raise ConfigError(f"{where}: horizon, keyframe_stride and keyframe_states must be >= 1")
+        if not 0.0 <= self.audit_fraction <= 1.0:
+            raise ConfigError(f"{where}.audit_fraction must be in [0, 1], got {self.audit_fraction}")
+        if self.uncertainty_threshold < 0 or self.coevolve_every < 0 or self.coevolve_episodes < 1:
+            raise ConfigError(f"{where}: uncertainty_threshold and coevolve_every must be >= 0, coevolve_episodes >= 1")
