@@ -59,10 +59,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # docs/bench/visgen_methods.md: NFT 0.531 / 0.579 / 0.610 held-out strict after 10 iterations with 1 / 4 / 8
     # steps, AWM 0.548 / 0.566 with 1 / 4): their loss needs no behaviour log-probs, so reusing a batch costs
     # only training forwards
-    "nft": {"visgen": {"method": {"name": "ode"}, "objective": {"name": "nft", "beta": 1.0, "timesteps_per_sample": 3}},
-            "loss": {"policy_loss": "nft"}, "optim": {"minibatches_per_epoch": 8}},
-    "awm": {"visgen": {"method": {"name": "ode"}, "objective": {"name": "awm", "timesteps_per_sample": 3}},
-            "loss": {"policy_loss": "awm"}, "optim": {"minibatches_per_epoch": 8}},
+    # (the objective brings its loss and the ODE sampler; method: null drops the demo recipe's flow_grpo)
+    "nft": {"visgen": {"method": None, "objective": {"name": "nft", "beta": 1.0, "timesteps_per_sample": 3}},
+            "optim": {"minibatches_per_epoch": 8}},
+    "awm": {"visgen": {"method": None, "objective": {"name": "awm", "timesteps_per_sample": 3}},
+            "optim": {"minibatches_per_epoch": 8}},
     "guard": {"loss": {"policy_loss": "guard"}},
 }
 # per-method learning rates (docs/bench/visgen_methods.md records the sweep); absent: the demo's 1e-3

@@ -132,13 +132,15 @@ class VisgenConfig(DomainConfig):
     num_inference_steps: int = _help("denoising steps of a rollout (the last one is never trained)", 10)
     guidance_scale: float = _help("CFG in training rollouts (1 = off, as Flow-GRPO recommends); FLUX: the "
                                   "guidance embedding", 1.0)
-    method: dict[str, Any] = _help("the rollout method and its own fields, e.g. {name: flow_grpo, train_fraction: "
-                                   "0.3} (visgen.methods: flow_grpo, dance_grpo, flow_grpo_fast, mix_grpo, explicit, "
-                                   "branch_grpo, branch_grpo_mix, tree_grpo, egrpo)",
-                                   factory=lambda: {"name": "flow_grpo"})
+    method: Optional[dict[str, Any]] = _help("the rollout method and its own fields, e.g. {name: flow_grpo, "
+                                             "train_fraction: 0.3} (visgen.methods: flow_grpo, dance_grpo, "
+                                             "flow_grpo_fast, mix_grpo, explicit, ode, branch_grpo, branch_grpo_mix, "
+                                             "tree_grpo, egrpo); null: the objective's (flow_grpo for log_prob, the "
+                                             "ODE sampler for nft / awm)")
     objective: dict[str, Any] = _help("what training recomputes (visgen.objectives): {name: log_prob} (Flow-GRPO "
-                                      "family, ratio-based loss.policy_loss), {name: nft, beta: 1.0} (DiffusionNFT, "
-                                      "loss.policy_loss: nft) or {name: awm} (loss.policy_loss: awm)",
+                                      "family, any ratio-based loss.policy_loss), {name: nft, beta: 1.0, adv_max: "
+                                      "5.0} (DiffusionNFT) or {name: awm}; nft / awm bring their policy loss and the "
+                                      "ODE sampler (leave loss.policy_loss and method null)",
                                       factory=lambda: {"name": "log_prob"})
     kernel: Literal["sde", "cps", "dance"] = _help("SDE kernel of the stochastic steps (shared_rl.flow_kernels)", "sde")
     two_stage: TwoStageSettings = _help("Sol-RL two-stage rollout: low-precision explore, full-precision train "
@@ -225,17 +227,35 @@ class VisgenConfig(DomainConfig):
         level = KERNEL_NOISE_LEVELS[self.kernel] if self.noise_level is None else float(self.noise_level)
         return KernelSettings(self.kernel, level, self.reduction, self.rollout_micro_batch, self.shared_noise)
 
-    def rollout_method(self, where: str = "visgen.method"):
-        """The configured ``visgen.methods`` method (a fresh object built from ``method``)."""
+    def method_config(self) -> dict[str, Any]:
+        """``method``, or the objective's default sampler when it is null (derived, never stored)."""
+        return self.method if self.method is not None else dict(self.training_objective().default_method)
+
+    def rollout_method(self, where: str = "visgen.method", train_cfg=None):
+        """The configured ``visgen.methods`` method (a fresh object built from ``method_config()``); with the
+        trainer's sections ``train_cfg``, as they complete it (``RolloutMethod.with_trainer``: e.g. branch pruning
+        ranks by the training estimator when it names none)."""
         from .methods import method_from_config
 
-        return method_from_config(self.method, where)
+        method = method_from_config(self.method_config(), where)
+        return method if train_cfg is None else method.with_trainer(train_cfg, f"{where}[{method.name}]")
 
     def training_objective(self, where: str = "visgen.objective"):
         """The configured ``visgen.objectives`` objective (a fresh object built from ``objective``)."""
         from .objectives import objective_from_config
 
         return objective_from_config(self.objective, where)
+
+    def policy_loss(self, train_cfg):
+        """The loss a likelihood-free objective trains with (``nft`` with its ``adv_max``, ``awm``), which the
+        trainer uses when ``loss.policy_loss`` is null; None for the log_prob objective (any ratio-based loss)."""
+        return self.training_objective().loss_choice()
+
+    def trained_outputs(self, train_cfg) -> list[str]:
+        """The reward outputs with a non-zero ``advantage.weights`` entry (all when no weights are given: the
+        trainer's default weight is 1); ``train_cfg`` None (a domain built by hand): all."""
+        weights = dict(train_cfg.advantage.weights or {}) if train_cfg is not None else {}
+        return [n for n in self.reward_names(train_cfg) if weights.get(n, 1.0) != 0]
 
     def rollout_structure(self, train_cfg) -> str:
         """``flat`` or ``tree``: what the core checks the advantage estimator against."""
@@ -254,33 +274,22 @@ class VisgenConfig(DomainConfig):
         preflight(self, train_cfg, read_prompt_file, resolve_model_location, _import_optional_rewards)
 
     def check_with(self, cfg) -> None:
-        """Checks that need the trainer sections too."""
-        from shared_rl.advantages import estimator_names
-
-        method = self.rollout_method()
-        method.check(self.num_inference_steps, cfg.rollout.group_size, f"visgen.method[{method.name}]")
-        self._advantage_weights = dict(cfg.advantage.weights or {})  # which outputs train (the hacking guard)
-        from shared_rl.losses import get_policy_loss
-
+        """Checks that need the trainer sections too (pure: nothing here changes the config)."""
         from .objectives import OBJECTIVES
 
+        method = self.rollout_method(train_cfg=cfg)
+        method.check(self.num_inference_steps, cfg.rollout.group_size, f"visgen.method[{method.name}]")
         objective = self.training_objective()
+        implied, written = objective.loss_choice(), cfg.loss.policy_loss
+        if objective.likelihood_free and written is not None and written != implied:
+            raise ConfigError(f"loss.policy_loss {written.to_config()!r} contradicts visgen.objective "
+                              f"{objective.name!r}, which trains with {implied.to_config()!r}; remove "
+                              "loss.policy_loss (the objective brings its loss and its settings)")
         loss_name = cfg.policy_loss_choice().name
-        get_policy_loss(loss_name)  # a known name (checked with a did-you-mean in the loss section)
-        likelihood_free_loss = loss_name in {c.policy_loss for c in OBJECTIVES.values() if c.likelihood_free}
-        if objective.likelihood_free and loss_name != objective.policy_loss:
-            raise ConfigError(f"visgen.objective {objective.name!r} trains with loss.policy_loss: "
-                              f"{objective.policy_loss} (got {loss_name!r})")
-        if not objective.likelihood_free and likelihood_free_loss:
-            raise ConfigError(f"loss.policy_loss {loss_name!r} needs visgen.objective: "
-                              f"{{name: {loss_name}}}")
-        if getattr(method.settings, "prune_estimator", "unset") is None and (
-                method.settings.width_prune != "none"):
-            if cfg.advantage.kind != "tree":
-                raise ConfigError(f"visgen.method[{method.name}].width_prune ranks edges by a tree estimator; "
-                                  f"advantage.estimator is {cfg.advantage.estimator.name!r}: set prune_estimator "
-                                  f"(one of {estimator_names('tree')})")
-            self.method = {**self.method, "prune_estimator": cfg.advantage.estimator.name}  # resolved: pruning = training
+        if not objective.likelihood_free and loss_name in {c.policy_loss for c in OBJECTIVES.values()
+                                                           if c.likelihood_free}:
+            raise ConfigError(f"loss.policy_loss {loss_name!r} needs visgen.objective: {{name: {loss_name}}} (which "
+                              "brings the loss itself; remove loss.policy_loss)")
         if self.two_stage.enabled:
             from .lowprec import check_precision
 
@@ -396,7 +405,7 @@ class VisgenDomain(DomainBase):
             self.eval_rewards.append((name, guarded(name, get_reward(name, **kwargs))))
         self.gold_rewards = [(spec.name, guarded(spec.name, get_reward(spec.name, **spec.kwargs)))
                              for spec in cfg.gold_rewards]
-        self.method = cfg.rollout_method()
+        self.method = cfg.rollout_method(train_cfg=ctx.train_cfg)
         self.objective = cfg.training_objective()
         if self.objective.name == "nft":  # DiffusionNFT's lagging "old" adapter (v_old)
             self.policy.enable_old_policy(self.objective.settings.old_decay_max, self.objective.settings.old_decay_ramp)
@@ -483,9 +492,8 @@ class VisgenDomain(DomainBase):
         return self.rollouts.log_probs(rollout, idx, need_kl)
 
     def trained_outputs(self) -> list[str]:
-        """The reward outputs with a non-zero ``advantage.weights`` entry (all when no weights are given)."""
-        weights = getattr(self.cfg, "_advantage_weights", {})
-        return [n for n in self.cfg.reward_names(None) if weights.get(n, 1.0) != 0]  # combine_rewards' default: 1
+        """The reward outputs this run trains on (``VisgenConfig.trained_outputs`` under the trainer's sections)."""
+        return self.cfg.trained_outputs(self.ctx.train_cfg)
 
     # -------------------------------------------------------------------------------------------- evaluation
     def _eval_settings(self) -> tuple[int, float]:
@@ -553,7 +561,7 @@ class VisgenDomain(DomainBase):
 
     def save_pretrained(self, out_dir: Path) -> None:
         # the resolved location: a path relative to the repo would not load from anywhere else
-        info = {"base_model": self.model_location, "method": self.cfg.method, "kernel": self.cfg.kernel,
+        info = {"base_model": self.model_location, "method": self.cfg.method_config(), "kernel": self.cfg.kernel,
                 "num_inference_steps": self.cfg.num_inference_steps, "guidance_scale": self.cfg.guidance_scale,
                 "max_sequence_length": self.max_sequence_length, "resolution": self.height}
         self.policy.save_pretrained(Path(out_dir), use_ema=self.cfg.eval.use_ema, info=info)

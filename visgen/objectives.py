@@ -3,7 +3,7 @@
 ``visgen.objective: {name: ...}`` (a tagged union like ``visgen.method``):
 
 - ``log_prob`` (default) — the Flow-GRPO family: the stored SDE steps' log-probs are recomputed with grad
-  (``visgen.recompute``) for a ratio-based policy loss (``loss.policy_loss``: clipped, gspo, cispo, sapo).
+  (``visgen.recompute``) for a ratio-based policy loss (``loss.policy_loss``: clipped, gspo, cispo, sapo, guard).
 - ``nft`` — DiffusionNFT (Zheng et al., "DiffusionNFT: Online Diffusion Reinforcement with Forward Process",
   NVlabs, ICLR 2026), likelihood-free: only clean samples x0 and rewards, from any sampler (ODE included). At
   ``timesteps_per_sample`` grid timesteps t per sample (fresh noise ε drawn at rollout time):
@@ -15,6 +15,10 @@
 - ``awm`` — Advantage Weighted Matching (Xue et al., "Advantage Weighted Matching: Aligning RL with Pretraining
   in Diffusion Models", 2025): the pretraining flow-matching loss on the policy's own samples,
   ``P = ‖v_θ(x_t, t) − (ε − x0)‖²``, weighted by the advantage in the ``awm`` policy loss (``A·P``).
+
+A likelihood-free objective is chosen once: it brings its policy loss (``VisgenConfig.policy_loss``, with NFT's
+``adv_max``) and, unless ``visgen.method`` says otherwise, the deterministic ODE sampler (``default_method``; the
+DiffusionNFT reference samples deterministically, and both train on clean samples from any sampler).
 
 Both likelihood-free objectives take the optional velocity KL to the adapter-off reference, ``‖v_θ − v_ref‖²``
 (``loss.kl_coef``). Their training timesteps are drawn per sample from the rollout's own grid, so the trained
@@ -70,6 +74,8 @@ class LogProbSettings:
 
 @dataclass
 class NFTSettings:
+    adv_max: float = field(default=5.0, metadata={"help": "A_max of the nft policy loss: r = clip(A/A_max/2 + 1/2, "
+                                                          "0, 1) (the loss's adv_max)"})
     beta: float = field(default=1.0, metadata={"help": "NFT's beta: how far the implicit positive/negative "
                                                        "velocities step from the old policy's"})
     timesteps_per_sample: int = field(default=3, metadata={"help": "grid timesteps trained per sample (fresh "
@@ -81,6 +87,8 @@ class NFTSettings:
         "help": "train both branch losses, or only the positive / only the negative one (ablations)"})
 
     def check(self, where: str) -> None:
+        if self.adv_max <= 0:
+            raise ConfigError(f"{where}.adv_max must be > 0, got {self.adv_max}")
         if self.beta <= 0:
             raise ConfigError(f"{where}.beta must be > 0, got {self.beta}")
         if self.timesteps_per_sample < 1:
@@ -107,9 +115,17 @@ class Objective:
     settings_class: ClassVar[type] = object
     likelihood_free: ClassVar[bool] = False
     policy_loss: ClassVar[str | None] = None  # the one policy loss it needs (None: any ratio-based one)
+    default_method: ClassVar[dict[str, Any]] = {"name": "flow_grpo"}  # visgen.method when the config leaves it null
 
     def __init__(self, settings: Any) -> None:
         self.settings = settings
+
+    def loss_choice(self):
+        """The policy loss this objective trains with, with its settings (a ``shared_rl.config.PolicyLossChoice``),
+        or None when any ratio-based loss fits."""
+        from shared_rl.config import PolicyLossChoice
+
+        return PolicyLossChoice(self.policy_loss) if self.policy_loss is not None else None
 
     # likelihood-free objectives: training slots chosen at rollout time ------------------------------------------
     def training_slots(self, is_leaf: torch.Tensor, node_latent: torch.Tensor, num_columns: int,
@@ -170,6 +186,13 @@ class NFTObjective(Objective):
     settings_class = NFTSettings
     likelihood_free = True
     policy_loss = "nft"
+    default_method = {"name": "ode"}
+
+    def loss_choice(self):
+        from shared_rl.config import PolicyLossChoice
+        from shared_rl.losses import NFTSettings as NFTLossSettings
+
+        return PolicyLossChoice("nft", NFTLossSettings(adv_max=self.settings.adv_max))
 
     def terms(self, adapter, payload, mask, cond, reference, old):
         s = self.settings
@@ -211,6 +234,7 @@ class AWMObjective(Objective):
     settings_class = AWMSettings
     likelihood_free = True
     policy_loss = "awm"
+    default_method = {"name": "ode"}
 
     def terms(self, adapter, payload, mask, cond, reference, old):
         n, L = mask.shape

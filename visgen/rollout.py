@@ -249,7 +249,7 @@ def _chunked_rollout(r: VisgenRollouts, keys: list[int], group_size: int, genera
 
     parts: list[Rollout] = []
     wait = 0.0
-    pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="grove-reward") if r.overlap_rewards else None
+    pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="grove-overlap") if r.overlap_rewards else None
     try:
         pending = None
         for i, chunk in enumerate(chunks):

@@ -161,6 +161,34 @@ def test_recipe_configs_parse_without_loading_models():
         assert cfg.domain == "visgen" and isinstance(cfg.domain_config, VisgenConfig), path
 
 
+def test_checking_a_config_never_changes_it():
+    """Loading (which runs every config hook) leaves the visgen section as the YAML wrote it, and checking it again
+    changes nothing: derived values (branch pruning's estimator, the trained outputs, the objective's loss and
+    sampler) are computed on demand. The pruning recipe once had its prune_estimator written into visgen.method."""
+    import dataclasses
+
+    from shared_rl.config import from_dict
+
+    for name in ("shapes_branch_prune", "shapes_nft", "shapes_grpo", "words_ocr_grpo"):
+        data = load_yaml(REPO / "configs" / "visgen" / f"{name}.yaml")
+        cfg = load_train_config(data)
+        vis = cfg.domain_config
+        written = dataclasses.asdict(from_dict(VisgenConfig, data["visgen"], "visgen"))
+        assert dataclasses.asdict(vis) == written, name
+        vis.check("visgen")
+        vis.check_with(cfg)
+        vis.preflight(cfg)
+        derived = (vis.policy_loss(cfg), vis.rollout_structure(cfg), vis.trained_outputs(cfg),
+                   vis.rollout_method(train_cfg=cfg), cfg.policy_loss_choice(), vis.kernel_settings())
+        assert dataclasses.asdict(vis) == written, name
+    # what the trainer's sections decide is derived: pruning ranks by the training estimator, not stored
+    prune = load_train_config(load_yaml(REPO / "configs" / "visgen" / "shapes_branch_prune.yaml"))
+    assert "prune_estimator" not in prune.domain_config.method
+    estimator = prune.domain_config.rollout_method(train_cfg=prune).settings.prune_estimator
+    assert estimator == prune.advantage.estimator.name and prune.domain_config.rollout_method().settings.prune_estimator is None
+    assert derived[2] == ["ocr"]  # words_ocr_grpo trains on its OCR output only
+
+
 @pytest.mark.parametrize("over, message", [
     ({"visgen.kernal": "sde"}, "did you mean 'kernel'"),
     ({"visgen.kernel": "euler"}, "not one of"),

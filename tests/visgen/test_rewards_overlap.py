@@ -36,18 +36,26 @@ def _cfg(tiny_dir, **visgen):
 
 @pytest.fixture
 def slow_shapes(monkeypatch):
-    """The shapes reward, slowed down and recording which thread scored (so overlap is observable)."""
+    """The shapes reward, slowed down, and the thread each domain scoring call comes from (so overlap is observable:
+    every reward call itself runs in a guard thread of its own, ``shared_rl.rewards``)."""
+    from visgen.domain import VisgenDomain
     from visgen.rewards.shapes import ShapesReward
 
     threads = []
 
     class Slow(ShapesReward):
         def __call__(self, images, prompts, metadata=None):
-            threads.append(threading.current_thread().name)
             time.sleep(0.05)
             return super().__call__(images, prompts, metadata)
 
+    score = VisgenDomain.score
+
+    def recorded(self, *args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return score(self, *args, **kwargs)
+
     monkeypatch.setitem(reward_base._REGISTRY, "shapes", lambda: Slow())  # same outputs
+    monkeypatch.setattr(VisgenDomain, "score", recorded)
     return threads
 
 
@@ -57,12 +65,12 @@ def test_overlapped_scoring_equals_sequential_bit_for_bit(tiny_dir, slow_shapes,
     common = {"method": method, "rewards": [{"name": "shapes"}], "score_chunks": 3}
     seq = Trainer(_cfg(tiny_dir, **common), None, log=quiet)
     a = seq.fit()
-    assert not any(t.startswith("grove-reward") for t in slow_shapes)
+    assert not any(t.startswith("grove-overlap") for t in slow_shapes)
     del slow_shapes[:]
     over = Trainer(_cfg(tiny_dir, **common, overlap_rewards=True), None, log=quiet)
     b = over.fit()
     # every rollout sub-chunk (2 iterations x 3) is scored in the worker; evaluation stays on the main thread
-    assert sum(t.startswith("grove-reward") for t in slow_shapes) == 6
+    assert sum(t.startswith("grove-overlap") for t in slow_shapes) == 6
     assert sum(t == "MainThread" for t in slow_shapes) == 2
     assert compare(a, b) == []  # every non-timing metric, exactly
     it = [r for r in b if "reward/mean" in r]

@@ -89,7 +89,8 @@ def _cfg(tiny_dir, precision="full", method=None, policy_loss="clipped", **extra
 
 
 def test_full_precision_explorer_regenerates_its_samples_bit_for_bit(tiny_dir):
-    cfg = _cfg(tiny_dir, "full", method={"name": "ode"}, policy_loss="nft", objective={"name": "nft"})
+    # the ODE sampler (the helper's default method is flow_grpo); nft brings its loss (policy_loss null)
+    cfg = _cfg(tiny_dir, "full", method={"name": "ode"}, policy_loss=None, objective={"name": "nft"})
     tr = Trainer(cfg, None, log=lambda *_: None)
     ro = tr.domain.rollout([0, 1], 2, torch.Generator().manual_seed(0), 0)
     r = tr.domain.rollouts

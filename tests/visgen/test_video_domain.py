@@ -83,8 +83,7 @@ def test_video_egrpo_trains(wan_dir):
 
 @pytest.mark.parametrize("objective", ["nft", "awm"])
 def test_video_likelihood_free_objectives_train(wan_dir, objective):
-    cfg = make_cfg(wan_dir, {"name": "ode"}, {"loss": {"policy_loss": objective}},
-                   objective={"name": objective, "timesteps_per_sample": 2})
+    cfg = make_cfg(wan_dir, {"name": "ode"}, {}, objective={"name": objective, "timesteps_per_sample": 2})
     m = Trainer(cfg, None, log=quiet).iteration(0)
     assert m["grad_norm"] > 0 and torch.isfinite(torch.tensor(m["loss/policy"]))
 

@@ -62,6 +62,11 @@ class RolloutMethod:
     def check(self, num_steps: int, group_size: int, where: str) -> None:
         """Validate against the denoising-step count and ``rollout.group_size`` (ConfigError, one line)."""
 
+    def with_trainer(self, train_cfg, where: str) -> "RolloutMethod":
+        """This method as the trainer's sections ``train_cfg`` complete it (a new method, or ``self``; the config
+        is never changed), checked against them (ConfigError, one line)."""
+        return self
+
     def grow(self, adapter, cond, keys: list[int], group_size: int, sigmas: torch.Tensor, timesteps: torch.Tensor,
              generator: torch.Generator, iteration: int, k: KernelSettings, first_forward_id: int) -> Grown:
         """Sample the forest for prompt ids ``keys`` (``cond``: one row per key)."""

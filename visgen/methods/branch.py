@@ -15,6 +15,7 @@ one depth deeper every ``depth_prune_slide_every`` iterations. Both rank by the 
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Literal, Optional
@@ -62,7 +63,7 @@ class BranchSettings:
                                                            "many iterations"})
     prune_reward: Optional[str] = field(default=None,
                                         metadata={"help": "reward output pruning ranks by (null: the first)"})
-    # tree estimator that pruning ranks edges by; None: advantage.estimator (filled in when the config is loaded)
+    # tree estimator that pruning ranks edges by; None: advantage.estimator (BranchGRPO.with_trainer)
     prune_estimator: Optional[str] = field(default=None,
                                            metadata={"help": "tree estimator pruning ranks edges by (null: "
                                                              "advantage.estimator)"})
@@ -153,6 +154,18 @@ class BranchGRPO(RolloutMethod):
              f"{where}.split_steps must lie in 0..{num_steps - 2} (the final step cannot branch), got {s.split_steps}")
         require(group_size is None or group_size == s.leaves(), f"rollout.group_size is {group_size} but {where} grows {s.leaves()} leaves per "
              f"tree (factors {s.factors()}); set rollout.group_size: {s.leaves()}")
+
+    def with_trainer(self, train_cfg, where: str) -> "BranchGRPO":
+        """Width pruning without its own ``prune_estimator`` ranks edges by the training estimator (pruning =
+        training), which must then be a tree estimator."""
+        s = self.settings
+        if s.prune_estimator is not None or s.width_prune == "none":
+            return self
+        if train_cfg.advantage.kind != "tree":
+            raise ConfigError(f"{where}.width_prune ranks edges by a tree estimator; advantage.estimator is "
+                              f"{train_cfg.advantage.estimator.name!r}: set prune_estimator (one of "
+                              f"{estimator_names('tree')})")
+        return type(self)(dataclasses.replace(s, prune_estimator=train_cfg.advantage.estimator.name))
 
     def grow(self, adapter, cond, keys, group_size, sigmas, timesteps, generator, iteration, k, first_forward_id):
         x0 = adapter.prepare_latents(len(keys), cond, generator)
