@@ -1,22 +1,24 @@
-"""Supervised pretraining of the tiny SD3 pipeline on the procedural shapes task (the RL demo's starting point).
+"""Supervised pretraining of an embedded task's tiny pipeline (the RL demos' starting points): one loop for the
+image tasks (``shapes``, ``words``: the tiny SD3 of ``visgen.tiny``) and the video task (``video_shapes``: the tiny
+Wan of ``visgen.tasks.video``). The config's ``task`` (``visgen.tasks``) brings the data, the pipeline, the scoring
+and its own settings; the model family below (:data:`MODELS`) brings what differs between SD3 and Wan.
 
 Two stages, both seeded:
 
-1. VAE (``AutoencoderKL``) on rendered shapes: pixel MSE plus a small KL term. Afterwards ``shift_factor`` and
-   ``scaling_factor`` are set from the latent mean/std so the transformer sees roughly unit-variance latents.
-2. Transformer and both CLIP text encoders jointly, by rectified flow (Liu et al., "Flow Straight and Fast",
-   2022; the SD3 recipe of Esser et al., 2024): x_t = (1-t)·x0 + t·ε with logit-normal t, the model predicts
-   v = ε - x0 at timestep 1000·t, MSE loss; 10% of prompts are replaced by "" so classifier-free guidance
-   (Ho & Salimans, 2022) works at sampling time. An EMA of the weights is what gets evaluated and saved.
+1. VAE on rendered ground truth: pixel MSE plus a small KL term. Afterwards the latents are normalised from the
+   posterior means so the transformer sees roughly unit-variance latents (SD3: one ``shift_factor`` /
+   ``scaling_factor``; Wan: ``latents_mean`` / ``latents_std`` per channel).
+2. Transformer and text encoder(s) jointly, by rectified flow (Liu et al., "Flow Straight and Fast", 2022; the SD3
+   recipe of Esser et al., 2024): x_t = (1-t)·x0 + t·ε with logit-normal t, the model predicts v = ε - x0 at
+   timestep 1000·t, MSE loss; 10% of prompts are replaced by "" so classifier-free guidance (Ho & Salimans, 2022)
+   works at sampling time. An EMA of the weights is what gets evaluated and saved.
 
-Periodic evaluation samples held-out prompts with the stock pipeline (10 Euler ODE steps) at each guidance
-scale in the config and scores them with the analytic shapes checker: ``eval/<split>_g<g>/score`` (mean
-fraction of attributes correct) and ``.../strict`` (all correct).
-
-The ``words`` task (``task: words``, ``visgen.tasks.words``) trains the same way on rendered signs with a
-tokenizer that spells the quoted word letter by letter; its evaluation reads the samples with the OCR reward
-(``visgen.rewards.ocr``): ``.../ocr`` (1 - normalised edit distance) and ``.../exact`` (read exactly), and
-``vae/ocr`` checks that the VAE's reconstructions of held-out renders stay legible.
+Periodic evaluation samples held-out prompts (and ``eval.train_prompts`` training prompts) with the *stock*
+pipeline (Euler ODE) at each guidance scale and scores them with the task: ``eval/<split>_g<g>/<metric>`` — shapes
+``score`` / ``strict`` / ``strict_<kind>`` (the analytic checker), words ``ocr`` / ``exact`` (the OCR reward; plus
+``vae/ocr``, the VAE's reconstructions of held-out renders read back), video ``score`` / ``strict``. The EMA
+pipeline is saved at every periodic evaluation (``run_dir/step_<k>``), so an asset can be taken at the knee of the
+curve; its ``grove.json`` records what sampling and RL reuse (split, resolution, text length, frames).
 
 Entry points: ``run(cfg, run_dir, log)`` (``grove pretrain``) and
 ``python -m visgen.pretrain configs/visgen/shapes_pretrain.yaml --out assets/shapes-sd3-tiny``.
@@ -30,7 +32,6 @@ import json
 import math
 import random
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -38,98 +39,209 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from visgen import tiny
-from visgen.tasks import shapes
+from shared_rl.config import ConfigError, from_dict
+from visgen.tasks import TASKS, PretrainConfig, Task, get_task
 
-try:  # the lead's typed config loader; a minimal local fallback keeps this module usable on its own
-    from shared_rl.config import ConfigError, from_dict
-except ImportError:  # pragma: no cover - exercised only before shared_rl.config exists
-
-    class ConfigError(ValueError):
-        pass
-
-    def from_dict(cls, data, where="config"):
-        if not isinstance(data, dict):
-            raise ConfigError(f"{where}: expected a mapping, got {type(data).__name__}")
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - set(fields))
-        if unknown:
-            raise ConfigError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(fields)}")
-        kwargs = {}
-        for name, value in data.items():
-            ftype = fields[name].type
-            sub = globals().get(ftype) if isinstance(ftype, str) else ftype
-            if dataclasses.is_dataclass(sub):
-                value = from_dict(sub, value, where=f"{where}.{name}")
-            kwargs[name] = value
-        return cls(**kwargs)
+CPU = torch.device("cpu")
 
 
-@dataclass
-class VaeStage:
-    steps: int = 1500
-    batch_size: int = 64
-    lr: float = 2e-3
-    kl_weight: float = 1e-6
+# ------------------------------------------------------------------------------------------------- model families
+class TinySD3:
+    """The image pieces: the tiny ``StableDiffusion3Pipeline`` (``visgen.tiny``), samples ``[N, 3, H, W]``."""
+
+    text_encoders = ("text_encoder", "text_encoder_2")
+    encode_batch = 512
+
+    def vae_input(self, samples: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(samples) * 2.0 - 1.0
+
+    def vae_lr(self, step: int, stage) -> float:
+        return stage.lr * _lr_factor(step, 50, stage.steps)  # 50-step warm-up, then cosine to 10%
+
+    def vae_decode(self, vae, z: torch.Tensor) -> torch.Tensor:
+        return vae.decode(z).sample
+
+    def normalise(self, vae, lat_mean: torch.Tensor) -> tuple[Callable[[torch.Tensor], torch.Tensor], str]:
+        shift = float(lat_mean.mean())
+        scale = float(1.0 / (lat_mean - shift).std())
+        vae.register_to_config(shift_factor=shift, scaling_factor=scale)
+        return (lambda z: (z - shift) * scale), f"shift_factor {shift:.4f}, scaling_factor {scale:.4f}"
+
+    def condition(self, pipe, prompts: list[str], conf) -> dict[str, torch.Tensor]:
+        from visgen import tiny
+
+        embeds, _, pooled, _ = pipe.encode_prompt(prompt=prompts, prompt_2=None, prompt_3=None, device=CPU,
+                                                  do_classifier_free_guidance=False,
+                                                  max_sequence_length=tiny.MAX_SEQUENCE_LENGTH)
+        return {"encoder_hidden_states": embeds, "pooled_projections": pooled}
+
+    @torch.no_grad()
+    def sample(self, pipe, prompts: list[str], guidance: float, steps: int, seed: int, batch_size: int,
+               conf) -> torch.Tensor:
+        """Stock-pipeline ODE images in [0, 1]; sample i uses the generator seeded ``seed + (i // B) * B``."""
+        from visgen import tiny
+
+        out = []
+        for start in range(0, len(prompts), batch_size):
+            out.append(pipe(prompts[start:start + batch_size], num_inference_steps=steps, guidance_scale=guidance,
+                            max_sequence_length=tiny.MAX_SEQUENCE_LENGTH, output_type="pt",
+                            generator=torch.Generator().manual_seed(seed + start)).images.float().cpu())
+        return torch.cat(out)
+
+    def save_samples(self, pipe, specs: list, run_dir: Path, conf, seed: int) -> None:
+        """``samples.png``: one row per (prompt, guidance) for 8 held-out prompts, 4 samples each, upscaled 4x."""
+        from torchvision.utils import save_image
+
+        ev = conf.eval
+        rows, captions = [], []
+        for spec in specs[::max(1, len(specs) // 8)][:8]:
+            for g in ev.guidance_scales:
+                rows.append(self.sample(pipe, [spec.prompt] * 4, float(g), ev.num_inference_steps, seed, 4, conf))
+                captions.append(f"g={g:g}: {spec.prompt}")
+        path = run_dir / "samples.png"
+        save_image(F.interpolate(torch.cat(rows), scale_factor=4, mode="nearest"), path, nrow=4, padding=2,
+                   pad_value=0.5)
+        path.with_suffix(".txt").write_text("\n".join(captions) + "\n")
+
+    def asset_settings(self, pipe, conf) -> dict:
+        from visgen import tiny
+
+        return {"max_sequence_length": tiny.MAX_SEQUENCE_LENGTH,
+                "resolution": int(pipe.transformer.config.sample_size * pipe.vae_scale_factor)}
+
+    def asset_config(self, settings: dict) -> dict:
+        """Pretraining settings recovered from a saved asset's grove.json (to evaluate it)."""
+        return {"eval_fraction": settings.get("eval_fraction", 0.2)}
+
+    def load(self, directory):
+        from visgen import tiny
+
+        return tiny.load_shapes_asset(directory)
 
 
-@dataclass
-class TransformerStage:
-    steps: int = 6000
-    batch_size: int = 64
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    warmup_steps: int = 200
-    empty_prompt_prob: float = 0.1
-    logit_normal_mean: float = 0.0
-    logit_normal_std: float = 1.0
-    ema_decay: float = 0.999
-    grad_clip: float = 1.0
-    # "constant" (after warm-up) makes the step-k snapshot of a long run equal to a k-step run's result.
-    lr_schedule: str = "constant"
+class TinyWan:
+    """The video pieces: the tiny ``WanPipeline`` (``visgen.tasks.video.build_tiny_wan``), clips ``[N, F, 3, H, W]``
+    (the VAE takes ``[N, 3, F, H, W]``)."""
+
+    text_encoders = ("text_encoder",)
+    encode_batch = 64
+
+    def vae_input(self, samples: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(samples).permute(0, 2, 1, 3, 4).mul(2).sub(1).contiguous()
+
+    def vae_lr(self, step: int, stage) -> float:
+        # the video recipe's schedule (warm-up times a cosine from step 0), kept so its asset rebuilds bit for bit
+        warm = min(1.0, (step + 1) / 50)
+        cosine = 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / max(1, stage.steps)))
+        return stage.lr * warm * cosine
+
+    def vae_decode(self, vae, z: torch.Tensor) -> torch.Tensor:
+        return decode_unclamped(vae, z)
+
+    def normalise(self, vae, lat_mean: torch.Tensor) -> tuple[Callable[[torch.Tensor], torch.Tensor], str]:
+        channel_mean = lat_mean.mean(dim=(0, 2, 3, 4))
+        channel_std = (lat_mean - channel_mean.view(1, -1, 1, 1, 1)).std(dim=(0, 2, 3, 4))
+        vae.register_to_config(latents_mean=channel_mean.tolist(), latents_std=channel_std.tolist())
+        mean, std = channel_mean.view(1, -1, 1, 1, 1), channel_std.view(1, -1, 1, 1, 1)
+        return (lambda z: (z - mean) / std), f"channel std {channel_std.numpy().round(3).tolist()}"
+
+    def condition(self, pipe, prompts: list[str], conf) -> dict[str, torch.Tensor]:
+        embeds, _ = pipe.encode_prompt(prompts, do_classifier_free_guidance=False,
+                                       max_sequence_length=conf.max_sequence_length, device=CPU)
+        return {"encoder_hidden_states": embeds}
+
+    @torch.no_grad()
+    def sample(self, pipe, prompts: list[str], guidance: float, steps: int, seed: int, batch_size: int,
+               conf) -> torch.Tensor:
+        """Stock-pipeline ODE clips in [0, 1]; chunk j uses the generator seeded ``seed + j``."""
+        out = []
+        for j, start in enumerate(range(0, len(prompts), batch_size)):
+            out.append(pipe(prompts[start:start + batch_size], height=conf.size, width=conf.size,
+                            num_frames=conf.frames, num_inference_steps=steps, guidance_scale=guidance,
+                            output_type="pt", generator=torch.Generator().manual_seed(seed + j),
+                            max_sequence_length=conf.max_sequence_length).frames.float().cpu())
+        return torch.cat(out)
+
+    def save_samples(self, pipe, specs: list, run_dir: Path, conf, seed: int) -> None:
+        """``samples.gif``: one clip per held-out prompt (guidance 1), four a row."""
+        from visgen.tasks import video as vtask
+
+        clips = self.sample(pipe, [s.prompt for s in specs], 1.0, conf.eval.num_inference_steps, seed, 64, conf)
+        vtask.write_video(vtask.clip_grid(list(clips), 4), run_dir / "samples.gif")
+
+    def asset_settings(self, pipe, conf) -> dict:
+        from visgen.tasks import video as vtask
+
+        return {"num_frames": conf.frames, "resolution": conf.size, "fps": vtask.FPS,
+                "max_sequence_length": conf.max_sequence_length}
+
+    def asset_config(self, settings: dict) -> dict:
+        return {"frames": settings["num_frames"], "size": settings["resolution"],
+                "max_sequence_length": settings["max_sequence_length"]}
+
+    def load(self, directory):
+        from diffusers import WanPipeline
+
+        pipe = WanPipeline.from_pretrained(directory, local_files_only=True)
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
 
 
-@dataclass
-class PretrainEvalSettings:
-    every: int = 1000
-    samples_per_prompt: int = 1
-    final_samples_per_prompt: int = 4
-    num_inference_steps: int = 10
-    guidance_scales: list = field(default_factory=lambda: [1.0, 3.0])
-    batch_size: int = 64
-    train_prompts: int = 64  # how many training (RL) prompts to score alongside the held-out ones
-    save_snapshots: bool = True  # save the EMA pipeline at every periodic eval under run_dir/step_<k>
+def decode_unclamped(vae, z: torch.Tensor) -> torch.Tensor:
+    """``AutoencoderKLWan._decode`` without its final clamp to [-1, 1]: the clamp has zero gradient outside the
+    range, so a decoder whose outputs start below -1 (the black background) never learns the objects."""
+    vae.clear_cache()
+    x = vae.post_quant_conv(z)
+    frames = []
+    for i in range(x.shape[2]):
+        vae._conv_idx = [0]
+        frames.append(vae.decoder(x[:, :, i:i + 1], feat_cache=vae._feat_map, feat_idx=vae._conv_idx,
+                                  first_chunk=(i == 0)))
+    vae.clear_cache()
+    out = torch.cat(frames, 2)
+    if vae.config.patch_size is not None:  # the Wan 2.2 layout decodes 2x2-patchified pixels
+        from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
+
+        out = unpatchify(out, patch_size=vae.config.patch_size)
+    return out
 
 
-@dataclass
-class PretrainConfig:
-    task: str = "shapes"  # or "words"
-    seed: int = 0
-    threads: int = 1  # one thread was ~10x faster than two on 2 shared cores
-    split_seed: int = 0
-    eval_fraction: float = 0.2
-    dataset_size: int = 16384
-    output_dir: str | None = None
-    log_every: int = 50
-    resolution: int = 32  # image side (words only; the shapes renderer draws 32x32)
-    pipeline: dict = field(default_factory=dict)  # extra tiny.build_pipeline arguments (words only)
-    vae: VaeStage = field(default_factory=VaeStage)
-    transformer: TransformerStage = field(default_factory=TransformerStage)
-    eval: PretrainEvalSettings = field(default_factory=PretrainEvalSettings)
+# the tiny model family each task pretrains (``Task.model``)
+MODELS = {"tiny_sd3": TinySD3(), "tiny_wan": TinyWan()}
 
 
+# ------------------------------------------------------------------------------------------------------ config
+def _merge(base: dict, over: dict) -> dict:
+    out = copy.deepcopy(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _fields(cls) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls)}
+
+
+def load_config(cfg: dict) -> tuple[Task, PretrainConfig]:
+    """The task and its pretraining settings (the task's defaults under the YAML); ConfigError in one line."""
+    data = dict(cfg)
+    name = data.get("task", "shapes")
+    task = get_task(name, "pretrain.task")
+    if task.pretrain_config is None:
+        raise ConfigError(f"pretrain.task: the {name} task has no embedded model to pretrain; choose one of "
+                          f"{sorted(n for n, t in TASKS.items() if t.pretrain_config is not None)}")
+    for key in sorted(set(data) - _fields(task.pretrain_config)):
+        owners = [n for n, t in TASKS.items() if t.pretrain_config is not None and key in _fields(t.pretrain_config)]
+        if owners:
+            raise ConfigError(f"pretrain.{key} is a setting of task {' / '.join(owners)}, not of task {name}")
+    return task, from_dict(task.pretrain_config, _merge(task.pretrain_defaults, data), "pretrain")
+
+
+# ------------------------------------------------------------------------------------------------------ pieces
 def _seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-
-
-def _render_dataset(specs: list, n: int, seed: int, render=None) -> tuple[torch.Tensor, list[str]]:
-    rng = np.random.default_rng(seed)
-    chosen = [specs[i] for i in rng.integers(len(specs), size=n)]
-    render = render or shapes.render
-    images = np.stack([render(s, rng) for s in chosen])
-    return torch.from_numpy(images), [s.prompt for s in chosen]
 
 
 def _lr_factor(step: int, warmup: int, total: int, schedule: str = "cosine") -> float:
@@ -143,8 +255,10 @@ def _lr_factor(step: int, warmup: int, total: int, schedule: str = "cosine") -> 
 
 
 class _Metrics:
+    """metrics.jsonl rows; ``started`` is the run's start (``time/elapsed``)."""
+
     def __init__(self, path: Path):
-        self.path = path
+        self.path, self.started = path, time.time()
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path.write_text("")
 
@@ -154,29 +268,32 @@ class _Metrics:
             fh.write(json.dumps(row) + "\n")
 
 
-def train_vae(pipe, images: torch.Tensor, cfg: VaeStage, generator: torch.Generator, log, metrics: _Metrics):
-    """Reconstruction training of ``pipe.vae`` on ``images`` in [0,1]; returns the final MSE (in [-1,1] units)."""
+def render_dataset(task: Task, family, specs: list, conf) -> tuple[torch.Tensor, list[str]]:
+    """``conf.dataset_size`` ground-truth samples (the VAE's layout, in [-1, 1]) of prompts drawn from ``specs``,
+    and those prompts; one generator seeded ``conf.seed`` draws the prompts and each render's randomness."""
+    rng = np.random.default_rng(conf.seed)
+    chosen = [specs[i] for i in rng.integers(len(specs), size=conf.dataset_size)]
+    return family.vae_input(np.stack([task.render(s, rng, conf) for s in chosen])), [s.prompt for s in chosen]
+
+
+def train_vae(vae, data: torch.Tensor, family, stage, generator: torch.Generator, metrics: _Metrics, log) -> float:
+    """Reconstruction training of ``vae`` on ``data`` (its input layout, in [-1, 1]); returns the final MSE."""
     from tqdm import tqdm
 
-    vae = pipe.vae
     vae.train()
-    optimizer = torch.optim.AdamW(vae.parameters(), lr=cfg.lr, weight_decay=0.0)
-    data = images * 2.0 - 1.0
-    bar = tqdm(range(cfg.steps), desc="vae", mininterval=5.0, disable=None)
-    recent = []
+    optimizer = torch.optim.AdamW(vae.parameters(), lr=stage.lr, weight_decay=0.0)
+    bar = tqdm(range(stage.steps), desc="vae", mininterval=5.0, disable=None)
+    recent: list[float] = []
     for step in bar:
         for group in optimizer.param_groups:
-            group["lr"] = cfg.lr * _lr_factor(step, 50, cfg.steps)
-        idx = torch.randint(len(data), (cfg.batch_size,), generator=generator)
-        x = data[idx]
+            group["lr"] = family.vae_lr(step, stage)
+        x = data[torch.randint(len(data), (stage.batch_size,), generator=generator)]
         posterior = vae.encode(x).latent_dist
         z = posterior.mean + posterior.std * torch.randn(posterior.mean.shape, generator=generator)
-        recon = vae.decode(z).sample
-        mse = F.mse_loss(recon, x)
+        mse = F.mse_loss(family.vae_decode(vae, z), x)
         kl = posterior.kl().mean() / x[0].numel()
-        loss = mse + cfg.kl_weight * kl
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        (mse + stage.kl_weight * kl).backward()
         optimizer.step()
         recent.append(mse.item())
         if (step + 1) % 50 == 0:
@@ -185,239 +302,111 @@ def train_vae(pipe, images: torch.Tensor, cfg: VaeStage, generator: torch.Genera
             metrics.write(step + 1, {"vae/mse": value, "vae/kl": kl.item()})
     vae.eval()
     final = float(np.mean(recent[-100:]))
-    log(f"vae: {cfg.steps} steps, reconstruction MSE {final:.4f}")
+    log(f"vae: {stage.steps} steps, reconstruction MSE {final:.4f}")
     return final
 
 
 @torch.no_grad()
-def encode_dataset(vae, images: torch.Tensor, batch_size: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
-    """Posterior mean and std of every image (unscaled latents)."""
+def encode_dataset(vae, data: torch.Tensor, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Posterior mean and std of every sample (unnormalised latents)."""
     means, stds = [], []
-    for start in range(0, len(images), batch_size):
-        dist = vae.encode(images[start : start + batch_size] * 2.0 - 1.0).latent_dist
+    for start in range(0, len(data), batch_size):
+        dist = vae.encode(data[start:start + batch_size]).latent_dist
         means.append(dist.mean)
         stds.append(dist.std)
     return torch.cat(means), torch.cat(stds)
 
 
-@torch.no_grad()
-def sample_images(pipe, prompts: list[str], guidance: float, steps: int, seed: int, batch_size: int) -> torch.Tensor:
-    """Stock-pipeline ODE samples ``[N,3,H,W]`` in [0,1]; sample i uses the generator seeded ``seed + i // B``."""
-    out = []
-    for start in range(0, len(prompts), batch_size):
-        generator = torch.Generator().manual_seed(seed + start)
-        images = pipe(
-            prompts[start : start + batch_size],
-            num_inference_steps=steps,
-            guidance_scale=guidance,
-            max_sequence_length=tiny.MAX_SEQUENCE_LENGTH,
-            output_type="pt",
-            generator=generator,
-        ).images
-        out.append(images.float().cpu())
-    return torch.cat(out)
-
-
-_OCR = None
-
-
-def words_scores(images: torch.Tensor, specs: list) -> dict[str, float]:
-    """OCR score (1 - normalised edit distance) and exact-read rate of word images (``visgen.rewards.ocr``)."""
-    global _OCR
-    from visgen.rewards.ocr import OcrReward
-    from visgen.tasks import words
-
-    if _OCR is None:
-        _OCR = OcrReward(**words.OCR_SETTINGS)
-    score = _OCR(images, [s.prompt for s in specs])["ocr"]
-    return {"ocr": float(score.nanmean()), "exact": float((score == 1).float().mean())}
-
-
-def evaluate(pipe, specs: list, guidance_scales, samples_per_prompt: int, steps: int, seed: int,
-             batch_size: int, prefix: str, task: str = "shapes") -> dict[str, float]:
-    """Mean attribute score and strict accuracy of pipeline samples for ``specs`` at each guidance scale
-    (words: OCR score and exact-read rate)."""
+def evaluate(task: Task, family, pipe, specs: list, conf, samples_per_prompt: int, seed: int,
+             prefix: str) -> dict[str, float]:
+    """The task's metrics of stock-pipeline samples of ``specs`` at each guidance scale: ``eval/<prefix>_g<g>/..``."""
+    ev = conf.eval
     prompts = [s.prompt for s in specs for _ in range(samples_per_prompt)]
     expanded = [s for s in specs for _ in range(samples_per_prompt)]
     results = {}
-    for g in guidance_scales:
-        images = sample_images(pipe, prompts, float(g), steps, seed, batch_size)
-        if task == "words":
-            results.update({f"eval/{prefix}_g{g:g}/{k}": v for k, v in words_scores(images, expanded).items()})
-            continue
-        score, strict = shapes.score_batch(images.numpy(), expanded)
-        tag = f"eval/{prefix}_g{g:g}"
-        results[f"{tag}/score"] = float(np.nanmean(score))
-        results[f"{tag}/strict"] = float(np.nanmean(strict))
-        for kind in ("single", "count", "pair"):
-            mask = np.array([s.kind == kind for s in expanded])
-            if mask.any():
-                results[f"{tag}/strict_{kind}"] = float(np.nanmean(strict[mask]))
+    for g in ev.guidance_scales:
+        samples = family.sample(pipe, prompts, float(g), ev.num_inference_steps, seed, ev.batch_size, conf)
+        results.update({f"eval/{prefix}_g{g:g}/{k}": v for k, v in task.score(samples, expanded).items()})
     return results
 
 
-def save_grid(pipe, specs: list, path: Path, guidance_scales, steps: int, seed: int, per_prompt: int = 4) -> None:
-    """A PNG grid: one row per (prompt, guidance), ``per_prompt`` samples each, upscaled 4x; prompts in .txt."""
-    from torchvision.utils import save_image
+class _Evaluation:
+    """The periodic and final evaluation: held-out prompts and ``eval.train_prompts`` training (RL) prompts (a
+    seeded subset), each with its own sampling seed, written to metrics.jsonl."""
 
-    rows, captions = [], []
-    for spec in specs:
-        for g in guidance_scales:
-            rows.append(sample_images(pipe, [spec.prompt] * per_prompt, float(g), steps, seed, per_prompt))
-            captions.append(f"g={g:g}: {spec.prompt}")
-    grid = torch.cat(rows)
-    grid = F.interpolate(grid, scale_factor=4, mode="nearest")
-    save_image(grid, path, nrow=per_prompt, padding=2, pad_value=0.5)
-    path.with_suffix(".txt").write_text("\n".join(captions) + "\n")
+    def __init__(self, task: Task, family, conf, train_specs: list, held_out: list, metrics: _Metrics | None, log):
+        self.task, self.family, self.conf, self.held_out, self.metrics, self.log = task, family, conf, held_out, metrics, log
+        order = np.random.default_rng(conf.seed + 1).permutation(len(train_specs)) if conf.eval.train_prompts else []
+        self.train = [train_specs[i] for i in order][:conf.eval.train_prompts]
 
+    def measure(self, pipe, samples_per_prompt: int) -> dict[str, float]:
+        c = self.conf
+        values = evaluate(self.task, self.family, pipe, self.held_out, c, samples_per_prompt, c.seed + 10_000,
+                          "heldout")
+        if self.train:
+            values.update(evaluate(self.task, self.family, pipe, self.train, c, samples_per_prompt, c.seed + 20_000,
+                                   "train"))
+        return values
 
-def evaluate_pipeline(directory: str | Path, samples_per_prompt: int = 4, guidance_scales=(1.0, 3.0),
-                      steps: int = 10, seed: int = 0, train_prompts: int = 64, batch_size: int = 64) -> dict[str, float]:
-    """Score a saved pipeline on the held-out prompts and on ``train_prompts`` training (RL) prompts.
-
-    Uses the split recorded in its grove.json; sampling seeds and the training-prompt subset are the ones
-    ``run`` uses for its final evaluation with the same ``seed``, so the numbers are comparable.
-    """
-    pipe = tiny.load_shapes_asset(directory)
-    settings = tiny.asset_settings(directory)
-    task = settings.get("task", "shapes")
-    module = _task_module(task)
-    train_specs, eval_specs = module.split_prompts(settings.get("split_seed", 0), settings.get("eval_fraction", 0.2))
-    rl_specs = [train_specs[i] for i in np.random.default_rng(seed + 1).permutation(len(train_specs))][:train_prompts]
-    values = evaluate(pipe, eval_specs, guidance_scales, samples_per_prompt, steps, seed + 10_000, batch_size, "heldout",
-                      task)
-    values.update(evaluate(pipe, rl_specs, guidance_scales, samples_per_prompt, steps, seed + 20_000, batch_size, "train",
-                           task))
-    t0 = time.time()
-    sample_images(pipe, [eval_specs[0].prompt] * 64, 1.0, steps, 0, 16)
-    values["samples_per_s"] = 64 / (time.time() - t0)
-    return values
+    def __call__(self, pipe, step: int, samples_per_prompt: int) -> dict[str, float]:
+        t0 = time.time()
+        values = self.measure(pipe, samples_per_prompt)
+        values["time/eval"] = time.time() - t0
+        self.metrics.write(step, values)
+        self.log(f"step {step}: " + ", ".join(f"{k.removeprefix('eval/')} {v:.3f}" for k, v in values.items()
+                                              if k.endswith(("/score", "/strict", "/ocr", "/exact"))))
+        return values
 
 
-def _task_module(task: str):
-    if task == "words":
-        from visgen.tasks import words
-
-        return words
-    return shapes
-
-
-def _words_vae_check(vae, specs: list, size: int) -> float:
-    """OCR score of the VAE's reconstructions of 64 held-out renders (is the latent space legible?)."""
-    from visgen.tasks import words
-
-    truth = torch.from_numpy(words.render_batch(specs[:64], seed=123, size=size))
-    with torch.no_grad():
-        recon = (vae.decode(vae.encode(truth * 2 - 1).latent_dist.mean).sample / 2 + 0.5).clamp(0, 1)
-    return words_scores(recon, specs[:64])["ocr"]
+def save_asset(pipe, directory: Path, settings: dict) -> Path:
+    """``save_pretrained`` plus the ``grove.json`` that sampling and the RL domain read."""
+    directory = Path(directory)
+    pipe.save_pretrained(directory, safe_serialization=True)
+    (directory / "grove.json").write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
+    return directory
 
 
-def run(cfg: dict, run_dir: Path, log: Callable[[str], Any] = print) -> dict[str, float]:
-    """Pretrain the tiny pipeline (VAE, then transformer + text encoders), evaluate, save; returns final metrics."""
+def _measured(values: dict[str, float]) -> dict[str, float]:
+    return {k: round(v, 4) for k, v in values.items()}
+
+
+# ------------------------------------------------------------------------------------------------------ the loop
+def train_transformer(task: Task, family, pipe, data: torch.Tensor, prompts: list[str], conf,
+                      generator: torch.Generator, metrics: _Metrics, evaluation: _Evaluation, run_dir: Path,
+                      log) -> tuple[Any, list[float]]:
+    """Rectified-flow training of the transformer and text encoder(s) on the VAE's normalised latents of ``data``;
+    returns the EMA pipeline (what is evaluated and saved) and the per-step losses."""
     from tqdm import tqdm
 
-    if dict(cfg).get("task") == "video_shapes":  # the tiny Wan on the moving-shapes video task
-        from visgen.tasks.video_pretrain import run as run_video
-
-        return run_video(cfg, run_dir, log)
-    conf: PretrainConfig = from_dict(PretrainConfig, dict(cfg), where="pretrain")
-    if conf.transformer.lr_schedule not in ("constant", "cosine"):
-        raise ConfigError(f"pretrain.transformer.lr_schedule: 'constant' or 'cosine', got {conf.transformer.lr_schedule!r}")
-    if conf.task not in ("shapes", "words"):
-        raise ConfigError(f"pretrain.task: 'shapes', 'words' or 'video_shapes', got {conf.task!r}")
-    if conf.task == "shapes" and (conf.resolution != 32 or conf.pipeline):
-        raise ConfigError("pretrain.resolution and pretrain.pipeline are for task: words (shapes is 32x32, fixed)")
-    run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    out_dir = Path(conf.output_dir) if conf.output_dir else run_dir / "pipeline"
-    torch.set_num_threads(conf.threads)
-    torch.set_flush_denormal(True)  # denormal floats make CPU convolutions crawl late in training
-    _seed_everything(conf.seed)
-    generator = torch.Generator().manual_seed(conf.seed)
-    metrics = _Metrics(run_dir / "metrics.jsonl")
-    (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(conf), indent=2) + "\n")
-    started = time.time()
-
-    module = _task_module(conf.task)
-    train_specs, eval_specs = module.split_prompts(conf.split_seed, conf.eval_fraction)
-    log(f"{conf.task}: {len(train_specs)} train prompts, {len(eval_specs)} held-out eval prompts")
-    if conf.task == "words":
-        images, prompts = _render_dataset(train_specs, conf.dataset_size, conf.seed,
-                                          lambda s, rng: module.render(s.word, rng, conf.resolution))
-        pipe = tiny.build_pipeline(words=module.vocabulary(), seed=conf.seed, sample_size=conf.resolution,
-                                   **conf.pipeline)
-        pipe.tokenizer = pipe.tokenizer_2 = module.build_tokenizer()  # same ids; spells the quoted word
-    else:
-        images, prompts = _render_dataset(train_specs, conf.dataset_size, conf.seed)
-        pipe = tiny.build_pipeline(seed=conf.seed)
-    pipe.set_progress_bar_config(disable=True)
-    vae_mse = train_vae(pipe, images, conf.vae, generator, log, metrics)
-    for p in pipe.vae.parameters():
-        p.requires_grad_(False)
-    lat_mean, lat_std = encode_dataset(pipe.vae, images)
-    shift = float(lat_mean.mean())
-    scale = float(1.0 / (lat_mean - shift).std())
-    pipe.vae.register_to_config(shift_factor=shift, scaling_factor=scale)
-    log(f"vae latents: shift_factor {shift:.4f}, scaling_factor {scale:.4f} ({time.time() - started:.0f}s)")
-    vae_extra = {}
-    if conf.task == "words":
-        vae_extra["vae/ocr"] = _words_vae_check(pipe.vae, eval_specs, conf.resolution)
-        metrics.write(conf.vae.steps, vae_extra)
-        log(f"vae: OCR score of reconstructed held-out renders {vae_extra['vae/ocr']:.3f}")
-
-    # ---- transformer + text encoders -------------------------------------------------------------------------
-    tc = conf.transformer
-    modules = [pipe.transformer, pipe.text_encoder, pipe.text_encoder_2]
+    lat_mean, lat_std = encode_dataset(pipe.vae, data, family.encode_batch)
+    to_x0, how = family.normalise(pipe.vae, lat_mean)
+    log(f"vae latents: {how}")
+    tc, ev = conf.transformer, conf.eval
+    modules = [pipe.transformer] + [getattr(pipe, name) for name in family.text_encoders]
     params = [p for m in modules for p in m.parameters()]
     for m in modules:
         m.train()
     optimizer = torch.optim.AdamW(params, lr=tc.lr, weight_decay=tc.weight_decay)
     ema_modules = [copy.deepcopy(m).eval().requires_grad_(False) for m in modules]
-    ema_pipe = copy.copy(pipe)  # shares vae/tokenizers/scheduler; swaps in the EMA networks
-    ema_pipe.transformer, ema_pipe.text_encoder, ema_pipe.text_encoder_2 = ema_modules
+    ema_pipe = copy.copy(pipe)  # shares the VAE, tokenizers and scheduler config; swaps in the EMA networks
+    for name, ema in zip(("transformer",) + family.text_encoders, ema_modules):
+        setattr(ema_pipe, name, ema)
     ema_pipe.scheduler = copy.deepcopy(pipe.scheduler)
-
-    rl_specs = [train_specs[i] for i in np.random.default_rng(conf.seed + 1).permutation(len(train_specs))]
-    rl_specs = rl_specs[: conf.eval.train_prompts]
-    ev = conf.eval
-    result: dict[str, float] = {"vae/mse": vae_mse, **vae_extra}
-
-    def run_eval(step: int, samples: int) -> dict[str, float]:
-        t0 = time.time()
-        values = evaluate(ema_pipe, eval_specs, ev.guidance_scales, samples, ev.num_inference_steps,
-                          conf.seed + 10_000, ev.batch_size, "heldout", conf.task)
-        values.update(evaluate(ema_pipe, rl_specs, ev.guidance_scales, samples, ev.num_inference_steps,
-                               conf.seed + 20_000, ev.batch_size, "train", conf.task))
-        values["time/eval"] = time.time() - t0
-        metrics.write(step, values)
-        summary = ", ".join(f"{k.removeprefix('eval/')} {v:.3f}" for k, v in values.items()
-                            if k.endswith(("/score", "/strict", "/ocr", "/exact")))
-        log(f"step {step}: {summary}")
-        return values
-
+    losses: list[float] = []
     bar = tqdm(range(tc.steps), desc="transformer", mininterval=5.0, disable=None)
-    losses = []
     for step in bar:
         lr = tc.lr * _lr_factor(step, tc.warmup_steps, tc.steps, tc.lr_schedule)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        idx = torch.randint(len(images), (tc.batch_size,), generator=generator)
-        latents = lat_mean[idx] + lat_std[idx] * torch.randn(lat_mean[idx].shape, generator=generator)
-        x0 = (latents - shift) * scale
+        idx = torch.randint(len(data), (tc.batch_size,), generator=generator)
+        x0 = to_x0(lat_mean[idx] + lat_std[idx] * torch.randn(lat_mean[idx].shape, generator=generator))
         drop = torch.rand(tc.batch_size, generator=generator) < tc.empty_prompt_prob
-        batch_prompts = ["" if d else prompts[i] for d, i in zip(drop.tolist(), idx.tolist())]
-        prompt_embeds, _, pooled, _ = pipe.encode_prompt(
-            prompt=batch_prompts, prompt_2=None, prompt_3=None, device=torch.device("cpu"),
-            do_classifier_free_guidance=False, max_sequence_length=tiny.MAX_SEQUENCE_LENGTH,
-        )
+        cond = family.condition(pipe, ["" if d else prompts[i] for d, i in zip(drop.tolist(), idx.tolist())], conf)
         t = torch.sigmoid(tc.logit_normal_mean + tc.logit_normal_std * torch.randn(tc.batch_size, generator=generator))
         noise = torch.randn(x0.shape, generator=generator)
-        tb = t.view(-1, 1, 1, 1)
+        tb = t.view(-1, *([1] * (x0.dim() - 1)))
         x_t = (1.0 - tb) * x0 + tb * noise
-        pred = pipe.transformer(
-            hidden_states=x_t, timestep=t * 1000.0, encoder_hidden_states=prompt_embeds,
-            pooled_projections=pooled, return_dict=False,
-        )[0]
+        pred = pipe.transformer(hidden_states=x_t, timestep=t * 1000.0, return_dict=False, **cond)[0]
         loss = F.mse_loss(pred, noise - x0)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -433,39 +422,92 @@ def run(cfg: dict, run_dir: Path, log: Callable[[str], Any] = print) -> dict[str
             value = float(np.mean(losses[-conf.log_every:]))
             bar.set_postfix(loss=f"{value:.4f}")
             metrics.write(step + 1, {"loss/flow": value, "grad_norm": float(grad_norm), "lr": lr,
-                                     "time/elapsed": time.time() - started})
+                                     "time/elapsed": time.time() - metrics.started})
         if ev.every and (step + 1) % ev.every == 0 and step + 1 < tc.steps:
-            run_eval(step + 1, ev.samples_per_prompt)
+            values = evaluation(ema_pipe, step + 1, ev.samples_per_prompt)
             if ev.save_snapshots:
-                tiny.save_pipeline(ema_pipe, run_dir / f"step_{step + 1:06d}", {"step": step + 1, **(
-                    {"task": "words", "split_seed": conf.split_seed, "eval_fraction": conf.eval_fraction}
-                    if conf.task == "words" else {})})
-
-    result["loss/flow"] = float(np.mean(losses[-200:]))
-    result["time/train"] = time.time() - started
-    result.update(run_eval(tc.steps, ev.final_samples_per_prompt))
-
-    # Sampling speed: images/s at batch 16, 10 steps, guidance 1 (no CFG).
-    t0 = time.time()
-    sample_images(ema_pipe, [eval_specs[0].prompt] * 64, 1.0, ev.num_inference_steps, 0, 16)
-    result["samples_per_s"] = 64 / (time.time() - t0)
-    save_grid(ema_pipe, eval_specs[:: max(1, len(eval_specs) // 8)][:8], run_dir / "samples.png",
-              ev.guidance_scales, ev.num_inference_steps, conf.seed + 30_000)
-
-    for live, ema in zip(modules, ema_modules):
+                save_asset(ema_pipe, run_dir / f"step_{step + 1:06d}",
+                           _settings(task, family, pipe, conf, step + 1, values))
+    for live, ema in zip(modules, ema_modules):  # the live modules become the EMA weights (what is saved)
         live.load_state_dict(ema.state_dict())
         live.eval()
-    extra = {
-        **({"task": "words"} if conf.task == "words" else {}),
-        "split_seed": conf.split_seed,
-        "eval_fraction": conf.eval_fraction,
-        "num_inference_steps": ev.num_inference_steps,
-        "measured": {k: round(v, 4) for k, v in result.items()},
-    }
-    tiny.save_pipeline(pipe, out_dir, extra)
-    log(f"saved pipeline to {out_dir} ({result['time/train']:.0f}s training, {result['samples_per_s']:.1f} img/s)")
+    return ema_pipe, losses
+
+
+def _settings(task: Task, family, pipe, conf, step: int, measured: dict[str, float]) -> dict:
+    return {**family.asset_settings(pipe, conf), **task.asset_settings(conf), "step": step,
+            "num_inference_steps": conf.eval.num_inference_steps, "measured": _measured(measured)}
+
+
+def samples_per_second(family, pipe, prompt: str, conf) -> float:
+    """Samples/s at batch 16, the evaluation's steps, guidance 1 (no CFG), 64 samples."""
+    t0 = time.time()
+    family.sample(pipe, [prompt] * 64, 1.0, conf.eval.num_inference_steps, 0, 16, conf)
+    return 64 / (time.time() - t0)
+
+
+def run(cfg: dict, run_dir: Path, log: Callable[[str], Any] = print) -> dict[str, float]:
+    """Pretrain the task's tiny pipeline (VAE, then transformer + text encoders), evaluate, save; returns the final
+    metrics."""
+    task, conf = load_config(cfg)
+    family = MODELS[task.model]
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = Path(conf.output_dir) if conf.output_dir else run_dir / "pipeline"
+    torch.set_num_threads(conf.threads)
+    torch.set_flush_denormal(True)  # denormal floats make CPU convolutions crawl late in training
+    _seed_everything(conf.seed)
+    generator = torch.Generator().manual_seed(conf.seed)
+    metrics = _Metrics(run_dir / "metrics.jsonl")
+    (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(conf), indent=2) + "\n")
+    started = time.time()
+    train_specs, held_out = task.split(conf)
+    log(f"{task.name}: {len(train_specs)} train prompts, {len(held_out)} held-out eval prompts")
+    data, prompts = render_dataset(task, family, train_specs, conf)
+    pipe = task.build_pipeline(conf)
+    pipe.set_progress_bar_config(disable=True)
+    result = {"vae/mse": train_vae(pipe.vae, data, family, conf.vae, generator, metrics, log)}
+    pipe.vae.requires_grad_(False)
+    vae_metrics = task.after_vae(pipe.vae, held_out, conf)
+    if vae_metrics:
+        metrics.write(conf.vae.steps, vae_metrics)
+        log("vae: " + ", ".join(f"{k} {v:.3f}" for k, v in vae_metrics.items()))
+    result.update(vae_metrics)
+    evaluation = _Evaluation(task, family, conf, train_specs, held_out, metrics, log)
+    ema_pipe, losses = train_transformer(task, family, pipe, data, prompts, conf, generator, metrics, evaluation,
+                                         run_dir, log)
+    result["loss/flow"] = float(np.mean(losses[-200:])) if losses else float("nan")
+    result["time/train"] = time.time() - started
+    result.update(evaluation(ema_pipe, conf.transformer.steps,
+                             conf.eval.final_samples_per_prompt or conf.eval.samples_per_prompt))
+    result["samples_per_s"] = samples_per_second(family, ema_pipe, held_out[0].prompt, conf)
+    family.save_samples(ema_pipe, held_out, run_dir, conf, conf.seed + 30_000)
+    save_asset(pipe, out_dir, _settings(task, family, pipe, conf, conf.transformer.steps, result))
+    log(f"saved pipeline to {out_dir} ({result['time/train']:.0f}s training, {result['samples_per_s']:.1f} samples/s)")
     (run_dir / "final.json").write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
     return result
+
+
+def evaluate_pipeline(directory: str | Path, samples_per_prompt: int = 4, guidance_scales=(1.0, 3.0),
+                      steps: int = 10, seed: int = 0, train_prompts: int = 64, batch_size: int = 64) -> dict[str, float]:
+    """Score a saved pipeline on the held-out prompts and on ``train_prompts`` training (RL) prompts.
+
+    Uses the task and split recorded in its grove.json; sampling seeds and the training-prompt subset are the ones
+    ``run`` uses for its final evaluation with the same ``seed``, so the numbers are comparable.
+    """
+    path = Path(directory) / "grove.json"
+    settings = json.loads(path.read_text()) if path.is_file() else {}
+    task = get_task(settings.get("task", "shapes"), f"{path}: task")
+    family = MODELS[task.model]
+    pipe = family.load(directory)
+    _, conf = load_config({"task": task.name, "seed": seed, "split_seed": settings.get("split_seed", 0),
+                           **family.asset_config(settings),
+                           "eval": {"num_inference_steps": steps, "guidance_scales": list(guidance_scales),
+                                    "batch_size": batch_size, "train_prompts": train_prompts}})
+    train_specs, held_out = task.split(conf)
+    values = _Evaluation(task, family, conf, train_specs, held_out, None, None).measure(pipe, samples_per_prompt)
+    values["samples_per_s"] = samples_per_second(family, pipe, held_out[0].prompt, conf)
+    return values
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
