@@ -124,10 +124,12 @@ def _closed_loop(batch: int, horizon: int) -> tuple[float, float, str]:
     return float(out.length.sum()) / total, 1.0 - venv.seconds / total, which
 
 
-POSTTRAIN = (("grpo", "GRPO, 5 tasks (metaworld_mt5_rl.yaml)", "configs/robotics/metaworld_mt5_rl.yaml"),
-             ("ppo", "PPO + value head, GAE (metaworld_mt5_ppo.yaml)", "configs/robotics/metaworld_mt5_ppo.yaml"))
+# (name, row label, recipe, its own quick overrides: the PPO critic's warm-up iterations are its estimator's setting)
+POSTTRAIN = (("grpo", "GRPO, 5 tasks (metaworld_mt5_rl.yaml)", "configs/robotics/metaworld_mt5_rl.yaml", []),
+             ("ppo", "PPO + value head, GAE (metaworld_mt5_ppo.yaml)", "configs/robotics/metaworld_mt5_ppo.yaml",
+              ["advantage.estimator.warmup=0"]))
 QUICK_OVERRIDES = ["iterations=2", "rollout.groups_per_iteration=5", "rollout.group_size=2", "robotics.env.horizon=16",
-                   "robotics.eval_states_per_task=1", "eval.every=0", "robotics.gifs=false", "loss.critic_warmup=0"]
+                   "robotics.eval_states_per_task=1", "eval.every=0", "robotics.gifs=false"]
 
 
 def posttrain_row(variant: str, run_dir: Path) -> dict:
@@ -153,11 +155,11 @@ def _posttrain_rows(out_dir: Path, quick: bool) -> list[dict]:
     given = dict(x.split("=", 1) for x in os.environ.get("GROVE_BENCH_ROBOTICS_RUNS", "").split(",") if "=" in x)
     root = Path(__file__).resolve().parents[1]
     rows = []
-    for name, variant, recipe in POSTTRAIN:
+    for name, variant, recipe, quick_own in POSTTRAIN:
         run_dir = Path(given[name]) if name in given and not quick else Path(out_dir) / f"posttrain-{name}"
         if not (run_dir / "summary.txt").is_file():
             cmd = [sys.executable, "-m", "shared_rl.cli", "train", str(root / recipe), "--out", str(run_dir), "seed=0"]
-            subprocess.run(cmd + (QUICK_OVERRIDES if quick else []), check=True, cwd=root,
+            subprocess.run(cmd + (QUICK_OVERRIDES + quick_own if quick else []), check=True, cwd=root,
                            stdout=subprocess.DEVNULL)
         rows.append(posttrain_row(variant, run_dir))
     return rows

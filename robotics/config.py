@@ -9,7 +9,10 @@ from typing import Literal
 from shared_rl.domain import DomainConfig
 from shared_rl.errors import ConfigError
 
+from shared_rl.flow_kernels import DEFAULT_NOISE_LEVEL
+
 from .adapters import VAL_FIRST_INDEX, AdaptersConfig
+from .balance import BalanceConfig
 from .critic import CriticConfig
 from .envs.vector import EnvConfig
 from .policies.vla import VLAConfig
@@ -51,7 +54,8 @@ class RoboticsConfig(DomainConfig):
     model: VLAConfig = field(default_factory=VLAConfig)  # only used when checkpoint is ""
     head_mode: Literal["flow_sde", "flow_noise", "sde_one_step", "discrete"] = field(
         default="flow_sde", metadata={"help": "exploration: flow_sde | flow_noise (ReinFlow) | sde_one_step | discrete"})
-    noise_level: float = field(default=0.7, metadata={"help": "Flow-GRPO SDE noise level a (flow_sde, sde_one_step)"})
+    noise_level: float = field(default=DEFAULT_NOISE_LEVEL, metadata={
+        "help": "Flow-GRPO SDE noise level a (flow_sde, sde_one_step)"})
     temperature: float = field(default=1.0, metadata={"help": "discrete head sampling temperature"})
     logp_reduce: Literal["sum", "mean"] = field(
         default="sum", metadata={"help": "sum | mean of log-probs over the chunk's action dims"})
@@ -75,11 +79,13 @@ class RoboticsConfig(DomainConfig):
     critic: CriticConfig = field(default_factory=CriticConfig, metadata={
         "help": "the value head of PPO (advantage.estimator gae)"})
     replay: ReplayConfig = field(default_factory=ReplayConfig, metadata={
-        "help": "the BC term of loss.replay_coef: demonstrations or the run's own successes"})
+        "help": "a BC term at every optimizer step (coef): on demonstrations or on the run's own successes"})
     adapters: AdaptersConfig = field(default_factory=AdaptersConfig, metadata={
         "help": "per-task adapters: rank, how each task's adapter steps, per-task early stopping"})
     rollout: RolloutSettings = field(default_factory=RolloutSettings, metadata={
         "help": "where episodes come from: flat or tree groups in the simulator, or the learned world model"})
+    balance: BalanceConfig = field(default_factory=BalanceConfig, metadata={
+        "help": "how many of an iteration's reset states each task gets (wraps selection.sampler)"})
 
     def check(self, where: str = "robotics") -> None:
         """The sections check themselves (``from_dict`` calls their ``check``); here this section's own fields and
@@ -108,7 +114,6 @@ class RoboticsConfig(DomainConfig):
     def check_with(self, train_cfg) -> None:
         self.rollout.check_with(train_cfg)
         self.adapters.check_with(train_cfg)
-        self.replay.check_coef(train_cfg.loss.replay_coef, "loss.replay_coef")
         self.critic.check_with(train_cfg)
 
     def rollout_structure(self, train_cfg) -> str:

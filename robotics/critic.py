@@ -1,9 +1,10 @@
-"""The value head of PPO in the robotics domain (``robotics.critic``): its settings and its part of the domain.
+"""The value head of PPO in the robotics domain (``robotics.critic``): its architecture and its part of the domain.
 
 The head (``policies.value_head.ValueHead``) reads the policy's fused features of a chunk's observation and the
 chunk's time. A flat rollout gets the values of every executed chunk in its payload (``values``, ``value_mask``,
 without grad); ``log_probs`` recomputes them with grad (``Critic.values``) for the value loss of the ``gae``
-advantage estimator.
+advantage estimator, which owns every training setting of the critic (``advantage.estimator: {name: gae, gamma,
+lam, normalize, value_coef, value_clip, warmup, lr}``).
 """
 from __future__ import annotations
 
@@ -20,10 +21,11 @@ from .policies.value_head import ValueHead
 
 @dataclass
 class CriticConfig:
-    """``robotics.critic``: the value head's architecture."""
+    """``robotics.critic``: the value head's architecture (its training settings are the gae estimator's)."""
 
     enabled: bool = field(default=False, metadata={
-        "help": "a value head V(features, time) per action chunk (PPO: advantage.estimator gae, loss.value_coef)"})
+        "help": "a value head V(features, time) per action chunk (PPO: advantage.estimator {name: gae, value_coef, "
+                "...})"})
     hidden: int = field(default=256, metadata={"help": "critic MLP width"})
     detach: bool = field(default=True, metadata={
         "help": "the critic reads the policy's fused features without gradient (true) or trains them too (false)"})
@@ -34,13 +36,15 @@ class CriticConfig:
             raise ConfigError(f"{where}.hidden is the MLP width, >= 1; got {self.hidden}")
 
     def check_with(self, train_cfg, where: str = "robotics.critic") -> None:
-        """A critic estimator (gae) needs the value head."""
-        from shared_rl.advantages import STEP_ESTIMATORS
-
-        est = train_cfg.advantage.estimator
-        if est in STEP_ESTIMATORS and not self.enabled:
+        """A critic estimator (gae) needs the value head; a value head without one would never be trained."""
+        est = train_cfg.advantage.estimator.name
+        if train_cfg.advantage.kind == "step" and not self.enabled:
             raise ConfigError(f"advantage.estimator {est!r} needs the policy's value head: set {where}.enabled: true "
-                              f"(and loss.value_coef > 0 to train it)")
+                              f"(and the estimator's value_coef > 0 to train it)")
+        if self.enabled and train_cfg.advantage.kind != "step":
+            raise ConfigError(f"{where}.enabled: the value head is trained by a critic estimator, and "
+                              f"advantage.estimator {est!r} is not one; use advantage.estimator: {{name: gae, "
+                              f"value_coef: 0.5, ...}} or {where}.enabled: false")
 
 
 class Critic(Part):

@@ -38,6 +38,7 @@ from shared_rl.config import ConfigError
 from shared_rl.domain import DomainBase, RunContext, StepLogProbs
 from shared_rl.flow_kernels import sde_mean_kl
 from shared_rl.rollout import Rollout
+from shared_rl.selection import UniformSampler
 
 from .adapters import AdapterSteps, KeepBestAdapters, add_adapters
 from .config import RoboticsConfig
@@ -169,9 +170,9 @@ class RoboticsDomain(DomainBase):
     def train_keys(self) -> list[int]:
         return self.rollouts.train_keys()
 
-    def key_stratum(self, key: int) -> str:
-        """The task of a reset-state key (``selection.balance: true`` draws every task equally often)."""
-        return self._task_of(key)
+    def key_sampler(self, sampler: UniformSampler) -> UniformSampler:
+        """The configured sampler, drawing per task when ``robotics.balance.enabled`` (``balance.py``)."""
+        return self.cfg.balance.wrap(sampler, self._task_of)
 
     def eval_keys(self) -> list[int]:
         return eval_keys(self.cfg.env, self.cfg.eval_states_per_task, self.cfg.eval_split)[0]
@@ -248,19 +249,19 @@ class RoboticsDomain(DomainBase):
                 ref_logp = rq.sum(-1) if reduce == "sum" else rq.mean(-1)
         return logp, ent, kl, ref_logp
 
-    def replay_loss(self, iteration: int, step: int, rank: int = 0, world: int = 1) -> torch.Tensor:
-        """The BC loss of ``robotics.replay`` (demonstrations or the run's successes), the term of
-        ``loss.replay_coef``, on a batch drawn from (seed, iteration, step) (``replay.py``)."""
-        if self.replay is None:
-            raise ConfigError("loss.replay_coef > 0 needs robotics.replay.data (a demos .npz)")
-        return self.replay.loss(iteration, step, rank, world)
+    def auxiliary_losses(self, iteration: int, step: int, rank: int, world: int) -> dict[str, tuple[float, torch.Tensor]]:
+        """``replay``: the BC loss of ``robotics.replay`` (demonstrations or the run's successes) on a batch drawn from
+        (seed, iteration, step), weighted ``robotics.replay.coef`` (``replay.py``)."""
+        if self.replay is None or self.cfg.replay.coef <= 0:
+            return {}
+        return {"replay": (self.cfg.replay.coef, self.replay.loss(iteration, step, rank, world))}
 
     # ------------------------------------------------------------------------------------------------------
     def parameters(self) -> list[torch.nn.Parameter]:
         return [q for q in self.policy.parameters() if q.requires_grad] + [q for part in self.parts for q in part.parameters()]
 
     def critic_parameters(self) -> list[torch.nn.Parameter]:
-        """The value head's parameters (the trainer steps them at ``optim.critic_lr`` when set)."""
+        """The value head's parameters (stepped at the gae estimator's own ``lr`` when set)."""
         return self.critic.parameters() if self.critic is not None else []
 
     def before_optimizer_step(self) -> None:

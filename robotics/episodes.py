@@ -15,6 +15,8 @@ from typing import Literal
 import numpy as np
 import torch
 
+from shared_rl.flow_kernels import DEFAULT_NOISE_LEVEL
+
 from .envs.metaworld_env import instruction_for
 from .policies.vla import TinyVLA
 
@@ -24,7 +26,7 @@ HeadMode = Literal["ode", "flow_sde", "flow_noise", "sde_one_step", "discrete", 
 @dataclass
 class SamplingSettings:
     mode: HeadMode = "flow_sde"
-    noise_level: float = 0.7  # Flow-GRPO a
+    noise_level: float = DEFAULT_NOISE_LEVEL  # Flow-GRPO a
     temperature: float = 1.0  # discrete head
     logp_reduce: Literal["sum", "mean"] = "sum"
     init_noise: float = 1.0  # flow head: std of the chain's starting point (0 = start at the origin)

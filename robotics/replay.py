@@ -8,8 +8,8 @@ policy's successes as iRe-VLA / ReST), which turns every success of a rarely sol
 its adapter.
 
 Either way the loss is ``TinyVLA.bc_loss`` (flow matching, or cross-entropy over bins) on a batch drawn from
-(seed, iteration, optimizer step) only, so a resumed run replays the same batches; its weight is
-``loss.replay_coef``.
+(seed, iteration, optimizer step) only, so a resumed run replays the same batches; the domain hands it to the
+trainer as the auxiliary loss ``replay`` with weight ``coef`` (logged as ``loss/replay``).
 """
 from __future__ import annotations
 
@@ -28,17 +28,19 @@ from .policies.vla import TinyVLA
 
 @dataclass
 class ReplayConfig:
-    """``robotics.replay``: what the BC term of ``loss.replay_coef`` imitates."""
+    """``robotics.replay``: the BC term added at every optimizer step, and what it imitates."""
 
+    coef: float = field(default=0.0, metadata={
+        "help": "weight of the replay BC term at every optimizer step (loss/replay); 0 = off"})
     source: Literal["demos", "successes"] = field(default="demos", metadata={
-        "help": "what loss.replay_coef's BC term imitates: demos = robotics.replay.data (an anchor to the BC data, "
+        "help": "what the replay BC term imitates: demos = robotics.replay.data (an anchor to the BC data, "
                 "DAPG); successes = the run's own successful rollout episodes (success_window iterations), every "
                 "executed chunk, drawn equally per task (self-imitation: SIL, Oh et al. 2018; iRe-VLA's supervised "
                 "phase on successes)"})
     data: str = field(default="", metadata={
-        "help": "source demos: demonstrations (.npz of `grove robotics collect`) replayed by loss.replay_coef: the BC "
+        "help": "source demos: demonstrations (.npz of `grove robotics collect`) replayed with weight coef: the BC "
                 "flow-matching / bin loss on them at every optimizer step, an anchor to the BC policy; '' = none"})
-    batch: int = field(default=256, metadata={"help": "chunks per replay minibatch (loss.replay_coef)"})
+    batch: int = field(default=256, metadata={"help": "chunks per replay minibatch"})
     tasks: list[str] = field(default_factory=list, metadata={
         "help": "source demos: the tasks whose demos are replayed (e.g. [push-v3]: imitate the task the clone "
                 "underfits, leave the others to RL alone); [] = every trained task"})
@@ -47,6 +49,9 @@ class ReplayConfig:
                 "N-1 before it, a growing set of successes of a rarely solved task; kept in checkpoints)"})
 
     def check(self, where: str = "robotics.replay") -> None:
+        """Besides the ranges, refuse what would do nothing: a replay without its data, data or tasks unused."""
+        if self.coef < 0:
+            raise ConfigError(f"{where}.coef must be >= 0 (0 = off), got {self.coef}")
         if self.batch < 1:
             raise ConfigError(f"{where}.batch must be >= 1, got {self.batch}")
         if self.success_window < 1:
@@ -54,9 +59,7 @@ class ReplayConfig:
         if self.source == "successes" and self.data:
             raise ConfigError(f"{where}.source: successes imitates the run's own successful episodes, so {where}.data "
                               f"({self.data!r}) would be unused; set it to '' or source: demos")
-
-    def check_coef(self, coef: float, coef_key: str, where: str = "robotics.replay") -> None:
-        """Against the replay term's weight ``coef`` (the setting ``coef_key``): refuse what would do nothing."""
+        coef, coef_key = self.coef, f"{where}.coef"
         if self.source == "successes" and coef <= 0:
             raise ConfigError(f"{where}.source: successes is the data of {coef_key}'s BC term; set {coef_key} > 0 "
                               f"(1.0 in the measured runs) or source: demos")

@@ -32,7 +32,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from shared_rl.flow_kernels import StepOutput, flow_step, gaussian_entropy, gaussian_log_prob, ode_step
+from shared_rl.flow_kernels import (
+    DEFAULT_NOISE_LEVEL,
+    StepOutput,
+    flow_step,
+    gaussian_entropy,
+    gaussian_log_prob,
+    ode_step,
+)
 
 MODES = ("ode", "flow_sde", "flow_noise", "sde_one_step")
 
@@ -126,7 +133,7 @@ class FlowActionHead(nn.Module):
         return out
 
     @torch.no_grad()
-    def sample(self, h: torch.Tensor, mode: str, generator: torch.Generator | None, noise_level: float = 0.7,
+    def sample(self, h: torch.Tensor, mode: str, generator: torch.Generator | None, noise_level: float = DEFAULT_NOISE_LEVEL,
                reduce: str = "sum", init_noise: float = 1.0, start_noise: torch.Tensor | None = None) -> FlowSample:
         """One chunk per row. ``init_noise`` scales the starting point x(σ=1) ~ N(0, init_noise²·I): 0 starts every
         chain at the origin, so the ODE is deterministic and all sampling randomness comes from the SDE steps
@@ -153,7 +160,7 @@ class FlowActionHead(nn.Module):
         return FlowSample(actions=x, chain=torch.stack(chain, 1), logp=logp, stochastic=stochastic)
 
     def step_log_prob(self, h: torch.Tensor, x: torch.Tensor, x_next: torch.Tensor, step: torch.Tensor, mode: str,
-                      noise_level: float = 0.7, reduce: str = "sum") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                      noise_level: float = DEFAULT_NOISE_LEVEL, reduce: str = "sum") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Log-prob (with grad) of stored transitions x → x_next at denoising ``step`` (one per row, all trained).
 
         Returns (logp [B], entropy [B], mean [B, D], std [B, 1 or D]); ``sde_one_step`` rows use the flow_sde kernel.

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from shared_rl.errors import ConfigError
+from shared_rl.flow_kernels import DEFAULT_NOISE_LEVEL
 
 from ..envs.vector import EnvConfig
 from .data import ChunkEpisode, WindowSampler, episodes_from_demos, load_chunk_episodes, save_chunk_episodes
@@ -43,7 +44,7 @@ class CollectSettings:
     rollout_states_per_task: int = field(default=24, metadata={"help": "training reset states (indices 0..n-1) per task"})
     rollouts_per_state: int = field(default=2, metadata={"help": "policy episodes per reset state"})
     head_mode: str = field(default="sde_one_step", metadata={"help": "the policy's sampling mode (as in GRPO rollouts)"})
-    noise_level: float = field(default=0.7, metadata={"help": "Flow-GRPO noise level of the rollouts"})
+    noise_level: float = field(default=DEFAULT_NOISE_LEVEL, metadata={"help": "Flow-GRPO noise level of the rollouts"})
     seed: int = field(default=0, metadata={"help": "seed of the demo noise and the policy sampling"})
 
 

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from shared_rl.advantages import combine_rewards
-from shared_rl.config import ConfigError, from_dict, load_train_config
+from shared_rl.advantages import ESTIMATORS, AdvantageInputs
+from shared_rl.config import AdvantageConfig, ConfigError, EstimatorChoice, from_dict, load_train_config
 from shared_rl.domain import RunContext
 from shared_rl.trainer import Trainer
 
@@ -28,6 +28,12 @@ def _domain(branch, env=None, **extra):
            "rollout": {"name": "tree", "branch": branch}, **extra}
     cfg = from_dict(RoboticsConfig, sec, "robotics")
     return RoboticsDomain(cfg, RunContext(run_dir=None, device=torch.device("cpu"), seed=0))
+
+
+def _advantages(ro, est: str) -> torch.Tensor:
+    """The shared tree estimator ``est`` on a rollout (every estimator has this one call shape)."""
+    cfg = AdvantageConfig(estimator=EstimatorChoice(est), clip=None, multi_reward="sum_then_normalize")
+    return ESTIMATORS[est](AdvantageInputs(ro.rewards, ro.group_ids, {}, ro.parent), cfg).advantages
 
 
 def test_branching_rollouts_share_prefixes_and_get_tree_advantages():
@@ -55,11 +61,11 @@ def test_branching_rollouts_share_prefixes_and_get_tree_advantages():
     assert (out.logp - ro.logp_old)[ro.mask].abs().max() < 1e-4, "tree edges recompute with ratio 1"
     ro.rewards["success"][leaf] = torch.arange(24, dtype=torch.float32)[: int(leaf.sum())] % 3  # varied outcomes
     for est in ("sibling", "leaf_global", "treerl"):
-        adv = combine_rewards(ro.rewards, ro.group_ids, est, None, "sum_then_normalize", ro.parent)
+        adv = _advantages(ro, est)
         assert adv.shape == (len(ro),) and (adv[parent < 0] == 0).all()
         assert adv[kids].abs().sum() > 0 or est == "sibling", est
         assert adv[leaf].abs().sum() > 0, f"{est}: leaves get their own credit"
-    sib = combine_rewards(ro.rewards, ro.group_ids, "sibling", None, "sum_then_normalize", ro.parent)
+    sib = _advantages(ro, "sibling")
     for p in kids.tolist():
         ch = torch.nonzero(parent == p).flatten()
         assert abs(float(sib[ch].sum())) < 1e-5, "sibling advantages are centred on their parent's value"

@@ -1,4 +1,4 @@
-"""The demonstration-replay anchor (``loss.replay_coef`` + ``robotics.replay.data``): the loss it adds, its
+"""The demonstration-replay anchor (``robotics.replay: {coef, data}``): the loss it adds, its
 invariances (a function of (seed, iteration, step) only; process shares sum to the one-process loss), the config
 errors, that it pulls RL training towards the demonstrations, and that a resumed run replays the same batches."""
 import json
@@ -44,8 +44,12 @@ def demos(tmp_path_factory):
 
 def test_replay_loss_is_a_function_of_seed_iteration_and_step(demos):
     dom = _domain("flow_sde", replay={"data": str(demos), "batch": 16})
-    a, b, c = dom.replay_loss(3, 1), dom.replay_loss(3, 1), dom.replay_loss(3, 2)
+    a, b, c = dom.replay.loss(3, 1), dom.replay.loss(3, 1), dom.replay.loss(3, 2)
     assert a.requires_grad and torch.equal(a, b) and not torch.equal(a, c)
+    assert dom.auxiliary_losses(3, 1, 0, 1) == {}  # coef 0: the trainer adds nothing
+    dom.cfg.replay.coef = 0.5
+    (coef, term), = dom.auxiliary_losses(3, 1, 0, 1).values()
+    assert coef == 0.5 and torch.equal(term, a) and list(dom.auxiliary_losses(3, 1, 0, 1)) == ["replay"]
     a.backward()
     # the frozen-encoder setting holds for the anchor too: only trainable parameters get its gradient
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in dom.parameters())
@@ -54,15 +58,15 @@ def test_replay_loss_is_a_function_of_seed_iteration_and_step(demos):
 
 def test_process_shares_sum_to_the_one_process_loss(demos):
     dom = _domain("discrete", replay={"data": str(demos), "batch": 9})  # cross-entropy: no noise, exact
-    whole = dom.replay_loss(0, 0)
-    shares = [dom.replay_loss(0, 0, rank=r, world=2) for r in range(2)]
+    whole = dom.replay.loss(0, 0)
+    shares = [dom.replay.loss(0, 0, rank=r, world=2) for r in range(2)]
     assert torch.allclose(shares[0] + shares[1], whole, atol=1e-6)
     dom.close()
 
 
 def test_replay_config_errors(demos, tmp_path):
-    data = {"domain": "robotics", "iterations": 1, "loss": {"replay_coef": 1.0}, "logging": {"progress": False},
-            "robotics": {"env": ENV, "checkpoint": "", "model": TINY_MODEL, "gifs": False}}
+    data = {"domain": "robotics", "iterations": 1, "logging": {"progress": False},
+            "robotics": {"env": ENV, "checkpoint": "", "model": TINY_MODEL, "gifs": False, "replay": {"coef": 1.0}}}
     with pytest.raises(ConfigError, match="robotics.replay.data is empty"):
         load_train_config(data)
     with pytest.raises(ConfigError, match="replay.batch must be >= 1"):
@@ -74,20 +78,22 @@ def test_replay_config_errors(demos, tmp_path):
     other.close()
     with pytest.raises(ConfigError, match="no demos of the replayed tasks"):
         _domain("flow_sde", replay={"data": str(bad)})
-    # a domain without demonstrations (no replay_loss hook) refuses before training
+    with pytest.raises(ConfigError, match="replay.coef must be >= 0"):
+        _domain("flow_sde", replay={"data": str(demos), "coef": -1.0})
+    # the weight is robotics' own setting now, not the core's
     toy = {"domain": "toy", "iterations": 1, "loss": {"replay_coef": 0.5}, "logging": {"progress": False}}
-    with pytest.raises(ConfigError, match="no demonstrations to replay"):
-        Trainer(load_train_config(toy), None, log=lambda s: None)
+    with pytest.raises(ConfigError, match=r"'loss.replay_coef' was replaced: the domain's own replay settings"):
+        load_train_config(toy)
 
 
 def _rl_config(demos, coef):
     return {"domain": "robotics", "seed": 0, "iterations": 3,
             "rollout": {"groups_per_iteration": 4, "group_size": 4},
             "optim": {"lr": 3e-3, "inner_epochs": 1, "minibatches_per_epoch": 2},
-            "loss": {"replay_coef": coef}, "eval": {"at_start": False}, "logging": {"progress": False},
+            "eval": {"at_start": False}, "logging": {"progress": False},
             "robotics": {"env": ENV, "checkpoint": "", "model": TINY_MODEL, "head_mode": "flow_sde",
                          "train_states_per_task": 8, "eval_states_per_task": 2, "gifs": False,
-                         "replay": {"data": str(demos), "batch": 32}}}
+                         "replay": {"coef": coef, "data": str(demos), "batch": 32}}}
 
 
 def test_the_anchor_pulls_rl_training_towards_the_demonstrations(demos):
@@ -96,10 +102,10 @@ def test_the_anchor_pulls_rl_training_towards_the_demonstrations(demos):
     for coef in (0.0, 2.0):
         trainer = Trainer(load_train_config(_rl_config(demos, coef)), None, log=lambda s: None)
         with torch.no_grad():
-            before = float(trainer.domain.replay_loss(99, 0))
+            before = float(trainer.domain.replay.loss(99, 0))
         hist = trainer.fit()
         with torch.no_grad():
-            out[coef] = (before, float(trainer.domain.replay_loss(99, 0)))
+            out[coef] = (before, float(trainer.domain.replay.loss(99, 0)))
         assert ("loss/replay" in hist[0]) == (coef > 0)
         trainer.domain.close()
     assert out[0.0][0] == out[2.0][0]  # same start
@@ -123,14 +129,14 @@ def test_replay_tasks_picks_whose_demos_are_replayed(tmp_path):
     path = save_episodes(eps, tmp_path / "two_tasks.npz")
     dom.close()
     ids = {t: dom.policy.text.token_ids([instruction_for(t)])[0] for t in tasks}
-    only = _domain("sde_one_step", env=env, replay={"data": str(path), "tasks": ["drawer-close-v3"]})
+    only = _domain("sde_one_step", env=env, replay={"coef": 1.0, "data": str(path), "tasks": ["drawer-close-v3"]})
     assert len(only.replay.data) == 10 and all(t == ids["drawer-close-v3"] for t in only.replay.data.text_ids)
     only.close()
     both = _domain("sde_one_step", env=env, replay={"data": str(path)})
     assert len(both.replay.data) == 20 and ids["reach-v3"] in both.replay.data.text_ids
     both.close()
     with pytest.raises(ConfigError, match="replay.tasks"):
-        _domain("sde_one_step", env=env, replay={"data": str(path), "tasks": ["push-v3"]})
+        _domain("sde_one_step", env=env, replay={"coef": 1.0, "data": str(path), "tasks": ["push-v3"]})
     data = {"domain": "robotics", "iterations": 1, "logging": {"progress": False},
             "robotics": {"env": env, "checkpoint": "", "model": TINY_MODEL, "gifs": False,
                          "replay": {"data": str(path), "tasks": ["reach-v3"]}}}
@@ -172,12 +178,13 @@ def test_the_grpo_and_ppo_recipes_share_one_rollout_budget():
     asset, adapters, head, start noise and the env. (PPO once kept 200 training states while GRPO moved to 50.)"""
     grpo, ppo = _five_task_recipes()
     assert (grpo.iterations, grpo.rollout, grpo.seed) == (ppo.iterations, ppo.rollout, ppo.seed)
-    assert (grpo.selection.balance_by, grpo.eval) == (ppo.selection.balance_by, ppo.eval)
-    shared = ("checkpoint", "adapters", "head_mode", "noise_level", "init_noise", "eval_init_noise",
+    assert grpo.eval == ppo.eval
+    shared = ("checkpoint", "adapters", "balance", "head_mode", "noise_level", "init_noise", "eval_init_noise",
               "train_states_per_task", "eval_states_per_task", "env")
     for name in shared:
         assert getattr(grpo.domain_config, name) == getattr(ppo.domain_config, name), name
-    assert ppo.advantage.estimator == "gae" and ppo.domain_config.critic.enabled and not grpo.domain_config.critic.enabled
+    assert ppo.advantage.estimator.name == "gae" and ppo.domain_config.critic.enabled
+    assert not grpo.domain_config.critic.enabled
 
 
 def test_the_observing_assets_load_with_their_proprio_and_are_refused_without():
@@ -189,7 +196,7 @@ def test_the_observing_assets_load_with_their_proprio_and_are_refused_without():
     for cfg in _five_task_recipes():
         env = cfg.domain_config.env
         assert env.include_goal and env.include_object and cfg.domain_config.checkpoint.endswith("dart-object")
-        assert cfg.selection.balance and cfg.selection.balance_by == "need"
+        assert cfg.domain_config.balance.enabled and cfg.domain_config.balance.by == "need"
     env = {"tasks": ["reach-v3"], "horizon": 8}
     for asset, extra, dim in (("goal", {"include_goal": True}, 7),
                               ("object", {"include_goal": True, "include_object": True}, 10),
@@ -233,9 +240,8 @@ def test_the_fitted_recipe_is_the_five_task_recipe_from_the_fitted_clone_with_th
     base, fit = (load_train_config(yaml.safe_load((root / n).read_text()))
                  for n in ("metaworld_mt5_rl.yaml", "metaworld_mt5_rl_fit.yaml"))
     assert fit.domain_config.checkpoint == "assets/metaworld-vla-tiny-dart-object-fit"
-    assert (fit.loss.replay_coef, fit.domain_config.replay.batch) == (1.0, 1024)
+    assert (fit.domain_config.replay.coef, fit.domain_config.replay.batch) == (1.0, 1024)
     assert fit.domain_config.replay.data == "runs/robotics-demos/demos40_dart_object.npz"
     fit.domain_config = dataclasses.replace(fit.domain_config, checkpoint=base.domain_config.checkpoint,
                                             replay=base.domain_config.replay)
-    fit.loss = dataclasses.replace(fit.loss, replay_coef=base.loss.replay_coef)
     assert dataclasses.asdict(fit) == dataclasses.asdict(base)

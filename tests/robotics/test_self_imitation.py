@@ -1,4 +1,4 @@
-"""Self-imitation (``robotics.replay.source: successes`` with ``loss.replay_coef``): the chunks it keeps are exactly
+"""Self-imitation (``robotics.replay: {source: successes, coef}``): the chunks it keeps are exactly
 the executed chunks of the iteration's successful episodes, its batch draws tasks equally (hand-counted), its loss is
 the BC loss on that batch as a function of (seed, iteration, step), it trains only the adapters of tasks that
 succeeded, the config refuses what would do nothing, and a resumed run equals an uninterrupted one."""
@@ -39,7 +39,7 @@ def _with_successes(monkeypatch, succeeded):
 
 @pytest.fixture(scope="module")
 def two_tasks():
-    dom = _domain("sde_one_step", env=TWO_TASKS, replay={"source": "successes"}, adapters={"rank": 4})
+    dom = _domain("sde_one_step", env=TWO_TASKS, replay={"source": "successes", "coef": 1.0}, adapters={"rank": 4})
     yield dom
     dom.close()
 
@@ -93,7 +93,7 @@ def test_the_loss_is_the_bc_loss_of_its_batch_and_moves_only_succeeding_adapters
     keys = [dom.train_keys()[0], dom.train_keys()[-1]]
     _with_successes(monkeypatch, [3])  # push only
     dom.rollout(keys, 2, torch.Generator().manual_seed(0), iteration=8)
-    a, b, c = dom.replay_loss(8, 1), dom.replay_loss(8, 1), dom.replay_loss(8, 2)
+    a, b, c = dom.replay.loss(8, 1), dom.replay.loss(8, 1), dom.replay.loss(8, 2)
     assert torch.equal(a, b) and not torch.equal(a, c)
     seed = [0, 8, 1]
     imgs, pro, tids, acts = dom.replay.sample(np.random.default_rng(seed))
@@ -108,12 +108,12 @@ def test_the_loss_is_the_bc_loss_of_its_batch_and_moves_only_succeeding_adapters
     # nothing succeeded: a zero with a gradient path, so the trainer's backward works and nothing moves
     _with_successes(monkeypatch, [])
     dom.rollout(keys, 2, torch.Generator().manual_seed(0), iteration=9)
-    zero = dom.replay_loss(9, 0)
+    zero = dom.replay.loss(9, 0)
     assert float(zero.detach()) == 0.0 and zero.requires_grad
 
 
 def test_a_window_keeps_earlier_iterations_and_travels_in_the_state_dict(monkeypatch):
-    dom = _domain("sde_one_step", env=TWO_TASKS, replay={"source": "successes", "success_window": 2},
+    dom = _domain("sde_one_step", env=TWO_TASKS, replay={"source": "successes", "coef": 1.0, "success_window": 2},
                   adapters={"rank": 4})
     keys = [dom.train_keys()[0], dom.train_keys()[-1]]
     sizes = {}
@@ -126,15 +126,15 @@ def test_a_window_keeps_earlier_iterations_and_travels_in_the_state_dict(monkeyp
     state = dom.state_dict()
     assert sorted(k for k in state if k.startswith("successes.")) == [
         f"successes.{it}.1.{n}" for it in (11, 12) for n in ("actions", "images", "proprio")]
-    other = _domain("sde_one_step", env=TWO_TASKS, replay={"source": "successes", "success_window": 2},
+    other = _domain("sde_one_step", env=TWO_TASKS, replay={"source": "successes", "coef": 1.0, "success_window": 2},
                     adapters={"rank": 4})
     other.load_state_dict(state)
     assert other.replay.kept_tasks() == [1]
     for name, v in dom.replay.kept_chunks(1).items():
         assert torch.equal(other.replay.kept_chunks(1)[name], v)
-    assert torch.equal(other.replay_loss(12, 0), dom.replay_loss(12, 0))
+    assert torch.equal(other.replay.loss(12, 0), dom.replay.loss(12, 0))
     with pytest.raises(ConfigError, match="success_window counts iterations"):
-        _domain("sde_one_step", env=TWO_TASKS, replay={"source": "successes", "success_window": 0})
+        _domain("sde_one_step", env=TWO_TASKS, replay={"source": "successes", "coef": 1.0, "success_window": 0})
     dom.close()
     other.close()
 
@@ -143,15 +143,15 @@ def test_config_errors():
     base = {"domain": "robotics", "iterations": 1, "logging": {"progress": False},
             "robotics": {"env": {"kind": "point", "tasks": ["point-reach"], "horizon": 8}, "checkpoint": "",
                          "model": TINY_MODEL, "gifs": False, "replay": {"source": "successes"}}}
-    with pytest.raises(ConfigError, match="set loss.replay_coef > 0"):
+    with pytest.raises(ConfigError, match="set robotics.replay.coef > 0"):
         load_train_config(base)
     with pytest.raises(ConfigError, match="replay.data .* would be unused"):
-        load_train_config({**base, "loss": {"replay_coef": 1.0},
-                           "robotics": {**base["robotics"], "replay": {"source": "successes", "data": "demos.npz"}}})
-    plain = {**base, "loss": {"replay_coef": 1.0}, "robotics": {**base["robotics"], "replay": {"source": "demos"}}}
+        load_train_config({**base, "robotics": {**base["robotics"],
+                                                "replay": {"source": "successes", "coef": 1.0, "data": "demos.npz"}}})
+    plain = {**base, "robotics": {**base["robotics"], "replay": {"source": "demos", "coef": 1.0}}}
     with pytest.raises(ConfigError, match="replay.source: successes"):
         load_train_config(plain)  # the demos error names the alternative
-    cfg = from_dict(RoboticsConfig, {**base["robotics"], "env": base["robotics"]["env"]}, "robotics")
+    cfg = from_dict(RoboticsConfig, {**base["robotics"], "replay": {"source": "successes", "coef": 1.0}}, "robotics")
     with pytest.raises(ConfigError, match="launch one process"):
         RoboticsDomain(cfg, RunContext(run_dir=None, device=torch.device("cpu"), seed=0, num_processes=2))
 
@@ -160,12 +160,12 @@ def _rl_config(window=1):
     return {"domain": "robotics", "seed": 0, "iterations": 3,
             "rollout": {"groups_per_iteration": 4, "group_size": 4},
             "optim": {"lr": 3e-3, "inner_epochs": 1, "minibatches_per_epoch": 2},
-            "loss": {"replay_coef": 1.0}, "eval": {"at_start": False}, "logging": {"progress": False},
+            "eval": {"at_start": False}, "logging": {"progress": False},
             "checkpoint": {"every": 1, "keep_last": 3},
             "robotics": {"env": {"kind": "point", "tasks": ["point-reach"], "horizon": 16}, "checkpoint": "",
                          "model": TINY_MODEL, "head_mode": "flow_sde", "train_states_per_task": 8,
                          "eval_states_per_task": 2, "gifs": False,
-                         "replay": {"source": "successes", "batch": 32, "success_window": window}}}
+                         "replay": {"source": "successes", "coef": 1.0, "batch": 32, "success_window": window}}}
 
 
 @pytest.mark.parametrize("window", [1, 3])
