@@ -283,9 +283,12 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
 
 
 def load_yaml(path: str | Path) -> dict:
+    from .preflight import check_config_file  # bytes, encoding and nesting before YAML reads them
+
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
+    check_config_file(path)
     try:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:

@@ -45,7 +45,7 @@ def _records(run):
 def test_evaluation_and_export_use_the_average_and_resume_is_exact(tmp_path, monkeypatch):
     saved = {}
     monkeypatch.setattr(ToyDomain, "save_pretrained",
-                        lambda self, out: saved.__setitem__(str(out), self.logits.detach().clone()), raising=False)
+                        lambda self, out: saved.__setitem__(str(out.parent / "final"), self.logits.detach().clone()), raising=False)
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(CFG))
     assert main(["train", str(tmp_path / "c.yaml"), "--out", str(tmp_path / "live")]) == 0
     assert main(["train", str(tmp_path / "c.yaml"), "--out", str(tmp_path / "ema"), "optim.ema_decay=0.8"]) == 0
