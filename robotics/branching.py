@@ -93,107 +93,134 @@ class TreeEpisodes:
 def run_branching_episodes(policy: TinyVLA, venv, keys: list[int], tasks: list[str], sampling: SamplingSettings,
                            horizon: int, branch: BranchConfig, generator: torch.Generator | None = None,
                            device: torch.device | str = "cpu") -> TreeEpisodes:
-    """One tree of ``branch.leaves`` leaves per key (``tasks[i]`` = task of ``keys[i]``), all trees batched."""
-    cfg = policy.cfg
-    G, n_groups, k = branch.leaves, len(keys), cfg.chunk
-    n_chunks = math.ceil(horizon / k)
-    steps = cfg.num_denoise_steps if cfg.head == "flow" else 1
-    d = cfg.chunk * cfg.action_dim
+    """One tree of ``branch.leaves`` leaves per key (``tasks[i]`` = task of ``keys[i]``), all trees batched: at a
+    branch point every live episode's env state is copied into its children's env slots, then every unfinished
+    slot plans and executes the next chunk."""
+    n_chunks = math.ceil(horizon / policy.cfg.chunk)
     schedule = branch.spawn_schedule()
     if any(c >= n_chunks for c in schedule):
         raise ConfigError(f"branch.at_chunks {branch.at_chunks} must be < the {n_chunks} chunks of a {horizon}-step episode")
-    per_group, live_count = 1, 1
-    for c in sorted(schedule):
-        live_count *= schedule[c]
-        per_group += live_count
-    n_nodes = n_groups * per_group
-    env_keys = [kk for kk in keys for _ in range(G)]
-    obs = venv.reset(env_keys)
-    img, pro = obs["image"].copy(), obs["proprio"].copy()
-    b = len(env_keys)
-    h_, w_, c_ = img.shape[1:]
-    images = np.zeros((n_nodes, n_chunks, h_, w_, c_), np.uint8)
-    proprio = np.zeros((n_nodes, n_chunks, pro.shape[1]), np.float32)
-    chain = np.zeros((n_nodes, n_chunks, steps + 1 if cfg.head == "flow" else 1, d),
-                     np.float32 if cfg.head == "flow" else np.int64)
-    stochastic = np.zeros((n_nodes, n_chunks, steps), bool)
-    logp = np.zeros((n_nodes, n_chunks, steps), np.float32)
-    valid = np.zeros((n_nodes, n_chunks), bool)
-    parent = np.full(n_nodes, -1, np.int64)
-    group = np.zeros(n_nodes, np.int64)
-    node_tasks = [""] * n_nodes
-    # per slot: current node, done, success flags, best shaped reward
-    slot_node = np.full(b, -1, np.int64)
-    done = np.zeros(b, bool)
-    s_once, s_end = np.zeros(b, bool), np.zeros(b, bool)
-    dense_max = np.zeros(b, np.float64)
-    live: list[list[int]] = []  # per group: live slots, in tree order
-    next_node = 0
-    for g in range(n_groups):
-        parent[next_node], group[next_node], node_tasks[next_node] = -1, g, tasks[g]
-        slot_node[g * G] = next_node
-        live.append([g * G])
-        next_node += 1
-    text_ids_slot = policy.text.token_ids([instruction_for(tasks[i // G]) for i in range(b)])
-    env_steps = nfe = 0
+    G = branch.leaves
+    obs = venv.reset([kk for kk in keys for _ in range(G)])
+    trees = _Trees(policy.cfg, tasks, G, n_chunks, schedule, obs)
+    text_ids_slot = policy.text.token_ids([instruction_for(tasks[i // G]) for i in range(trees.b)])
     for c in range(n_chunks):
         if c in schedule:
-            f = schedule[c]
-            src, dst = [], []
-            for g in range(n_groups):
-                base, old = g * G, live[g]
-                stride = G // (len(old) * f)
-                new = []
-                for li, s in enumerate(old):
-                    for ci in range(f):
-                        slot = base + (li * f + ci) * stride
-                        node = next_node
-                        next_node += 1
-                        parent[node], group[node], node_tasks[node] = slot_node[s], g, tasks[g]
-                        if slot != s:
-                            src.append(s), dst.append(slot)
-                        new.append((slot, node))
-                for slot, node in new:
-                    slot_node[slot] = node
-                live[g] = [slot for slot, _ in new]
-            if dst:
-                venv.set_states(dst, venv.get_states(src))
-                for a_, b_ in zip(src, dst):
-                    img[b_], pro[b_], done[b_] = img[a_], pro[a_], done[a_]
-                    s_once[b_], s_end[b_], dense_max[b_] = s_once[a_], s_end[a_], dense_max[a_]
-        act_idx = np.array([s for g in range(n_groups) for s in live[g] if not done[s]], np.int64)
+            trees.spawn(schedule[c], venv)
+        trees.step(c, policy, venv, text_ids_slot, sampling, generator, device)
+    return trees.episodes()
+
+
+class _Trees:
+    """The growing trees of one ``run_branching_episodes`` call: per node (edge) its recorded chunks, per env slot
+    (G per tree, a tree's live episodes spread over its slots) the node it extends and its episode state."""
+
+    def __init__(self, cfg, tasks: list[str], G: int, n_chunks: int, schedule: dict[int, int], obs: dict):
+        self.cfg, self.tasks, self.G, self.n_groups = cfg, tasks, G, len(tasks)
+        steps = cfg.num_denoise_steps if cfg.head == "flow" else 1
+        d = cfg.chunk * cfg.action_dim
+        per_group, live_count = 1, 1
+        for c in sorted(schedule):
+            live_count *= schedule[c]
+            per_group += live_count
+        n_nodes = self.n_groups * per_group
+        self.img, self.pro = obs["image"].copy(), obs["proprio"].copy()
+        self.b = b = self.n_groups * G
+        h_, w_, c_ = self.img.shape[1:]
+        self.images = np.zeros((n_nodes, n_chunks, h_, w_, c_), np.uint8)
+        self.proprio = np.zeros((n_nodes, n_chunks, self.pro.shape[1]), np.float32)
+        self.chain = np.zeros((n_nodes, n_chunks, steps + 1 if cfg.head == "flow" else 1, d),
+                              np.float32 if cfg.head == "flow" else np.int64)
+        self.stochastic = np.zeros((n_nodes, n_chunks, steps), bool)
+        self.logp = np.zeros((n_nodes, n_chunks, steps), np.float32)
+        self.valid = np.zeros((n_nodes, n_chunks), bool)
+        self.parent = np.full(n_nodes, -1, np.int64)
+        self.group = np.zeros(n_nodes, np.int64)
+        self.node_tasks = [""] * n_nodes
+        # per slot: current node, done, success flags, best shaped reward
+        self.slot_node = np.full(b, -1, np.int64)
+        self.done = np.zeros(b, bool)
+        self.s_once, self.s_end = np.zeros(b, bool), np.zeros(b, bool)
+        self.dense_max = np.zeros(b, np.float64)
+        self.live: list[list[int]] = []  # per group: live slots, in tree order
+        self.next_node = 0
+        for g in range(self.n_groups):  # the roots, one per tree, in its first slot
+            self.parent[self.next_node], self.group[self.next_node], self.node_tasks[self.next_node] = -1, g, tasks[g]
+            self.slot_node[g * G] = self.next_node
+            self.live.append([g * G])
+            self.next_node += 1
+        self.env_steps = self.nfe = 0
+
+    def spawn(self, f: int, venv) -> None:
+        """Every live node gets ``f`` children, spread over its tree's slots; the env state (and the episode state)
+        of a child in another slot is a copy of its parent's."""
+        G = self.G
+        src, dst = [], []
+        for g in range(self.n_groups):
+            base, old = g * G, self.live[g]
+            stride = G // (len(old) * f)
+            new = []
+            for li, s in enumerate(old):
+                for ci in range(f):
+                    slot = base + (li * f + ci) * stride
+                    node = self.next_node
+                    self.next_node += 1
+                    self.parent[node], self.group[node], self.node_tasks[node] = self.slot_node[s], g, self.tasks[g]
+                    if slot != s:
+                        src.append(s), dst.append(slot)
+                    new.append((slot, node))
+            for slot, node in new:
+                self.slot_node[slot] = node
+            self.live[g] = [slot for slot, _ in new]
+        if dst:
+            venv.set_states(dst, venv.get_states(src))
+            for a_, b_ in zip(src, dst):
+                self.img[b_], self.pro[b_], self.done[b_] = self.img[a_], self.pro[a_], self.done[a_]
+                self.s_once[b_], self.s_end[b_], self.dense_max[b_] = self.s_once[a_], self.s_end[a_], self.dense_max[a_]
+
+    def step(self, c: int, policy: TinyVLA, venv, text_ids_slot, sampling: SamplingSettings,
+             generator: torch.Generator | None, device) -> None:
+        """Chunk ``c`` of every live, unfinished slot: record its observation, sample, execute."""
+        act_idx = np.array([s for g in range(self.n_groups) for s in self.live[g] if not self.done[s]], np.int64)
         if act_idx.size == 0:
-            continue
-        nodes = slot_node[act_idx]
-        images[nodes, c], proprio[nodes, c] = img[act_idx], pro[act_idx]
+            return
+        img, pro = self.img, self.pro
+        nodes = self.slot_node[act_idx]
+        self.images[nodes, c], self.proprio[nodes, c] = img[act_idx], pro[act_idx]
         h = policy.encode(torch.from_numpy(img[act_idx]).to(device), torch.from_numpy(pro[act_idx]).to(device),
                           [text_ids_slot[i] for i in act_idx])
         acts, ch, st, lp, nfe_row = sample_chunk(policy, h, sampling, generator)
-        nfe += nfe_row * len(act_idx)
-        chain[nodes, c], stochastic[nodes, c], logp[nodes, c] = ch.cpu().numpy(), st.cpu().numpy(), lp.cpu().numpy()
-        valid[nodes, c] = True
-        full = np.zeros((b, k, cfg.action_dim), np.float32)
+        self.nfe += nfe_row * len(act_idx)
+        self.chain[nodes, c], self.stochastic[nodes, c], self.logp[nodes, c] = ch.cpu().numpy(), st.cpu().numpy(), lp.cpu().numpy()
+        self.valid[nodes, c] = True
+        full = np.zeros((self.b, self.cfg.chunk, self.cfg.action_dim), np.float32)
         full[act_idx] = acts.clamp(-1, 1).cpu().numpy()
-        active = np.zeros(b, bool)
+        active = np.zeros(self.b, bool)
         active[act_idx] = True
         res = venv.step_chunk(full, active)
-        env_steps += int(res.executed[act_idx].sum())
-        dense_max[act_idx] = np.maximum(dense_max[act_idx], np.where(res.executed[act_idx], res.reward[act_idx], 0.0).max(1))
-        done[act_idx] = res.done[act_idx]
-        s_once[act_idx], s_end[act_idx] = res.success_once[act_idx], res.success_end[act_idx]
+        self.env_steps += int(res.executed[act_idx].sum())
+        self.dense_max[act_idx] = np.maximum(self.dense_max[act_idx],
+                                             np.where(res.executed[act_idx], res.reward[act_idx], 0.0).max(1))
+        self.done[act_idx] = res.done[act_idx]
+        self.s_once[act_idx], self.s_end[act_idx] = res.success_once[act_idx], res.success_end[act_idx]
         img[act_idx], pro[act_idx] = res.image[act_idx], res.proprio[act_idx]
-    assert next_node == n_nodes, (next_node, n_nodes)
-    leaf = np.zeros(n_nodes, bool)
-    leaf_slot = np.full(n_nodes, -1, np.int64)
-    so, se, dn = (np.full(n_nodes, np.nan, np.float32) for _ in range(3))
-    for g in range(n_groups):
-        for s in live[g]:
-            n = slot_node[s]
-            leaf[n], leaf_slot[n] = True, s
-            so[n], se[n], dn[n] = float(s_once[s]), float(s_end[s]), dense_max[s] / 10.0
-    return TreeEpisodes(parent=parent, group=group, tasks=node_tasks, images=images, proprio=proprio, chain=chain,
-                        stochastic=stochastic, logp=logp, chunk_valid=valid, leaf=leaf, success_once=so,
-                        success_end=se, dense=dn, env_steps=env_steps, nfe=nfe, leaf_slot=leaf_slot)
+
+    def episodes(self) -> TreeEpisodes:
+        """The finished trees: the last node of every live slot is a leaf with its episode's outcome."""
+        n_nodes = len(self.parent)
+        assert self.next_node == n_nodes, (self.next_node, n_nodes)
+        leaf = np.zeros(n_nodes, bool)
+        leaf_slot = np.full(n_nodes, -1, np.int64)
+        so, se, dn = (np.full(n_nodes, np.nan, np.float32) for _ in range(3))
+        for g in range(self.n_groups):
+            for s in self.live[g]:
+                n = self.slot_node[s]
+                leaf[n], leaf_slot[n] = True, s
+                so[n], se[n], dn[n] = float(self.s_once[s]), float(self.s_end[s]), self.dense_max[s] / 10.0
+        return TreeEpisodes(parent=self.parent, group=self.group, tasks=self.node_tasks, images=self.images,
+                            proprio=self.proprio, chain=self.chain, stochastic=self.stochastic, logp=self.logp,
+                            chunk_valid=self.valid, leaf=leaf, success_once=so, success_end=se, dense=dn,
+                            env_steps=self.env_steps, nfe=self.nfe, leaf_slot=leaf_slot)
 
 
 def tree_rollout(tree: TreeEpisodes, keys: list[int], env_tasks: list[str], success_mode: str, dense: bool) -> Rollout:
