@@ -279,6 +279,7 @@ class RoboticsDomain(DomainBase):
         return out
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        # every part's prefix, built or not: a checkpoint of a run with a part this config leaves out still loads
         parts = (Critic.state_prefix, KeepBestAdapters.state_prefix, SuccessReplay.state_prefix)
         self.policy.load_state_dict({k: v for k, v in state.items() if not k.startswith(parts)})
         for part in self.parts:
