@@ -56,6 +56,11 @@ REDUCTIONS = ("mean", "sum")
 _HALF_LOG_2PI = 0.5 * math.log(2.0 * math.pi)
 
 
+#: the Flow-GRPO SDE's noise level ``a`` when none is given: Flow-GRPO's own default (Liu et al. 2025, its configs'
+#: ``config.sample.noise_level = 0.7``). Written once here: visgen's kernels and robotics' flow head default to it.
+DEFAULT_NOISE_LEVEL = 0.7
+
+
 class StepOutput(NamedTuple):
     """One transition ``x -> next_sample ~ N(mean, std^2)``.
 
@@ -221,7 +226,7 @@ def sde_step(
     v: torch.Tensor,
     sigma: torch.Tensor | float,
     sigma_next: torch.Tensor | float,
-    noise_level: torch.Tensor | float = 0.7,
+    noise_level: torch.Tensor | float = DEFAULT_NOISE_LEVEL,
     noise: torch.Tensor | None = None,
     next_sample: torch.Tensor | None = None,
     reduction: str = "mean",
@@ -249,7 +254,7 @@ def cps_step(
     v: torch.Tensor,
     sigma: torch.Tensor | float,
     sigma_next: torch.Tensor | float,
-    noise_level: torch.Tensor | float = 0.7,
+    noise_level: torch.Tensor | float = DEFAULT_NOISE_LEVEL,
     noise: torch.Tensor | None = None,
     next_sample: torch.Tensor | None = None,
     reduction: str = "mean",
@@ -304,9 +309,6 @@ def dance_step(
 Kernel = Callable[..., StepOutput]
 KERNELS: dict[str, Kernel] = {"ode": ode_step, "sde": sde_step, "cps": cps_step, "dance": dance_step}
 
-#: the Flow-GRPO SDE's noise level ``a`` when none is given: Flow-GRPO's own default (Liu et al. 2025, its configs'
-#: ``config.sample.noise_level = 0.7``). Written once here: visgen's kernels and robotics' flow head default to it.
-DEFAULT_NOISE_LEVEL = 0.7
 #: the noise level each kernel uses when none is given (cps reuses Flow-GRPO's a; DanceGRPO eta = 0.3 for FLUX)
 KERNEL_NOISE_LEVELS: dict[str, float] = {"ode": 0.0, "sde": DEFAULT_NOISE_LEVEL, "cps": DEFAULT_NOISE_LEVEL,
                                          "dance": 0.3}

@@ -66,7 +66,7 @@ def build_tokenizer(words: Sequence[str], model_max_length: int = TOKENIZER_MAX_
 
 
 def build_pipeline(
-    words: Sequence[str] | None = None,
+    words: Sequence[str],
     seed: int = 0,
     sample_size: int = 32,
     vae_channels: Sequence[int] = (16, 32),
@@ -89,10 +89,6 @@ def build_pipeline(
     )
     from transformers import CLIPTextConfig, CLIPTextModelWithProjection
 
-    if words is None:
-        from visgen.tasks.shapes import vocabulary
-
-        words = vocabulary()
     tokenizer = build_tokenizer(words)
     downsample = 2 ** (len(vae_channels) - 1)
     if sample_size % (downsample * 2):

@@ -197,9 +197,10 @@ def tiny_pipe(family, request):
 def tiny_dir(tmp_path_factory):
     """A tiny SD3 pipeline (shapes vocabulary, 16x16 images) saved like the project's asset."""
     from visgen import tiny
+    from visgen.tasks.shapes import vocabulary as shapes_vocabulary
 
     path = tmp_path_factory.mktemp("visgen") / "tiny-sd3"
-    pipe = tiny.build_pipeline(seed=0, sample_size=16, vae_channels=(8, 16), num_layers=1, num_heads=2, head_dim=8,
+    pipe = tiny.build_pipeline(shapes_vocabulary(), seed=0, sample_size=16, vae_channels=(8, 16), num_layers=1, num_heads=2, head_dim=8,
                                text_hidden=16)
     tiny.save_pipeline(pipe, path)
     return path

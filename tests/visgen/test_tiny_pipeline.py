@@ -34,7 +34,7 @@ def test_tokenizer_word_level_round_trip_and_eos():
 def test_build_save_load_round_trip(tmp_path):
     from diffusers import StableDiffusion3Pipeline
 
-    pipe = tiny.build_pipeline(seed=0)
+    pipe = tiny.build_pipeline(S.vocabulary(), seed=0)
     pipe.set_progress_bar_config(disable=True)
     assert pipe.text_encoder_3 is None and pipe.vae_scale_factor == 2
     n_params = sum(p.numel() for p in pipe.transformer.parameters())

@@ -19,6 +19,7 @@ from visgen.methods import KernelSettings, method_from_config
 from visgen.methods.egrpo import EGRPOSettings, grid_entropies, merge_schedule, step_entropy
 from visgen.pipelines import as_adapter
 from visgen.rollout import VisgenRollouts
+from visgen.tasks.shapes import vocabulary as shapes_vocabulary
 
 PROMPTS = ["a red square", "blue circle on the left", "a green star"]
 
@@ -482,7 +483,7 @@ def tiny_asset(tmp_path_factory):
     from visgen import tiny
 
     path = tmp_path_factory.mktemp("visgen-trees") / "tiny-sd3"
-    pipe = tiny.build_pipeline(seed=0, sample_size=16, vae_channels=(8, 16), num_layers=1, num_heads=2, head_dim=8,
+    pipe = tiny.build_pipeline(shapes_vocabulary(), seed=0, sample_size=16, vae_channels=(8, 16), num_layers=1, num_heads=2, head_dim=8,
                                text_hidden=16)
     tiny.save_pipeline(pipe, path)
     return path

@@ -449,7 +449,7 @@ class ShapesTask(ImageTask):
     def build_pipeline(self, conf):
         from visgen import tiny
 
-        return tiny.build_pipeline(seed=conf.seed)
+        return tiny.build_pipeline(vocabulary(), seed=conf.seed)
 
     def score(self, samples, specs: list) -> dict[str, float]:
         """Mean attribute score, strict accuracy, and strict accuracy per prompt kind."""
