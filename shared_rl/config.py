@@ -428,6 +428,11 @@ class OptimConfig:
                 "weights. 0 = off"})
     inner_epochs: int = field(default=1, metadata={"help": "passes over each iteration's rollouts (PPO epochs)"})
     minibatches_per_epoch: int = field(default=1, metadata={"help": "optimizer steps per inner epoch"})
+    backward_steps: int = field(default=0, metadata={
+        "help": "trained step columns per forward + backward within a micro-batch: 1 keeps one denoising step's graph "
+                "alive at a time (the official Flow-GRPO trainer's memory), the same gradient; 0 = all of them in one "
+                "backward (fewer calls, one graph per trained step held at once). Needs a domain that computes step "
+                "subsets (visgen; DomainBase.supports_step_subsets)"})
     micro_batch_size: int = field(
         default=0, metadata={"help": "sequences per forward/backward (gradient accumulation); 0 = the whole minibatch"})
 
@@ -438,6 +443,7 @@ class OptimConfig:
         _positive(f"{where}.", "inner_epochs", self.inner_epochs)
         _positive(f"{where}.", "minibatches_per_epoch", self.minibatches_per_epoch)
         _positive(f"{where}.", "micro_batch_size", self.micro_batch_size, allow_zero=True)
+        _positive(f"{where}.", "backward_steps", self.backward_steps, allow_zero=True)
         _positive(f"{where}.", "weight_decay", self.weight_decay, allow_zero=True)
         _positive(f"{where}.", "eps", self.eps)
         _positive(f"{where}.", "warmup_steps", self.warmup_steps, allow_zero=True)

@@ -163,6 +163,9 @@ class DomainBase:
     """The optional hooks of a domain, with their defaults; every domain subclasses it."""
 
     config_class: type[DomainConfig] = DomainConfig
+    # log_probs(rollout, idx, need_kl, steps=mask) computes only the steps of ``steps`` (a subset of the rows'
+    # trained steps; the others may be 0), so the trainer can back-propagate step by step (optim.backward_steps)
+    supports_step_subsets: bool = False
 
     def critic_parameters(self) -> list[torch.nn.Parameter]:
         """The critic's (value head's) parameters, also among ``parameters()``; a critic estimator with its own

@@ -60,18 +60,23 @@ class Normalizer:
         )
 
 
-def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str, norm: Normalizer) -> torch.Tensor:
+def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str, norm: Normalizer,
+              row_steps: torch.Tensor | None = None) -> torch.Tensor:
     """Reduce per-step ``values[n, T]`` to a scalar (names as verl ``agg_loss``).
 
     - ``token-mean`` (DAPO): Σ_{i,t} m·x / N_steps(global).
     - ``seq-mean-token-mean`` (GRPO): Σ_i [Σ_t m·x / Σ_t m] / N_seqs(global).
     - ``seq-mean-token-sum-norm`` (Dr. GRPO): Σ_i [Σ_t m·x / L] / N_seqs(global), L a constant max length.
+
+    ``row_steps`` ``[n]``: each row's Σ_t m over all its trained steps when ``mask`` covers a chunk of them (the
+    trainer's ``optim.backward_steps``), so that the chunks' aggregates sum to the whole rows' (default Σ_t m).
     """
     m = mask.to(values.dtype)
     if mode == "token-mean":
         return (values * m).sum() / norm.num_steps
     if mode == "seq-mean-token-mean":
-        per_seq = (values * m).sum(1) / m.sum(1).clamp(min=1)
+        per_row = m.sum(1) if row_steps is None else row_steps.to(values.dtype)
+        per_seq = (values * m).sum(1) / per_row.clamp(min=1)
         return per_seq.sum() / norm.num_seqs
     if mode == "seq-mean-token-sum-norm":
         return (values * m).sum() / norm.max_steps / norm.num_seqs
@@ -142,16 +147,19 @@ class NoSettings:
     """The settings of a loss that has none of its own."""
 
 
-def register_policy_loss(name: str, settings: type = NoSettings) -> Callable[[PolicyLoss], PolicyLoss]:
+def register_policy_loss(name: str, settings: type = NoSettings,
+                         whole_sequence: bool = False) -> Callable[[PolicyLoss], PolicyLoss]:
     """Decorator: make ``fn(logp, logp_old, advantages, mask, cfg, settings, terms) -> (loss [n, T], stats)``
     selectable as ``loss.policy_loss: name`` (register before the config is loaded; the name is checked there).
     ``settings``: the loss's own settings dataclass (fields with defaults and ``metadata["help"]``), built from the
-    keys written beside its name."""
+    keys written beside its name. ``whole_sequence``: a step's loss depends on the sequence's other steps (GSPO's
+    sequence ratio), so the trainer must not split a sequence's steps over backward passes."""
 
     def wrap(fn: PolicyLoss) -> PolicyLoss:
         if name in POLICY_LOSSES and POLICY_LOSSES[name] is not fn:
             raise ValueError(f"policy loss {name!r} is already registered ({POLICY_LOSSES[name].__qualname__})")
         fn.settings_class = settings
+        fn.whole_sequence = whole_sequence
         POLICY_LOSSES[name] = fn
         return fn
 
@@ -255,7 +263,7 @@ class GSPOSettings:
         "help": "clamp of the sequence log-ratio (verl's compute_policy_loss_gspo: value bounded, gradient 0 beyond)"})
 
 
-@register_policy_loss("gspo", settings=GSPOSettings)
+@register_policy_loss("gspo", settings=GSPOSettings, whole_sequence=True)
 def gspo_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
               cfg: "LossConfig", settings: GSPOSettings, terms=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization"): the clipped surrogate on the

@@ -130,7 +130,9 @@ class ToyDomain(DomainBase):
         return Rollout(keys=list(keys), group_ids=tree.group, rewards=dict(tree.rewards), logp_old=logp, mask=mask,
                        parent=tree.parent, payload={"ctx": ctx, "actions": actions}, nfe=int((tree.parent >= 0).sum()))
 
-    def log_probs(self, rollout: Rollout, idx: torch.Tensor, need_kl: bool) -> StepLogProbs:
+    supports_step_subsets = True  # every step is computed; the trainer masks those of other chunks
+
+    def log_probs(self, rollout: Rollout, idx: torch.Tensor, need_kl: bool, steps=None) -> StepLogProbs:
         p = rollout.index_payload(idx)
         logits = self.policy(p["ctx"])
         logp = logits.gather(1, p["actions"])

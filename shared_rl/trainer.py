@@ -83,6 +83,8 @@ class Trainer:
         self.estimator = ESTIMATORS[cfg.advantage.estimator.name]
         self.critic = cfg.advantage.estimator.settings if cfg.advantage.kind == "step" else None  # GAESettings
         self.policy_loss = cfg.policy_loss_choice()
+        if cfg.optim.backward_steps:
+            self._check_backward_steps()
         self.optim = Optimizer(cfg, self.domain, params, self.critic.lr if self.critic else None, self.dist,
                                self.fsdp, log)
         self.steps_per_iteration = self.optim.steps_per_iteration
@@ -101,6 +103,21 @@ class Trainer:
         self.stop_signal: str | None = None  # "SIGINT" / "SIGTERM" once one asked the run to stop
         self.restored_from: Path | None = None
         self.resume_note: dict[str, Any] = {}  # merged into the first record after a resume (e.g. its overrides)
+
+    def _check_backward_steps(self) -> None:
+        """optim.backward_steps splits a micro-batch's steps over backward passes: what that needs."""
+        cfg, n = self.cfg, self.cfg.optim.backward_steps
+        why = None
+        if not self.domain.supports_step_subsets:
+            why = f"domain {cfg.domain!r} computes all of a sequence's steps in one call"
+        elif get_policy_loss(self.policy_loss.name).whole_sequence:
+            why = f"loss.policy_loss {self.policy_loss.name!r} needs all of a sequence's steps at once"
+        elif self.critic is not None:
+            why = "a critic's value loss is per sequence"
+        elif self.fsdp is not None:
+            why = "distributed.strategy fsdp2 pairs one collective forward per micro-batch"
+        if why:
+            raise ConfigError(f"optim.backward_steps={n}: {why}; set optim.backward_steps: 0")
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -261,16 +278,19 @@ class Trainer:
 
     # ---- the loss ----------------------------------------------------------------------------------------------
     def loss(self, out: StepLogProbs, logp_old: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
-             norm: Normalizer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
+             norm: Normalizer, row_steps: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
         """One micro-batch's share of the minibatch loss: aggregate(policy loss) + kl_coef · aggregate(KL).
+        ``row_steps``: each row's trained steps in the whole micro-batch when ``mask`` is a chunk of its steps.
 
         Returns (loss to backpropagate, its policy part, its KL part or None, the policy loss's per-step stats)."""
         lc, choice = self.cfg.loss, self.policy_loss
         per_step, st = get_policy_loss(choice.name)(out.logp, logp_old, adv, mask, lc, choice.settings, terms=out)
-        policy = aggregate(per_step, mask, lc.aggregation, norm)
+        policy = aggregate(per_step, mask, lc.aggregation, norm, row_steps)
         if lc.kl_coef <= 0:
             return policy, policy, None, st
-        kl = aggregate(kl_per_step(lc.kl_estimator, out.logp, out.ref_logp, out.kl), mask, lc.aggregation, norm)
+        kl_steps = kl_per_step(lc.kl_estimator, out.logp, out.ref_logp, out.kl)
+        kl = aggregate(kl_steps, mask, lc.aggregation, norm, row_steps)
         return policy + lc.kl_coef * kl, policy, kl, st
 
     def _optimizer_step(self, rollout: Rollout | None, local_idx: torch.Tensor, adv: torch.Tensor,
@@ -295,25 +315,31 @@ class Trainer:
                 self.padding_forwards += 1
                 continue
             idx, a = splits[call]
-            with oom_hint("training", "lower optim.micro_batch_size (sequences per forward/backward) or enable "
-                                      "gradient checkpointing in the domain config"):
-                out = self.domain.log_probs(rollout, idx, need_kl)
-            nfe += out.nfe
-            mask = rollout.mask[idx].to(out.logp.device)
-            logp_old = self._behaviour_logp(rollout, idx, out)
-            loss, policy, kl, st = self.loss(out, logp_old, a.to(out.logp), mask, norm)
-            loss = loss * self._policy_weight  # 0 while the critic warms up
-            if value_norm > 0:
-                loss = loss + self.critic.value_coef * self._value_loss(out, idx, value_norm, stats)
-            stats.add("loss/policy", float(policy.detach()), 0.0)
-            if kl is not None:
-                stats.add("loss/kl", float(kl.detach()), 0.0)
-            loss.backward()
-            _add_step_stats(stats, st, mask, out)
-            if cfg.logging.step_clip_frac:  # which denoising steps the clip acts on (GRPO-Guard's diagnosis)
-                m = mask.bool()
-                for j in torch.nonzero(m.any(0)).flatten().tolist():
-                    stats.add(f"clip_frac/step{j}", float(st["clipped"][m[:, j], j].sum()), float(m[:, j].sum()))
+            full = rollout.mask[idx]
+            # optim.backward_steps: this micro-batch's trained step columns in chunks, one forward + backward each,
+            # so only one chunk's graph is alive at a time (the sum of the chunks' losses is the micro-batch's loss)
+            for steps in _step_chunks(full, cfg.optim.backward_steps):
+                with oom_hint("training", "lower optim.micro_batch_size (sequences per forward/backward), set "
+                                          "optim.backward_steps: 1 or enable gradient checkpointing in the domain"):
+                    out = (self.domain.log_probs(rollout, idx, need_kl) if steps is None
+                           else self.domain.log_probs(rollout, idx, need_kl, steps=steps))
+                nfe += out.nfe
+                mask = (full if steps is None else steps).to(out.logp.device)
+                logp_old = self._behaviour_logp(rollout, idx, out, mask)
+                loss, policy, kl, st = self.loss(out, logp_old, a.to(out.logp), mask, norm,
+                                                 row_steps=full.sum(1).to(out.logp))
+                loss = loss * self._policy_weight  # 0 while the critic warms up
+                if value_norm > 0:
+                    loss = loss + self.critic.value_coef * self._value_loss(out, idx, value_norm, stats)
+                stats.add("loss/policy", float(policy.detach()), 0.0)
+                if kl is not None:
+                    stats.add("loss/kl", float(kl.detach()), 0.0)
+                loss.backward()
+                _add_step_stats(stats, st, mask, out)
+                if cfg.logging.step_clip_frac:  # which denoising steps the clip acts on (GRPO-Guard's diagnosis)
+                    m = mask.bool()
+                    for j in torch.nonzero(m.any(0)).flatten().tolist():
+                        stats.add(f"clip_frac/step{j}", float(st["clipped"][m[:, j], j].sum()), float(m[:, j].sum()))
         # the micro-batch losses summed (over ranks too) are the minibatch loss: count one per optimizer step
         for k in PER_STEP_STATS:
             stats.add(k, 0.0, 1.0)
@@ -349,11 +375,12 @@ class Trainer:
 
     # ---- deferred behaviour log-probs (Rollout.logp_deferred) ----------------------------------------------------
     @staticmethod
-    def _behaviour_logp(rollout: Rollout, idx: torch.Tensor, out: StepLogProbs) -> torch.Tensor:
-        """``logp_old`` of micro-batch ``idx``; its deferred steps are taken from ``out``, this first forward before
-        any update (so their ratio is exactly 1), and stored in the rollout for later epochs."""
+    def _behaviour_logp(rollout: Rollout, idx: torch.Tensor, out: StepLogProbs, computed: torch.Tensor) -> torch.Tensor:
+        """``logp_old`` of micro-batch ``idx``; its deferred steps among those ``out`` computed (``computed``) are
+        taken from ``out``, this first forward before any update (so their ratio is exactly 1), and stored in the
+        rollout for later epochs."""
         logp_old = rollout.logp_old[idx].to(out.logp)
-        deferred = rollout.logp_deferred[idx].to(out.logp.device)
+        deferred = rollout.logp_deferred[idx].to(out.logp.device) & computed.bool()
         if deferred.any():
             logp_old = torch.where(deferred, out.logp.detach(), logp_old)
             rollout.logp_old[idx] = logp_old.to(rollout.logp_old)
@@ -590,6 +617,20 @@ class Trainer:
             atomic_write_text(self.run_dir / "summary.txt", summary + "\n")
             self.log(summary)
         self.log(f"run directory: {self.run_dir}")
+
+
+def _step_chunks(mask: torch.Tensor, per_chunk: int):
+    """``[None]`` (every step in one backward) when ``per_chunk`` is 0, else ``mask`` split by its trained step
+    columns into masks of ``per_chunk`` columns each, in step order."""
+    if per_chunk <= 0:
+        return [None]
+    cols = torch.nonzero(mask.any(0)).flatten()
+    chunks = []
+    for part in torch.split(cols, per_chunk):
+        keep = torch.zeros(mask.shape[1], dtype=torch.bool)
+        keep[part] = True
+        chunks.append(mask.bool() & keep)
+    return chunks
 
 
 def _fmt(m: dict[str, Any], short: bool = False) -> str:

@@ -181,3 +181,25 @@ def test_every_registered_loss_trains_the_toy(name):
     tr = Trainer(toy_cfg(**{"iterations": 25, "loss.policy_loss": name}), None, log=quiet)
     hist = tr.fit()
     assert hist[-1]["eval/expected_reward"] > 0.6, name
+
+
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_backward_by_step_gives_the_same_update(aggregation):
+    """optim.backward_steps: 1 runs one forward + backward per trained step column (one step's graph alive at a
+    time); the summed chunks are the whole micro-batch's loss, so the update is the same."""
+    over = {"optim.minibatches_per_epoch": 2, "optim.inner_epochs": 2, "loss.aggregation": aggregation,
+            "loss.kl_coef": 0.1, "loss.kl_estimator": "k3", "toy.init_scale": 1.0}
+    runs = {}
+    for per in (0, 1, 3):
+        tr = Trainer(toy_cfg(**over, **{"optim.backward_steps": per}), None, log=quiet)
+        runs[per] = ([tr.iteration(it) for it in range(3)], tr.domain.logits.detach().clone())
+    for per in (1, 3):
+        for a, b in zip(runs[0][0], runs[per][0]):
+            for k in ("loss/policy", "loss/kl", "grad_norm", "clip_frac", "ratio/mean", "entropy"):
+                assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-8), (per, k)
+        assert torch.allclose(runs[per][1], runs[0][1], atol=1e-6), per
+
+
+def test_backward_by_step_is_refused_where_it_cannot_hold():
+    with pytest.raises(ConfigError, match="optim.backward_steps=1: loss.policy_loss 'gspo' needs all"):
+        Trainer(toy_cfg(**{"optim.backward_steps": 1, "loss.policy_loss": "gspo"}), None, log=quiet)
