@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 from .config import apply_overrides, describe, dump_train_config, load_train_config, load_yaml, to_dict
-from .errors import ConfigError, NonFiniteError, ResourceError, RunDirectoryLost
+from .errors import ConfigError, NonFiniteError, ResourceError, RunDirectoryBusy, RunDirectoryLost
 from .rewards import RewardFailure
 from .rundir import RunLock, atomic_write_text, holder, is_empty_run_dir
 
@@ -82,15 +82,14 @@ def check_output_dir(path: str | Path, flag: str = "--out") -> Path:
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ConfigError(f"{flag} {text!r}: {str(existing)!r} is not writable; choose another {flag}")
     if not p.exists() and int(os.environ.get("RANK", "0")) == 0:
-        # os.access cannot see read-only mounts or pseudo file systems: try the first missing folder, and undo it
-        probe = p.absolute()
-        while probe.parent != existing:
-            probe = probe.parent
+        # os.access cannot see read-only mounts or pseudo file systems: make a folder of this process's own there,
+        # and remove it (never the target's own first folder: a run started beside this one may be filling it)
+        probe = existing / f".grove-probe-{os.getpid()}-{time.monotonic_ns()}"
         try:
             probe.mkdir()
             probe.rmdir()
         except FileExistsError:
-            pass  # another process (a second run or eval started beside this one) made it between the checks
+            pass
         except OSError as e:
             raise ConfigError(f"{flag} {text!r} cannot be created in {str(existing)!r} ({e.strerror}); choose "
                               f"another {flag}") from None
@@ -162,12 +161,13 @@ class _RunDir:
                                   f"--out") from None
         try:
             self.lock = RunLock(self.path, self.command, log=_log).acquire()
-            if not self.resume and not is_empty_run_dir(self.path):
-                self._refuse_not_empty()
-        except ConfigError:
-            self.release()
+        except RunDirectoryBusy:
             self.created = None  # what is there now belongs to the other writer: never remove it
             raise
+        if not self.resume and not is_empty_run_dir(self.path):  # another writer filled it since __init__
+            self.release()
+            self.created = None
+            self._refuse_not_empty()
         return self.path
 
     def discard(self) -> None:
@@ -326,6 +326,11 @@ def _fit(trainer, run: _RunDir) -> int:
         else:
             _log(f"grove: interrupted; the newest checkpoint is kept: resume with: grove train --resume {run.path}")
         return EXIT_INTERRUPTED
+    except OSError as e:
+        if run.lock is not None and not run.lock.alive():  # deleted between the check and a write: the same stop
+            raise RunDirectoryLost(f"the run directory {str(run.path)!r} was deleted, moved or replaced while the "
+                                   f"run was writing it ({e.strerror}); the run stopped without recreating it") from e
+        raise
     except (RuntimeError, MemoryError) as e:
         why = _allocation_failure(e)
         if why is None:

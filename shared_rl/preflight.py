@@ -83,17 +83,18 @@ _SCAN_FILES = 500  # at most this many files of a directory a config names
 
 
 def check_text(raw: bytes, where: str, what: str) -> None:
-    """ConfigError unless ``raw`` is UTF-8 text without NUL bytes; the line says where it is not."""
+    """ConfigError unless ``raw`` is UTF-8 text without NUL bytes; the line says where it is not and what the
+    file should have been."""
     nul = raw.find(b"\x00")
     if nul >= 0:
-        raise ConfigError(f"{where} is not text (a NUL byte at offset {nul}): is it {what}?")
+        raise ConfigError(f"{where} is not text (a NUL byte at offset {nul}); it should be {what}")
     try:
         raw.decode("utf-8")
     except UnicodeDecodeError as e:
         if e.start >= len(raw) - 3 and e.reason == "unexpected end of data":
             return  # a read cut a multi-byte character at the end of the checked prefix
-        raise ConfigError(f"{where} is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}); save it as "
-                          f"UTF-8 (is it {what}?)") from None
+        raise ConfigError(f"{where} is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}); it should be "
+                          f"{what}: save it as UTF-8") from None
 
 
 def check_yaml_text(text: str, where: str) -> None:
@@ -102,35 +103,43 @@ def check_yaml_text(text: str, where: str) -> None:
     loader, which names the line."""
     import yaml
 
-    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    try:
+        _scan_yaml(text, where, getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    except yaml.YAMLError:  # libyaml gives up on deep nesting with a scanner error: look again, event by event
+        try:
+            _scan_yaml(text, where, yaml.SafeLoader)
+        except yaml.YAMLError:
+            return
+
+
+def _scan_yaml(text: str, where: str, loader) -> None:
+    import yaml
+
     sizes: list[int] = [0]  # values counted in each open collection (the stream at the bottom)
     anchors: dict[str, int] = {}
     open_anchors: list[str | None] = []
-    try:
-        for event in yaml.parse(text, Loader=loader):
-            if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
-                if len(open_anchors) >= MAX_YAML_DEPTH:
-                    raise ConfigError(f"{where} nests more than {MAX_YAML_DEPTH} levels deep; a grove config is "
-                                      f"a few levels of sections")
-                sizes.append(1)
-                open_anchors.append(event.anchor)
-            elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
-                size = sizes.pop()
-                anchor = open_anchors.pop()
-                if anchor:
-                    anchors[anchor] = size
-                sizes[-1] += size
-            elif isinstance(event, yaml.ScalarEvent):
-                sizes[-1] += 1
-                if event.anchor:
-                    anchors[event.anchor] = 1
-            elif isinstance(event, yaml.AliasEvent):
-                sizes[-1] += anchors.get(event.anchor, 1)
-            if sum(sizes) > MAX_YAML_NODES:
-                raise ConfigError(f"{where} expands to more than {MAX_YAML_NODES:,} values (YAML anchors and "
-                                  f"aliases repeat whole sections); write the values out")
-    except yaml.YAMLError:
-        return
+    for event in yaml.parse(text, Loader=loader):
+        if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
+            if len(open_anchors) >= MAX_YAML_DEPTH:
+                raise ConfigError(f"{where} nests more than {MAX_YAML_DEPTH} levels deep; a grove config is "
+                                  f"a few levels of sections")
+            sizes.append(1)
+            open_anchors.append(event.anchor)
+        elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
+            size = sizes.pop()
+            anchor = open_anchors.pop()
+            if anchor:
+                anchors[anchor] = size
+            sizes[-1] += size
+        elif isinstance(event, yaml.ScalarEvent):
+            sizes[-1] += 1
+            if event.anchor:
+                anchors[event.anchor] = 1
+        elif isinstance(event, yaml.AliasEvent):
+            sizes[-1] += anchors.get(event.anchor, 1)
+        if sum(sizes) > MAX_YAML_NODES:
+            raise ConfigError(f"{where} expands to more than {MAX_YAML_NODES:,} values (YAML anchors and "
+                              f"aliases repeat whole sections); write the values out")
 
 
 def check_config_file(path) -> None:
@@ -215,7 +224,7 @@ def _check_file(path, where: str, budget: list[int]) -> None:
             with open(path, "rb") as f:
                 raw = f.read(min(budget[0], _SCAN_BYTES))
             budget[0] -= len(raw)
-            check_text(raw, what, f"the {suffix[1:]} text it is named as")
+            check_text(raw, what, f"{suffix[1:]} text")
             return
         magic = {".parquet": (b"PAR1", b"PAR1"), ".npz": (b"PK", b""), ".safetensors": (b"", b"")}.get(suffix)
         if magic is None:

@@ -7,11 +7,16 @@ Categories: the trainer's config (types, ranges, non-finite numbers, names, batc
 empty, a file, under a file, not creatable), each domain's inputs (models, prompt files, datasets, rewards, reward
 arguments, reward/prompt fit, ``advantage.weights`` names) found before a model loads, command lines of ``train``,
 ``pretrain``, ``eval``, ``bench``, ``config``, ``--resume`` (more in ``tests/core/test_resume.py``) and the
-``grove robotics`` tools.
+``grove robotics`` tools; inputs read defensively (issue 38): config files that are binary, not UTF-8, nested too
+deep, alias bombs or too large; numbers the libraries cannot hold (seeds, int64, batch sizes); files a config names
+that are not UTF-8 or not their format; user modules that do not import (missing, a syntax error, raising at import
+time); sizes that do not fit in memory; a run directory that is read-only at resume.
 """
 import hashlib
 import importlib.util
 import json
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -59,6 +64,11 @@ def _files(tmp):
     (tmp / "garbage.npz").write_text("not an archive\n")
     (tmp / "not_a_dataset").mkdir()
     (tmp / "not_a_dataset" / "notes.txt").write_text("hello\n")
+    (tmp / "binary.txt").write_bytes(bytes(range(256)) * 4)
+    (tmp / "latin1.txt").write_bytes("a caf\xe9 on a red circle\n".encode("latin-1"))
+    (tmp / "latin1.jsonl").write_bytes('{"prompt": "caf\xe9 1+1=", "answer": "2"}\n'.encode("latin-1"))
+    (tmp / "grove_bad_syntax_reward.py").write_text("def score(prompts, completions, examples):\n    return [1 +\n")
+    (tmp / "grove_raising_reward.py").write_text("raise RuntimeError('no licence key in the environment')\n")
     return tmp
 
 
@@ -98,6 +108,10 @@ CASES = {
     "visgen empty prompt file": (_visgen(task="file", train_prompts="TMP/empty.txt", eval_prompts="TMP/empty.txt"),
                                  "empty.txt"),
     "visgen negative noise": (_visgen(noise_level=-0.5), "noise_level"),
+    "visgen binary prompt file": (_visgen(task="file", train_prompts="TMP/binary.txt"),
+                                  "binary.txt' is not text (a NUL byte at offset 0)"),
+    "visgen prompt file not utf-8": (_visgen(task="file", train_prompts="TMP/latin1.txt"),
+                                     "latin1.txt' is not UTF-8 text (byte 0xe9 at offset 5)"),
     "visgen lora rank zero": (_visgen(lora={"rank": 0}), "rank"),
     "visgen prompts the reward cannot score": (_visgen(task="file", train_prompts="TMP/cats.txt"),
                                                "prompt 1 cannot be scored by reward 'shapes'"),
@@ -122,6 +136,14 @@ CASES = {
                                                "module 'no_such_module_xyz' does not import"),
     "llm custom reward attribute missing": (_llm(rewards=[{"name": "json:no_such_function"}]),
                                             "has no 'no_such_function'"),
+    "llm custom reward with a syntax error": (_llm(rewards=[{"name": "grove_bad_syntax_reward:score"}]),
+                                              "grove_bad_syntax_reward.py:2: SyntaxError"),
+    "llm custom reward raising at import": (_llm(rewards=[{"name": "grove_raising_reward:score"}]),
+                                            "raised RuntimeError: no licence key in the environment"),
+    "llm engine that does not import": (_llm(engine="no_such_engine_xyz:Engine"),
+                                        "No module named 'no_such_engine_xyz'"),
+    "llm dataset not utf-8": (_llm(dataset={"source": "jsonl", "path": "TMP/latin1.jsonl"}),
+                              "latin1.jsonl' is not UTF-8 text (byte 0xe9 at offset"),
     "llm dataset the reward cannot score": (_llm(dataset={"source": "jsonl", "path": "TMP/noanswer.jsonl"}),
                                             "numeric_match scores column 'answer'"),
     "llm unknown accuracy reward": (_llm(eval={"accuracy_reward": "nope"}), "accuracy_reward 'nope'"),
@@ -150,8 +172,9 @@ CASES = {
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_domain_bad_input(tmp, capsys, name):
+def test_domain_bad_input(tmp, capsys, monkeypatch, name):
     data, expect = CASES[name]
+    monkeypatch.syspath_prepend(str(tmp))  # the user reward modules written by _files
     if name.startswith("robotics"):
         pytest.importorskip("mujoco")
     cfg = tmp / "bad.yaml"
@@ -176,7 +199,15 @@ TRAINER_CASES = {
     "gpu index out of range": (_toy(device="cuda:99"), "device 'cuda:99' is not available"),
     "unknown advantage weight": (_toy(**{"advantage.weights": {"corect": 1.0}}), "did you mean 'correct'?"),
     "unknown band reward": (_toy(**{"selection.band_reward": "succes"}), "selection.band_reward 'succes'"),
+    # numbers the libraries cannot hold, and sizes that cannot fit
+    "seed beyond numpy": (_toy(seed=2**40), "seed=1099511627776 is not a seed numpy and torch accept"),
+    "negative seed": (_toy(seed=-1), "seed=-1 is not a seed"),
+    "integer beyond int64": (_toy(**{"toy.num_contexts": 10**30}), "toy.num_contexts=" + str(10**30) + " is too large"),
+    "a terabyte batch": (_toy(**{"rollout.group_size": 2**31}), "sequences per iteration; at most 16,777,216"),
+    "a domain size beyond memory": (_toy(**{"toy.num_contexts": 10**14}), "asks for more memory than this machine"),
 }
+DRY_RUN_TOO = ("unknown device", "unknown advantage weight", "seed beyond numpy", "integer beyond int64",
+               "a terabyte batch")
 if not HAS_CUDA:
     TRAINER_CASES["cuda without a gpu"] = (_toy(device="cuda"), "torch sees no CUDA GPU")
 if importlib.util.find_spec("wandb") is None:
@@ -189,7 +220,7 @@ def test_trainer_config_bad_input(tmp, capsys, name):
     cfg = tmp / "bad.yaml"
     cfg.write_text(data if isinstance(data, str) else yaml.safe_dump(data))
     assert_one_line_error(["train", str(cfg), "--out", str(tmp / "run")], expect, tmp, capsys)
-    if name in ("unknown device", "unknown advantage weight"):  # --dry-run finds the same, also writing nothing
+    if name in DRY_RUN_TOO:  # --dry-run finds the same, also writing nothing
         assert_one_line_error(["train", str(cfg), "--dry-run"], expect, tmp, capsys)
 
 
@@ -293,3 +324,53 @@ def test_a_run_directory_given_twice_is_refused_and_left_alone(tmp, capsys):
                           "drop --out", tmp, capsys)
     assert_one_line_error(["eval", str(tmp / "run"), "--out", str(tmp / "run" / "ev")], "inside the run", tmp, capsys)
     assert_one_line_error(["eval", str(tmp / "run"), "toy.num_contexts=5"], "does not fit this config", tmp, capsys)
+
+
+# ------------------------------------------------------------------------------------------------- config files as bytes
+CONFIG_BYTES = {
+    "binary": (bytes(range(256)) * 8, "is not text (a NUL byte at offset 0)"),
+    "not utf-8": ("domain: toy\nname: caf\xe9\n".encode("latin-1"), "is not UTF-8 text (byte 0xe9 at offset 21)"),
+    "flow nesting": (b"domain: toy\nx: " + b"[" * 5000 + b"]" * 5000 + b"\n", "nests more than 64 levels"),
+    "block nesting": (b"domain: toy\n" + b"".join(b"  " * i + b"k:\n" for i in range(200)) + b"  " * 200 + b"v: 1\n",
+                      "nests more than 64 levels"),
+    "alias bomb": (b"domain: toy\na: &a [x, x, x, x, x, x, x, x, x, x]\n"
+                   + b"".join(f"{c}: &{c} [*{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}]\n".encode()
+                              for p, c in zip("abcdefgh", "bcdefghi")), "expands to more than 200,000 values"),
+    "too large": (b"domain: toy\n" + b"# padding\n" * 120_000, "a config is at most 1,048,576 bytes"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONFIG_BYTES))
+def test_config_file_read_defensively(tmp, capsys, name):
+    raw, expect = CONFIG_BYTES[name]
+    cfg = tmp / "bad.yaml"
+    cfg.write_bytes(raw)
+    for argv in (["train", str(cfg), "--out", str(tmp / "run")], ["train", str(cfg), "--dry-run"],
+                 ["config", "show", str(cfg)]):
+        assert_one_line_error(argv, expect, tmp, capsys)
+
+
+def test_an_override_nested_too_deep_is_refused(tmp, capsys):
+    cfg = tmp / "good.yaml"
+    cfg.write_text(yaml.safe_dump(GOOD))
+    assert_one_line_error(["train", str(cfg), "--dry-run", "toy.num_contexts=" + "[" * 5000 + "]" * 5000],
+                          "override 'toy.num_contexts' nests more than 64 levels", tmp, capsys)
+
+
+def test_a_read_only_run_directory_at_resume(tmp, capsys):
+    """A real read-only mount (root and mount needed; skipped elsewhere): --resume exits 2 with one line and
+    changes nothing."""
+    cfg = tmp / "good.yaml"
+    cfg.write_text(yaml.safe_dump({**GOOD, "checkpoint": {"every": 1}}))
+    run = tmp / "run"
+    assert main(["train", str(cfg), "--out", str(run)]) == 0
+    mounted = os.geteuid() == 0 and subprocess.run(["mount", "--bind", str(run), str(run)], capture_output=True,
+                                                   timeout=30).returncode == 0
+    if not mounted:
+        pytest.skip("needs root and bind mounts")
+    try:
+        if subprocess.run(["mount", "-o", "remount,ro,bind", str(run)], capture_output=True, timeout=30).returncode:
+            pytest.skip("cannot remount read-only")
+        assert_one_line_error(["train", "--resume", str(run), "iterations=4"], "Read-only file system", tmp, capsys)
+    finally:
+        subprocess.run(["umount", str(run)], capture_output=True, timeout=30)

@@ -1,6 +1,7 @@
 """The reward server and its client on loopback: JSON + PNG round trip equal to local scoring, request batching,
 health, malformed/oversized requests answered 4xx while the server keeps serving, and the client's time-out,
-retries on a 500, malformed replies and connection refused, each ending in one clear error."""
+retries on a 500, malformed replies and connection refused, each ending in one clear error; the time-out bounds a
+whole request (a server trickling its reply is cut off) and a reply cut short is retried."""
 from __future__ import annotations
 
 import base64
@@ -131,6 +132,27 @@ class _Fake(BaseHTTPRequestHandler):
         n = len(json.loads(self.rfile.read(int(self.headers["Content-Length"])))["prompts"])
         if self.mode == "slow":
             time.sleep(1.0)
+        if self.mode == "trickle":  # headers at once, then one byte of the body every 0.3 s (40 bytes: 12 s)
+            body = json.dumps({"scores": {"x": [0.5] * n}}).encode().ljust(40)
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            try:
+                for i in range(len(body)):
+                    self.wfile.write(body[i:i + 1])
+                    self.wfile.flush()
+                    time.sleep(0.3)
+            except (BrokenPipeError, ConnectionResetError):
+                pass
+            return
+        if self.mode == "cut" and type(self).hits == 1:  # promises 1000 bytes, sends 10, hangs up
+            self.send_response(200)
+            self.send_header("Content-Length", "1000")
+            self.end_headers()
+            self.wfile.write(b'{"scores":')
+            self.wfile.flush()
+            self.close_connection = True
+            return
         if self.mode == "flaky" and type(self).hits == 1 or self.mode == "500":
             body, status = b'{"error": "boom"}', 500
         elif self.mode == "garbage":
@@ -220,3 +242,16 @@ def test_the_reward_server_command_serves_a_registered_reward(tmp_path):
         reward_server_main(["--reward", "pickscor"])
     with pytest.raises(ConfigError, match="--port must be in 0..65535"):
         reward_server_main(["--reward", "ocr", "--port", "70000"])
+
+
+def test_the_time_out_bounds_the_whole_request_and_a_cut_reply_is_retried(fake):
+    url = f"http://127.0.0.1:{fake.server_address[1]}"
+    _Fake.mode, _Fake.hits = "trickle", 0  # every read gets a byte in time: only a whole-request deadline stops it
+    client = RemoteReward(url, timeout_s=1.0, retries=1, backoff_s=0.01)
+    t0 = time.perf_counter()
+    with pytest.raises(RemoteRewardError, match="failed after 2 attempts.*TimeoutError: no complete answer within 1s"):
+        client(_images(2), ["a", "b"])
+    assert client.attempts == 2 and time.perf_counter() - t0 < 5
+    _Fake.mode, _Fake.hits = "cut", 0  # the first reply ends early (IncompleteRead), the second is whole
+    client = RemoteReward(url, timeout_s=5.0, retries=2, backoff_s=0.01)
+    assert client(_images(2), ["a", "b"])["remote"].tolist() == [0.5, 0.5] and client.attempts == 2

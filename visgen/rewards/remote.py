@@ -1,21 +1,27 @@
 """The client of ``grove reward-server`` (``visgen.rewards.server``): reward ``remote``.
 
 Images are quantised to uint8 and sent as base64 PNG in JSON (never pickle) to ``POST {url}/score``, at most
-``batch_size`` per request. Each request has its own ``timeout_s``; a connection error, a time-out, a 5xx answer
-or a malformed reply (not JSON, wrong field, wrong length, a non-number) is retried ``retries`` times with
+``batch_size`` per request. ``timeout_s`` bounds each request as a whole — connecting, sending, the answer's
+headers and body — not each socket read: a server that trickles a byte every half second is cut off at the
+deadline (a watchdog shuts the socket down). A connection error, a time-out, a 5xx answer, a reply cut short
+(``IncompleteRead``, a dropped connection) or a malformed reply (not JSON, wrong field, wrong length, a
+non-number) is retried ``retries`` times with
 exponential back-off from ``backoff_s``, then raises :class:`RemoteRewardError` with one line naming the URL, the
 attempts and the last cause (the domain's ``reward_guard`` turns that into NaN or a stop). A 4xx answer means the
 request itself is wrong (too big, malformed, a prompt the reward rejects): it is a ``RewardInputError`` at once,
 never retried. Outputs: a single server output is returned as ``name`` (default ``remote``; ``null`` keeps the
-server's name); several keep the server's names.
+server's name); several keep the server's names. The client speaks HTTP itself (``http.client``), so proxy
+environment variables are not used: point ``url`` at the server.
 """
 from __future__ import annotations
 
+import http.client
 import json
 import math
+import socket
+import threading
 import time
-import urllib.error
-import urllib.request
+import urllib.parse
 from typing import Sequence
 
 import torch
@@ -32,6 +38,51 @@ class _Malformed(Exception):
     pass
 
 
+class _HTTPStatus(Exception):
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(f"HTTP {code}: {message}")
+        self.code, self.message = code, message
+
+
+def _fetch(url: str, method: str, body: bytes | None, timeout_s: float) -> tuple[int, bytes]:
+    """(status, body) of one HTTP request that takes at most ``timeout_s`` in all; TimeoutError past it."""
+    parts = urllib.parse.urlsplit(url)
+    conn_class = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+    conn = conn_class(parts.hostname or "", parts.port, timeout=timeout_s)
+    expired = threading.Event()
+    sockets: list[socket.socket] = []  # the connection's socket (the response keeps using it after a
+    #                                    'Connection: close' reply, when conn.sock is already None)
+
+    def cut_off() -> None:  # unblocks a read that keeps receiving a byte now and then
+        expired.set()
+        for sock in sockets:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    watchdog = threading.Timer(timeout_s, cut_off)
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        conn.connect()  # bounded by the socket time-out
+        sockets.append(conn.sock)
+        if expired.is_set():
+            cut_off()
+        path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        headers = {"Content-Type": "application/json"} if body is not None else {}
+        conn.request(method, path, body=body, headers=headers)
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    except (OSError, http.client.HTTPException) as exc:
+        if expired.is_set():
+            raise TimeoutError(f"no complete answer within {timeout_s:g}s") from None
+        raise exc
+    finally:
+        watchdog.cancel()
+        conn.close()
+
+
 class RemoteReward:
     def __init__(self, url: str = "http://127.0.0.1:8765", timeout_s: float = 60.0, retries: int = 3,
                  backoff_s: float = 0.5, batch_size: int = 64, name: str | None = "remote") -> None:
@@ -45,12 +96,14 @@ class RemoteReward:
         self.attempts = 0  # HTTP requests sent (tests count retries with it)
 
     def _post(self, payload: dict) -> dict:
-        body = json.dumps(payload).encode()
-        req = urllib.request.Request(self.url + "/score", data=body, method="POST",
-                                     headers={"Content-Type": "application/json"})
         self.attempts += 1
-        with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
-            raw = resp.read()
+        status, raw = _fetch(self.url + "/score", "POST", json.dumps(payload).encode(), self.timeout_s)
+        if status >= 400:
+            try:
+                message = json.loads(raw.decode("utf-8")).get("error", "")
+            except Exception:  # noqa: BLE001 — an error page that is not JSON
+                message = raw[:80].decode("utf-8", errors="replace")
+            raise _HTTPStatus(status, " ".join(str(message).split()))
         try:
             return json.loads(raw.decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError):
@@ -75,31 +128,28 @@ class RemoteReward:
         for attempt in range(self.retries + 1):
             try:
                 return self._scores(self._post(payload), n)
-            except urllib.error.HTTPError as exc:
-                try:
-                    message = json.loads(exc.read().decode("utf-8")).get("error", "")
-                except Exception:  # noqa: BLE001 — an error page that is not JSON
-                    message = exc.reason
+            except _HTTPStatus as exc:
                 if 400 <= exc.code < 500:
                     raise RewardInputError(f"remote reward {self.url}: the server refused the request "
-                                           f"({exc.code}: {message})") from None
-                last = f"HTTP {exc.code}: {message}"
+                                           f"({exc.code}: {exc.message})") from None
+                last = str(exc)
             except _Malformed as exc:
                 last = f"malformed reply: {exc}"
-            except (urllib.error.URLError, OSError) as exc:  # refused, reset, time-out
-                reason = getattr(exc, "reason", exc)
-                last = f"{type(reason).__name__}: {reason}"
+            except (OSError, http.client.HTTPException) as exc:  # refused, reset, time-out, a reply cut short
+                last = f"{type(exc).__name__}: {exc}"
             if attempt < self.retries:
                 time.sleep(self.backoff_s * 2**attempt)
         raise RemoteRewardError(f"remote reward {self.url} failed after {self.retries + 1} attempts (last: {last}); "
                                 "is `grove reward-server` running there?")
 
     def health(self) -> dict:
-        """``GET /health`` (one attempt, ``timeout_s``); RemoteRewardError when unreachable."""
+        """``GET /health`` (one attempt, ``timeout_s`` in all); RemoteRewardError when unreachable."""
         try:
-            with urllib.request.urlopen(self.url + "/health", timeout=self.timeout_s) as resp:
-                return json.loads(resp.read().decode("utf-8"))
-        except (urllib.error.URLError, OSError, ValueError) as exc:
+            status, raw = _fetch(self.url + "/health", "GET", None, self.timeout_s)
+            if status != 200:
+                raise ValueError(f"HTTP {status}")
+            return json.loads(raw.decode("utf-8"))
+        except (OSError, http.client.HTTPException, ValueError) as exc:
             raise RemoteRewardError(f"remote reward {self.url}: /health failed ({exc})") from None
 
     def __call__(self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[dict] | None = None):
