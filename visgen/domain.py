@@ -487,9 +487,13 @@ class VisgenDomain(DomainBase):
         """The configured method's rollout on the one engine (``visgen.rollout.VisgenRollouts.rollout``)."""
         return self.rollouts.rollout(keys, group_size, generator, iteration)
 
-    def log_probs(self, rollout: Rollout, idx: torch.Tensor, need_kl: bool) -> StepLogProbs:
-        """Recompute the trained steps of edges ``idx`` with grad (``visgen.recompute``), plus the KL when asked."""
-        return self.rollouts.log_probs(rollout, idx, need_kl)
+    supports_step_subsets = True  # optim.backward_steps: the recompute forwards only the asked steps
+
+    def log_probs(self, rollout: Rollout, idx: torch.Tensor, need_kl: bool, steps: torch.Tensor | None = None
+                  ) -> StepLogProbs:
+        """Recompute the trained steps of edges ``idx`` (those of ``steps`` when given) with grad
+        (``visgen.recompute``), plus the KL when asked."""
+        return self.rollouts.log_probs(rollout, idx, need_kl, steps)
 
     def trained_outputs(self) -> list[str]:
         """The reward outputs this run trains on (``VisgenConfig.trained_outputs`` under the trainer's sections)."""

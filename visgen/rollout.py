@@ -192,19 +192,23 @@ class VisgenRollouts:
         info = {"nfe/explore": float(explore.nfe), "two_stage/quantized_fraction": explorer.quantized_fraction}
         return Grown(forest, kept_cond, torch.arange(P).repeat_interleave(G), list(keys), torch.arange(P), info)
 
-    def log_probs(self, rollout: Rollout, idx: torch.Tensor, need_kl: bool) -> StepLogProbs:
-        """Recompute the trained steps of edges ``idx`` with grad (``visgen.recompute``), plus the KL when asked."""
+    def log_probs(self, rollout: Rollout, idx: torch.Tensor, need_kl: bool, steps: torch.Tensor | None = None
+                  ) -> StepLogProbs:
+        """Recompute the trained steps of edges ``idx`` with grad (``visgen.recompute``), plus the KL when asked;
+        only those of ``steps`` (a subset of ``rollout.mask[idx]``, the trainer's ``optim.backward_steps``) when
+        given, so a backward per step holds one step's graph. Each step's forwards see the same rows either way."""
         if self._cond_meta is None:
             raise RuntimeError("log_probs before any rollout: the prompt-conditioning settings are unknown")
         p = rollout.index_payload(idx)
+        trained = rollout.mask[idx] if steps is None else rollout.mask[idx] & steps.to(rollout.mask.device)
         if self.objective.likelihood_free:
-            out = self.objective.terms(self.adapter, p, rollout.mask[idx], Conditioning(p["cond"], **self._cond_meta),
+            out = self.objective.terms(self.adapter, p, trained, Conditioning(p["cond"], **self._cond_meta),
                                        self.reference if need_kl else None, self.old)
             dev = rollout.logp_old.device
             return StepLogProbs(logp=out.logp.to(dev), kl=None if out.kl is None else out.kl.to(dev), nfe=out.nfe,
                                 objective_pos=out.objective_pos.to(dev),
                                 objective_neg=None if out.objective_neg is None else out.objective_neg.to(dev))
-        rec = recompute_edges(self.adapter, p, rollout.mask[idx], Conditioning(p["cond"], **self._cond_meta),
+        rec = recompute_edges(self.adapter, p, trained, Conditioning(p["cond"], **self._cond_meta),
                               self.kernel.kernel, self.kernel.reduction,
                               reference=self.reference if need_kl else None, kl_type=self.kl_type)
         dev = rollout.logp_old.device
