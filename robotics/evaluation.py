@@ -44,6 +44,7 @@ def evaluate_policy(policy: TinyVLA, env_cfg: EnvConfig, per_task: int, venv=Non
     try:
         batch = run_episodes(policy, venv, keys, tasks, SamplingSettings(mode=mode, init_noise=init_noise), env_cfg.horizon,
                              torch.Generator().manual_seed(seed), record_frames=gif_dir is not None,
+                             device=next(policy.parameters()).device,  # observations go where the policy is
                              episode_noise_seed=seed)
     finally:
         policy.train(was_training)

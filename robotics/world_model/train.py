@@ -96,7 +96,8 @@ def collect_policy_episodes(policy, venv, keys: list[int], tasks: list[str], hea
     was = policy.training
     policy.eval()
     try:
-        run_episodes(policy, rec, keys, tasks, SamplingSettings(mode=head_mode, noise_level=noise_level), horizon, generator)
+        run_episodes(policy, rec, keys, tasks, SamplingSettings(mode=head_mode, noise_level=noise_level), horizon, generator,
+                     device=next(policy.parameters()).device)
     finally:
         policy.train(was)
     return rec.episodes("policy")
