@@ -105,6 +105,29 @@ def sampled_and_greedy_accuracy(model, tokenizer, examples: list[dict[str, Any]]
     return out
 
 
+def _sft_step(model, tok, examples: list[dict], opt, sched, grad_clip: float) -> float:
+    """One supervised step on ``examples`` (prompt -> answer + eos; the loss is the answer tokens' mean NLL)."""
+    prompts = [torch.tensor(tok(ex["prompt"]).input_ids) for ex in examples]
+    targets = [torch.tensor(tok(str(ex["answer"]), add_special_tokens=False).input_ids + [tok.eos_token_id])
+               for ex in examples]
+    batch = collate(prompts, targets, None, tok.pad_token_id)
+    model.train()
+    logp, _ = token_log_probs(model, batch, 1.0)
+    loss = -(logp.sum() / batch.completion_mask.sum())
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    opt.step()
+    sched.step()
+    return float(loss.detach())
+
+
+def _band_distance(sampled: float, c) -> float:
+    """How far a checkpoint's sampled accuracy is from ``c.target``; any in-band checkpoint beats any outside."""
+    lo, hi = c.target_band
+    return abs(sampled - c.target) - (1.0 if lo <= sampled <= hi else 0.0)
+
+
 def run(cfg: dict, run_dir: Path, log=print) -> dict[str, float]:
     c: SFTConfig = from_dict(SFTConfig, cfg, "sft")
     torch.set_num_threads(c.num_threads)
@@ -134,21 +157,8 @@ def run(cfg: dict, run_dir: Path, log=print) -> dict[str, float]:
     step = 0
     loss_sum = 0.0
     while step < c.max_steps:
-        batch_ex = [next(stream) for _ in range(c.batch_size)]
-        prompts = [torch.tensor(tok(ex["prompt"]).input_ids) for ex in batch_ex]
-        targets = [torch.tensor(tok(str(ex["answer"]), add_special_tokens=False).input_ids + [tok.eos_token_id])
-                   for ex in batch_ex]
-        batch = collate(prompts, targets, None, tok.pad_token_id)
-        model.train()
-        logp, _ = token_log_probs(model, batch, 1.0)
-        loss = -(logp.sum() / batch.completion_mask.sum())
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), c.grad_clip)
-        opt.step()
-        sched.step()
+        loss_sum += _sft_step(model, tok, [next(stream) for _ in range(c.batch_size)], opt, sched, c.grad_clip)
         step += 1
-        loss_sum += float(loss.detach())
         minutes = (time.perf_counter() - start) / 60
         if step % c.eval_every == 0 or step == c.max_steps or minutes > c.max_minutes:
             model.eval()
@@ -160,13 +170,10 @@ def run(cfg: dict, run_dir: Path, log=print) -> dict[str, float]:
                 f.write(json.dumps(rec) + "\n")
             log(f"sft step {step}: loss {rec['loss']:.4f} sampled {acc['sampled_accuracy']:.3f} "
                 f"greedy {acc['greedy_accuracy']:.3f} ({minutes:.1f} min)")
-            lo, hi = c.target_band
-            s = acc["sampled_accuracy"]
-            in_band = lo <= s <= hi
-            dist = abs(s - c.target) - (1.0 if in_band else 0.0)  # any in-band checkpoint beats any outside
+            dist = _band_distance(acc["sampled_accuracy"], c)
             if best is None or dist < best[0]:
                 best = (dist, step, {k: v.detach().clone() for k, v in model.state_dict().items()}, rec)
-            if (c.stop_above_band and s > hi) or minutes > c.max_minutes:
+            if (c.stop_above_band and acc["sampled_accuracy"] > c.target_band[1]) or minutes > c.max_minutes:
                 break
     assert best is not None
     _, best_step, state, rec = best
