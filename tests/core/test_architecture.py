@@ -205,3 +205,37 @@ def test_cycle_checker_sees_lazy_relative_and_from_imports(tmp_path):
     assert "pkg.sub.b (pkg/sub/b.py:2) -> pkg.c (pkg/c.py:1) -> pkg.sub.b" in cycles[frozenset({"pkg.sub.b", "pkg.c"})] \
         or "pkg.c (pkg/c.py:1) -> pkg.sub.b (pkg/sub/b.py:2) -> pkg.c" in cycles[frozenset({"pkg.sub.b", "pkg.c"})]
     assert import_graph(tmp_path, ("pkg",))["pkg.f"] == {"pkg.sub.b": 1}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# One hook protocol: the core calls a domain's (and its config's) hooks directly — every optional hook has its
+# default on shared_rl.domain.DomainBase / DomainConfig — and never probes for them with getattr / hasattr.
+
+_PROBED = ("domain", "domain_config", "config_class")
+
+
+def _hook_probes(tree: ast.AST) -> list[str]:
+    """``getattr(x.domain, "...")`` / ``hasattr(cfg.domain_config, ...)`` style calls on a domain or its config."""
+    found = []
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr")
+                and node.args):
+            target = node.args[0]
+            if isinstance(target, ast.Call) and isinstance(target.func, ast.Name) and target.func.id == "type":
+                target = target.args[0] if target.args else target
+            name = target.attr if isinstance(target, ast.Attribute) else getattr(target, "id", "")
+            if name in _PROBED:
+                found.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_the_core_never_probes_a_domain_for_hooks():
+    bad = {}
+    for path in sorted((ROOT / "shared_rl").rglob("*.py")):
+        probes = _hook_probes(ast.parse(path.read_text()))
+        if probes:
+            bad[str(path.relative_to(ROOT))] = probes
+    assert not bad, f"declare the hook on DomainBase / DomainConfig and call it: {bad}"
+    # the checker sees the forms it forbids
+    src = "a = getattr(self.domain, 'x', None)\nb = hasattr(cfg.domain_config, 'y')\nc = getattr(type(self.domain), 'z')"
+    assert len(_hook_probes(ast.parse(src))) == 3
