@@ -40,7 +40,7 @@ and value targets (``advantages.gae``); the trainer adds ``value_coef ·`` the v
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, Sequence, runtime_checkable
 
@@ -88,6 +88,9 @@ class RunContext:
     # the validated TrainConfig (None for a domain built by hand): trainer-section values a domain needs at run time
     # (e.g. which rewards train, advantage.weights) are read from here, never copied into its own config
     train_cfg: Any = None
+    # objects the user already holds, handed over through the Python API instead of paths in the config (e.g. the
+    # llm domain reads "model" and "tokenizer"); a domain documents the names it reads and ignores the rest
+    objects: dict[str, Any] = field(default_factory=dict)
 
 
 @runtime_checkable

@@ -55,7 +55,10 @@ def _add_step_stats(stats: StepStats, st: dict[str, torch.Tensor], mask: torch.T
 class Trainer:
     """Builds the domain from a validated ``TrainConfig`` and runs it."""
 
-    def __init__(self, cfg: TrainConfig, run_dir: Path | None = None, log=print) -> None:
+    def __init__(self, cfg: TrainConfig, run_dir: Path | None = None, log=print,
+                 objects: dict[str, Any] | None = None) -> None:
+        """``objects``: things the caller already holds (a model, a tokenizer...), handed to the domain
+        (``RunContext.objects``) instead of being loaded from the config's paths; see ``shared_rl.api``."""
         self.cfg = cfg
         self.run_dir = Path(run_dir) if run_dir else None
         self.log = log
@@ -74,7 +77,8 @@ class Trainer:
             self.device = torch.device("cuda", self.dist.local_rank)
         torch.manual_seed(cfg.seed)
         ctx = RunContext(run_dir=self.run_dir, device=self.device, seed=cfg.seed, log=log,
-                         process_index=self.dist.rank, num_processes=self.dist.world, train_cfg=cfg)
+                         process_index=self.dist.rank, num_processes=self.dist.world, train_cfg=cfg,
+                         objects=dict(objects or {}))
         self.domain = resolve_domain(cfg.domain)(cfg.domain_config, ctx)
         self.fsdp = self._setup_fsdp() if cfg.distributed.strategy == "fsdp2" else None
         params = [p for p in self.domain.parameters() if p.requires_grad]

@@ -24,7 +24,7 @@ from ..domain import DomainBase, DomainConfig, RunContext, StepLogProbs
 from ..rewards import RewardGuardConfig, guarded_reward
 from ..rollout import Rollout
 from .engine import RolloutEngine, TorchRolloutEngine
-from .model import LLMLoraSettings, load_causal_lm, load_tokenizer
+from .model import LLMLoraSettings, load_causal_lm, load_tokenizer, prepare_causal_lm
 from .policy import collate, collate_shared, reference_context, token_log_probs, token_log_probs_shared
 from .rewards import LLMRewardSpec, build_reward, call_reward
 from .tasks import DatasetSettings, format_prompt, load_task
@@ -196,8 +196,12 @@ class LLMDomain(DomainBase):
         if cfg.num_threads > 0:
             torch.set_num_threads(cfg.num_threads)
         self.device = ctx.device
-        self.tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
-        self.model = load_causal_lm(cfg.model, cfg.dtype, self.device, cfg.lora, cfg.gradient_checkpointing)
+        held_model, held_tok = ctx.objects.get("model"), ctx.objects.get("tokenizer")  # shared_rl.llm.api
+        self.tokenizer = held_tok if held_tok is not None else load_tokenizer(cfg.tokenizer or cfg.model)
+        if held_model is not None:
+            self.model = prepare_causal_lm(held_model, self.device, cfg.lora, cfg.gradient_checkpointing, cfg.model)
+        else:
+            self.model = load_causal_lm(cfg.model, cfg.dtype, self.device, cfg.lora, cfg.gradient_checkpointing)
         self.reference = None
         if cfg.keep_reference and not cfg.lora.enabled:
             self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)

@@ -87,6 +87,13 @@ def load_causal_lm(path: str, dtype: str = "float32", device: torch.device | str
                    gradient_checkpointing: bool = False) -> torch.nn.Module:
     """Load any ``AutoModelForCausalLM``; wrap it with a peft LoRA adapter when ``lora.enabled``."""
     model = AutoModelForCausalLM.from_pretrained(resolve_model_path(path), dtype=DTYPES[dtype])
+    return prepare_causal_lm(model, device, lora, gradient_checkpointing, path)
+
+
+def prepare_causal_lm(model: torch.nn.Module, device: torch.device | str = "cpu", lora: LLMLoraSettings | None = None,
+                      gradient_checkpointing: bool = False, path: str = "the model") -> torch.nn.Module:
+    """A causal LM the caller holds, ready to train: on ``device``, optionally checkpointed, LoRA-wrapped when
+    ``lora.enabled`` (the returned peft model shares the caller's weights; without LoRA it is the same object)."""
     model.to(device)
     if gradient_checkpointing:
         # transformers >= 5.2x calls it activation checkpointing; older versions only know the old name

@@ -1,0 +1,54 @@
+"""grove from Python: the same runs as the CLI, with objects you already hold.
+
+    from shared_rl.api import train
+    trainer = train("configs/toy.yaml", overrides={"iterations": 20}, run_dir="runs/toy")
+    print(trainer.history[-1])
+
+``train`` validates exactly as ``grove train`` does (the config loader and the preflight: one ``ConfigError`` line
+for any mistake, nothing written), builds a ``Trainer`` and runs it; ``objects`` are handed to the domain instead
+of the paths its config names (``RunContext.objects``: the llm domain reads ``model`` and ``tokenizer``). For text
+models there is a TRL-shaped front door, ``shared_rl.llm.api.GRPOTrainer(model=..., reward_funcs=...,
+train_dataset=..., args=...)``.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from .config import TrainConfig, apply_overrides, load_train_config, load_yaml
+from .trainer import Trainer
+
+
+def merge(base: dict, over: Mapping[str, Any]) -> dict:
+    """``base`` with ``over`` merged in section by section (nested mappings merge, other values replace)."""
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = merge(out[k], v) if isinstance(v, Mapping) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def load_config(config: str | Path | Mapping[str, Any] | TrainConfig,
+                overrides: Mapping[str, Any] | Sequence[str] = ()) -> TrainConfig:
+    """A validated ``TrainConfig`` from a YAML path, a mapping of sections or a ``TrainConfig``, with overrides:
+    a mapping of sections (``{"optim": {"lr": 1e-3}}``) or CLI-style strings (``["optim.lr=1e-3"]``)."""
+    if isinstance(config, TrainConfig):
+        if overrides:
+            raise ValueError("overrides apply to a YAML path or a mapping; change the TrainConfig's fields instead")
+        return config
+    data = load_yaml(config) if isinstance(config, (str, Path)) else dict(config)
+    if isinstance(overrides, Mapping):
+        data = merge(data, overrides)
+    else:
+        data = apply_overrides(data, list(overrides))
+    return load_train_config(data)
+
+
+def train(config: str | Path | Mapping[str, Any] | TrainConfig, overrides: Mapping[str, Any] | Sequence[str] = (),
+          run_dir: str | Path | None = None, objects: Mapping[str, Any] | None = None, log=print) -> Trainer:
+    """Validate ``config`` (+ ``overrides``), build the trainer (handing it ``objects``) and run every iteration;
+    returns the ``Trainer`` (``.history`` the metric records, ``.domain`` the trained policy). With ``run_dir`` the
+    run writes its metrics, checkpoints, plots and export there, as ``grove train --out`` does."""
+    trainer = Trainer(load_config(config, overrides), Path(run_dir) if run_dir else None, log=log,
+                      objects=dict(objects or {}))
+    trainer.fit()
+    return trainer
