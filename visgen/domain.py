@@ -372,7 +372,12 @@ class VisgenDomain(DomainBase):
             torch.set_num_threads(cfg.num_threads)
         if ctx.device.type == "cpu":
             torch.set_flush_denormal(True)  # denormal floats make CPU kernels crawl as LoRA deltas shrink
-        self.pipe, self.model_location, local = load_pipeline(cfg.model, DTYPES[cfg.dtype])
+        held = ctx.objects.get("pipeline")  # a pipeline the caller holds (visgen.api), trained in place
+        if held is not None:
+            self.pipe, self.model_location, local = held, cfg.model, False
+            self.pipe.set_progress_bar_config(disable=True)
+        else:
+            self.pipe, self.model_location, local = load_pipeline(cfg.model, DTYPES[cfg.dtype])
         self.pipe.to(ctx.device)
         self.adapter = as_adapter(self.pipe)
         settings = self._asset_settings(local)
