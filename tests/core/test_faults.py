@@ -356,7 +356,7 @@ def test_a_hung_reward_with_a_time_out_ends_the_process(tmp_path):
         _, proc = _launch(tmp_path, "GuardedToy", "guarded_toy", SMALL, ["--out", str(run)], GROVE_TEST_REWARD="hang",
                           GROVE_TEST_FLAG=str(flag), GROVE_TEST_GUARD=json.dumps(guard))
         try:
-            out = proc.communicate(timeout=120)[0]
+            out = proc.communicate(timeout=60)[0]
         finally:
             if proc.poll() is None:
                 proc.kill()
@@ -398,7 +398,7 @@ def test_sigterm_abandons_a_stuck_reward_checkpoints_and_resume_is_exact(tmp_pat
         flag.write_text("hang")  # the next reward call hangs
         time.sleep(1.0)
         proc.send_signal(signal.SIGTERM)
-        out = proc.communicate(timeout=120)[0]
+        out = proc.communicate(timeout=60)[0]
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -11,8 +11,10 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
+from shared_rl.checkpoint import save_checkpoint
 from shared_rl.cli import main
 from shared_rl.errors import RunDirectoryBusy, RunDirectoryLost
 from shared_rl.rundir import LOCK_NAME, RunLock, check_run_dir, holder
@@ -84,6 +86,10 @@ def test_a_deleted_or_replaced_run_directory_is_noticed(tmp_path):
         check_run_dir(run)
     lock.release()
     assert list(run.iterdir()) == []  # release never deletes another lock file
+    shutil.rmtree(run)
+    with pytest.raises(RunDirectoryLost):  # a checkpoint never recreates a vanished run directory
+        save_checkpoint(run / "checkpoints", 1, {"w": torch.zeros(2)}, None, {"iteration": 1})
+    assert not run.exists()
 
 
 # ------------------------------------------------------------------------------------------------- through grove
@@ -105,7 +111,7 @@ def test_a_writer_that_passed_the_emptiness_check_is_stopped_by_the_lock(tmp_pat
 def test_second_writers_exit_2_naming_the_owner_and_a_deleted_run_stops_with_1(tmp_path, capsys):
     done = tmp_path / "done"
     assert main(["train", str(_config(tmp_path)), "--out", str(done)]) == 0  # a finished run, for grove eval
-    cfg = _config(tmp_path, iterations=1_000_000, checkpoint={"every": 0, "keep_last": 1})
+    cfg = _config(tmp_path, iterations=1_000_000, checkpoint={"every": 1, "keep_last": 1})
     run = tmp_path / "run"
     proc = _grove(["train", str(cfg), "--out", str(run)], tmp_path)
     try:
