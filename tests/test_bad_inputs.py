@@ -374,3 +374,35 @@ def test_a_read_only_run_directory_at_resume(tmp, capsys):
         assert_one_line_error(["train", "--resume", str(run), "iterations=4"], "Read-only file system", tmp, capsys)
     finally:
         subprocess.run(["umount", str(run)], capture_output=True, timeout=30)
+
+
+def test_files_and_dataset_folders_a_config_names_are_read_by_their_suffix(tmp):
+    """A LeRobot-like dataset folder: its parquet files must carry parquet's marks and its JSON must be UTF-8;
+    npz and safetensors files their own marks. The line names the setting and the file."""
+    from dataclasses import dataclass
+
+    from shared_rl.errors import ConfigError
+    from shared_rl.preflight import check_named_files
+
+    @dataclass
+    class Settings:
+        domain: str
+        data: str
+
+    ds = tmp / "lerobot"
+    (ds / "meta").mkdir(parents=True)
+    (ds / "data").mkdir()
+    (ds / "meta" / "info.json").write_text('{"fps": 10}')
+    (ds / "data" / "episode_0.parquet").write_bytes(b"PAR1" + b"\0" * 16 + b"PAR1")
+    check_named_files(Settings("x", str(ds)))  # well formed: nothing to say
+    (ds / "data" / "episode_1.parquet").write_bytes(b"<html>404 not found</html>")
+    with pytest.raises(ConfigError, match=r"^data '.*episode_1.parquet' is not a valid parquet file"):
+        check_named_files(Settings("x", str(ds)))
+    (ds / "data" / "episode_1.parquet").unlink()
+    (ds / "meta" / "info.json").write_bytes('{"robot": "caf\xe9"}'.encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"info.json' is not UTF-8 text \(byte 0xe9 at offset 14\)"):
+        check_named_files(Settings("x", str(ds)))
+    for name in ("demos.npz", "model.safetensors"):
+        (tmp / name).write_bytes(b"\xff" * 64)
+        with pytest.raises(ConfigError, match=rf"{name}' is not a valid {name.split('.')[1]} file"):
+            check_named_files(Settings("x", str(tmp / name)))
