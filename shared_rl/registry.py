@@ -38,6 +38,7 @@ BENCHMARKS: dict[str, str] = {
     "visgen-methods": "bench.visgen_methods:run",
     "visgen-two-stage": "bench.visgen_two_stage:run",
     "gpu-two-stage": "bench.gpu_two_stage:run",
+    "gpu": "bench.gpu:run",
     "scale": "bench.scale:run",
 }
 
