@@ -246,10 +246,11 @@ def describe(obj: Any, prefix: str = "") -> list[tuple[str, Any, Any, str]]:
             default = f.default_factory()
         else:
             default = dataclasses.MISSING
-        if isinstance(value, Choice):  # the part's name, then its own settings as path.<setting>
-            rows.append((path, value.name, default.name if isinstance(default, Choice) else default,
-                         f.metadata.get("help", "")))
-            if dataclasses.is_dataclass(value.settings):
+        if isinstance(value, Choice):  # the part's name, then its own settings: path.name, path.<setting> (YAML form)
+            has_settings = dataclasses.is_dataclass(value.settings) and bool(dataclasses.fields(value.settings))
+            rows.append((f"{path}.name" if has_settings else path, value.name,
+                         default.name if isinstance(default, Choice) else default, f.metadata.get("help", "")))
+            if has_settings:
                 rows += describe(value.settings, f"{path}.")
             continue
         rows.append((path, value, default, f.metadata.get("help", "")))
@@ -368,7 +369,7 @@ class LossConfig:
     policy_loss: Optional[PolicyLossChoice] = field(default=None, metadata={
         "help": "a shared_rl.losses.POLICY_LOSSES entry, by name or {name: .., <its settings>}: clipped (PPO/GRPO/"
                 "DAPO) | gspo (sequence ratio) | cispo (clipped IS weight) | {name: sapo, tau_pos, tau_neg} (soft "
-                "gate) | {name: guard, center, reweight} (GRPO-Guard); null = the loss the domain's method implies "
+                "gate) | {name: guard, scale, center, step_weight} (GRPO-Guard); null = the loss the domain's method implies "
                 "(visgen objective nft / awm), else clipped"})
     clip_low: float = field(default=0.2, metadata={"help": "ratio clip below: 1 - clip_low (clipped, gspo, cispo)"})
     clip_high: Optional[float] = field(default=None, metadata={
