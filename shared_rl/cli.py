@@ -253,11 +253,10 @@ def _load_config(args) -> tuple[dict, Path]:
 
 
 def _read_config(config_path: Path, overrides: list[str]) -> dict:
-    """The config file with its overrides applied; the bytes are checked before YAML reads them (UTF-8 text,
-    bounded size, nesting and alias expansion: ``preflight.check_config_file``)."""
-    from .preflight import check_config_file, check_override_text
+    """The config file with its overrides applied; the bytes of both are checked before YAML reads them (UTF-8
+    text, bounded size, nesting and alias expansion: ``preflight.check_config_file``, which ``load_yaml`` runs)."""
+    from .preflight import check_override_text
 
-    check_config_file(config_path)
     for override in overrides:
         check_override_text(override)
     return apply_overrides(load_yaml(config_path), overrides)

@@ -19,7 +19,10 @@ raises ``RunDirectoryLost`` (exit code 1) instead of writing into a recreated, h
 
 **Whole files.** ``atomic_write_text``/``atomic_path`` write a temporary file beside the target, fsync it and
 rename it into place: a kill or a full disk leaves the old file or the new one, never a truncated one (a 0-byte
-``config.yaml`` made a run neither resumable nor reusable).
+``config.yaml`` made a run neither resumable nor reusable). The end-of-run export goes the same way
+(``begin_final``/``commit_final``): written into ``.tmp-final`` and renamed to ``final/`` as the run's last act, so
+``final/`` exists exactly when the run finished, and ``grove train --resume`` exports a run again that was stopped
+while exporting.
 """
 from __future__ import annotations
 

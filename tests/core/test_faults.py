@@ -421,7 +421,8 @@ def test_a_reward_thread_computes_with_the_callers_torch_state():
     seen = []
 
     def backend(x):
-        seen.append((torch.is_grad_enabled(), torch.is_inference_mode_enabled(), threading.current_thread().daemon))
+        seen.append((torch.is_grad_enabled(), torch.is_inference_mode_enabled(), torch.is_autocast_enabled("cpu"),
+                     threading.current_thread().daemon))
         return {"r": [0.0] * len(x)}
 
     g = guarded_reward(backend, "r", RewardGuardConfig(), len, log=lambda *_: None)
@@ -429,5 +430,8 @@ def test_a_reward_thread_computes_with_the_callers_torch_state():
         g([0])
     with torch.inference_mode():
         g([0])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        g([0])
     g([0])
-    assert seen == [(False, False, True), (False, True, True), (True, False, True)]
+    assert seen == [(False, False, False, True), (False, True, False, True), (True, False, True, True),
+                    (True, False, False, True)]
