@@ -55,15 +55,23 @@ class _Judge(BaseHTTPRequestHandler):
         if reply == "SLOW":
             time.sleep(1.0)
             reply = "9"
+        trickle = reply == "TRICKLE"  # headers at once, then a byte every 0.2 s: each read is in time, the whole not
         if reply == "BROKEN":
             raw = b"{not json"
         else:
-            raw = json.dumps({"choices": [{"message": {"role": "assistant", "content": reply}}]}).encode()
+            raw = json.dumps({"choices": [{"message": {"role": "assistant", "content": "6" if trickle else reply}}]}
+                             ).encode()
         self.send_response(200)
         self.send_header("Content-Length", str(len(raw)))
         self.end_headers()
         try:
-            self.wfile.write(raw)
+            if trickle:
+                for i in range(len(raw)):
+                    self.wfile.write(raw[i:i + 1])
+                    self.wfile.flush()
+                    time.sleep(0.2)
+            else:
+                self.wfile.write(raw)
         except (BrokenPipeError, ConnectionResetError):
             pass
 
@@ -100,6 +108,17 @@ def test_vlm_judge_scores_parses_and_isolates_failures(judge_url, monkeypatch):
         get_reward("vlm_judge", base_url=judge_url, api_key_env="SURELY_NOT_SET_ANYWHERE")
     with pytest.raises(RewardInputError, match="mode must be one of"):
         get_reward("vlm_judge", base_url=judge_url, mode="stars")
+
+
+def test_vlm_judge_time_out_bounds_the_whole_request(judge_url):
+    """A server trickling its reply (every socket read in time, ~14 s in all) is cut off at timeout_s per attempt:
+    the image scores NaN after 2 attempts of 0.5 s, not after the whole trickle."""
+    _Judge.replies = {"cat": "TRICKLE"}
+    judge = get_reward("vlm_judge", base_url=judge_url, timeout_s=0.5, retries=1, backoff_s=0.01)
+    t = time.perf_counter()
+    score = judge(torch.rand(1, 3, 8, 8), ["cat"])["vlm_judge"]
+    assert torch.isnan(score).all() and judge.failures == 1
+    assert time.perf_counter() - t < 4.0
 
 
 def test_grove_rewards_lists_every_reward_and_scores_images(tmp_path, capsys):

@@ -44,8 +44,10 @@ class _HTTPStatus(Exception):
         self.code, self.message = code, message
 
 
-def _fetch(url: str, method: str, body: bytes | None, timeout_s: float) -> tuple[int, bytes]:
-    """(status, body) of one HTTP request that takes at most ``timeout_s`` in all; TimeoutError past it."""
+def _fetch(url: str, method: str, body: bytes | None, timeout_s: float,
+           headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+    """(status, body) of one HTTP request that takes at most ``timeout_s`` in all; TimeoutError past it. Shared by
+    the remote reward and the VLM judge (``vlm_judge.py``)."""
     parts = urllib.parse.urlsplit(url)
     conn_class = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
     conn = conn_class(parts.hostname or "", parts.port, timeout=timeout_s)
@@ -70,8 +72,8 @@ def _fetch(url: str, method: str, body: bytes | None, timeout_s: float) -> tuple
         if expired.is_set():
             cut_off()
         path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-        headers = {"Content-Type": "application/json"} if body is not None else {}
-        conn.request(method, path, body=body, headers=headers)
+        sent = {"Content-Type": "application/json"} if body is not None else {}
+        conn.request(method, path, body=body, headers={**sent, **(headers or {})})
         resp = conn.getresponse()
         return resp.status, resp.read()
     except (OSError, http.client.HTTPException) as exc:

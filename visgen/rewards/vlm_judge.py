@@ -9,7 +9,7 @@ Pref-GRPO) and general VLMs (Qwen2.5-VL, ...) are served by vLLM / SGLang / TGI 
 - ``mode: scale``: the first number in ``[1, max_score]`` ("8", "8/10", "Score: 8.5") -> ``(n - 1) / (max_score
   - 1)`` in [0, 1].
 
-A reply with neither, an HTTP error, a malformed JSON body or a time-out (``timeout_s`` per request, its own,
+A reply with neither, an HTTP error, a malformed JSON body, a reply cut short or a time-out (``timeout_s`` for the whole request, its own,
 independent of the domain's ``reward_guard``) is retried ``retries`` times with exponential back-off
 (``backoff_s``); after the last attempt that *image* scores NaN (masked and counted by the trainer), the rest of
 the batch keeps its scores. ``max_workers`` requests run concurrently. The API key, if the server needs one, is
@@ -25,14 +25,14 @@ import math
 import os
 import re
 import time
-import urllib.error
-import urllib.request
+import http.client
 from typing import Sequence
 
 import numpy as np
 import torch
 
 from .base import RewardInfo, RewardInputError, check_batch, finite_rows, register, to_uint8
+from .remote import _fetch
 
 QUESTIONS = {
     "yes_no": 'Does this image match the description "{prompt}"? Answer with yes or no.',
@@ -92,12 +92,12 @@ class VlmJudge:
             "role": "user", "content": [
                 {"type": "image_url", "image_url": {"url": png_data_url(pixels)}},
                 {"type": "text", "text": self.question.format(prompt=prompt, max_score=self.max_score)}]}]}
-        headers = {"Content-Type": "application/json"}
-        if self.api_key:
-            headers["Authorization"] = f"Bearer {self.api_key}"
-        req = urllib.request.Request(self.url, data=json.dumps(body).encode(), headers=headers, method="POST")
-        with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
-            reply = json.loads(resp.read().decode("utf-8"))
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        # timeout_s bounds the whole request (a server trickling its reply is cut off), as the remote reward's
+        status, raw = _fetch(self.url, "POST", json.dumps(body).encode(), self.timeout_s, headers)
+        if status >= 400:
+            raise ValueError(f"HTTP {status}")
+        reply = json.loads(raw.decode("utf-8"))
         content = reply["choices"][0]["message"]["content"]
         if isinstance(content, list):  # some servers return content parts
             content = " ".join(part.get("text", "") for part in content if isinstance(part, dict))
@@ -112,8 +112,8 @@ class VlmJudge:
                 value = self.parse(self._request(pixels, prompt))
                 if not math.isnan(value):
                     return value
-            except (OSError, urllib.error.URLError, ValueError, KeyError, IndexError, TypeError):
-                pass  # connection refused, time-out, HTTP error, malformed JSON: retried
+            except (OSError, http.client.HTTPException, ValueError, KeyError, IndexError, TypeError):
+                pass  # connection refused, time-out, HTTP error, a reply cut short, malformed JSON: retried
             if attempt < self.retries:
                 time.sleep(self.backoff_s * 2**attempt)
         self.failures += 1
