@@ -65,6 +65,10 @@ class RoboticsConfig(DomainConfig):
         "help": "flow head, evaluation ODE: std of the chain's start; 0 = deterministic"})
     train_states_per_task: int = field(default=50, metadata={"help": "training reset states per task (the keys)"})
     eval_states_per_task: int = field(default=20, metadata={"help": "held-out reset states per task for evaluation"})
+    eval_standard_error: bool = field(default=False, metadata={
+        "help": "also log eval/success_se and eval/success_se/<task>: the binomial standard error sqrt(p(1-p)/n) "
+                "of each held-out success (the overall one stratified over tasks); with 100 states per task a "
+                "success near 0.8 has se 0.04"})
     eval_split: Literal["eval", "train"] = field(default="eval", metadata={
         "help": "eval = the held-out reset states; train = the first eval_states_per_task of the training states "
                 "RL draws (grove eval RUN robotics.eval_split=train: the policy's generalisation gap)"})

@@ -52,16 +52,51 @@ class EpisodeBatch:
     frames: list[list[np.ndarray]] | None = None  # per env, the frames seen (for GIFs)
 
 
+@dataclass
+class ChunkNoise:
+    """Every random draw of one chunk per row, given instead of drawn from a shared generator (``chunk_noise``)."""
+
+    start: torch.Tensor | None  # [B, D] flow: the chain's standard-normal start
+    steps: torch.Tensor | None  # [B, S, D] flow: the SDE noise of every denoising step
+    one_step: torch.Tensor | None  # [B] flow, sde_one_step: the stochastic step
+    gumbel: torch.Tensor | None  # [B, D, bins] discrete: Gumbel noise (argmax(log q + g) samples q exactly)
+
+
+def _stream_seed(seed: int, chunk: int) -> int:
+    return int(np.random.SeedSequence([int(seed) % 2**63, int(chunk)]).generate_state(1)[0])
+
+
+def chunk_noise(cfg, seeds, chunk: int) -> ChunkNoise:
+    """The noise of chunk ``chunk`` of the episodes whose noise streams are ``seeds``: one generator per (seed,
+    chunk), so a stream's draws do not depend on the batch, the row's position, how many chunks the episode runs
+    or which env it runs in — the two-stage rollout imagines a candidate with a stream and re-executes exactly
+    that candidate in the simulator with the same stream (closed loop: the same noise, the real observations)."""
+    gens = [torch.Generator().manual_seed(_stream_seed(s, chunk)) for s in seeds]
+    if cfg.head == "flow":
+        d, n = cfg.chunk * cfg.action_dim, cfg.num_denoise_steps
+        start = torch.stack([torch.randn(d, generator=g) for g in gens])
+        steps = torch.stack([torch.randn(n, d, generator=g) for g in gens])
+        one = torch.cat([torch.randint(0, max(n - 1, 1), (1,), generator=g) for g in gens])
+        return ChunkNoise(start, steps, one, None)
+    u = torch.stack([torch.rand(cfg.chunk * cfg.action_dim, cfg.num_bins, generator=g) for g in gens])
+    return ChunkNoise(None, None, None, -torch.log(-torch.log(u.clamp(1e-12, 1 - 1e-7))))
+
+
 def sample_chunk(policy: TinyVLA, h: torch.Tensor, s: SamplingSettings, generator: torch.Generator | None,
-                 start_noise: torch.Tensor | None = None):
+                 start_noise: torch.Tensor | None = None, noise: ChunkNoise | None = None):
     """One action chunk per row. Returns (actions [B,K,A], chain, stochastic [B,S], logp [B,S], nfe per row).
-    ``start_noise`` [B, D]: the flow chain's standard-normal start per row (else drawn from ``generator``)."""
+    ``start_noise`` [B, D]: the flow chain's standard-normal start per row (else drawn from ``generator``);
+    ``noise``: every draw per row (``chunk_noise``; ``generator`` is then not used)."""
     cfg = policy.cfg
     b = h.shape[0]
     if cfg.head == "flow":
         if s.mode not in ("ode", "flow_sde", "flow_noise", "sde_one_step"):
             raise ValueError(f"a flow head samples with ode/flow_sde/flow_noise/sde_one_step, not {s.mode!r}")
-        out = policy.flow.sample(h, s.mode, generator, s.noise_level, s.logp_reduce, s.init_noise, start_noise)
+        if noise is not None:
+            out = policy.flow.sample(h, s.mode, generator, s.noise_level, s.logp_reduce, s.init_noise, noise.start,
+                                     step_noise=noise.steps, one_step=noise.one_step)
+        else:
+            out = policy.flow.sample(h, s.mode, generator, s.noise_level, s.logp_reduce, s.init_noise, start_noise)
         acts = out.actions.view(b, cfg.chunk, cfg.action_dim)
         return acts, out.chain, out.stochastic, out.logp, cfg.num_denoise_steps
     if s.mode not in ("discrete", "greedy"):
@@ -73,7 +108,10 @@ def sample_chunk(policy: TinyVLA, h: torch.Tensor, s: SamplingSettings, generato
         stoch = torch.zeros(b, 1, dtype=torch.bool)
     else:
         logq = torch.log_softmax(logits / s.temperature, -1)
-        bins = torch.multinomial(logq.exp().view(-1, cfg.num_bins), 1, generator=generator).view(b, -1)
+        if noise is not None:  # Gumbel-max: an exact sample of q from the row's own noise
+            bins = (logq + noise.gumbel.to(logq.device)).argmax(-1)
+        else:
+            bins = torch.multinomial(logq.exp().view(-1, cfg.num_bins), 1, generator=generator).view(b, -1)
         lp = logq.gather(-1, bins[..., None]).squeeze(-1)
         logp = (lp.sum(-1) if s.logp_reduce == "sum" else lp.mean(-1))[:, None]
         stoch = torch.ones(b, 1, dtype=torch.bool)
@@ -93,6 +131,7 @@ def run_episodes(
     record_frames: bool = False,
     device: torch.device | str = "cpu",
     episode_noise_seed: int | None = None,
+    noise_seeds: list[int] | None = None,
 ) -> EpisodeBatch:
     """Run one episode per key (``tasks[i]`` is the task of ``keys[i]``) to the end; batched over envs.
 
@@ -100,7 +139,13 @@ def run_episodes(
     (``episode_noise_seed``, ``keys[i]``), instead of one stream shared by the batch. With the shared stream an
     episode's draws shift whenever any other episode ends earlier or later, so one task's evaluation moved when
     only another task's policy changed; per episode, an ODE evaluation of a key is a function of the weights its
-    task uses, its key and the seed alone. (Evaluation: one episode per key; SDE draws stay on ``generator``.)"""
+    task uses, its key and the seed alone. (Evaluation: one episode per key; SDE draws stay on ``generator``.)
+
+    ``noise_seeds``: episode i draws *every* sampling noise (start, SDE steps, sde_one_step's step, discrete bins)
+    from its own stream ``noise_seeds[i]`` (``chunk_noise``), none from ``generator``: the same stream and the same
+    observations give the same episode in any batch and any env (the two-stage rollout's re-execution)."""
+    if noise_seeds is not None and (episode_noise_seed is not None or len(noise_seeds) != len(keys)):
+        raise ValueError("run_episodes: noise_seeds needs one seed per key and excludes episode_noise_seed")
     cfg = policy.cfg
     b, k = len(keys), cfg.chunk
     n_chunks = math.ceil(horizon / k)
@@ -135,8 +180,9 @@ def run_episodes(
         proprio[act_idx, c] = pro[act_idx]
         h = policy.encode(torch.from_numpy(img[act_idx]).to(device), torch.from_numpy(pro[act_idx]).to(device),
                           [text_ids[i] for i in act_idx])
+        noise = None if noise_seeds is None else chunk_noise(cfg, [noise_seeds[i] for i in act_idx], c)
         acts, ch, st, lp, nfe_row = sample_chunk(policy, h, sampling, generator,
-                                                 None if starts is None else starts[act_idx, c])
+                                                 None if starts is None else starts[act_idx, c], noise)
         nfe += nfe_row * len(act_idx)
         chain[act_idx, c] = ch.cpu().numpy()
         stochastic[act_idx, c] = st.cpu().numpy()
@@ -161,13 +207,30 @@ def run_episodes(
     )
 
 
-def success_by_task(batch: EpisodeBatch, mode: str = "once") -> dict[str, float]:
-    """``eval/success`` and ``eval/success/<task>`` (the mean over the batch's episodes)."""
+def standard_error(successes: np.ndarray) -> float:
+    """The binomial standard error sqrt(p(1-p)/n) of a success rate over ``n`` independent episodes."""
+    n = len(successes)
+    p = float(np.mean(successes)) if n else float("nan")
+    return float(np.sqrt(p * (1 - p) / n)) if n else float("nan")
+
+
+def success_by_task(batch: EpisodeBatch, mode: str = "once", standard_errors: bool = False) -> dict[str, float]:
+    """``eval/success`` and ``eval/success/<task>`` (the mean over the batch's episodes); with ``standard_errors``
+    also ``eval/success_se`` and ``eval/success_se/<task>`` (binomial: a task at p over n states has
+    sqrt(p(1-p)/n); the overall rate is a mean over tasks with fixed state counts (stratified), so its standard
+    error is sqrt(sum_t (n_t/N)^2 · se_t^2), not the pooled binomial's)."""
     succ = batch.success_once if mode == "once" else batch.success_end
     out = {"eval/success": float(np.mean(succ))}
+    var = 0.0
     for task in sorted(set(batch.tasks)):
         sel = np.array([t == task for t in batch.tasks])
         out[f"eval/success/{task}"] = float(np.mean(succ[sel]))
+        if standard_errors:
+            se = standard_error(succ[sel])
+            out[f"eval/success_se/{task}"] = se
+            var += (sel.sum() / len(succ)) ** 2 * se ** 2
+    if standard_errors:
+        out["eval/success_se"] = float(np.sqrt(var))
     out["eval/episode_length"] = float(np.mean(batch.length))
     return out
 

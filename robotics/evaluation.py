@@ -27,13 +27,14 @@ def eval_keys(env_cfg: EnvConfig, per_task: int, split: str = "eval", first_inde
 
 def evaluate_policy(policy: TinyVLA, env_cfg: EnvConfig, per_task: int, venv=None, gif_dir: Path | None = None,
                     tag: str = "", seed: int = 0, init_noise: float = 1.0, split: str = "eval",
-                    first_index: int = 0) -> dict[str, float]:
+                    first_index: int = 0, standard_errors: bool = False) -> dict[str, float]:
     """Deterministic (ODE / arg-max) success on the held-out evaluation reset states (or on ``per_task`` states of
     another ``split`` from ``first_index`` on: the validation states of ``robotics.adapters.keep_best``).
 
     The flow head's ODE starts from Gaussian noise; each episode draws it from its own generator, seeded by
     (``seed``, its reset-state key), so an evaluation is a deterministic function of the weights, and one task's
     score does not move when only another task's policy changes (``run_episodes(episode_noise_seed=...)``).
+    ``standard_errors``: also ``eval/success_se`` and ``eval/success_se/<task>`` (``episodes.success_by_task``).
     """
     keys, tasks = eval_keys(env_cfg, per_task, split, first_index)
     own = venv is None
@@ -56,4 +57,4 @@ def evaluate_policy(policy: TinyVLA, env_cfg: EnvConfig, per_task: int, venv=Non
             i = tasks.index(task)
             ok = "ok" if batch.success_once[i] else "fail"
             write_gif(batch.frames[i], gif_dir / f"{tag}{task}-{ok}.gif")
-    return success_by_task(batch, env_cfg.success_mode)
+    return success_by_task(batch, env_cfg.success_mode, standard_errors)

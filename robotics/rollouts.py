@@ -8,7 +8,10 @@ other part stay the same:
 - ``tree`` (``TreeRollout``): each group is a tree of episodes that share prefixes and branch at
   ``rollout.branch.at_chunks`` (``branching.py``), for the shared tree estimators;
 - ``world_model`` (``world_model/rollout.py``): imagined episodes from keyframes in the learned world model, flat
-  or branching, with co-evolution and audits.
+  or branching, with co-evolution and audits;
+- ``verified`` (``world_model/verified.py``): two-stage — ``verify.candidates`` imagined episodes per keyframe,
+  the shared selector (``shared_rl.two_stage``) keeps ``rollout.group_size``, those are re-executed in the
+  simulator from the keyframe's restored state with the same noise streams, and only their real rewards train.
 
 A strategy is a ``Part`` as well (its state, metrics and export go through the same hooks) plus ``train_keys()``
 and ``rollout(...)``, which returns the ``Rollout`` and, for flat groups, the episodes it was made from (the parts
@@ -33,7 +36,7 @@ from .envs.vector import EnvConfig
 from .episodes import EpisodeBatch, SamplingSettings, run_episodes
 from .parts import Part
 from .policies.vla import TinyVLA
-from .world_model.settings import ImaginationSettings
+from .world_model.settings import ImaginationSettings, VerifySettings
 
 if TYPE_CHECKING:
     from .config import RoboticsConfig
@@ -42,44 +45,56 @@ ROLLOUTS: dict[str, str] = {
     "flat": "robotics.rollouts:FlatRollout",
     "tree": "robotics.rollouts:TreeRollout",
     "world_model": "robotics.world_model.rollout:WorldModelRollout",
+    "verified": "robotics.world_model.verified:VerifiedRollout",
 }
+WORLD_MODEL_ROLLOUTS = ("world_model", "verified")  # the strategies that read rollout.world_model
 
 
 @dataclass
 class RolloutSettings:
     """``robotics.rollout``: the strategy and its settings."""
 
-    name: Literal["flat", "tree", "world_model"] = field(default="flat", metadata={
+    name: Literal["flat", "tree", "world_model", "verified"] = field(default="flat", metadata={
         "help": "flat = independent episodes per reset state in the simulator | tree = branching groups in the "
                 "simulator (branch) | world_model = imagined episodes in the learned world model (world_model; "
-                "branching when branch is set)"})
+                "branching when branch is set) | verified = imagined candidates from keyframes, the selected ones "
+                "re-executed in the simulator and trained on their real rewards (world_model, verify)"})
     branch: BranchConfig = field(default_factory=BranchConfig, metadata={
         "help": "tree and world_model: branch points and factors (their product = rollout.group_size leaves)"})
     world_model: ImaginationSettings = field(default_factory=ImaginationSettings, metadata={
-        "help": "world_model: the world model, its keyframes, rewards, co-evolution and audits"})
+        "help": "world_model and verified: the world model, its keyframes, rewards, co-evolution and audits"})
+    verify: VerifySettings = field(default_factory=VerifySettings, metadata={
+        "help": "verified: imagined candidates per keyframe, the shared selector, the imagined score"})
 
     def check(self, where: str = "robotics.rollout") -> None:
-        if self.name == "flat" and self.branch.enabled:
+        if self.name in ("flat", "verified") and self.branch.enabled:
             raise ConfigError(f"{where}.branch makes tree groups; set {where}.name: tree (or world_model), or leave "
-                              f"branch empty for flat groups")
+                              f"branch empty for {'flat' if self.name == 'flat' else 'verified (flat)'} groups")
         if self.name == "tree" and not self.branch.enabled:
             raise ConfigError(f"{where}.name: tree branches at {where}.branch.at_chunks with branch.factors; set them "
                               f"(e.g. at_chunks: [0, 8], factors: [2, 4]) or use name: flat")
-        if self.name != "world_model" and self.world_model != ImaginationSettings():
-            raise ConfigError(f"{where}.world_model is read by name: world_model only; set {where}.name: world_model "
-                              f"or remove the world_model settings")
+        if self.name not in WORLD_MODEL_ROLLOUTS and self.world_model != ImaginationSettings():
+            raise ConfigError(f"{where}.world_model is read by name: {' | '.join(WORLD_MODEL_ROLLOUTS)} only; set "
+                              f"{where}.name or remove the world_model settings")
+        if self.name != "verified" and self.verify != VerifySettings():
+            raise ConfigError(f"{where}.verify is read by name: verified only; set {where}.name: verified or remove "
+                              f"the verify settings")
 
     def check_with(self, train_cfg, where: str = "robotics.rollout") -> None:
         if self.branch.enabled and self.branch.leaves != train_cfg.rollout.group_size:
             raise ConfigError(f"{where}.branch.factors {self.branch.factors} make {self.branch.leaves} leaves per group "
                               f"but rollout.group_size is {train_cfg.rollout.group_size}; make them equal")
+        if self.name == "verified" and self.verify.candidates < train_cfg.rollout.group_size:
+            raise ConfigError(f"{where}.verify.candidates ({self.verify.candidates}) must be >= rollout.group_size "
+                              f"({train_cfg.rollout.group_size}): a group is the k re-executed of the N imagined")
 
     def structure(self) -> str:
         return "tree" if self.branch.enabled else "flat"
 
     def horizon(self, env: EnvConfig) -> int:
-        """Env steps of one episode: the imagined horizon in the world model, else the env's."""
-        return self.world_model.horizon if self.name == "world_model" else env.horizon
+        """Env steps of one episode: the imagined horizon from a keyframe (imagined, or re-executed from it in the
+        simulator), else the env's."""
+        return self.world_model.horizon if self.name in WORLD_MODEL_ROLLOUTS else env.horizon
 
 
 def rollout_class(name: str) -> type[RolloutStrategy]:

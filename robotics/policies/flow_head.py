@@ -134,24 +134,35 @@ class FlowActionHead(nn.Module):
 
     @torch.no_grad()
     def sample(self, h: torch.Tensor, mode: str, generator: torch.Generator | None, noise_level: float = DEFAULT_NOISE_LEVEL,
-               reduce: str = "sum", init_noise: float = 1.0, start_noise: torch.Tensor | None = None) -> FlowSample:
+               reduce: str = "sum", init_noise: float = 1.0, start_noise: torch.Tensor | None = None,
+               step_noise: torch.Tensor | None = None, one_step: torch.Tensor | None = None) -> FlowSample:
         """One chunk per row. ``init_noise`` scales the starting point x(σ=1) ~ N(0, init_noise²·I): 0 starts every
         chain at the origin, so the ODE is deterministic and all sampling randomness comes from the SDE steps
         (the only randomness a log-prob is computed for). ``start_noise`` [B, D]: the standard-normal draw of that
-        start given per row (an evaluation's per-episode noise) instead of drawn from ``generator``."""
+        start given per row (an evaluation's per-episode noise) instead of drawn from ``generator``.
+        ``step_noise`` [B, S, D] and ``one_step`` [B] (``sde_one_step``'s stochastic step per row): every other draw
+        given per row too, so a row's chunk is a function of its features and its own noise alone (the two-stage
+        rollout's noise streams: an imagined candidate re-executed in the simulator draws the same noise)."""
         if mode not in MODES:
             raise ValueError(f"unknown flow sampling mode {mode!r}; choose one of {MODES}")
         b, d, s = h.shape[0], self.action_dim, self.num_steps
         dev = h.device
         z = torch.randn(b, d, generator=generator) if start_noise is None else start_noise
         x = (z * init_noise).to(dev)
-        stochastic = self.stochastic_steps(b, mode, generator, dev)
+        if one_step is not None and mode == "sde_one_step":
+            stochastic = torch.zeros(b, s, dtype=torch.bool, device=dev)
+            stochastic[torch.arange(b, device=dev), one_step.to(dev)] = True
+        else:
+            stochastic = self.stochastic_steps(b, mode, generator, dev)
         chain = [x]
         logp = torch.zeros(b, s, device=dev)
         for t in range(s):
             rows = stochastic[:, t]
             # noise is drawn only at steps where some row is stochastic (keeps the generator's stream per mode)
-            eps = torch.randn(b, d, generator=generator).to(dev) if rows.any() else None
+            if step_noise is not None:
+                eps = step_noise[:, t].to(dev)
+            else:
+                eps = torch.randn(b, d, generator=generator).to(dev) if rows.any() else None
             out = self.transition(h, x, torch.full((b,), t, device=dev), mode, noise_level, rows, noise=eps,
                                   reduce=reduce)
             x = out.next_sample

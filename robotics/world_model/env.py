@@ -96,7 +96,7 @@ class WorldModelEnv:
         pro = torch.from_numpy(np.stack([kf.proprio for kf in kfs]).astype(np.float32))
         self.slots = [LatentState(key=int(k), z=z[i], z_prev=z_prev[i], proprio=pro[i], frame=frames[i], steps=0,
                                   done=False, success_once=False, last_success=False, truncated=False,
-                                  trace={"actions": [], "frames": [], "prob": [], "uncertainty": []})
+                                  trace={"actions": [], "frames": [], "proprio": [], "prob": [], "uncertainty": []})
                       for i, k in enumerate(keys)]
         return {"image": frames, "proprio": pro.numpy().copy(), "state": np.zeros((len(keys), 39), np.float32)}
 
@@ -140,6 +140,7 @@ class WorldModelEnv:
                 st.last_success = ok
                 st.trace["actions"].append(np.asarray(actions[i], np.float32).copy())
                 st.trace["frames"].append(frames[j])
+                st.trace["proprio"].append(pred.proprio[j].numpy().copy())
                 st.trace["prob"].append(float(prob[j]))
                 st.trace["uncertainty"].append(float(unc[j]))
                 executed[i] = True
@@ -188,29 +189,39 @@ def sample_keyframes(episodes, task_index: dict[str, int], stride: int = 2, max_
     """WoVR keyframes along real trajectories: every ``stride``-th boundary (from ``min_chunk``; boundary 0 only
     when ``include_start``) up to ``max_chunk``, never at or after the first success (the task is already done
     there) nor at the final boundary, and only where a simulator state was recorded when ``need_state``
-    (audits replay from it). ``limit`` keeps a random subset. Keys are ``make_key(task, "train", id)``."""
+    (audits replay from it). ``limit`` keeps a random subset. Keys are ``make_key(task, "train", id)``.
+
+    An episode that starts mid-trajectory (``start_steps`` > 0: re-executed from a keyframe by the verified
+    rollout) is placed on the same grid by its absolute boundary index (start_steps / chunk + c), and its boundary 0
+    (the keyframe it started from, whose history frame it lacks) is skipped."""
     from ..envs.metaworld_env import make_key
 
     cands = []
     for ep in episodes:
         if ep.task not in task_index:
             continue
+        off = ep.start_steps // ep.actions.shape[1] if ep.num_chunks else 0
         first_success = int(np.argmax(ep.success)) + 1 if ep.succeeded else ep.num_chunks
         last = min(first_success, ep.num_chunks) - 1
         if max_chunk is not None:
-            last = min(last, max_chunk)
-        for c in range(min_chunk if (include_start or min_chunk > 0) else stride, last + 1, stride):
+            last = min(last, max_chunk - off)
+        if off == 0:
+            first = min_chunk if (include_start or min_chunk > 0) else stride
+        else:  # the first absolute boundary after the start on the grid min_chunk + j * stride, made local
+            a0 = max(min_chunk, off + 1)
+            first = a0 + (min_chunk - a0) % stride - off
+        for c in range(first, last + 1, stride):
             if need_state and (ep.states is None or ep.states[c] is None):
                 continue
-            cands.append((ep, c))
+            cands.append((ep, c, off))
     if limit is not None and len(cands) > limit:
         rng = rng or np.random.default_rng(0)
         pick = np.sort(rng.choice(len(cands), limit, replace=False))
         cands = [cands[i] for i in pick]
     out: dict[int, Keyframe] = {}
-    for n, (ep, c) in enumerate(cands):
+    for n, (ep, c, off) in enumerate(cands):
         key = make_key(task_index[ep.task], "train", first_id + n)
         out[key] = Keyframe(key=key, task=ep.task, frame=ep.frames[c], prev_frame=ep.frames[max(c - 1, 0)],
                             proprio=ep.proprio[c], sim_state=ep.states[c] if ep.states is not None else None,
-                            episode_key=ep.key, chunk=c, source=ep.source)
+                            episode_key=ep.key, chunk=off + c, source=ep.source)
     return out

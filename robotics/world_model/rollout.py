@@ -99,7 +99,7 @@ class WorldModelRollout(RolloutStrategy):
     def _keyframes(self, episodes, first_id: int):
         w = self.cfg.rollout.world_model
         tasks = set(self.cfg.trained_tasks)
-        eps = [e for e in episodes if e.task in tasks and e.source == "policy" and e.states is not None
+        eps = [e for e in episodes if e.task in tasks and e.source in ("policy", "verified") and e.states is not None
                and decode_key(e.key)[1] == "train" and decode_key(e.key)[2] < w.keyframe_states]
         return sample_keyframes(eps, self.task_index, stride=w.keyframe_stride, max_chunk=w.keyframe_max_chunk,
                                 min_chunk=w.keyframe_min_chunk,
@@ -145,34 +145,48 @@ class WorldModelRollout(RolloutStrategy):
 
     # -- co-evolution
     def coevolve(self, generator: torch.Generator, log=None) -> dict[str, float]:
-        """Real rollouts of the current policy -> refit world model + success model -> new keyframes."""
+        """Real rollouts of the current policy (``coevolve_episodes``, may be 0) + the real episodes learned from
+        since the last round (audit replays, verified candidates) -> refit world model + success model -> new
+        keyframes."""
         w = self.cfg.rollout.world_model
         tasks = self.cfg.trained_tasks
         n = w.coevolve_episodes
-        idx = torch.randint(0, w.keyframe_states, (n,), generator=generator).tolist()
-        keys = [make_key(self.cfg.env.tasks.index(tasks[i % len(tasks)]), "train", j) for i, j in enumerate(idx)]
-        eps = collect_policy_episodes(self.policy, self.venv, keys, [self.cfg.env.tasks[decode_key(k)[0]] for k in keys],
-                                      self.cfg.head_mode, self.cfg.noise_level, self.cfg.env.horizon, generator)
+        eps: list = []
+        if n:
+            idx = torch.randint(0, w.keyframe_states, (n,), generator=generator).tolist()
+            keys = [make_key(self.cfg.env.tasks.index(tasks[i % len(tasks)]), "train", j) for i, j in enumerate(idx)]
+            eps = collect_policy_episodes(self.policy, self.venv, keys,
+                                          [self.cfg.env.tasks[decode_key(k)[0]] for k in keys], self.cfg.head_mode,
+                                          self.cfg.noise_level, self.cfg.env.horizon, generator)
         steps = sum(e.env_steps for e in eps)
         self.real_steps_coevolve += steps
         self.real_data += eps
         recent = eps + self._pending
         self._pending = []
+        if not recent:  # nothing new to learn from: no refit
+            return {"coevolve/real_steps": 0.0, "coevolve/new_keyframes": 0.0}
         mix = self.real_data + recent * max(0, w.recent_weight - 1)
         seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator))
         if self._wm_opt is None:
             self._wm_opt = torch.optim.Adam(self.wm.parameters(), lr=w.refit_lr)
         fit_world_model(self.wm, mix, w.refit_steps, w.refit_batch, 3, w.refit_lr, seed, opt=self._wm_opt)
-        self.wm.cfg.uncertainty_ref = calibrate_uncertainty(self.wm, eps)
+        self.wm.cfg.uncertainty_ref = calibrate_uncertainty(self.wm, eps or recent)  # the newest real transitions
         self.success = fit_success_model(self.wm, mix, w.refit_success_steps, seed=seed, model=self.success)
         if w.recalibrate:
             calibrate_threshold(self.wm, self.success, recent)  # the cut that is precise on the newest behaviour
         self.imagine.success = self.success
-        new = self._keyframes(eps, first_id=max(int(k) % 500_000 for k in self.keyframes) + 1)
+        new = self._keyframes(eps + [e for e in recent if e.source == "verified"],
+                              first_id=max(int(k) % 500_000 for k in self.keyframes) + 1)
         self.keyframes.update(new)
         self.imagine.keyframes = self.keyframes
-        return {"coevolve/real_steps": float(steps), "coevolve/success": float(np.mean([e.succeeded for e in eps])),
-                "coevolve/new_keyframes": float(len(new))}
+        for e in recent:  # their keyframes are taken: the simulator states of the whole trajectory are not needed
+            if e.source == "verified":
+                e.states = None
+        out = {"coevolve/real_steps": float(steps), "coevolve/new_keyframes": float(len(new)),
+               "coevolve/refit_episodes": float(len(recent))}
+        if eps:
+            out["coevolve/success"] = float(np.mean([e.succeeded for e in eps]))
+        return out
 
     # -- rollouts
     def rollout(self, keys, group_size, generator, iteration):

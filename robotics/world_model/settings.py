@@ -1,10 +1,13 @@
-"""The ``robotics.rollout.world_model`` settings: where imagined episodes start and how they are checked."""
+"""The settings of the world-model rollout strategies: ``robotics.rollout.world_model`` (where imagined episodes start
+and how they are checked), ``robotics.rollout.verify`` (the two-stage verified rollout) and
+``robotics.rollout.short_horizon`` (imagined branches bootstrapped by a critic)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Literal
 
 from shared_rl.errors import ConfigError
+from shared_rl.two_stage import SELECTORS
 
 
 @dataclass
@@ -33,12 +36,16 @@ class ImaginationSettings:
     uncertain: Literal["truncate", "drop", "ignore"] = field(default="truncate", metadata={
         "help": "truncated rollouts: truncate (score the last trusted frame) | drop (NaN reward) | ignore"})
     coevolve_every: int = field(default=0, metadata={"help": "refit on fresh real rollouts every n iterations (0 = never)"})
-    coevolve_episodes: int = field(default=16, metadata={"help": "real policy episodes per co-evolution round"})
+    coevolve_episodes: int = field(default=16, metadata={
+        "help": "fresh real policy episodes per co-evolution round (0 = refit only on the real episodes learned from "
+                "since the last round: audit replays, verified candidates)"})
     refit_steps: int = field(default=200, metadata={"help": "world-model steps per refit"})
     refit_success_steps: int = field(default=200, metadata={"help": "success-model steps per refit"})
     refit_batch: int = field(default=16, metadata={"help": "windows per refit step"})
     refit_lr: float = field(default=3e-4, metadata={"help": "refit learning rate"})
-    audit_fraction: float = field(default=0.25, metadata={"help": "share of imagined episodes replayed in MuJoCo"})
+    audit_fraction: float = field(default=0.25, metadata={
+        "help": "share of imagined episodes replayed in MuJoCo (rollout.name world_model; the verified strategy "
+                "re-executes its kept candidates anyway)"})
     learn_from_audit: bool = field(default=False, metadata={
         "help": "add audit replays to the real data (their steps then COUNT as real steps) for the next refit"})
     recalibrate: bool = field(default=False, metadata={
@@ -51,5 +58,28 @@ class ImaginationSettings:
             raise ConfigError(f"{where}: horizon, keyframe_stride and keyframe_states must be >= 1")
         if not 0.0 <= self.audit_fraction <= 1.0:
             raise ConfigError(f"{where}.audit_fraction must be in [0, 1], got {self.audit_fraction}")
-        if self.uncertainty_threshold < 0 or self.coevolve_every < 0 or self.coevolve_episodes < 1:
-            raise ConfigError(f"{where}: uncertainty_threshold and coevolve_every must be >= 0, coevolve_episodes >= 1")
+        if self.uncertainty_threshold < 0 or self.coevolve_every < 0 or self.coevolve_episodes < 0:
+            raise ConfigError(f"{where}: uncertainty_threshold, coevolve_every and coevolve_episodes must be >= 0")
+
+
+@dataclass
+class VerifySettings:
+    """``robotics.rollout.verify`` (with ``rollout.name: verified``)."""
+
+    candidates: int = field(default=16, metadata={
+        "help": "imagined candidates per keyframe (N); rollout.group_size of them are re-executed in the simulator"})
+    selector: str = field(default="max_variance", metadata={
+        "help": "which k of the N candidates are re-executed (shared_rl.two_stage): max_variance (the k-subset of "
+                "largest score variance) | top_bottom (half the best, half the worst)"})
+    score: Literal["prob", "success"] = field(default="prob", metadata={
+        "help": "the imagined score the selector ranks: prob = the best imagined P(success) along the episode "
+                "(pessimistic over the ensemble when world_model.pessimistic) | success = the 0/1 imagined success"})
+    learn_from_verified: bool = field(default=True, metadata={
+        "help": "the re-executed real episodes join the world model's real data: the next co-evolution round refits "
+                "on them and takes keyframes from them (their steps count as real steps either way)"})
+
+    def check(self, where: str = "robotics.rollout.verify") -> None:
+        if self.candidates < 1:
+            raise ConfigError(f"{where}.candidates must be >= 1, got {self.candidates}")
+        if self.selector not in SELECTORS:
+            raise ConfigError(f"{where}.selector {self.selector!r} is unknown; choose one of {sorted(SELECTORS)}")

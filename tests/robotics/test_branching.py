@@ -134,7 +134,7 @@ def test_branch_config_errors():
     for rollout, match in (({"name": "tree"}, "name: tree branches at"),
                            ({"name": "flat", "branch": {"at_chunks": [0], "factors": [4]}}, "makes tree groups"),
                            ({"name": "tree", "branch": {"at_chunks": [0], "factors": [4]}, "world_model": {"horizon": 8}},
-                            "world_model is read by name: world_model only")):
+                            "world_model is read by name: world_model")):
         with pytest.raises(ConfigError, match=match):
             from_dict(RoboticsConfig, {**section, "rollout": rollout}, "robotics")
     with pytest.raises(ConfigError, match="critic.enabled learns from the episodes of flat groups"):

@@ -1,0 +1,192 @@
+"""Two-stage robot rollouts: the world model explores, the simulator decides (``robotics.rollout.name: verified``).
+
+Imagined GRPO lets the learned model be the final judge of reward, and the policy learns to fool it
+(docs/methods/world_model.md: hallucinated imagined successes 0–30% → 80–100% within a few updates). Here the world
+model only *ranks*; the reward that trains is always the simulator's. The visgen two-stage rollout (Sol-RL) has
+the same shape — a cheap explorer ranks many candidates, a contrastive subset is regenerated exactly at full
+fidelity and only that trains — and both use the one shared core (``shared_rl.two_stage``: the selectors, Spearman
+rank agreement, kept agreement). Per group key (a keyframe: a real chunk boundary on a recorded real trajectory,
+as WoVR):
+
+1. **Explore**: ``verify.candidates`` (N) episodes are imagined in the world model from the keyframe, each with
+   its own recorded noise stream (``episodes.chunk_noise``: every draw of the flow head — start, SDE steps,
+   sde_one_step's step — from a generator per (stream, chunk)), and scored by the imagined success probability
+   (``verify.score``: the best P(success) along the episode, or the 0/1 imagined success).
+2. **Select**: ``shared_rl.two_stage.select_candidates`` keeps ``rollout.group_size`` (k) per keyframe
+   (``verify.selector``: ``max_variance`` or ``top_bottom``).
+3. **Re-execute**: exactly those k run in the simulator from the keyframe's restored state (``RestoredEnv``) with
+   the same noise streams, closed loop on the real observations: the same stream and the same observations give
+   the same chunk, so a candidate whose imagination is faithful is reproduced exactly, and one that is not shows
+   the difference in its real outcome.
+4. **Train on the real outcomes only**: the rollout the trainer sees is the k real episodes per keyframe (their
+   recorded chains and log-probs, their simulator rewards); nothing imagined reaches the update.
+
+The re-executed episodes are real interaction: counted as real steps (``env/steps`` per iteration,
+``wm/real_env_steps`` in total), added to the real data, and — every ``world_model.coevolve_every`` iterations —
+the world model and the success model are refit on them (with ``world_model.coevolve_episodes`` fresh full
+rollouts, 0 allowed) and their chunk boundaries become keyframes (co-evolution).
+
+Metrics: ``verify/rank_spearman`` (imagined score vs real success over all kept episodes, as visgen's
+``two_stage/rank_spearman``) and ``verify/rank_spearman_group`` (within each keyframe's kept group, mean over
+groups where it is defined), ``verify/kept_agreement`` (the share of kept episodes whose upper/lower side the real
+outcomes confirm), ``verify/imagined_success`` (all candidates), ``verify/imagined_success_kept``,
+``verify/real_success``, ``verify/hallucinated_success_rate`` (kept imagined successes the simulator does not
+confirm), ``verify/mixed_groups_real`` (groups whose real outcomes differ: the ones GRPO learns from),
+``wm/imagined_steps`` and ``env/steps`` (this iteration), ``wm/real_env_steps`` (all real steps so far).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from shared_rl.errors import ConfigError
+from shared_rl.two_stage import kept_agreement, select_candidates, spearman
+
+from ..episodes import run_episodes
+from ..rollouts import flat_rollout
+from .data import RecordingEnv
+from .env import Keyframe
+from .rollout import WorldModelRollout
+
+
+class RestoredEnv:
+    """The simulator started at keyframes: ``reset(keys)`` resets slot i to the reset state keyframe ``keys[i]``'s
+    trajectory came from, restores the simulator state recorded at the keyframe and observes it (the rendered frame,
+    the recorded proprio); every other call goes to the simulator. The episode runner then runs closed loop from the
+    keyframe exactly as from a reset."""
+
+    def __init__(self, venv, keyframes: dict[int, Keyframe]):
+        self.venv, self.keyframes = venv, keyframes
+        self.cfg = getattr(venv, "cfg", None)
+
+    def task_of_key(self, key: int) -> str:
+        return self.keyframes[key].task
+
+    def reset(self, keys: list[int]) -> dict[str, np.ndarray]:
+        kfs = [self.keyframes[k] for k in keys]
+        if any(kf.sim_state is None for kf in kfs):
+            raise ValueError("a keyframe without a recorded simulator state cannot be re-executed")
+        obs = self.venv.reset([kf.episode_key for kf in kfs])
+        idx = list(range(len(kfs)))
+        self.venv.set_states(idx, [kf.sim_state for kf in kfs])
+        return {"image": self.venv.render(idx), "proprio": np.stack([kf.proprio for kf in kfs]).astype(np.float32),
+                "state": np.zeros_like(obs["state"])}
+
+    def step_chunk(self, actions, active=None):
+        return self.venv.step_chunk(actions, active)
+
+    def get_states(self, idx):
+        return self.venv.get_states(idx)
+
+    def set_states(self, idx, states):
+        self.venv.set_states(idx, states)
+
+    def render(self, idx):
+        return self.venv.render(idx)
+
+    def close(self) -> None:
+        pass
+
+
+def imagined_scores(slots, score: str) -> tuple[np.ndarray, np.ndarray]:
+    """Per imagined slot (``WorldModelEnv.slots``): the selector's score and the 0/1 imagined success. ``prob`` =
+    the best success probability over the trusted steps (a rollout truncated for uncertainty: all but its last)."""
+    probs = [s.trace["prob"][:-1] if s.truncated else s.trace["prob"] for s in slots]
+    best = np.array([max(p) if p else 0.0 for p in probs], np.float64)
+    success = np.array([float(s.success_once) for s in slots])
+    return (best if score == "prob" else success), success
+
+
+class VerifiedRollout(WorldModelRollout):
+    """Explore N candidates per keyframe in the world model, re-execute the selected k in the simulator, train on
+    their real outcomes (see the module docstring). The world model, keyframes and co-evolution are
+    ``WorldModelRollout``'s."""
+
+    def __init__(self, cfg, ctx, policy, venv, sampling) -> None:
+        super().__init__(cfg, ctx, policy, venv, sampling)
+        self.real_steps_verified = 0
+        self.imagined_steps = 0
+        self.last: dict = {}  # the last call's seeds, scores, kept indices (tests and analysis read them)
+
+    @property
+    def real_env_steps(self) -> int:
+        return super().real_env_steps + self.real_steps_verified
+
+    def rollout(self, keys, group_size, generator, iteration):
+        w, v = self.cfg.rollout.world_model, self.cfg.rollout.verify
+        info: dict[str, float] = {}
+        if w.coevolve_every and iteration > 0 and iteration % w.coevolve_every == 0 and self._coevolved_at != iteration:
+            self._coevolved_at = iteration
+            info.update(self.coevolve(generator))
+        keys = list(keys)
+        G, N, k = len(keys), v.candidates, group_size
+        if k > N:
+            raise ConfigError(f"robotics.rollout.verify.candidates ({N}) must be >= rollout.group_size ({k}): the "
+                              f"group is the k re-executed of the N imagined")
+        seeds = torch.randint(0, 2**62, (G, N), generator=generator)
+        self.policy.eval()
+        # 1. explore: N imagined candidates per keyframe, each with its own noise stream
+        cand_keys = [kk for kk in keys for _ in range(N)]
+        imagined = run_episodes(self.policy, self.imagine, cand_keys, [self.task_of(kk) for kk in cand_keys],
+                                self.sampling, w.horizon, generator, device=self.device,
+                                noise_seeds=seeds.flatten().tolist())
+        score, imag_success = imagined_scores(self.imagine.slots, v.score)
+        imag_steps = int(imagined.length.sum())
+        self.imagined_steps += imag_steps
+        # 2. select k per keyframe with the shared selector
+        score_t = torch.from_numpy(score).view(G, N)
+        keep = select_candidates(score_t, k, v.selector)  # [G, k]
+        kept_seeds = seeds.gather(1, keep)
+        # 3. re-execute exactly those in the simulator from the keyframe's restored state, same noise streams
+        env_keys = [kk for kk in keys for _ in range(k)]
+        rec = RecordingEnv(RestoredEnv(self.venv, self.keyframes), record_states=v.learn_from_verified)
+        real = run_episodes(self.policy, rec, env_keys, [self.task_of(kk) for kk in env_keys], self.sampling,
+                            w.horizon, generator, device=self.device, noise_seeds=kept_seeds.flatten().tolist())
+        real_steps = int(real.length.sum())
+        self.real_steps_verified += real_steps
+        if v.learn_from_verified:
+            eps = rec.episodes(source="verified")
+            for e, kk in zip(eps, env_keys):  # where they came from: the real reset state and the keyframe's time
+                kf = self.keyframes[kk]
+                e.key, e.start_steps = kf.episode_key, kf.chunk * self.policy.cfg.chunk
+            self.real_data += eps
+            self._pending += eps
+        # 4. the trainer sees the real episodes and their simulator rewards only
+        ro = flat_rollout(real, keys, k, self.cfg.env.tasks, self.cfg.env.success_mode, self.cfg.dense_reward)
+        info.update(self._agreement(score_t.gather(1, keep), torch.from_numpy(imag_success).view(G, N).gather(1, keep),
+                                    ro.rewards["success"].view(G, k), imag_success))
+        info.update({"env/steps": real_steps, "wm/imagined_steps": float(imag_steps),
+                     "wm/model_steps": float(self.imagine.model_steps), "wm/real_env_steps": float(self.real_env_steps)})
+        ro.info.update(info)
+        self.last = {"keys": keys, "seeds": seeds, "score": score_t, "keep": keep, "imagined": imagined, "real": real}
+        return ro, real
+
+    @staticmethod
+    def _agreement(score_kept: torch.Tensor, imag_kept: torch.Tensor, real: torch.Tensor,
+                   imag_all: np.ndarray) -> dict[str, float]:
+        """Rank agreement of the kept candidates' imagined scores with their real successes (``[G, k]`` each)."""
+        per_group = [spearman(score_kept[g], real[g]) for g in range(len(real))]
+        per_group = [x for x in per_group if np.isfinite(x)]
+        imagined_yes = imag_kept.bool()
+        real_yes = real.bool()
+        mixed = (real.max(1).values > real.min(1).values).double().mean()
+        return {
+            "verify/rank_spearman": spearman(score_kept, real),
+            "verify/rank_spearman_group": float(np.mean(per_group)) if per_group else float("nan"),
+            "verify/kept_agreement": kept_agreement(score_kept, real),
+            "verify/imagined_success": float(np.mean(imag_all)),
+            "verify/imagined_success_kept": float(imagined_yes.double().mean()),
+            "verify/real_success": float(real_yes.double().mean()),
+            "verify/hallucinated_success_rate": (float((imagined_yes & ~real_yes).sum() / imagined_yes.sum())
+                                                 if imagined_yes.any() else float("nan")),
+            "verify/mixed_groups_real": float(mixed),
+        }
+
+    def extra_state(self) -> dict:
+        return super().extra_state() | {"real_steps_verified": self.real_steps_verified,
+                                        "imagined_steps": self.imagined_steps}
+
+    def load_extra_state(self, state: dict) -> None:
+        super().load_extra_state(state)
+        self.real_steps_verified = int(state.get("real_steps_verified", 0))
+        self.imagined_steps = int(state.get("imagined_steps", 0))
