@@ -112,6 +112,10 @@ class RoboticsConfig(DomainConfig):
             what = "critic.enabled" if self.critic.enabled else "replay.source: successes"
             raise ConfigError(f"{where}.{what} learns from the episodes of flat groups in the simulator; with "
                               f"{where}.rollout.name: {self.rollout.name} set rollout.name: flat or turn it off")
+        if self.rollout.name == "short_horizon" and (self.dense_reward or self.rollout.world_model.reward != "classifier"):
+            raise ConfigError(f"{where}.rollout.name: short_horizon rewards a branch with the critic's value only "
+                              f"(reward name 'return'): set {where}.dense_reward: false and keep "
+                              f"rollout.world_model.reward: classifier")
         if self.rollout.world_model.reward == "reference" and self.env.kind != "metaworld":
             raise ConfigError(f"{where}.rollout.world_model.reward: reference needs Meta-World (scripted expert demos)")
 
@@ -125,7 +129,10 @@ class RoboticsConfig(DomainConfig):
         return self.rollout.structure()
 
     def reward_names(self, train_cfg) -> list[str]:
-        """The rewards a rollout emits (the core checks ``advantage.weights`` against them before loading)."""
+        """The rewards a rollout emits (the core checks ``advantage.weights`` against them before loading):
+        ``return`` for short imagined branches (the critic's bootstrapped value), else ``success`` (+ ``dense``)."""
+        if self.rollout.name == "short_horizon":
+            return ["return"]
         return ["success"] + (["dense"] if self.dense_reward else [])
 
     @property

@@ -52,6 +52,9 @@ from .policies.vla import TinyVLA
 from .replay import DemoReplay, SuccessReplay
 from .rollouts import rollout_class
 
+SHORT_HORIZON_PREFIX = "short_horizon."  # the short-horizon strategy's critic (world_model/short_horizon.py; loaded
+# on demand, so its prefix is named here rather than imported)
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 ENV_ACTION_DIM = 4  # Meta-World's action: hand displacement xyz + gripper effort
 ENCODER_MODULES = ("cnn", "image_proj", "text", "proprio")
@@ -280,7 +283,8 @@ class RoboticsDomain(DomainBase):
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         # every part's prefix, built or not: a checkpoint of a run with a part this config leaves out still loads
-        parts = (Critic.state_prefix, KeepBestAdapters.state_prefix, SuccessReplay.state_prefix)
+        parts = (Critic.state_prefix, KeepBestAdapters.state_prefix, SuccessReplay.state_prefix,
+                 SHORT_HORIZON_PREFIX)
         self.policy.load_state_dict({k: v for k, v in state.items() if not k.startswith(parts)})
         for part in self.parts:
             part.load_state_dict(state)

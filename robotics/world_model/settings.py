@@ -83,3 +83,32 @@ class VerifySettings:
             raise ConfigError(f"{where}.candidates must be >= 1, got {self.candidates}")
         if self.selector not in SELECTORS:
             raise ConfigError(f"{where}.selector {self.selector!r} is unknown; choose one of {sorted(SELECTORS)}")
+
+
+@dataclass
+class ShortHorizonSettings:
+    """``robotics.rollout.short_horizon`` (with ``rollout.name: short_horizon``)."""
+
+    horizon: int = field(default=12, metadata={
+        "help": "env steps of an imagined branch from a real state (a few chunks: 12 = 3 chunks of 4)"})
+    real_episodes: int = field(default=8, metadata={
+        "help": "fresh real rollouts of the current policy per iteration (counted as real steps): their returns "
+                "train the critic, their chunk boundaries become branch starts, they refit the world model"})
+    gamma: float = field(default=0.97, metadata={
+        "help": "discount per chunk of the critic's real returns and of the bootstrap (return = gamma^H V(s_H))"})
+    critic_steps: int = field(default=100, metadata={"help": "critic Adam steps per iteration on all real boundaries"})
+    critic_lr: float = field(default=1e-3, metadata={"help": "critic learning rate"})
+    critic_batch: int = field(default=256, metadata={"help": "real boundaries per critic step"})
+    critic_hidden: int = field(default=256, metadata={"help": "critic MLP width (policies.value_head.ValueHead)"})
+    audit_groups: int = field(default=2, metadata={
+        "help": "groups per iteration whose branches are re-executed in the simulator with the same noise streams "
+                "(measurement only, not learned from, counted apart): short/rank_spearman of imagined vs real "
+                "bootstrapped returns"})
+
+    def check(self, where: str = "robotics.rollout.short_horizon") -> None:
+        if self.horizon < 1 or self.real_episodes < 0 or self.critic_steps < 0 or self.audit_groups < 0:
+            raise ConfigError(f"{where}: horizon must be >= 1; real_episodes, critic_steps, audit_groups >= 0")
+        if not 0.0 < self.gamma <= 1.0:
+            raise ConfigError(f"{where}.gamma must be in (0, 1], got {self.gamma}")
+        if self.critic_batch < 1 or self.critic_lr <= 0 or self.critic_hidden < 1:
+            raise ConfigError(f"{where}: critic_batch and critic_hidden must be >= 1 and critic_lr > 0")

@@ -235,6 +235,7 @@ def test_imagined_rollouts_drop_uncertain_episodes_and_config_errors(tiny_asset)
 @pytest.mark.parametrize("target", ["robotics.world_model.model:WorldModelConfig",
                                     "robotics.world_model.settings:ImaginationSettings",
                                     "robotics.world_model.settings:VerifySettings",
+                                    "robotics.world_model.settings:ShortHorizonSettings",
                                     "robotics.world_model.train:WorldModelTrainConfig",
                                     "robotics.world_model.train:CollectSettings", "robotics.world_model.reward:SuccessModelConfig",
                                     "robotics.branching:BranchConfig", "robotics.rollouts:RolloutSettings",
