@@ -6,6 +6,8 @@ starts at a real keyframe whose simulator state was recorded. ``replay`` restore
 
 - ``hallucinated_success_rate``: imagined successes (world model + success model) the simulator does not confirm;
 - ``imagined_recall``: simulator successes that imagination also found;
+- ``rank_spearman``: rank agreement of the best imagined success probability with the replay's success
+  (``shared_rl.two_stage.spearman``, as the verified and short-horizon rollouts report theirs);
 - ``reward_model_precision`` / ``reward_model_recall``: the success model applied to the *real* replayed frames
   against the simulator's per-chunk flags (the reward model alone, without the world model's errors);
 - ``image_mse_by_step``: per chunk depth, the mean squared error (pixels in [0, 1]) between the imagined frame
@@ -15,6 +17,8 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+
+from shared_rl.two_stage import spearman
 
 from .data import ChunkEpisode, RecordingEnv
 from .reward import precision_recall
@@ -64,6 +68,9 @@ def audit(imagined: list[dict], replayed: list[ChunkEpisode], wm=None, success_m
     out: dict[str, float | list] = {"episodes": float(len(imag)), "imagined_success_rate": float(imag.mean()) if len(imag) else float("nan"),
                                     "replay_success_rate": float(sim.mean()) if len(sim) else float("nan")}
     out["hallucinated_success_rate"] = float((imag & ~sim).sum() / imag.sum()) if imag.sum() else float("nan")
+    # does imagination rank the episodes as the simulator does (the best imagined P(success) vs the replay's outcome)
+    best = torch.tensor([max(e["prob"]) if len(e["prob"]) else float("nan") for e in imagined], dtype=torch.float64)
+    out["rank_spearman"] = spearman(best, torch.from_numpy(sim.astype(np.float64))) if len(sim) else float("nan")
     out["imagined_recall"] = float((imag & sim).sum() / sim.sum()) if sim.sum() else float("nan")
     err = [[] for _ in range(max_depth)]
     for e, r in zip(imagined, replayed):
