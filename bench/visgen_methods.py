@@ -52,18 +52,22 @@ VARIANTS: dict[str, dict[str, Any]] = {
                    "advantage": {"estimator": "depth_zscore"}},
     "tree": {"visgen": {"method": {"name": "tree_grpo", "branch": [2, 2, 2, 2]}},
              "advantage": {"estimator": "tree_leaf_zscore"}},
-    # the auto merge schedule of the 10-step grid has 3 consolidated steps: 3 groups x 5 per prompt
+    # the auto merge schedule of the 10-step grid has 3 consolidated steps: 3 groups x 5 per prompt; each member
+    # scored at ODE strides 1 and 2 (shapes_soft@g2), its advantage the sum of both z-scores (the reference's)
     "egrpo": {"visgen": {"method": {"name": "egrpo"}}, "rollout": {"group_size": 5},
-              "advantage": {"estimator": "depth_zscore"}},
+              "advantage": {"estimator": "depth_zscore", "multi_reward": "normalize_then_sum"}},
     # the likelihood-free objectives take 8 optimizer steps of 64 images per rollout batch (the sweep in
     # docs/bench/visgen_methods.md: NFT 0.531 / 0.579 / 0.610 held-out strict after 10 iterations with 1 / 4 / 8
     # steps, AWM 0.548 / 0.566 with 1 / 4): their loss needs no behaviour log-probs, so reusing a batch costs
     # only training forwards
     # (the objective brings its loss and the ODE sampler; method: null drops the demo recipe's flow_grpo)
-    "nft": {"visgen": {"method": None, "objective": {"name": "nft", "beta": 1.0, "timesteps_per_sample": 3}},
-            "optim": {"minibatches_per_epoch": 8}},
-    "awm": {"visgen": {"method": None, "objective": {"name": "awm", "timesteps_per_sample": 3}},
-            "optim": {"minibatches_per_epoch": 8}},
+    # (since issue 37 each objective runs its reference's defaults: NFT sampled by its old policy, 9 of 10
+    # timesteps; AWM's clipped ratio, ghuber weighting, advantage_max 1 and EMA-KL; the 8 steps are grove's, measured
+    # better than the references' one step per batch)
+    "nft": {"visgen": {"method": None, "objective": {"name": "nft"}}, "optim": {"minibatches_per_epoch": 8}},
+    "awm": {"visgen": {"method": None, "objective": {"name": "awm"}}, "optim": {"minibatches_per_epoch": 8}},
+    # DGPO as its geneval config: one optimizer step per batch (whole groups per call), KL 0.02 to the reference
+    "dgpo": {"visgen": {"method": None, "objective": {"name": "dgpo"}}, "loss": {"kl_coef": 0.02}},
     "guard": {"loss": {"policy_loss": "guard"}},
 }
 # per-method learning rates (docs/bench/visgen_methods.md records the sweep); absent: the demo's 1e-3

@@ -69,9 +69,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "advantage": {"estimator": "depth_zscore"}},
     "TreeGRPO": {"visgen": {"method": {"name": "tree_grpo", "branch": [2, 2, 2, 2]}},
                  "advantage": {"estimator": "tree_leaf_zscore"}},
-    # the auto schedule of the asset's 10-step grid has 3 consolidated steps -> 3 groups x 5 = 15 leaves
+    # the auto schedule of the asset's 10-step grid has 3 consolidated steps -> 3 groups x 5 = 15 leaves; each
+    # member scored at ODE strides 1 and 2, its advantage the sum of both z-scores (the reference's granularities)
     "E-GRPO": {"visgen": {"method": {"name": "egrpo"}}, "rollout": {"group_size": 5},
-               "advantage": {"estimator": "depth_zscore"}},
+               "advantage": {"estimator": "depth_zscore", "multi_reward": "normalize_then_sum"}},
 }
 
 DEFAULT_BASE: dict[str, Any] = {

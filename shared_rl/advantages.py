@@ -245,6 +245,11 @@ def _fused_values(parent: torch.Tensor, r: torch.Tensor, logit: torch.Tensor) ->
     return value.float()
 
 
+# BranchGRPO's cut-off (Fredreic1849/BranchGRPO compute_hierarchical_advantages_by_depth): a depth whose values
+# spread less than this is a tie, its advantages 0 (dividing would blow float noise up to unit advantages)
+MIN_DEPTH_STD = 1e-6
+
+
 def _tree_zscore(parent: torch.Tensor, v: torch.Tensor, eps: float) -> torch.Tensor:
     depth, root = tree_depth(parent), tree_roots(parent)
     adv = torch.zeros_like(v, dtype=torch.float64)
@@ -254,7 +259,7 @@ def _tree_zscore(parent: torch.Tensor, v: torch.Tensor, eps: float) -> torch.Ten
         idx = torch.nonzero((key == k) & valid).flatten()
         vals = v[idx].double()
         std = vals.std() if idx.numel() > 1 else torch.tensor(0.0, dtype=torch.float64)
-        if std > 0:
+        if std >= MIN_DEPTH_STD:
             adv[idx] = (vals - vals.mean()) / (std + eps)
     return adv.float()
 
@@ -263,7 +268,8 @@ def _tree_zscore(parent: torch.Tensor, v: torch.Tensor, eps: float) -> torch.Ten
 def depth_zscore(parent: torch.Tensor, leaf_reward: torch.Tensor, eps: float = 1e-6,
                  fusion_logit: torch.Tensor | None = None) -> torch.Tensor:
     """BranchGRPO (Li et al. 2025): A(i) = (v(i) − mean_d) / (std_d + eps) over the nodes at i's depth d in i's
-    tree; roots 0; a depth level with zero std gives 0."""
+    tree (std_d unbiased); roots 0; a depth whose std is below ``MIN_DEPTH_STD`` (1e-6, the reference's cut-off)
+    gives 0."""
     parent = torch.as_tensor(parent, dtype=torch.long)
     return _tree_zscore(parent, tree_values(parent, leaf_reward, fusion_logit), eps)
 

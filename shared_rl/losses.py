@@ -1,4 +1,4 @@
-"""Policy losses (a registry: clipped / GSPO / CISPO / SAPO, and the likelihood-free NFT / AWM), aggregation modes
+"""Policy losses (a registry: clipped / GSPO / CISPO / SAPO, and the likelihood-free NFT / AWM / DGPO), aggregation modes
 and KL estimators (a registry too).
 
 All losses take per-step tensors ``[n, T]`` with a step mask, so the same code trains denoising steps (visgen,
@@ -17,9 +17,8 @@ sequence) or ``[n, T]``, ``mask`` ``[n, T]`` trained steps; ``loss`` is per step
 mask (the trainer then ``aggregate``s it); ``stats`` holds detached ``[n, T]`` tensors ``ratio`` (the importance
 ratio the loss used), ``clipped`` (1.0 where the loss cut the step's gradient) and ``log_ratio``.
 ``cfg`` holds the settings several losses share (the ratio clip, the dual clip); ``settings`` the loss's own;
-``terms`` is the domain's ``StepLogProbs`` of the micro-batch, which likelihood-free losses (``nft``, ``awm``) read
-(``objective_pos``/``objective_neg``, combined with the advantage instead of a ratio) and GRPO-Guard too
-(``step_std``).
+``terms`` is the domain's ``StepLogProbs`` of the micro-batch, which likelihood-free losses (``nft``, ``awm``,
+``dgpo``) read (``objective_pos``/``objective_neg``, combined with the advantage) and GRPO-Guard too (``step_std``).
 
 **KL estimators** (``loss.kl_estimator``), registered with ``@register_kl_estimator(name)`` in ``KL_ESTIMATORS``,
 all ``fn(logp, ref_logp, domain_kl) -> [n, T]`` per-step KL(π‖π_ref) with grad: ``k1`` and ``k3`` estimate it from
@@ -345,43 +344,145 @@ def _domain_terms(name: str, terms, need_neg: bool):
     return terms.objective_pos, terms.objective_neg
 
 
+NFT_ADV_MODES = ("all", "positive_only", "negative_only", "one_only", "binary")
+
+
 @dataclass
 class NFTSettings:
     adv_max: float = field(default=5.0, metadata={
         "help": "A_max, the advantage clip that maps A to DiffusionNFT's optimality weight r in [0, 1]"})
+    adv_mode: str = field(default="all", metadata={
+        "help": "the reference's train.adv_mode: all (the default) | positive_only (A clamped to [0, A_max]) | "
+                "negative_only ([-A_max, 0]) | one_only (1 where A > 0, else 0) | binary (sign A); both branch "
+                "losses always train"})
 
     def check(self, where: str) -> None:
         if self.adv_max <= 0:
             raise ConfigError(f"{where}.adv_max must be > 0, got {self.adv_max}")
+        if self.adv_mode not in NFT_ADV_MODES:
+            raise ConfigError(f"{where}.adv_mode must be one of {', '.join(NFT_ADV_MODES)}, got {self.adv_mode!r}")
+
+
+def nft_optimality(advantages: torch.Tensor, adv_max: float, adv_mode: str = "all") -> torch.Tensor:
+    """DiffusionNFT's optimality weight r ∈ [0, 1] of each advantage, as NVlabs/DiffusionNFT ``train_nft_sd3.py``:
+    A is clipped to ±A_max, then ``adv_mode`` reshapes it, then r = clip(A/A_max/2 + 1/2, 0, 1)."""
+    a = advantages.clamp(-adv_max, adv_max)
+    if adv_mode == "positive_only":
+        a = a.clamp(0.0, adv_max)
+    elif adv_mode == "negative_only":
+        a = a.clamp(-adv_max, 0.0)
+    elif adv_mode == "one_only":
+        a = (a > 0).to(a.dtype)
+    elif adv_mode == "binary":
+        a = torch.sign(a)
+    return (a / adv_max / 2 + 0.5).clamp(0.0, 1.0)
 
 
 @register_policy_loss("nft", settings=NFTSettings)
 def nft_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, cfg,
              settings: NFTSettings, terms=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """DiffusionNFT (Zheng et al., "DiffusionNFT: Online Diffusion Reinforcement with Forward Process", NVlabs,
-    ICLR 2026): the optimality weight r = clip(clip(A, ±A_max)/A_max/2 + 1/2, 0, 1) mixes the domain's implicit
-    positive and negative branch losses, L = A_max · [r · P + (1 − r) · N] (P, N already divided by NFT's β and
-    their adaptive weights by the domain). A_max = setting ``adv_max``."""
+    ICLR 2026): the optimality weight r (``nft_optimality``: A clipped to ±A_max, reshaped by ``adv_mode``,
+    r = clip(A/A_max/2 + 1/2, 0, 1)) mixes the domain's implicit positive and negative branch losses,
+    L = A_max · [r · P + (1 − r) · N] (P, N already divided by NFT's β and their adaptive weights by the domain).
+    A_max = setting ``adv_max``."""
     pos, neg = _domain_terms("nft", terms, need_neg=True)
     a_max = float(settings.adv_max)
     adv = advantages.to(pos.dtype)
     adv = adv[:, None].expand_as(pos) if adv.dim() == 1 else adv
-    r = (adv.clamp(-a_max, a_max) / a_max / 2 + 0.5).clamp(0.0, 1.0)
+    r = nft_optimality(adv, a_max, settings.adv_mode)
     loss = a_max * (r * pos + (1 - r) * neg)
     return loss * mask.to(loss.dtype), _no_ratio_stats(logp)
 
 
-@register_policy_loss("awm")
+@dataclass
+class AWMSettings:
+    clip_range: float = field(default=1.0, metadata={
+        "help": "PPO clip of the ratio exp(log p - log p_old) of AWM's likelihood log p = -w(t)||v - (eps - x0)||^2 "
+                "(the released configs' train.clip_range: 1)"})
+    adv_clip_max: float = field(default=5.0, metadata={"help": "A is clipped to +-adv_clip_max first"})
+    advantage_max: float | None = field(default=1.0, metadata={
+        "help": "then rescaled to +-advantage_max (A * advantage_max / adv_clip_max; the released configs: 1); "
+                "null: no rescale"})
+    ema_beta: float = field(default=1.0, metadata={
+        "help": "weight of the EMA-KL term ||v - v_ema||^2 (the domain's objective_pos; the released ema_beta: 1)"})
+
+    def check(self, where: str) -> None:
+        if self.clip_range <= 0 or self.adv_clip_max <= 0:
+            raise ConfigError(f"{where}.clip_range and adv_clip_max must be > 0")
+        if self.advantage_max is not None and self.advantage_max <= 0:
+            raise ConfigError(f"{where}.advantage_max must be > 0 or null, got {self.advantage_max}")
+        if self.ema_beta < 0:
+            raise ConfigError(f"{where}.ema_beta must be >= 0, got {self.ema_beta}")
+
+
+@register_policy_loss("awm", settings=AWMSettings)
 def awm_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, cfg,
-             settings: NoSettings, terms=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+             settings: AWMSettings, terms=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Advantage Weighted Matching (Xue et al., "Advantage Weighted Matching: Aligning RL with Pretraining in
-    Diffusion Models", 2025): the pretraining flow-matching loss on the policy's own samples, weighted by the
-    advantage, L = A · ‖v_θ(x_t, t) − (ε − x0)‖² (the domain's ``objective_pos``; mean over latent elements)."""
-    pos, _ = _domain_terms("awm", terms, need_neg=False)
-    adv = advantages.to(pos.dtype)
-    adv = adv[:, None].expand_as(pos) if adv.dim() == 1 else adv
-    loss = adv * pos
-    return loss * mask.to(loss.dtype), _no_ratio_stats(logp)
+    Diffusion Models", 2025), as scxue/advantage_weighted_matching ``train_sd3_awm.py`` (``loss_type: exp_first``):
+    the PPO clipped surrogate on the per-timestep ratio ρ = exp(log p − log p_old) of AWM's likelihood
+    log p = −w(t)·‖v_θ(x_t, t) − (ε − x0)‖² (``logp``, computed by the domain; ``logp_old`` the same before this
+    iteration's first update, so the first optimizer step on a batch has ρ = 1 and the gradient A·∇‖…‖²·w), with
+    A' = clip(A, ±adv_clip_max)·advantage_max/adv_clip_max:
+    L = max(−A'ρ, −A'·clip(ρ, 1 − clip_range, 1 + clip_range)) + ema_beta·‖v_θ − v_ema‖² (``objective_pos``)."""
+    ema, _ = _domain_terms("awm", terms, need_neg=False)
+    adv = advantages.to(logp.dtype).clamp(-settings.adv_clip_max, settings.adv_clip_max)
+    if settings.advantage_max is not None:
+        adv = adv / settings.adv_clip_max * settings.advantage_max
+    loss, st = clipped_surrogate(logp, logp_old, adv, mask, settings.clip_range, settings.clip_range, None, "step")
+    if settings.ema_beta:
+        loss = loss + settings.ema_beta * ema.to(loss.dtype) * mask.to(loss.dtype)
+    return loss, st
+
+
+@dataclass
+class DGPOSettings:
+    beta_dpo: float = field(default=100.0, metadata={
+        "help": "DPO beta of the group preference sigma(beta/G * sum_g A_i (dsm_i - dsm_ref_i)) (the reference's "
+                "train.beta_dpo: 100)"})
+    clip_range: float = field(default=1e-2, metadata={
+        "help": "PPO-style clip: a sample's denoising loss keeps no gradient once exp(dsm_old - dsm) leaves "
+                "1 +- clip_range in its advantage's direction (the reference's clip_dsm; geneval/ocr configs 1e-2)"})
+
+    def check(self, where: str) -> None:
+        if self.beta_dpo <= 0 or self.clip_range <= 0:
+            raise ConfigError(f"{where}.beta_dpo and clip_range must be > 0")
+
+
+@register_policy_loss("dgpo", settings=DGPOSettings)
+def dgpo_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, cfg,
+              settings: DGPOSettings, terms=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """DGPO (Luo, Hu & Tang, "Reinforcing Diffusion Models by Direct Group Preference Optimization", ICLR 2026;
+    Luo-Yihong/DGPO ``compute_group_dgpo_loss_allreduce``): maximise log σ(R(G⁺) − R(G⁻)), the likelihood that a
+    group's better-than-average samples are preferred, with the implicit DPO reward of the denoising loss.
+
+    Per sample i and timestep slot t: dsm_i = ‖v_θ − (ε − x0)‖² (``objective_pos``, with grad; ``logp`` = −dsm),
+    dsm_ref,i the reference's (``objective_neg``). Per group g (``terms.group``) and slot:
+    S_g = β/G_g · Σ_{i∈g} A_i·(dsm_i − dsm_ref,i) (detached; G_g the group's rows in the slot), w_g = σ(S_g), and
+    L_i = w_g·A_i·dsm_i — the gradient of −log σ(−S_g) up to the constant β/G. PPO-style clipping (``clip_dsm``):
+    ρ = exp(logp − logp_old) = exp(dsm_old − dsm); where A > 0 and ρ > 1 + c, or A ≤ 0 and ρ < 1 − c, dsm is
+    detached (no gradient). The group sums need every member of a group in the same call (visgen refuses layouts
+    that would split one); rows without a group (``terms.group`` None) form one group."""
+    dsm, ref = _domain_terms("dgpo", terms, need_neg=True)
+    # StepLogProbs.group (requested of the core; visgen sets it today): a call without groups is one group
+    group = getattr(terms, "group", None)
+    if group is None:
+        group = torch.zeros(dsm.shape[0], dtype=torch.long)
+    m = mask.to(dsm.dtype)
+    adv = _per_step(advantages, dsm)
+    lr = (logp - logp_old) * m
+    ratio = torch.exp(lr)
+    should_clip = torch.where(adv > 0, ratio > 1.0 + settings.clip_range, ratio < 1.0 - settings.clip_range) & m.bool()
+    dsm_c = torch.where(should_clip, dsm.detach(), dsm)
+    per = adv * settings.beta_dpo * (dsm.detach() - ref.detach()) * m  # [n, T]
+    _, g = torch.unique(group.to(dsm.device), return_inverse=True)
+    n_groups = int(g.max()) + 1 if g.numel() else 0
+    sums = torch.zeros(n_groups, dsm.shape[1], dtype=dsm.dtype, device=dsm.device).index_add_(0, g, per)
+    counts = torch.zeros(n_groups, dsm.shape[1], dtype=dsm.dtype, device=dsm.device).index_add_(0, g, m)
+    weight = torch.sigmoid(sums / counts.clamp(min=1))[g].detach()
+    loss = weight * adv * dsm_c
+    return loss * m, {"ratio": ratio.detach(), "clipped": should_clip.to(dsm.dtype), "log_ratio": lr.detach()}
 
 
 # ---------------------------------------------------------------------------------------------------------------

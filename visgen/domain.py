@@ -136,11 +136,11 @@ class VisgenConfig(DomainConfig):
                                              "train_fraction: 0.3} (visgen.methods: flow_grpo, dance_grpo, "
                                              "flow_grpo_fast, mix_grpo, explicit, ode, branch_grpo, branch_grpo_mix, "
                                              "tree_grpo, egrpo); null: the objective's (flow_grpo for log_prob, the "
-                                             "ODE sampler for nft / awm)")
+                                             "ODE sampler for nft / awm / dgpo)")
     objective: dict[str, Any] = _help("what training recomputes (visgen.objectives): {name: log_prob} (Flow-GRPO "
                                       "family, any ratio-based loss.policy_loss), {name: nft, beta: 1.0, adv_max: "
-                                      "5.0} (DiffusionNFT) or {name: awm}; nft / awm bring their policy loss and the "
-                                      "ODE sampler (leave loss.policy_loss and method null)",
+                                      "5.0} (DiffusionNFT), {name: awm} or {name: dgpo}; nft / awm / dgpo bring their "
+                                      "policy loss and the ODE sampler (leave loss.policy_loss and method null)",
                                       factory=lambda: {"name": "log_prob"})
     kernel: Literal["sde", "cps", "dance"] = _help("SDE kernel of the stochastic steps (shared_rl.flow_kernels)", "sde")
     two_stage: TwoStageSettings = _help("Sol-RL two-stage rollout: low-precision explore, full-precision train "
@@ -257,15 +257,30 @@ class VisgenConfig(DomainConfig):
         weights = dict(train_cfg.advantage.weights or {}) if train_cfg is not None else {}
         return [n for n in self.reward_names(train_cfg) if weights.get(n, 1.0) != 0]
 
+    def granular_base_outputs(self, train_cfg) -> list[str]:
+        """The trained reward outputs a method scores again at coarser ODE granularities (E-GRPO: each as
+        ``<output>@g<stride>``); none for every other method."""
+        if not self.rollout_method().reward_granularities():
+            return []
+        from .preflight import reward_names
+
+        weights = dict(train_cfg.advantage.weights or {}) if train_cfg is not None else {}
+        return [n for n in reward_names(self, _import_optional_rewards) or [] if weights.get(n, 1.0) != 0]
+
     def rollout_structure(self, train_cfg) -> str:
         """``flat`` or ``tree``: what the core checks the advantage estimator against."""
         return self.rollout_method().structure
 
     def reward_names(self, train_cfg) -> list[str] | None:
-        """The outputs the configured rewards emit (``advantage.weights`` may name only these); None: unknowable."""
+        """The outputs the configured rewards emit (``advantage.weights`` may name only these), with the method's
+        coarse-granularity copies of the trained ones (E-GRPO: ``shapes@g2``); None: unknowable."""
         from .preflight import reward_names
 
-        return reward_names(self, _import_optional_rewards)
+        names = reward_names(self, _import_optional_rewards)
+        if names is None:
+            return None
+        strides = self.rollout_method().reward_granularities()
+        return names + [f"{n}@g{g}" for n in self.granular_base_outputs(train_cfg) for g in strides]
 
     def preflight(self, train_cfg) -> None:
         """Prompt files, reward arguments and reward/prompt fit, before a pipeline loads (``visgen.preflight``)."""
@@ -298,6 +313,16 @@ class VisgenConfig(DomainConfig):
             if self.two_stage.candidates < cfg.rollout.group_size:
                 raise ConfigError(f"visgen.two_stage.candidates ({self.two_stage.candidates}) must be >= "
                                   f"rollout.group_size ({cfg.rollout.group_size}), the candidates kept per prompt")
+        if method.reward_granularities() and cfg.advantage.multi_reward != "normalize_then_sum":
+            raise ConfigError(f"visgen.method {method.name}: its advantage sums the z-scores of the rewards at ODE "
+                              f"granularities {[1] + method.reward_granularities()} (the reference's "
+                              "multi-granularity rewards): set advantage.multi_reward: normalize_then_sum, or "
+                              "visgen.method.granularities: [1] for one granularity")
+        if objective.name == "dgpo" and (cfg.optim.minibatches_per_epoch != 1 or cfg.optim.micro_batch_size != 0):
+            raise ConfigError("visgen.objective dgpo weighs each sample by its whole group's preference, so one "
+                              "forward call must hold whole groups: set optim.minibatches_per_epoch: 1 and "
+                              "optim.micro_batch_size: 0 (the reference's layout; optim.backward_steps may split "
+                              "the timesteps)")
         if cfg.loss.kl_coef > 0 and self.train_mode == "full" and not self.full_reference:
             raise ConfigError("loss.kl_coef > 0 with visgen.train_mode: full needs visgen.full_reference: true "
                               "(a frozen copy of the transformer is the KL reference)")
@@ -412,11 +437,16 @@ class VisgenDomain(DomainBase):
                              for spec in cfg.gold_rewards]
         self.method = cfg.rollout_method(train_cfg=ctx.train_cfg)
         self.objective = cfg.training_objective()
-        if self.objective.name == "nft":  # DiffusionNFT's lagging "old" adapter (v_old)
-            self.policy.enable_old_policy(self.objective.settings.old_decay_max, self.objective.settings.old_decay_ramp)
+        schedule = self.objective.old_policy()
+        if schedule is not None:  # DiffusionNFT's lagging "old" adapter (v_old, the sampler), AWM's EMA copy
+            self.policy.enable_old_policy(schedule.decay_max, schedule.ramp, schedule.flat, schedule.update)
         self.rollouts = VisgenRollouts.from_config(cfg, self.adapter, self.policy, self.method, self.objective,
                                                    self.train_prompts, self.train_meta, self.score,
-                                                   self._sample_kwargs())
+                                                   self._sample_kwargs(),
+                                                   granular_outputs=cfg.granular_base_outputs(ctx.train_cfg))
+        # inner epochs of the current iteration (a likelihood-free objective may draw fresh noise per epoch)
+        self._minibatches = ctx.train_cfg.optim.minibatches_per_epoch if ctx.train_cfg is not None else 1
+        self._iteration, self._iteration_steps = None, 0
         self._before_grid: torch.Tensor | None = None
         if not self.policy.has_base_switch and cfg.eval.grid_prompts:
             self._before_grid = self._grid_images()  # full tuning: no adapter to switch off later
@@ -475,7 +505,9 @@ class VisgenDomain(DomainBase):
 
     def after_optimizer_step(self) -> None:
         self.policy.update_ema()
-        self.policy.update_old_policy()  # no-op unless the objective keeps an old policy (NFT)
+        self.policy.old_policy_step()  # no-op unless the objective keeps an old policy (NFT, AWM)
+        self._iteration_steps += 1
+        self.rollouts.epoch = self._iteration_steps // max(self._minibatches, 1)
 
     def score(self, images: torch.Tensor, prompts: list[str], metas: list[dict],
               rewards: list[tuple[str, Any]] | None = None) -> dict[str, torch.Tensor]:
@@ -489,7 +521,12 @@ class VisgenDomain(DomainBase):
         return out
 
     def rollout(self, keys: list[int], group_size: int, generator: torch.Generator, iteration: int) -> Rollout:
-        """The configured method's rollout on the one engine (``visgen.rollout.VisgenRollouts.rollout``)."""
+        """The configured method's rollout on the one engine (``visgen.rollout.VisgenRollouts.rollout``). The first
+        call of an iteration soft-updates the old policy (NFT / AWM, ``FlowPolicy.sync_old_policy``) and restarts
+        the inner-epoch count."""
+        if iteration != self._iteration:
+            self._iteration, self._iteration_steps, self.rollouts.epoch = iteration, 0, 0
+            self.policy.sync_old_policy(iteration)
         return self.rollouts.rollout(keys, group_size, generator, iteration)
 
     supports_step_subsets = True  # optim.backward_steps: the recompute forwards only the asked steps

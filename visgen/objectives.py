@@ -5,32 +5,46 @@
 - ``log_prob`` (default) — the Flow-GRPO family: the stored SDE steps' log-probs are recomputed with grad
   (``visgen.recompute``) for a ratio-based policy loss (``loss.policy_loss``: clipped, gspo, cispo, sapo, guard).
 - ``nft`` — DiffusionNFT (Zheng et al., "DiffusionNFT: Online Diffusion Reinforcement with Forward Process",
-  NVlabs, ICLR 2026), likelihood-free: only clean samples x0 and rewards, from any sampler (ODE included). At
-  ``timesteps_per_sample`` grid timesteps t per sample (fresh noise ε drawn at rollout time):
-  ``x_t = (1 − t)·x0 + t·ε``; ``v⁺ = β·v_θ + (1 − β)·v_old``, ``v⁻ = (1 + β)·v_old − β·v_θ`` with v_old the
-  "old" policy (a lagging copy of the adapter, ramped decay); ``x̂0(v) = x_t − t·v``;
+  NVlabs, ICLR 2026), as NVlabs/DiffusionNFT ``scripts/train_nft_sd3.py``: rollouts are sampled with the *old*
+  policy (a lagging copy of the adapter), which is soft-updated once per iteration, θ_old ← d·θ_old + (1 − d)·θ
+  with d = min(0.5, 0.001·optimizer steps so far) (the reference's ``return_decay`` type 1), and stays fixed during
+  the iteration's optimizer steps. Training uses only the clean samples x0 and rewards: at
+  ``int(timestep_fraction · T)`` grid timesteps t per sample (a per-sample permutation, 9 of 10 by default; fresh
+  noise ε and a fresh permutation every inner epoch) ``x_t = (1 − t)·x0 + t·ε``;
+  ``v⁺ = β·v_θ + (1 − β)·v_old``, ``v⁻ = (1 + β)·v_old − β·v_θ``; ``x̂0(v) = x_t − t·v``;
   ``P = ‖x̂0(v⁺) − x0‖² / (β·w⁺)``, ``N = ‖x̂0(v⁻) − x0‖² / (β·w⁻)`` (mean over elements), with the adaptive
   weights ``w = mean|x̂0 − x0|`` detached. The ``nft`` policy loss mixes them: ``A_max·[r·P + (1 − r)·N]``,
-  ``r = clip(A/A_max/2 + 1/2, 0, 1)``. ``branches: positive | negative`` keeps one term (the paper's ablations).
+  ``r = clip(A/A_max/2 + 1/2, 0, 1)`` after the reference's ``adv_mode``. ``branches: positive | negative`` is
+  grove's own ablation (drops one branch loss), not the reference's knob.
 - ``awm`` — Advantage Weighted Matching (Xue et al., "Advantage Weighted Matching: Aligning RL with Pretraining
-  in Diffusion Models", 2025): the pretraining flow-matching loss on the policy's own samples,
-  ``P = ‖v_θ(x_t, t) − (ε − x0)‖²``, weighted by the advantage in the ``awm`` policy loss (``A·P``).
+  in Diffusion Models", 2025), as scxue/advantage_weighted_matching ``train_sd3_awm.py``: the likelihood
+  ``log p = −w(t)·‖v_θ(x_t, t) − (ε − x0)‖²`` (``weighting``: the released ``ghuber`` with power 0.25, × t) in a
+  PPO clipped surrogate (the ``awm`` policy loss; the behaviour log p is the trainer's first forward, so the first
+  optimizer step on a batch has ratio 1), ``advantage_max`` rescaling, and an EMA-KL term ``‖v_θ − v_ema‖²`` to
+  an EMA of the adapter updated once per iteration with d = min(0.3, 0.001·steps). Timesteps: ``time_type``
+  ``discrete_wo_init`` (the released geneval/ocr configs): one per stratum of the grid steps 1..int(0.9·T).
+- ``dgpo`` — Direct Group Preference Optimization (Luo, Hu & Tang, ICLR 2026; Luo-Yihong/DGPO
+  ``train_sd3_dgpo.py``): ``timesteps_per_sample`` timesteps drawn once per rollout call among grid steps
+  ``0..trunc_steps`` (shared by every sample), one noise per group and timestep (``shared_noise``); per sample the
+  denoising loss ``dsm = ‖v_θ − (ε − x0)‖²`` and the reference's (the adapter off); the ``dgpo`` policy loss weights
+  each sample's dsm by its group's preference σ(β/G Σ A_i (dsm_i − dsm_ref,i)).
 
-A likelihood-free objective is chosen once: it brings its policy loss (``VisgenConfig.policy_loss``, with NFT's
-``adv_max``) and, unless ``visgen.method`` says otherwise, the deterministic ODE sampler (``default_method``; the
-DiffusionNFT reference samples deterministically, and both train on clean samples from any sampler).
+A likelihood-free objective is chosen once: it brings its policy loss (``VisgenConfig.policy_loss``, with its
+settings) and, unless ``visgen.method`` says otherwise, the deterministic ODE sampler (``default_method``; each
+reference samples deterministically, and all train on clean samples from any sampler).
 
-Both likelihood-free objectives take the optional velocity KL to the adapter-off reference, ``‖v_θ − v_ref‖²``
-(``loss.kl_coef``). Their training timesteps are drawn per sample from the rollout's own grid, so the trained
-"steps" of a rollout row are ``timesteps_per_sample`` slots (columns ``0..K-1`` of its mask) rather than SDE steps,
-and only leaves (rows that end in an image) train. Everything a slot needs (x0, t, ε) is stored at rollout time,
-so recomputation is deterministic and splitting a minibatch into micro-batches gives the same gradient.
+All take the optional velocity KL to the adapter-off reference, ``‖v_θ − v_ref‖²`` (``loss.kl_coef``; DGPO
+computes the reference's velocity anyway). Their training timesteps ("slots") are drawn at rollout time from the
+rollout's own grid, so the trained "steps" of a rollout row are the K slots (columns ``0..K-1`` of its mask) rather
+than SDE steps, and only leaves (rows that end in an image) train. Everything a slot needs (x0, t, ε) is stored
+at rollout time (NFT redraws t and ε for inner epochs after the first from a per-row seed), so recomputation is
+deterministic and splitting a minibatch into micro-batches gives the same gradient.
 """
 from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, ContextManager, Literal
+from typing import Any, Callable, ClassVar, ContextManager, Literal, Optional
 
 import torch
 from diffusers.utils.torch_utils import randn_tensor
@@ -38,8 +52,9 @@ from diffusers.utils.torch_utils import randn_tensor
 from shared_rl.config import ConfigError, from_dict
 from shared_rl.domain import StepLogProbs
 
-__all__ = ["OBJECTIVES", "Objective", "LogProbObjective", "NFTObjective", "AWMObjective", "objective_from_config",
-           "nft_branch_losses", "flow_matching_loss"]
+__all__ = ["OBJECTIVES", "Objective", "LogProbObjective", "NFTObjective", "AWMObjective", "DGPOObjective",
+           "OldPolicySchedule", "objective_from_config", "nft_branch_losses", "flow_matching_loss",
+           "awm_log_likelihood", "stratified_steps", "AWM_WEIGHTINGS"]
 
 
 def _mean_elements(x: torch.Tensor) -> torch.Tensor:
@@ -62,11 +77,68 @@ def nft_branch_losses(x0: torch.Tensor, x_t: torch.Tensor, sigma: torch.Tensor, 
 
 
 def flow_matching_loss(x0: torch.Tensor, eps: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """The rectified-flow (pretraining) loss ``‖v − (ε − x0)‖²`` per sample (mean over elements) — AWM's term."""
+    """The rectified-flow (pretraining) loss ``‖v − (ε − x0)‖²`` per sample (mean over elements)."""
     return _mean_elements((v - (eps - x0)) ** 2)
 
 
+AWM_WEIGHTINGS = ("ghuber", "Uniform", "t", "t**2", "huber")
+
+
+def awm_log_likelihood(x0: torch.Tensor, eps: torch.Tensor, v: torch.Tensor, t: torch.Tensor, weighting: str,
+                       ghuber_power: float = 0.25) -> torch.Tensor:
+    """AWM's per-sample log-likelihood ``[m]`` (scxue/advantage_weighted_matching ``compute_log_prob_awm``), with
+    e = ‖v − (ε − x0)‖² (mean over elements, in float64) and t the noise level:
+    ``Uniform`` −e; ``t`` −e·t; ``t**2`` −e·t²; ``huber`` −(√(e + 1e-10) − 1e-5)·t;
+    ``ghuber`` −((e + 1e-10)^p − (1e-10)^p)·t/p (p = ``ghuber_power``)."""
+    e = _mean_elements((v.double() - (eps.double() - x0.double())) ** 2)
+    t = t.reshape(-1).double()
+    if weighting == "Uniform":
+        out = -e
+    elif weighting == "t":
+        out = -e * t
+    elif weighting == "t**2":
+        out = -e * t**2
+    elif weighting == "huber":
+        out = -(torch.sqrt(e + 1e-10) - 1e-5) * t
+    elif weighting == "ghuber":
+        p = float(ghuber_power)
+        out = -((e + 1e-10) ** p - 1e-10**p) * t / p
+    else:
+        raise ValueError(f"unknown AWM weighting {weighting!r}; choose one of {AWM_WEIGHTINGS}")
+    return out.float()
+
+
+def stratified_steps(num_steps: int, k: int, fraction: float, time_type: str, n: int,
+                     generator: torch.Generator | None) -> torch.Tensor:
+    """``[n, k]`` grid-step indices per row, as AWM's discrete time types: the range ``[lo, int(fraction·T)]``
+    (``discrete`` lo 0, ``discrete_wo_init`` lo 1) cut into k strata at ``linspace(lo, hi, k + 1)`` (truncated to
+    integers), one uniform index per stratum; ``discrete_with_init``: index 0 then k − 1 strata of [1, hi]."""
+    hi = int(num_steps * fraction)
+    if time_type == "discrete_with_init":
+        first = torch.zeros(n, 1, dtype=torch.long)
+        if k == 1:
+            return first
+        return torch.cat([first, stratified_steps(num_steps, k - 1, fraction, "discrete_wo_init", n, generator)], 1)
+    lo = 0 if time_type == "discrete" else 1
+    bounds = torch.linspace(lo, hi, k + 1).long()
+    lower, upper = bounds[:-1], bounds[1:]
+    u = torch.rand(n, k, generator=generator)
+    return lower + (u * (upper - lower)).long()
+
+
 # ------------------------------------------------------------------------------------------------ settings
+@dataclass
+class OldPolicySchedule:
+    """A lagging copy of the adapter, θ_old ← d·θ_old + (1 − d)·θ with d = 0 before ``flat`` optimizer steps, then
+    min(``decay_max``, ``ramp``·(steps − ``flat``)) (``ramp`` null: ``decay_max`` always); applied once per
+    iteration before its rollout (``update: iteration``, the references) or after every optimizer step (``step``)."""
+
+    decay_max: float
+    ramp: Optional[float]
+    flat: int = 0
+    update: str = "iteration"
+
+
 @dataclass
 class LogProbSettings:
     """The Flow-GRPO family has no settings of its own here (kernel and method live in the visgen section)."""
@@ -75,36 +147,116 @@ class LogProbSettings:
 @dataclass
 class NFTSettings:
     adv_max: float = field(default=5.0, metadata={"help": "A_max of the nft policy loss: r = clip(A/A_max/2 + 1/2, "
-                                                          "0, 1) (the loss's adv_max)"})
+                                                          "0, 1) (the loss's adv_max; the reference's adv_clip_max)"})
+    adv_mode: str = field(default="all", metadata={
+        "help": "the reference's adv_mode: all | positive_only | negative_only | one_only | binary (how A is reshaped "
+                "before r; both branch losses always train)"})
     beta: float = field(default=1.0, metadata={"help": "NFT's beta: how far the implicit positive/negative "
                                                        "velocities step from the old policy's"})
-    timesteps_per_sample: int = field(default=3, metadata={"help": "grid timesteps trained per sample (fresh "
-                                                                   "noise each)"})
-    old_decay_max: float = field(default=0.5, metadata={"help": "old policy: the largest EMA decay"})
-    old_decay_ramp: float = field(default=0.05, metadata={"help": "old policy: decay_k = min(old_decay_max, "
-                                                                  "old_decay_ramp * optimizer step k)"})
+    timestep_fraction: float = field(default=0.99, metadata={
+        "help": "grid timesteps trained per sample: int(fraction * num_inference_steps), a per-sample permutation "
+                "(the reference's 0.99: 9 of 10)"})
+    timesteps_per_sample: Optional[int] = field(default=None, metadata={
+        "help": "an explicit count instead of timestep_fraction (null: from the fraction)"})
+    sample_with: Literal["old", "live"] = field(default="old", metadata={
+        "help": "rollouts sampled by the old policy (the reference) or by the live one (grove before 2026-12)"})
+    old_decay_max: float = field(default=0.5, metadata={"help": "old policy: the largest EMA decay (reference 0.5)"})
+    old_decay_ramp: float = field(default=0.001, metadata={
+        "help": "old policy: d = min(old_decay_max, old_decay_ramp * (optimizer steps - old_decay_flat)) "
+                "(the reference's decay_type 1: 0.001; type 2: flat 75, ramp 0.0075, max 0.999)"})
+    old_decay_flat: int = field(default=0, metadata={"help": "old policy: d = 0 for the first this many steps"})
+    old_update: Literal["iteration", "step"] = field(default="iteration", metadata={
+        "help": "soft-update the old policy once per iteration, before its rollout (the reference: v_old fixed "
+                "during the iteration's optimizer steps) or after every optimizer step (grove before 2026-12)"})
     branches: Literal["both", "positive", "negative"] = field(default="both", metadata={
-        "help": "train both branch losses, or only the positive / only the negative one (ablations)"})
+        "help": "grove's ablation, not the reference's: train both branch losses, or drop the negative / positive "
+                "one (the reference's own knob is adv_mode)"})
 
     def check(self, where: str) -> None:
-        if self.adv_max <= 0:
-            raise ConfigError(f"{where}.adv_max must be > 0, got {self.adv_max}")
+        from shared_rl.losses import NFTSettings as NFTLossSettings
+
+        NFTLossSettings(self.adv_max, self.adv_mode).check(where)
         if self.beta <= 0:
             raise ConfigError(f"{where}.beta must be > 0, got {self.beta}")
-        if self.timesteps_per_sample < 1:
-            raise ConfigError(f"{where}.timesteps_per_sample must be >= 1, got {self.timesteps_per_sample}")
-        if not 0 <= self.old_decay_max < 1 or self.old_decay_ramp < 0:
-            raise ConfigError(f"{where}.old_decay_max must be in [0, 1) and old_decay_ramp >= 0")
+        if not 0 < self.timestep_fraction <= 1:
+            raise ConfigError(f"{where}.timestep_fraction must be in (0, 1], got {self.timestep_fraction}")
+        if self.timesteps_per_sample is not None and self.timesteps_per_sample < 1:
+            raise ConfigError(f"{where}.timesteps_per_sample must be >= 1 or null, got {self.timesteps_per_sample}")
+        if not 0 <= self.old_decay_max < 1 or self.old_decay_ramp < 0 or self.old_decay_flat < 0:
+            raise ConfigError(f"{where}.old_decay_max must be in [0, 1), old_decay_ramp and old_decay_flat >= 0")
 
 
 @dataclass
 class AWMSettings:
-    timesteps_per_sample: int = field(default=3, metadata={"help": "grid timesteps trained per sample (fresh "
-                                                                   "noise each)"})
+    timesteps_per_sample: int = field(default=6, metadata={"help": "timesteps trained per sample (the released "
+                                                                   "train_timesteps: 6)"})
+    timestep_fraction: float = field(default=0.9, metadata={"help": "timesteps come from grid steps up to "
+                                                                    "int(fraction * T) (released: 0.9)"})
+    time_type: Literal["discrete_wo_init", "discrete", "discrete_with_init", "random"] = field(
+        default="discrete_wo_init", metadata={
+            "help": "discrete_wo_init (released geneval/ocr): one step per stratum of 1..int(fraction*T); discrete "
+                    "(released pickscore): strata of 0..; discrete_with_init: step 0 plus strata; random: distinct "
+                    "uniform steps (grove before 2026-12)"})
+    weighting: str = field(default="ghuber", metadata={
+        "help": "w(t) in log p = -w(t)||v - (eps - x0)||^2: ghuber (released: ((e+1e-10)^p - 1e-10^p) t / p), "
+                "Uniform, t, t**2, huber"})
+    ghuber_power: float = field(default=0.25, metadata={"help": "p of the ghuber weighting (released 0.25)"})
+    clip_range: float = field(default=1.0, metadata={"help": "PPO ratio clip of the awm loss (released 1)"})
+    adv_clip_max: float = field(default=5.0, metadata={"help": "A clipped to +-adv_clip_max (released 5)"})
+    advantage_max: Optional[float] = field(default=1.0, metadata={
+        "help": "then rescaled by advantage_max / adv_clip_max (released 1; null: not rescaled)"})
+    ema_beta: float = field(default=1.0, metadata={"help": "weight of the EMA-KL term ||v - v_ema||^2 (released 1; "
+                                                           "0: no EMA copy, one forward less)"})
+    ema_decay_max: float = field(default=0.3, metadata={"help": "EMA copy: the largest decay (released "
+                                                                "kl_ema_decay 0.3)"})
+    ema_decay_ramp: Optional[float] = field(default=0.001, metadata={
+        "help": "EMA copy: d = min(ema_decay_max, ramp * optimizer steps), updated once per iteration (released "
+                "'linear'); null: d = ema_decay_max always ('constant')"})
+
+    def loss_settings(self):
+        from shared_rl.losses import AWMSettings as AWMLossSettings
+
+        return AWMLossSettings(self.clip_range, self.adv_clip_max, self.advantage_max, self.ema_beta)
 
     def check(self, where: str) -> None:
+        self.loss_settings().check(where)
         if self.timesteps_per_sample < 1:
             raise ConfigError(f"{where}.timesteps_per_sample must be >= 1, got {self.timesteps_per_sample}")
+        if not 0 < self.timestep_fraction <= 1:
+            raise ConfigError(f"{where}.timestep_fraction must be in (0, 1], got {self.timestep_fraction}")
+        if self.weighting not in AWM_WEIGHTINGS:
+            raise ConfigError(f"{where}.weighting must be one of {', '.join(AWM_WEIGHTINGS)}, got {self.weighting!r}")
+        if self.ghuber_power <= 0:
+            raise ConfigError(f"{where}.ghuber_power must be > 0, got {self.ghuber_power}")
+        if not 0 <= self.ema_decay_max < 1 or (self.ema_decay_ramp is not None and self.ema_decay_ramp < 0):
+            raise ConfigError(f"{where}.ema_decay_max must be in [0, 1) and ema_decay_ramp >= 0 or null")
+
+
+@dataclass
+class DGPOSettings:
+    beta_dpo: float = field(default=100.0, metadata={"help": "DPO beta of the group preference (reference 100)"})
+    clip_range: float = field(default=1e-2, metadata={
+        "help": "PPO-style clip of the denoising loss (reference geneval/ocr 1e-2; its CFG-free recipes 1e-5)"})
+    timesteps_per_sample: int = field(default=4, metadata={
+        "help": "timesteps trained per sample, drawn once per rollout call for every sample (reference "
+                "num_train_timesteps: 4)"})
+    trunc_steps: int = field(default=4, metadata={
+        "help": "the timesteps are drawn among grid steps 0..trunc_steps (reference geneval 4 of a 10-step grid)"})
+    shared_noise: bool = field(default=True, metadata={"help": "one noise per group and timestep (reference "
+                                                               "use_shared_noise: true)"})
+
+    def loss_settings(self):
+        from shared_rl.losses import DGPOSettings as DGPOLossSettings
+
+        return DGPOLossSettings(self.beta_dpo, self.clip_range)
+
+    def check(self, where: str) -> None:
+        self.loss_settings().check(where)
+        if self.timesteps_per_sample < 1 or self.trunc_steps < 0:
+            raise ConfigError(f"{where}.timesteps_per_sample must be >= 1 and trunc_steps >= 0")
+        if self.timesteps_per_sample > self.trunc_steps + 1:
+            raise ConfigError(f"{where}.timesteps_per_sample ({self.timesteps_per_sample}) is more than the "
+                              f"{self.trunc_steps + 1} grid steps 0..trunc_steps it draws from; raise trunc_steps")
 
 
 # ------------------------------------------------------------------------------------------------ registry
@@ -116,6 +268,8 @@ class Objective:
     likelihood_free: ClassVar[bool] = False
     policy_loss: ClassVar[str | None] = None  # the one policy loss it needs (None: any ratio-based one)
     default_method: ClassVar[dict[str, Any]] = {"name": "flow_grpo"}  # visgen.method when the config leaves it null
+    # logp_old is the trainer's first forward before any update (Rollout.logp_deferred): AWM / DGPO ratios
+    deferred_logp: ClassVar[bool] = False
 
     def __init__(self, settings: Any) -> None:
         self.settings = settings
@@ -127,29 +281,57 @@ class Objective:
 
         return PolicyLossChoice(self.policy_loss) if self.policy_loss is not None else None
 
+    def old_policy(self) -> OldPolicySchedule | None:
+        """The lagging copy of the adapter this objective reads (NFT's old policy, AWM's EMA), or None."""
+        return None
+
+    @property
+    def samples_with_old(self) -> bool:
+        """Whether rollouts are sampled with the old policy's weights (DiffusionNFT)."""
+        return False
+
     # likelihood-free objectives: training slots chosen at rollout time ------------------------------------------
+    def num_slots(self, num_steps: int) -> int:
+        return int(self.settings.timesteps_per_sample)
+
+    def slot_steps(self, n: int, num_steps: int, generator, groups: torch.Tensor) -> torch.Tensor:
+        """``[n, K]`` grid-step indices of each row's training slots (default: K distinct uniform steps per row)."""
+        return torch.rand(n, num_steps, generator=generator).argsort(1)[:, : self.num_slots(num_steps)]
+
+    def slot_noise(self, n: int, k: int, shape: tuple, device, generator, groups: torch.Tensor) -> torch.Tensor:
+        """``[n, K, *latent]`` fresh noise of each slot (default: independent per row)."""
+        return randn_tensor((n, k, *shape), generator=generator, device=device, dtype=torch.float32)
+
     def training_slots(self, is_leaf: torch.Tensor, node_latent: torch.Tensor, num_columns: int,
-                       sigmas: torch.Tensor, timesteps: torch.Tensor, generator) -> tuple[torch.Tensor, dict]:
-        """``(mask [n, num_columns], payload entries)``: ``K`` distinct grid timesteps per leaf row, their noise
-        levels, model timesteps and fresh noise (drawn from ``generator`` after sampling and scoring)."""
-        K = self.settings.timesteps_per_sample
+                       sigmas: torch.Tensor, timesteps: torch.Tensor, generator,
+                       groups: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+        """``(mask [n, max(num_columns, K)], payload entries)``: ``K`` grid timesteps per leaf row (the objective's
+        ``slot_steps``), their noise levels, model timesteps and fresh noise (drawn from ``generator`` after
+        sampling and scoring), and a per-row seed for later inner epochs (``redraw_slots``)."""
         T = int(timesteps.numel())
+        K = self.num_slots(T)
         n = int(is_leaf.numel())
-        if K > T or K > num_columns:
-            raise ConfigError(f"visgen.objective.timesteps_per_sample {K} is more than the {min(T, num_columns)} "
-                              f"steps a rollout row holds here; lower it")
-        choice = torch.rand(n, T, generator=generator).argsort(1)[:, :K]
+        if K > T:
+            raise ConfigError(f"visgen.objective {self.name}: {K} training timesteps per sample is more than the {T} "
+                              f"steps of the grid; lower timesteps_per_sample")
+        groups = torch.zeros(n, dtype=torch.long) if groups is None else groups.cpu()
+        choice = self.slot_steps(n, T, generator, groups)
         sig, ts = sigmas.detach().float().cpu(), timesteps.detach().float().cpu()
-        noise = randn_tensor((n, K, *node_latent.shape[1:]), generator=generator, device=node_latent.device,
-                             dtype=torch.float32)
-        mask = torch.zeros(n, num_columns, dtype=torch.bool)
+        noise = self.slot_noise(n, K, tuple(node_latent.shape[1:]), node_latent.device, generator, groups)
+        seeds = torch.randint(0, 2**62, (n,), generator=generator)
+        mask = torch.zeros(n, max(num_columns, K), dtype=torch.bool)
         mask[is_leaf, :K] = True
         return mask, {"x0": node_latent.float(), "obj_sigma": sig[choice], "obj_timestep": ts[choice],
-                      "obj_noise": noise}
+                      "obj_noise": noise, "obj_seed": seeds, "obj_grid_sigma": sig[None, :T].expand(n, T),
+                      "obj_grid_timestep": ts[None, :T].expand(n, T)}
+
+    def redraw_slots(self, payload: dict[str, Any], epoch: int) -> dict[str, Any]:
+        """The payload an inner epoch trains on: the rollout's draw for epoch 0 (default: every epoch)."""
+        return payload
 
     def terms(self, adapter, payload: dict[str, Any], mask: torch.Tensor, cond,
-              reference: Callable[[], ContextManager] | None, old: Callable[[], ContextManager] | None
-              ) -> StepLogProbs:
+              reference: Callable[[], ContextManager] | None, old: Callable[[], ContextManager] | None,
+              need_kl: bool = False) -> StepLogProbs:
         raise NotImplementedError
 
     def _slots(self, payload: dict[str, Any], mask: torch.Tensor, k: int):
@@ -158,8 +340,13 @@ class Objective:
         d = rows.to(x0.device)
         sigma = payload["obj_sigma"][rows, k].to(x0.device)
         eps = payload["obj_noise"][d, k]
-        x_t = (1 - sigma.reshape(-1, *([1] * (x0.dim() - 1)))) * x0[d] + sigma.reshape(-1, *([1] * (x0.dim() - 1))) * eps
+        s = sigma.reshape(-1, *([1] * (x0.dim() - 1)))
+        x_t = (1 - s) * x0[d] + s * eps
         return rows, d, x0[d], eps, x_t, sigma, payload["obj_timestep"][rows, k].to(x0.device)
+
+    def _live_slots(self, payload: dict[str, Any], mask: torch.Tensor):
+        slots = [(k, *self._slots(payload, mask, k)) for k in range(payload["obj_sigma"].shape[1])]
+        return [sl for sl in slots if sl[1].numel()]
 
 
 OBJECTIVES: dict[str, type[Objective]] = {}
@@ -170,6 +357,13 @@ def register_objective(cls: type[Objective]) -> type[Objective]:
         raise ValueError(f"visgen objective {cls.name!r} is already registered")
     OBJECTIVES[cls.name] = cls
     return cls
+
+
+def _velocity_kl(adapter, x_t, t, c, v, reference):
+    """``(‖v − v_ref‖² per row, v_ref)`` under the reference (no grad)."""
+    with torch.no_grad(), reference():
+        v_ref = adapter.velocity(x_t, t, c)
+    return _mean_elements((v - v_ref) ** 2), v_ref
 
 
 @register_objective
@@ -192,19 +386,50 @@ class NFTObjective(Objective):
         from shared_rl.config import PolicyLossChoice
         from shared_rl.losses import NFTSettings as NFTLossSettings
 
-        return PolicyLossChoice("nft", NFTLossSettings(adv_max=self.settings.adv_max))
+        return PolicyLossChoice("nft", NFTLossSettings(adv_max=self.settings.adv_max,
+                                                       adv_mode=self.settings.adv_mode))
 
-    def terms(self, adapter, payload, mask, cond, reference, old):
+    def old_policy(self) -> OldPolicySchedule:
+        s = self.settings
+        return OldPolicySchedule(s.old_decay_max, s.old_decay_ramp, s.old_decay_flat, s.old_update)
+
+    @property
+    def samples_with_old(self) -> bool:
+        return self.settings.sample_with == "old"
+
+    def num_slots(self, num_steps: int) -> int:
+        s = self.settings
+        return s.timesteps_per_sample if s.timesteps_per_sample is not None else max(1, int(num_steps * s.timestep_fraction))
+
+    def redraw_slots(self, payload: dict[str, Any], epoch: int) -> dict[str, Any]:
+        """Inner epoch ``epoch`` >= 1 trains on a fresh permutation of the grid and fresh noise per row, drawn from
+        the row's seed (the reference draws both anew in every inner epoch), the same for any micro-batching."""
+        if epoch <= 0:
+            return payload
+        x0 = payload["x0"]
+        n, K = payload["obj_sigma"].shape
+        T = payload["obj_grid_sigma"].shape[1]
+        choice, noise = torch.zeros(n, K, dtype=torch.long), []
+        for i, seed in enumerate(payload["obj_seed"].tolist()):
+            gen = torch.Generator().manual_seed((int(seed) + 1_000_003 * epoch) % 2**63)
+            choice[i] = torch.randperm(T, generator=gen)[:K]
+            noise.append(torch.randn((K, *x0.shape[1:]), generator=gen))
+        out = dict(payload)
+        out["obj_sigma"] = payload["obj_grid_sigma"].gather(1, choice)
+        out["obj_timestep"] = payload["obj_grid_timestep"].gather(1, choice)
+        out["obj_noise"] = torch.stack(noise).to(x0.device)
+        return out
+
+    def terms(self, adapter, payload, mask, cond, reference, old, need_kl=False):
         s = self.settings
         if old is None:
             raise RuntimeError("the nft objective needs the old policy (FlowPolicy.enable_old_policy)")
         n, L = mask.shape
         dev = payload["x0"].device
         pos, neg = torch.zeros(n, L, device=dev), torch.zeros(n, L, device=dev)
-        kl = torch.zeros(n, L, device=dev) if reference is not None else None
+        kl = torch.zeros(n, L, device=dev) if need_kl else None
         per_forward, nfe = adapter.forwards_per_step(cond), 0
-        slots = [(k, *self._slots(payload, mask, k)) for k in range(payload["obj_sigma"].shape[1])]
-        slots = [sl for sl in slots if sl[1].numel()]
+        slots = self._live_slots(payload, mask)
         # the old policy's velocities first, under ONE weight swap: swapping weights in place between forwards
         # that keep their graph for backward would invalidate that graph
         with torch.no_grad(), old():
@@ -221,9 +446,8 @@ class NFTObjective(Objective):
             pos, neg = pos.index_put((d, cols), p), neg.index_put((d, cols), q)
             nfe += 2 * per_forward * rows.numel()
             if kl is not None:
-                with torch.no_grad(), reference():
-                    v_ref = adapter.velocity(x_t, t, c)
-                kl = kl.index_put((d, cols), _mean_elements((v - v_ref) ** 2))
+                value, _ = _velocity_kl(adapter, x_t, t, c, v, reference)
+                kl = kl.index_put((d, cols), value)
                 nfe += per_forward * rows.numel()
         return StepLogProbs(logp=torch.zeros(n, L, device=dev), kl=kl, nfe=nfe, objective_pos=pos, objective_neg=neg)
 
@@ -235,28 +459,104 @@ class AWMObjective(Objective):
     likelihood_free = True
     policy_loss = "awm"
     default_method = {"name": "ode"}
+    deferred_logp = True
 
-    def terms(self, adapter, payload, mask, cond, reference, old):
+    def loss_choice(self):
+        from shared_rl.config import PolicyLossChoice
+
+        return PolicyLossChoice(self.policy_loss, self.settings.loss_settings())
+
+    def old_policy(self) -> OldPolicySchedule | None:
+        s = self.settings
+        return OldPolicySchedule(s.ema_decay_max, s.ema_decay_ramp) if s.ema_beta > 0 else None
+
+    def slot_steps(self, n, num_steps, generator, groups):
+        s = self.settings
+        if s.time_type == "random":
+            return super().slot_steps(n, num_steps, generator, groups)
+        return stratified_steps(num_steps, s.timesteps_per_sample, s.timestep_fraction, s.time_type, n, generator)
+
+    def terms(self, adapter, payload, mask, cond, reference, old, need_kl=False):
+        s = self.settings
         n, L = mask.shape
         dev = payload["x0"].device
-        pos = torch.zeros(n, L, device=dev)
-        kl = torch.zeros(n, L, device=dev) if reference is not None else None
+        logp, ema_kl = torch.zeros(n, L, device=dev), torch.zeros(n, L, device=dev)
+        kl = torch.zeros(n, L, device=dev) if need_kl else None
         per_forward, nfe = adapter.forwards_per_step(cond), 0
-        for k in range(payload["obj_sigma"].shape[1]):  # the K training slots (mask columns 0..K-1)
-            rows, d, x0, eps, x_t, _sigma, t = self._slots(payload, mask, k)
-            if rows.numel() == 0:
-                continue
+        slots = self._live_slots(payload, mask)
+        v_emas = [None] * len(slots)
+        if s.ema_beta > 0:  # the EMA copy's velocities first, under one weight swap (see NFTObjective.terms)
+            with torch.no_grad(), old():
+                v_emas = [adapter.velocity(x_t, t, cond[d]) for _k, _rows, d, _x0, _eps, x_t, _sigma, t in slots]
+        for (k, rows, d, x0, eps, x_t, sigma, t), v_ema in zip(slots, v_emas):
             c = cond[d]
             v = adapter.velocity(x_t, t, c)
             cols = torch.full_like(d, k)
-            pos = pos.index_put((d, cols), flow_matching_loss(x0, eps, v))
+            logp = logp.index_put((d, cols), awm_log_likelihood(x0, eps, v, sigma, s.weighting, s.ghuber_power))
             nfe += per_forward * rows.numel()
-            if kl is not None:
-                with torch.no_grad(), reference():
-                    v_ref = adapter.velocity(x_t, t, c)
-                kl = kl.index_put((d, cols), _mean_elements((v - v_ref) ** 2))
+            if v_ema is not None:
+                ema_kl = ema_kl.index_put((d, cols), _mean_elements((v - v_ema) ** 2))
                 nfe += per_forward * rows.numel()
-        return StepLogProbs(logp=torch.zeros(n, L, device=dev), kl=kl, nfe=nfe, objective_pos=pos)
+            if kl is not None:
+                value, _ = _velocity_kl(adapter, x_t, t, c, v, reference)
+                kl = kl.index_put((d, cols), value)
+                nfe += per_forward * rows.numel()
+        return StepLogProbs(logp=logp, kl=kl, nfe=nfe, objective_pos=ema_kl)
+
+
+@register_objective
+class DGPOObjective(Objective):
+    name = "dgpo"
+    settings_class = DGPOSettings
+    likelihood_free = True
+    policy_loss = "dgpo"
+    default_method = {"name": "ode"}
+    deferred_logp = True
+
+    def loss_choice(self):
+        from shared_rl.config import PolicyLossChoice
+
+        return PolicyLossChoice(self.policy_loss, self.settings.loss_settings())
+
+    def num_slots(self, num_steps: int) -> int:
+        if self.settings.trunc_steps >= num_steps:
+            raise ConfigError(f"visgen.objective dgpo: trunc_steps {self.settings.trunc_steps} must be below the "
+                              f"{num_steps} grid steps")
+        return self.settings.timesteps_per_sample
+
+    def slot_steps(self, n, num_steps, generator, groups):
+        """``timesteps_per_sample`` distinct grid steps of ``0..trunc_steps``, the same for every row (the reference
+        draws one set per inner epoch for the whole batch)."""
+        K, pool = self.settings.timesteps_per_sample, self.settings.trunc_steps + 1
+        pick = torch.rand(pool, generator=generator).argsort()[:K]
+        return pick[None, :].expand(n, K).clone()
+
+    def slot_noise(self, n, k, shape, device, generator, groups):
+        if not self.settings.shared_noise:
+            return super().slot_noise(n, k, shape, device, generator, groups)
+        uniq, inverse = torch.unique(groups, return_inverse=True)
+        per_group = randn_tensor((uniq.numel(), k, *shape), generator=generator, device=device, dtype=torch.float32)
+        return per_group[inverse.to(device)]
+
+    def terms(self, adapter, payload, mask, cond, reference, old, need_kl=False):
+        if reference is None:
+            raise RuntimeError("the dgpo objective needs the reference policy (the adapter switched off)")
+        n, L = mask.shape
+        dev = payload["x0"].device
+        dsm, ref_dsm = torch.zeros(n, L, device=dev), torch.zeros(n, L, device=dev)
+        kl = torch.zeros(n, L, device=dev) if need_kl else None
+        per_forward, nfe = adapter.forwards_per_step(cond), 0
+        for k, rows, d, x0, eps, x_t, _sigma, t in self._live_slots(payload, mask):
+            c = cond[d]
+            v = adapter.velocity(x_t, t, c)
+            value, v_ref = _velocity_kl(adapter, x_t, t, c, v, reference)
+            cols = torch.full_like(d, k)
+            dsm = dsm.index_put((d, cols), flow_matching_loss(x0, eps, v))
+            ref_dsm = ref_dsm.index_put((d, cols), flow_matching_loss(x0, eps, v_ref))
+            if kl is not None:
+                kl = kl.index_put((d, cols), value)
+            nfe += 2 * per_forward * rows.numel()
+        return StepLogProbs(logp=-dsm, kl=kl, nfe=nfe, objective_pos=dsm, objective_neg=ref_dsm)
 
 
 def objective_from_config(config: dict[str, Any] | str, where: str = "visgen.objective") -> Objective:

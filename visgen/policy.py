@@ -10,8 +10,10 @@ reference policy for KL, an EMA of the trained weights, checkpoint tensors and t
   transformer is kept (optional, it doubles the transformer's memory).
 - **EMA** of the trained weights (Flow-GRPO keeps one with decay 0.9 for evaluation): ``ema_weights()`` swaps the
   averaged weights in for evaluation and export, and back out.
-- **Checkpoints**: ``state_dict`` holds the trained tensors by parameter name plus ``ema.<name>`` when EMA is on,
-  so a resumed run continues exactly.
+- **Old policy** (DiffusionNFT's v_old and sampler, AWM's EMA-KL target): a lagging copy of the trained weights,
+  soft-updated once per iteration before its rollout (``enable_old_policy`` / ``sync_old_policy``).
+- **Checkpoints**: ``state_dict`` holds the trained tensors by parameter name plus ``ema.<name>`` when EMA is on
+  and ``old.<name>`` + ``old_synced_iteration`` with an old policy, so a resumed run continues exactly.
 - **Export**: ``save_pretrained`` writes the LoRA in the diffusers layout (``pytorch_lora_weights.safetensors`` with
   the adapter metadata) that ``pipe.load_lora_weights(dir)`` loads; full fine-tuning writes ``transformer/``.
 """
@@ -71,6 +73,15 @@ class EmaSettings:
             raise ConfigError(f"{where}.update_every must be >= 1, got {self.update_every}")
 
 
+def old_decay(steps: int, decay_max: float, ramp: float | None, flat: int = 0) -> float:
+    """The old copy's decay after ``steps`` optimizer steps: 0 before ``flat`` steps, then
+    min(``decay_max``, ``ramp``·(steps − ``flat``)); ``ramp`` None: ``decay_max`` (DiffusionNFT's ``return_decay``,
+    AWM's linear / constant ``kl_ema_decay``)."""
+    if steps < flat:
+        return 0.0
+    return decay_max if ramp is None else min(decay_max, ramp * (steps - flat))
+
+
 class FlowPolicy:
     """Trainable weights of ``pipe.transformer`` (LoRA adapter or all), reference, EMA, checkpoint and export.
 
@@ -79,6 +90,7 @@ class FlowPolicy:
     """
 
     ADAPTER = "default"
+    OLD_SYNCED = "old_synced_iteration"  # state_dict entry: the iteration the old copy was last synced for
 
     def __init__(
         self,
@@ -120,6 +132,7 @@ class FlowPolicy:
         self.ema: dict[str, torch.Tensor] | None = None
         self.old: dict[str, torch.Tensor] | None = None  # DiffusionNFT's old policy (enable_old_policy)
         self._old_steps = 0
+        self._old_synced = 0
         self._ema_steps = 0
         if self.ema_settings.enabled:
             self.ema = {n: p.detach().clone() for n, p in self._named_trainable()}
@@ -212,22 +225,47 @@ class FlowPolicy:
         return self._swapped(self.ema)
 
     # ------------------------------------------------------------------------------------------------ old policy
-    def enable_old_policy(self, decay_max: float, decay_ramp: float) -> None:
-        """Keep an "old" copy of the trainable weights, θ_old ← decay_k·θ_old + (1 − decay_k)·θ after optimizer step
-        k with the ramped decay decay_k = min(decay_max, decay_ramp·k) (DiffusionNFT's old policy: it starts equal
-        to the policy and lags it more as training proceeds)."""
+    def enable_old_policy(self, decay_max: float, decay_ramp: float | None, decay_flat: int = 0,
+                          update: str = "iteration") -> None:
+        """Keep an "old" copy of the trainable weights (DiffusionNFT's old policy, AWM's EMA), soft-updated as
+        θ_old ← d·θ_old + (1 − d)·θ with d = ``old_decay(k)`` after k optimizer steps: 0 for k < ``decay_flat``, then
+        min(``decay_max``, ``decay_ramp``·(k − ``decay_flat``)) (``decay_ramp`` None: ``decay_max``), the
+        references' ``return_decay``. ``update``: ``"iteration"`` — once per iteration, before its rollout
+        (``sync_old_policy``; the references update after each epoch's training, with the same step count);
+        ``"step"`` — after every optimizer step with d = old_decay(steps before it) (grove's earlier form)."""
+        if update not in ("iteration", "step"):
+            raise ValueError(f"old policy update must be 'iteration' or 'step', got {update!r}")
         self.old = {n: p.detach().clone() for n, p in self._named_trainable()}
-        self._old_decay = (float(decay_max), float(decay_ramp))
+        self._old_schedule = (float(decay_max), None if decay_ramp is None else float(decay_ramp), int(decay_flat),
+                              update)
         self._old_steps = 0
+        self._old_synced = 0
 
-    def update_old_policy(self) -> None:
-        if self.old is None:
-            return
-        decay = min(self._old_decay[0], self._old_decay[1] * self._old_steps)
+    def old_decay(self, steps: int) -> float:
+        return old_decay(steps, *self._old_schedule[:3])
+
+    def _lerp_old(self, decay: float) -> None:
         with torch.no_grad():
             for name, p in self._named_trainable():
                 self.old[name].lerp_(p.detach(), 1.0 - decay)
+
+    def old_policy_step(self) -> None:
+        """After every optimizer step: count it (and, with ``update: step``, soft-update the old copy)."""
+        if self.old is None:
+            return
+        if self._old_schedule[3] == "step":
+            self._lerp_old(self.old_decay(self._old_steps))
         self._old_steps += 1
+
+    def sync_old_policy(self, iteration: int) -> bool:
+        """Before iteration ``iteration``'s first rollout (``update: iteration``): soft-update the old copy once with
+        d = old_decay(optimizer steps so far). Idempotent per iteration; the iteration it last synced for is part of
+        ``state_dict`` (saved with the weights it describes). Returns whether it updated."""
+        if self.old is None or self._old_schedule[3] != "iteration" or iteration <= self._old_synced:
+            return False
+        self._lerp_old(self.old_decay(self._old_steps))
+        self._old_synced = int(iteration)
+        return True
 
     def old_weights(self) -> contextlib.AbstractContextManager:
         """Swap the old-policy weights in (``enable_old_policy`` first)."""
@@ -242,12 +280,13 @@ class FlowPolicy:
             state.update({f"ema.{name}": t.clone() for name, t in self.ema.items()})
         if self.old is not None:
             state.update({f"old.{name}": t.clone() for name, t in self.old.items()})
+            state[self.OLD_SYNCED] = torch.tensor([self._old_synced], dtype=torch.long)
         return state
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         names = set(self._names) | ({f"ema.{n}" for n in self._names} if self.ema is not None else set())
         if self.old is not None:
-            names |= {f"old.{n}" for n in self._names}
+            names |= {f"old.{n}" for n in self._names} | {self.OLD_SYNCED}
         missing, unexpected = names - set(state), set(state) - names
         if missing or unexpected:
             raise ValueError(f"visgen policy state mismatch: missing {sorted(missing)[:3]}, unexpected "
@@ -259,6 +298,8 @@ class FlowPolicy:
                     self.ema[name].copy_(state[f"ema.{name}"])
                 if self.old is not None:
                     self.old[name].copy_(state[f"old.{name}"])
+        if self.old is not None:
+            self._old_synced = int(state[self.OLD_SYNCED].reshape(-1)[0])
 
     def extra_state(self) -> dict:
         return {"ema_steps": self._ema_steps, "old_steps": self._old_steps}

@@ -9,6 +9,7 @@ by :meth:`VisgenRollouts.from_config` from its config; tests build one around a 
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any, Callable, ContextManager
 
@@ -42,7 +43,8 @@ class VisgenRollouts:
                  sample_kwargs: dict[str, Any] | None = None, reference: Callable[[], ContextManager] | None = None,
                  kl_type: str = "mean", objective: Objective | None = None,
                  old: Callable[[], ContextManager] | None = None, *, two_stage: tuple[Any, Any] | None = None,
-                 score_chunks: int = 1, overlap_rewards: bool = False) -> None:
+                 score_chunks: int = 1, overlap_rewards: bool = False, granular_outputs: list[str] | None = None
+                 ) -> None:
         self.adapter, self.method, self.kernel = adapter, method, kernel
         self.prompts, self.metas, self.score = prompts, metas, score
         self.num_inference_steps, self.guidance_scale = num_inference_steps, guidance_scale
@@ -52,18 +54,22 @@ class VisgenRollouts:
         self.old = old
         self.two_stage = two_stage
         self.score_chunks, self.overlap_rewards = score_chunks, overlap_rewards
+        # outputs scored again at coarse granularities (E-GRPO); None: every output the score function returns
+        self.granular_outputs = None if granular_outputs is None else list(granular_outputs)
+        self.epoch = 0  # the trainer's inner epoch (set by the domain; NFT draws fresh noise per epoch)
         self._cond_meta: dict[str, Any] | None = None
         self._next_forward = 0  # forward ids stay unique across rollout calls (refills concatenate payloads)
 
     @classmethod
     def from_config(cls, cfg, adapter, policy, method: RolloutMethod, objective: Objective, prompts: list[str],
                     metas: list[dict], score: Callable[..., dict[str, torch.Tensor]],
-                    sample_kwargs: dict[str, Any]) -> "VisgenRollouts":
+                    sample_kwargs: dict[str, Any], granular_outputs: list[str] | None = None) -> "VisgenRollouts":
         """The rollouts a ``VisgenConfig`` ``cfg`` describes, around the domain's pipeline ``adapter``, its
         ``policy`` (``visgen.policy.FlowPolicy``: the KL reference, and the old weights once the objective enabled
         them), the configured ``method`` and ``objective``, the training prompts and the reward call: the kernel
         and its noise level, the step count and guidance, the KL type, the Sol-RL explorer and score chunking all
-        come from ``cfg`` here."""
+        come from ``cfg`` here; ``granular_outputs``: the trained reward outputs a multi-granularity method
+        (E-GRPO) scores again (``VisgenConfig.granular_base_outputs``; None: all)."""
         two_stage = None
         if cfg.two_stage.enabled:  # Sol-RL: the explorer copy, re-synced from the live weights every rollout call
             from .lowprec import LowPrecisionExplorer
@@ -72,7 +78,8 @@ class VisgenRollouts:
         return cls(adapter, method, cfg.kernel_settings(), prompts, metas, score, cfg.num_inference_steps,
                    cfg.guidance_scale, sample_kwargs, reference=policy.reference, kl_type=cfg.kl_type,
                    objective=objective, old=policy.old_weights if policy.old is not None else None,
-                   two_stage=two_stage, score_chunks=cfg.score_chunks, overlap_rewards=cfg.overlap_rewards)
+                   two_stage=two_stage, score_chunks=cfg.score_chunks, overlap_rewards=cfg.overlap_rewards,
+                   granular_outputs=granular_outputs)
 
     @torch.no_grad()
     def rollout(self, keys: list[int], group_size: int, generator: torch.Generator, iteration: int) -> Rollout:
@@ -95,24 +102,35 @@ class VisgenRollouts:
         cond = self.adapter.encode_prompts([self.prompts[k] for k in keys], num_images_per_prompt=1,
                                            guidance_scale=self.guidance_scale, **self.sample_kwargs)
         sigmas, timesteps = self.adapter.schedule(self.num_inference_steps, cond)
-        if self.two_stage is not None:
-            grown = self._two_stage(cond, list(keys), group_size, sigmas, timesteps, generator, iteration)
-        else:
-            grown = method.grow(self.adapter, cond, list(keys), group_size, sigmas, timesteps, generator, iteration,
-                                self.kernel, self._next_forward)
+        # DiffusionNFT samples with the old policy's weights (swapped in for the whole no-grad rollout)
+        with self.old() if self.objective.samples_with_old else contextlib.nullcontext():
+            if self.two_stage is not None:
+                grown = self._two_stage(cond, list(keys), group_size, sigmas, timesteps, generator, iteration)
+            else:
+                grown = method.grow(self.adapter, cond, list(keys), group_size, sigmas, timesteps, generator,
+                                    iteration, self.kernel, self._next_forward)
         forest, tree = grown.forest, grown.forest.tree
         self._next_forward += forest.forwards + 1
         leaves = forest.leaves()
         leaf_root = tree.group[leaves]
         x = forest.node_latent[leaves.to(forest.node_latent.device)]
         size = self.kernel.micro_batch or x.shape[0]
-        images = torch.cat([self.adapter.decode(x[i:i + size], grown.root_cond[leaf_root[i:i + size]])
+        strides = sorted(grown.granular_latents)
+        # the leaves' images, then (E-GRPO) the same leaves by each coarser ODE tail: one scoring call for all
+        x = torch.cat([x] + [grown.granular_latents[g].to(x) for g in strides])
+        root_of = leaf_root.repeat(1 + len(strides))
+        images = torch.cat([self.adapter.decode(x[i:i + size], grown.root_cond[root_of[i:i + size]])
                             for i in range(0, x.shape[0], size)])
         t1 = time.perf_counter()
-        leaf_keys = [grown.group_keys[g] for g in grown.root_group[leaf_root].tolist()]
+        leaf_keys = [grown.group_keys[g] for g in grown.root_group[leaf_root].tolist()] * (1 + len(strides))
         scores = yield images, [self.prompts[k] for k in leaf_keys], [self.metas[k] for k in leaf_keys]
+        n_leaves = int(leaves.numel())
         for name, value in scores.items():
-            tree.set_leaf_rewards(name, leaves, torch.as_tensor(value).float().reshape(-1))
+            value = torch.as_tensor(value).float().reshape(-1)
+            tree.set_leaf_rewards(name, leaves, value[:n_leaves])
+            if self.granular_outputs is None or name in self.granular_outputs:
+                for j, g in enumerate(strides, start=1):
+                    tree.set_leaf_rewards(f"{name}@g{g}", leaves, value[j * n_leaves:(j + 1) * n_leaves])
         t2 = time.perf_counter()
         info = {**grown.info, **method.after_rewards(forest, tree.rewards, iteration)}
         if self.two_stage is not None:  # how well the explorer's ranking of the kept seeds survives full precision
@@ -128,13 +146,18 @@ class VisgenRollouts:
         node_cond = {k: v[tree.group[rows].to(v.device)] for k, v in c.tensors.items()}
         payload = forest_payload(forest, node_cond, rows)
         logp_old = forest.logp[rows].clone()
-        if self.objective.likelihood_free:  # NFT / AWM: train on each leaf's clean sample at drawn grid timesteps
+        deferred = None
+        if self.objective.likelihood_free:  # NFT / AWM / DGPO: each leaf's clean sample at drawn grid timesteps
             is_leaf = torch.zeros(len(tree), dtype=torch.bool)
             is_leaf[leaves] = True
+            groups = grown.root_group[tree.group[rows]]
             mask, extra = self.objective.training_slots(is_leaf[rows], forest.node_latent[rows.to(forest.node_latent.device)],
-                                                        mask.shape[1], sigmas, timesteps, generator)
+                                                        mask.shape[1], sigmas, timesteps, generator, groups)
             payload.update(extra)
-            logp_old = torch.zeros_like(logp_old)
+            logp_old = torch.zeros(mask.shape)
+            if self.objective.deferred_logp:  # AWM / DGPO: behaviour log p from the trainer's first forward
+                deferred = mask.clone()
+                logp_old[deferred] = float("nan")
             rows_mask = mask
         else:
             rows_mask = mask[rows]
@@ -147,7 +170,7 @@ class VisgenRollouts:
         return Rollout(keys=list(grown.group_keys), group_ids=grown.root_group[tree.group[rows]].clone(),
                        rewards={k: v[rows] for k, v in tree.rewards.items()}, logp_old=logp_old,
                        mask=rows_mask, parent=None if flat else tree.parent.clone(),
-                       payload=payload, nfe=forest.nfe, info=info,
+                       payload=payload, nfe=forest.nfe, info=info, logp_deferred=deferred,
                        key_index=grown.key_index.clone(),
                        fusion_logit=None if flat else method.fusion_logit(forest))
 
@@ -202,12 +225,15 @@ class VisgenRollouts:
         p = rollout.index_payload(idx)
         trained = rollout.mask[idx] if steps is None else rollout.mask[idx] & steps.to(rollout.mask.device)
         if self.objective.likelihood_free:
+            p = self.objective.redraw_slots(p, self.epoch)
             out = self.objective.terms(self.adapter, p, trained, Conditioning(p["cond"], **self._cond_meta),
-                                       self.reference if need_kl else None, self.old)
+                                       self.reference, self.old, need_kl)
             dev = rollout.logp_old.device
-            return StepLogProbs(logp=out.logp.to(dev), kl=None if out.kl is None else out.kl.to(dev), nfe=out.nfe,
-                                objective_pos=out.objective_pos.to(dev),
-                                objective_neg=None if out.objective_neg is None else out.objective_neg.to(dev))
+            res = StepLogProbs(logp=out.logp.to(dev), kl=None if out.kl is None else out.kl.to(dev), nfe=out.nfe,
+                               objective_pos=out.objective_pos.to(dev),
+                               objective_neg=None if out.objective_neg is None else out.objective_neg.to(dev))
+            res.group = rollout.group_ids[idx].to(dev)  # DGPO's group sums (StepLogProbs.group, requested)
+            return res
         rec = recompute_edges(self.adapter, p, trained, Conditioning(p["cond"], **self._cond_meta),
                               self.kernel.kernel, self.kernel.reduction,
                               reference=self.reference if need_kl else None, kl_type=self.kl_type)

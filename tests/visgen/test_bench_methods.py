@@ -6,7 +6,7 @@ from bench.visgen_methods import MIN_BAND, VARIANTS, first_reach, noise_band, ro
 from shared_rl.config import load_train_config
 
 SHORT_NAMES = {"flat", "dance", "fast", "mix", "branch", "branch-prune", "branch-mix", "tree", "egrpo", "nft", "awm",
-               "guard"}
+               "dgpo", "guard"}
 
 
 def test_every_method_is_a_valid_demo_config():
@@ -18,6 +18,8 @@ def test_every_method_is_a_valid_demo_config():
         # one optimizer step per batch (the demo's) except the likelihood-free objectives' tuned 8
         assert cfg.optim.minibatches_per_epoch == (8 if name in ("nft", "awm") else 1), name
     assert load_train_config(variant_config("nft", 0, 3, False)).policy_loss_choice().name == "nft"
+    assert load_train_config(variant_config("dgpo", 0, 3, False)).policy_loss_choice().name == "dgpo"
+    assert load_train_config(variant_config("egrpo", 0, 3, False)).advantage.multi_reward == "normalize_then_sum"
 
 
 def test_noise_band_first_reach_and_speedups():

@@ -247,8 +247,8 @@ def test_branch_logp_softmax_fusion_reaches_the_trainer(sd3_pipe):
 
 
 def test_egrpo_groups_share_a_consolidated_step_and_normalise_within_it(sd3_pipe):
-    s = egrpo(schedule=[[0, 1], [2, 2], [4, 3]])
-    r, ro = run(sd3_pipe, s, keys=[0, 1], group_size=3)
+    s = egrpo(schedule=[[0, 1], [2, 2], [4, 3]], granularities=[1])  # one granularity (the tails at stride 2 and
+    r, ro = run(sd3_pipe, s, keys=[0, 1], group_size=3)            # their rewards: test_reference_parity.py)
     # one tree per (prompt, consolidated step): root = anchor latent, 3 members
     assert ro.keys == [0, 0, 0, 1, 1, 1] and len(ro) == 6 + 18
     # anchor 5 forwards (steps 0..4; its forward at each consolidated step is the members' step 0) + tails
@@ -502,7 +502,8 @@ def test_visgen_domain_runs_tree_methods(tiny_asset, method, estimator, group_si
     cfg = load_train_config({
         "domain": "visgen", "seed": 1, "iterations": 1,
         "rollout": {"groups_per_iteration": 2, "group_size": group_size},
-        "advantage": {"estimator": estimator, "weights": {"shapes_strict": 0.0}},
+        # normalize_then_sum: E-GRPO's granularities each z-scored, then summed (one trained output otherwise)
+        "advantage": {"estimator": estimator, "weights": {"shapes_strict": 0.0}, "multi_reward": "normalize_then_sum"},
         "loss": {"clip_low": 1e-3}, "optim": {"lr": 1e-2, "minibatches_per_epoch": 1, "inner_epochs": 1},
         "logging": {"progress": False}, "eval": {"at_start": False},
         "visgen": {"model": str(tiny_asset), "num_inference_steps": 4, "lora": {"rank": 4, "alpha": 8}, "method": method,

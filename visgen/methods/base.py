@@ -47,6 +47,9 @@ class Grown:
     group_keys: list[int]
     key_index: torch.Tensor
     info: dict[str, float] = field(default_factory=dict)
+    # stride g -> [leaves, *latent] the leaves' images again by a coarser ODE tail (E-GRPO's multi-granularity
+    # rewards), in ``forest.leaves()`` order; the rollout scores them as ``<output>@g<g>``
+    granular_latents: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 class RolloutMethod:
@@ -79,6 +82,11 @@ class RolloutMethod:
     def after_rewards(self, forest: Forest, rewards: dict[str, torch.Tensor], iteration: int) -> dict[str, float]:
         """Called with the leaf rewards on the forest before it becomes a ``Rollout`` (e.g. pruning); returns info."""
         return {}
+
+    def reward_granularities(self) -> list[int]:
+        """ODE strides > 1 at which the leaves are scored again (``Grown.granular_latents``; E-GRPO), none by
+        default."""
+        return []
 
     def fusion_logit(self, forest: Forest) -> torch.Tensor | None:
         """``[N]`` per-node logits of the trainer's softmax-weighted tree-value fusion (``Rollout.fusion_logit``);

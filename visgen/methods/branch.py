@@ -43,13 +43,14 @@ class BranchSettings:
                                                        "uses the scaled std)"})
     fusion: Literal["mean", "logp_softmax"] = field(default="mean",
                                                     metadata={"help": "node value from the leaves below: 'mean' of "
-                                                                      "their rewards, or 'logp_softmax' (the paper's "
-                                                                      "weighted fusion: children weighted by a softmax "
-                                                                      "of their edge log-probs / fusion_temperature)"})
+                                                                      "their rewards (the reference's default), or "
+                                                                      "'logp_softmax' (its --tree_prob_weighted: "
+                                                                      "children weighted by a softmax of their split "
+                                                                      "step's log-prob / fusion_temperature)"})
     fusion_temperature: float = field(default=1.0,
-                                      metadata={"help": "logp_softmax: softmax temperature over siblings' edge "
-                                                        "log-probs (summed over the edge's SDE steps); larger = "
-                                                        "closer to the mean"})
+                                      metadata={"help": "logp_softmax: softmax temperature over siblings' split-step "
+                                                        "log-probs (the reference's 1); larger = closer to the "
+                                                        "mean"})
     width_prune: Literal["none", "ratio", "best_worst"] = field(default="none",
                                                                 metadata={"help": "train only some leaf edges: 'ratio' "
                                                                                   "(top width_keep by |advantage|) or "
@@ -109,11 +110,14 @@ class BranchMixSettings(BranchSettings):
 
 
 def edge_logp_logits(forest: Forest, temperature: float) -> torch.Tensor:
-    """BranchGRPO's fusion logits: the log-prob of the edge into each node (its SDE steps' summed log-probs) over
-    ``temperature``; roots (no steps) 0. The trainer's tree values then weight siblings by their softmax
+    """BranchGRPO's fusion logits: the log-prob of the split step that created each node (the first executed step
+    of the edge into it) over ``temperature``; roots (no steps) 0. As the reference
+    (Fredreic1849/BranchGRPO ``compute_node_rewards_from_leaves`` with ``--tree_prob_weighted``: siblings weighted
+    by the softmax of ``child.log_prob``, the one step from their parent, temperature 1), not by the edge's steps
+    after the split. The trainer's tree values then weight siblings by their softmax
     (``shared_rl.advantages.tree_values(..., fusion_logit)``)."""
-    logp = torch.where(forest.sde, forest.logp, torch.zeros_like(forest.logp)).sum(1)
-    return (logp / temperature).float().cpu()
+    split = forest.logp[:, 0]
+    return (torch.where(forest.sde[:, 0], split, torch.zeros_like(split)) / temperature).float().cpu()
 
 
 def branch_levels(s: BranchSettings, sigmas: torch.Tensor, timesteps: torch.Tensor, base_noise: float,

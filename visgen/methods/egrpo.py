@@ -38,7 +38,8 @@ from shared_rl.flow_kernels import flow_step, gaussian_entropy, get_kernel
 from ..engine import Forwarder, Level, StepSegment, grow_forest
 from .base import Grown, RolloutMethod, register_method
 
-__all__ = ["EGRPOSettings", "EGRPO", "step_entropy", "grid_entropies", "merge_schedule", "egrpo_forest"]
+__all__ = ["EGRPOSettings", "EGRPO", "step_entropy", "grid_entropies", "merge_schedule", "egrpo_forest",
+           "coarse_tail", "granular_tails"]
 
 
 @dataclass
@@ -55,6 +56,10 @@ class EGRPOSettings:
     schedule: list[list[int]] = field(default_factory=list,
                                       metadata={"help": "manual [[i, k], ...]: SDE step sigma_i -> sigma_{i+k} "
                                                         "(overrides the threshold)"})
+    granularities: list[int] = field(default_factory=lambda: [1, 2], metadata={
+        "help": "ODE strides of the tails each member is scored by (the reference's granular_list [1, 2]): 1 is "
+                "the image itself, g > 1 a coarser tail scored as <output>@g<g>; the advantage sums their z-scores "
+                "(advantage.multi_reward: normalize_then_sum). [1]: one granularity"})
 
     def check(self, where: str) -> None:
         if self.max_merge < 1:
@@ -66,6 +71,10 @@ class EGRPOSettings:
         for item in self.schedule:
             if len(item) != 2 or item[0] < 0 or item[1] < 1:
                 raise ConfigError(f"{where}.schedule entries must be [grid step i >= 0, merged steps k >= 1], got {item}")
+        g = list(self.granularities)
+        if not g or g[0] != 1 or len(set(g)) != len(g) or any(x < 1 for x in g):
+            raise ConfigError(f"{where}.granularities must start with 1 (the image itself) and list distinct strides "
+                              f">= 1, e.g. [1, 2]; got {self.granularities}")
 
     def check_steps(self, num_steps: int, where: str) -> None:
         if self.schedule:
@@ -172,6 +181,36 @@ def egrpo_forest(adapter, cond, keys: list[int], sigmas: torch.Tensor, timesteps
     return forest, root_cond, [keys[p] for p, _ in order], info
 
 
+def coarse_tail(start: int, num_steps: int, stride: int) -> list[int]:
+    """The grid indices an ODE tail of ``stride`` visits from grid index ``start`` to the image (index
+    ``num_steps``, sigma 0), as the reference's multi-granularity sampler (shengjun-zhang/VisualGRPO
+    ``flux_sampler.sample``: the schedule ``sigma[:start+1] + sigma[start+1::stride]``, whose last executed step's
+    x0-prediction is the image): ``[start] + S[:-1] + [num_steps]`` with ``S = start+1, start+1+stride, ...``
+    (<= num_steps). Stride 1 is the full grid tail."""
+    s = list(range(start + 1, num_steps + 1, stride))
+    return [start] + s[:-1] + [num_steps]
+
+
+@torch.no_grad()
+def granular_tails(adapter, cond, latents: torch.Tensor, starts: torch.Tensor, sigmas: torch.Tensor,
+                   timesteps: torch.Tensor, stride: int, micro_batch: int = 0) -> tuple[torch.Tensor, int]:
+    """``(images' latents [n, *latent], nfe)``: every row of ``latents`` (at grid index ``starts[i]``) run to the image
+    by the Euler ODE along :func:`coarse_tail`; rows with the same start share their forwards."""
+    T = int(timesteps.numel())
+    out = torch.empty_like(latents)
+    fwd = Forwarder(adapter, micro_batch)
+    sig = sigmas.to(latents.device)
+    for e in torch.unique(starts).tolist():
+        rows = torch.nonzero(starts == e).flatten().to(latents.device)
+        x, c = latents[rows].clone(), cond[rows]
+        path = coarse_tail(int(e), T, stride)
+        for a, b in zip(path[:-1], path[1:]):
+            v, _, _ = fwd(x, timesteps[a].expand(rows.numel()).to(latents.device), c)
+            x = flow_step("ode", x, v, sig[a], sig[b], 0.0).next_sample
+        out[rows] = x
+    return out, fwd.nfe
+
+
 @register_method
 class EGRPO(RolloutMethod):
     """E-GRPO: one group of ``rollout.group_size`` members per (prompt, consolidated SDE step)."""
@@ -189,5 +228,20 @@ class EGRPO(RolloutMethod):
             adapter, cond, list(keys), sigmas, timesteps, self.settings, group_size, generator, k.kernel,
             k.noise_level, k.reduction, k.micro_batch, first_forward_id)
         R, J = len(root_keys), len(root_keys) // max(len(keys), 1)
+        granular = {}
+        if self.reward_granularities():  # each member's image again by coarser ODE tails from its SDE step's end
+            sched, _ = merge_schedule(sigmas, k.kernel, k.noise_level, self.settings)
+            ends = torch.tensor([i + m for i, m in sched], dtype=torch.long)
+            leaves = forest.leaves()
+            roots = forest.tree.group[leaves]
+            start_latents = forest.latents[leaves.to(forest.latents.device), 1]
+            for g in self.reward_granularities():
+                granular[g], nfe = granular_tails(adapter, root_cond[roots.to(forest.latents.device)], start_latents,
+                                                  ends[roots % J], sigmas, timesteps, g, k.micro_batch)
+                forest.nfe += nfe
         # roots are prompt-major (root p * J + j: prompt p at consolidated step j); one group per root
-        return Grown(forest, root_cond, torch.arange(R), root_keys, torch.arange(len(keys)).repeat_interleave(J), info)
+        return Grown(forest, root_cond, torch.arange(R), root_keys, torch.arange(len(keys)).repeat_interleave(J), info,
+                     granular)
+
+    def reward_granularities(self) -> list[int]:
+        return [g for g in self.settings.granularities if g > 1]
