@@ -1,22 +1,30 @@
-"""``grove bench robotics-world-model``: imagined GRPO in a learned world model vs GRPO in the simulator.
+"""``grove bench robotics-world-model``: GRPO in the simulator vs three ways of using the learned world model.
 
-Same task (door-open), same BC starting policy (``assets/metaworld-vla-tiny``) and the same 40 held-out reset
-states as ``configs/robotics/metaworld_grpo_door.yaml``; every number is a held-out success measured in MuJoCo.
+Same task (door-open), same BC starting policy (``assets/metaworld-vla-tiny``), the same world model
+(``assets/metaworld-wm-tiny``) and the same evaluation: the ODE policy in MuJoCo on 100 held-out door-open reset
+states (``robotics.eval_states_per_task=100``, the first 40 are the earlier 40), every success with its binomial
+standard error, evaluated every 5 iterations so each row has a curve of held-out success against real env steps.
 
-Rows (``variant``):
+Rows (``variant``), each per seed and as a mean over its seeds:
 
-1. ``sim GRPO, full budget``: ``metaworld_grpo_door.yaml`` as is (25 iterations) — the reference gain;
-2. ``sim GRPO, equal real steps``: the same, stopped after the iterations whose env steps match the world-model
-   variant's real steps;
-3. ``world model: imagined GRPO ...``: ``world_model_grpo.yaml`` from ``assets/metaworld-wm-tiny``. Its real env
-   steps = the world-model data (demos + policy rollouts, ``meta.json``) + co-evolution rollouts (+ VLA-RFT
-   reference demos when used); audit replays are reported apart. Columns ``gain_fraction_of_sim`` (held-out gain
-   ÷ row 1's gain), ``real_step_saving_vs_sim`` (row 1's env steps ÷ this row's), the training-time audit
-   (``hallucinated_success_rate``, ``reward_model_precision``/``recall``, image MSE at imagined depths 1/6/12),
-   and a final audit with the trained policy where *every* imagined episode is replayed;
-4. ``sim flat groups`` vs ``sim branching groups`` (``robotics.rollout.name: tree``, TreeRL estimator) at equal env steps;
-5. throughput: imagined env steps/s (world model, decoding frames for the VLA) vs simulator env steps/s with
-   rendering, same policy and batch.
+1. ``sim GRPO``: ``metaworld_grpo_door.yaml`` (25 iterations of 8 x 8 episodes in MuJoCo) — the reference;
+2. ``imagined GRPO``: ``world_model_grpo.yaml`` — rewards from the world model's success model (kept as an option;
+   its measured harm is the reason for the next two rows); rank agreement = its audit's ``rank_spearman``;
+3. ``verified two-stage``: ``world_model_verified.yaml`` — 16 imagined candidates per keyframe, the shared selector
+   keeps 4, those are re-executed in MuJoCo with the same noise streams and trained on their real rewards; rank
+   agreement = ``verify/rank_spearman``;
+4. ``short-horizon``: ``world_model_short_horizon.yaml`` — imagined branches of 3 chunks from real states, their
+   return the critic's value (critic trained on real returns); rank agreement = ``short/rank_spearman``.
+
+Columns: ``before`` / ``after`` (± ``*_se``), ``real_env_steps`` (for the world-model rows: the world model's real
+data, 13,747 steps, plus every real step taken during training — verified re-executions, fresh rollouts; audit
+replays that only measure are not counted), ``steps_to_sim_final`` (real env steps at the first evaluation whose
+held-out success reaches the sim GRPO mean final success; empty when never) and ``fraction_of_sim_steps`` (that
+÷ sim GRPO's real env steps to its own final: the issue's target is ≤ 1/3 in every seed), rank agreement, wall time.
+
+A row whose run directory already holds a finished run (``final/``) is read, not re-run: a long benchmark can be
+run a row at a time (``python bench/robotics_world_model.py --only verified --seeds 0 1 2``) and assembled by
+``grove bench robotics-world-model --out <the same directory>``.
 """
 from __future__ import annotations
 
@@ -31,32 +39,17 @@ import numpy as np  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "bench" / "robotics_world_model.md"
-SIM_CFG = ROOT / "configs" / "robotics" / "metaworld_grpo_door.yaml"
-WM_CFG = ROOT / "configs" / "robotics" / "world_model_grpo.yaml"
-
-
-def _trainer(config: Path | dict, overrides: list[str], run_dir: Path | None, log):
-    from shared_rl.config import apply_overrides, load_train_config, load_yaml
-    from shared_rl.trainer import Trainer
-
-    data = load_yaml(config) if isinstance(config, Path) else dict(config)
-    return Trainer(load_train_config(apply_overrides(data, overrides)), run_dir, log=log)
-
-
-def _train(config: Path | dict, overrides: list[str], run_dir: Path, log):
-    trainer = _trainer(config, overrides, run_dir, log)
-    t = time.perf_counter()
-    hist = trainer.fit()
-    return trainer, hist, time.perf_counter() - t
-
-
-def _gain(hist) -> tuple[float, float]:
-    evals = [h for h in hist if "eval/success" in h]
-    return float(evals[0]["eval/success"]), float(evals[-1]["eval/success"])
-
-
-def _env_steps(hist) -> int:
-    return int(sum(h.get("env/steps", 0) for h in hist))
+CFG = ROOT / "configs" / "robotics"
+VARIANTS = {  # name -> (recipe, label, the metric of imagined-vs-real rank agreement)
+    "sim": ("metaworld_grpo_door.yaml", "sim GRPO (metaworld_grpo_door.yaml)", None),
+    "imagined": ("world_model_grpo.yaml", "imagined GRPO (world_model_grpo.yaml)", "audit/rank_spearman"),
+    "verified": ("world_model_verified.yaml", "verified two-stage (world_model_verified.yaml)", "verify/rank_spearman"),
+    "short": ("world_model_short_horizon.yaml", "short-horizon + critic (world_model_short_horizon.yaml)",
+              "short/rank_spearman"),
+}
+EVAL = ["robotics.eval_states_per_task=100", "robotics.eval_standard_error=true", "robotics.gifs=false", "eval.every=5"]
+QUICK = ["robotics.eval_states_per_task=2", "robotics.eval_standard_error=true", "robotics.gifs=false", "iterations=1",
+         "rollout.groups_per_iteration=2", "eval.every=0"]
 
 
 def _nanmean(vals) -> float:
@@ -64,167 +57,146 @@ def _nanmean(vals) -> float:
     return float(np.mean(v)) if v else float("nan")
 
 
-def _throughput(domain, batch: int, horizon: int) -> tuple[float, float]:
-    """(imagined steps/s, simulator steps/s with rendering), same policy (ODE), same batch and horizon."""
-    import torch
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
-    from robotics.envs.metaworld_env import make_key
-    from robotics.episodes import SamplingSettings, run_episodes
 
-    imagination = domain.rollouts  # robotics.rollout.name: world_model
-    keys = list(imagination.keyframes)[:batch]
-    tasks = [imagination.task_of(k) for k in keys]
-    s = SamplingSettings(mode="ode")
+def curve(hist: list[dict]) -> list[dict]:
+    """The evaluations of a run: iteration, held-out success and its standard error, real env steps so far (the
+    world-model rollouts report theirs as ``eval/real_env_steps``; in the simulator they are the summed
+    ``env/steps``)."""
+    out, steps = [], 0
+    for h in hist:
+        steps += int(h.get("env/steps", 0) or 0)
+        if "eval/success" in h:
+            real = h.get("eval/real_env_steps")
+            out.append({"step": int(h.get("step", 0)), "success": float(h["eval/success"]),
+                        "se": float(h.get("eval/success_se", float("nan"))),
+                        "real_env_steps": int(real) if real is not None else steps})
+    return out
+
+
+def steps_to(points: list[dict], target: float) -> int | None:
+    """Real env steps at the first evaluation after the start whose success reaches ``target`` (None: never)."""
+    for p in points[1:]:
+        if p["success"] >= target - 1e-9:
+            return p["real_env_steps"]
+    return None
+
+
+def _train(variant: str, seed: int, run_dir: Path, quick: bool, log) -> tuple[list[dict], float]:
+    """Train one (variant, seed) unless ``run_dir`` holds a finished run; returns its metrics and wall time."""
+    if (run_dir / "final").is_dir() and (run_dir / "metrics.jsonl").is_file():
+        log(f"bench robotics-world-model: {variant} seed {seed}: reusing the finished run in {run_dir}")
+        wall = json.loads((run_dir / "bench_wall.json").read_text())["wall_s"] if (run_dir / "bench_wall.json").is_file() \
+            else float("nan")
+        return read_metrics(run_dir), wall
+    from shared_rl.config import apply_overrides, load_train_config, load_yaml
+    from shared_rl.trainer import Trainer
+
+    overrides = (QUICK if quick else EVAL) + [f"seed={seed}"]
+    if quick and variant != "sim":
+        wm = "robotics.rollout.world_model"
+        overrides += [f"{wm}.refit_steps=2", f"{wm}.refit_success_steps=2"]
+    log(f"bench robotics-world-model: {variant} seed {seed} -> {run_dir}")
+    trainer = Trainer(load_train_config(apply_overrides(load_yaml(CFG / VARIANTS[variant][0]), overrides)), run_dir,
+                      log=log)
     t = time.perf_counter()
-    before = imagination.imagine.model_steps
-    b = run_episodes(domain.policy, imagination.imagine, keys, tasks, s, horizon, torch.Generator().manual_seed(0))
-    imag = float(b.length.sum()) / (time.perf_counter() - t)
-    assert imagination.imagine.model_steps > before
-    real_keys = [make_key(0, "train", i) for i in range(batch)]
-    domain.venv.reset(real_keys)  # envs and renderers built outside the timing
-    t = time.perf_counter()
-    b = run_episodes(domain.policy, domain.venv, real_keys, tasks, s, horizon, torch.Generator().manual_seed(0))
-    sim = float(b.length.sum()) / (time.perf_counter() - t)
-    return imag, sim
-
-
-def _final_audit(domain, n_keys: int, group: int, seed: int = 123) -> dict:
-    """Imagine ``n_keys`` x ``group`` rollouts with the trained policy and replay every one of them in MuJoCo."""
-    import torch
-
-    w = domain.cfg.rollout.world_model
-    old, learn = w.audit_fraction, w.learn_from_audit
-    w.audit_fraction, w.learn_from_audit = 1.0, False  # measure only: these replays are not training data
-    rng = np.random.default_rng(seed)
-    keys = [int(k) for k in rng.choice(list(domain.rollouts.keyframes), n_keys, replace=False)]
     try:
-        ro = domain.rollout(keys, group, torch.Generator().manual_seed(seed), 0)
+        trainer.fit()
     finally:
-        w.audit_fraction, w.learn_from_audit = old, learn
-    return {k.removeprefix("audit/"): v for k, v in ro.info.items() if k.startswith("audit/")} | {"last": domain.rollouts.last_audit}
+        trainer.domain.close()
+    wall = time.perf_counter() - t
+    (run_dir / "bench_wall.json").write_text(json.dumps({"wall_s": wall}))
+    return read_metrics(run_dir), wall
 
 
-def run(out_dir: Path, quick: bool = False, log=print) -> dict:
+def row(variant: str, seed: int, hist: list[dict], wall: float, sim_final: float | None,
+        sim_steps: float | None) -> dict:
+    pts = curve(hist)
+    first, last = pts[0], pts[-1]
+    metric = VARIANTS[variant][2]
+    its = [h for h in hist if "groups/kept" in h]
+    r = {"variant": VARIANTS[variant][1], "seed": seed, "before": first["success"], "before_se": first["se"],
+         "after": last["success"], "after_se": last["se"], "gain": last["success"] - first["success"],
+         "real_env_steps": last["real_env_steps"]}
+    if sim_final is not None:
+        reach = steps_to(pts, sim_final)
+        r["steps_to_sim_final"] = reach
+        r["fraction_of_sim_steps"] = reach / sim_steps if (reach is not None and sim_steps) else None
+    if metric is not None:
+        r["rank_spearman"] = _nanmean([h.get(metric) for h in its])
+    if variant == "verified":
+        r["kept_agreement"] = _nanmean([h.get("verify/kept_agreement") for h in its])
+        r["hallucinated_success_rate"] = _nanmean([h.get("verify/hallucinated_success_rate") for h in its])
+        r["mixed_groups_real"] = _nanmean([h.get("verify/mixed_groups_real") for h in its])
+    if variant == "imagined":
+        r["hallucinated_success_rate"] = _nanmean([h.get("audit/hallucinated_success_rate") for h in its])
+    if variant != "sim":
+        r["imagined_steps"] = int(sum(h.get("wm/imagined_steps", 0) or 0 for h in its)) or None
+    r["curve"] = " ".join(f"{p['success']:.2f}@{p['real_env_steps'] // 1000}k" for p in pts)
+    r["wall_s"] = wall
+    return r
+
+
+def mean_row(rows: list[dict]) -> dict:
+    """The mean over a variant's seeds (``steps_to_sim_final``: the mean over the seeds that reached it, and how many)."""
+    out = {"variant": rows[0]["variant"] + f", mean of {len(rows)} seed(s)", "seed": "all"}
+    for k in ("before", "after", "gain", "real_env_steps", "rank_spearman", "kept_agreement",
+              "hallucinated_success_rate", "mixed_groups_real", "wall_s"):
+        if k in rows[0]:
+            out[k] = _nanmean([r.get(k) for r in rows])
+    # the standard error of a mean of independent evaluations (same states, different training seeds)
+    for k in ("before_se", "after_se"):
+        out[k] = float(np.sqrt(np.nansum([r[k] ** 2 for r in rows])) / len(rows))
+    if "steps_to_sim_final" in rows[0]:
+        reached = [r["steps_to_sim_final"] for r in rows if r["steps_to_sim_final"] is not None]
+        out["steps_to_sim_final"] = _nanmean(reached) if reached else None
+        out["seeds_reaching_sim_final"] = f"{len(reached)}/{len(rows)}"
+        fr = [r["fraction_of_sim_steps"] for r in rows if r.get("fraction_of_sim_steps") is not None]
+        out["fraction_of_sim_steps"] = _nanmean(fr) if fr else None
+    return out
+
+
+def run(out_dir: Path, quick: bool = False, log=print, only: list[str] | None = None,
+        seeds: list[int] | None = None) -> dict:
+    """Train (or read) every (variant, seed) under ``out_dir/<variant>_s<seed>`` and write the table."""
     import torch
 
     from shared_rl.bench import write_results
-    from shared_rl.config import load_yaml
 
     torch.set_num_threads(1)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    small = ["eval_states_per_task=4", "iterations=1", "rollout.groups_per_iteration=2", "rollout.group_size=4"] if quick else []
-    rows: list[dict] = []
-    wm_meta = json.loads((ROOT / "assets" / "metaworld-wm-tiny" / "meta.json").read_text())
-
-    # 1. the world-model variant first (its real steps size the equal-budget sim run)
-    wm_over = [o.replace("eval_states_per_task", "robotics.eval_states_per_task") for o in small]
-    if quick:
-        wm = "robotics.rollout.world_model"
-        wm_over += [f"{wm}.coevolve_every=1", f"{wm}.coevolve_episodes=2", f"{wm}.refit_steps=2",
-                    f"{wm}.refit_success_steps=2", "iterations=2"]
-    log("bench robotics-world-model: imagined GRPO")
-    tr, hist, wall = _train(WM_CFG, wm_over, out_dir / "wm-grpo", log)
-    dom = tr.domain
-    wm_before, wm_after = _gain(hist)
-    wm_real = dom.rollouts.real_env_steps
-    it_rows = [h for h in hist if "audit/episodes" in h]
-    audit_train = {k: _nanmean([h.get(f"audit/{k}") for h in it_rows]) for k in
-                   ("hallucinated_success_rate", "reward_model_precision", "reward_model_recall", "imagined_success_rate",
-                    "replay_success_rate", "image_mse_step1", "image_mse_step6", "image_mse_step12")}
-    final = _final_audit(dom, 4 if quick else 24, 4 if quick else 8)
-    imag_sps, sim_sps = _throughput(dom, 8 if quick else 64, 16 if quick else dom.cfg.rollout.world_model.horizon)
-    counts = {"coevolve": dom.rollouts.real_steps_coevolve, "replay": dom.rollouts.real_steps_replay,
-              "audit": dom.rollouts.audit_steps}
-    dom.close()
-    del tr, dom  # the real data with MuJoCo states is GBs: free it before the simulator runs (a full run was OOM-killed)
-    import gc
-
-    gc.collect()
-
-    # 2. sim GRPO at its full budget and at the world model's real-step budget
-    sim_over = [o.replace("eval_states_per_task", "robotics.eval_states_per_task") for o in small]
-    log("bench robotics-world-model: sim GRPO, full budget")
-    _, sim_hist, sim_wall = _train(SIM_CFG, sim_over, out_dir / "sim-grpo", log)
-    sim_before, sim_after = _gain(sim_hist)
-    sim_steps = _env_steps(sim_hist)
-    sim_gain = sim_after - sim_before
-    per_it = sim_steps / max(1, len([h for h in sim_hist if "env/steps" in h]))
-    eq_its = max(1, int(round(wm_real / per_it)))
-    if quick:
-        eq_its = min(eq_its, 2)
-    log(f"bench robotics-world-model: sim GRPO, equal real steps ({eq_its} iterations)")
-    _, eq_hist, eq_wall = _train(SIM_CFG, sim_over + [f"iterations={eq_its}"], out_dir / "sim-grpo-equal", log)
-    eq_before, eq_after = _gain(eq_hist)
-    rows.append({"variant": "sim GRPO, full budget (metaworld_grpo_door.yaml)", "before": sim_before, "after": sim_after,
-                 "gain": sim_gain, "real_env_steps": sim_steps, "wall_s": sim_wall})
-    rows.append({"variant": f"sim GRPO, equal real steps ({eq_its} it)", "before": eq_before, "after": eq_after,
-                 "gain": eq_after - eq_before, "real_env_steps": _env_steps(eq_hist), "wall_s": eq_wall})
-    gain = wm_after - wm_before
-    rows.append({
-        "variant": "world model: imagined GRPO, keyframe starts, co-evolution (world_model_grpo.yaml)",
-        "before": wm_before, "after": wm_after, "gain": gain, "real_env_steps": wm_real, "wall_s": wall,
-        "gain_fraction_of_sim": gain / sim_gain if sim_gain > 0 else float("nan"),
-        "real_step_saving_vs_sim": sim_steps / max(1, wm_real),
-        "hallucinated_success_rate": audit_train["hallucinated_success_rate"],
-        "reward_model_precision": audit_train["reward_model_precision"],
-        "reward_model_recall": audit_train["reward_model_recall"],
-        "imagined_success_rate": audit_train["imagined_success_rate"],
-        "replay_success_rate": audit_train["replay_success_rate"],
-        "image_mse_step1": audit_train["image_mse_step1"], "image_mse_step6": audit_train["image_mse_step6"],
-        "image_mse_step12": audit_train["image_mse_step12"], "audit_env_steps": counts["audit"],
-        "wm_data_env_steps": wm_meta.get("real_env_steps"),
-    })
-    rows.append({
-        "variant": "world model: final audit, trained policy, every imagined episode replayed",
-        "hallucinated_success_rate": final.get("hallucinated_success_rate"),
-        "reward_model_precision": final.get("reward_model_precision"),
-        "reward_model_recall": final.get("reward_model_recall"),
-        "imagined_success_rate": final.get("imagined_success_rate"), "replay_success_rate": final.get("replay_success_rate"),
-        "image_mse_step1": final.get("image_mse_step1"), "image_mse_step6": final.get("image_mse_step6"),
-        "image_mse_step12": final.get("image_mse_step12"),
-    })
-
-    # 3. branching vs flat groups in the simulator at equal env steps
-    n_it = 2 if quick else 10
-    flat_over = sim_over + [f"iterations={n_it}"]
-    log("bench robotics-world-model: sim flat groups")
-    _, f_hist, f_wall = _train(SIM_CFG, flat_over, out_dir / "sim-flat", log)
-    tree_cfg = load_yaml(SIM_CFG)
-    tree_cfg["robotics"]["rollout"] = {"name": "tree", "branch": ({"at_chunks": [0, 12], "factors": [2, 2]} if quick else
-                                                                  {"at_chunks": [0, 12, 24], "factors": [2, 2, 2]})}
-    tree_cfg["advantage"]["estimator"] = "treerl"
-    flat_per_group = _env_steps(f_hist) / max(1, n_it * (2 if quick else 8))
-    # trees per iteration for equal env steps: the flat run's steps per group / a measured tree's (dry rollout)
-    tr_dry = _trainer(tree_cfg, sim_over, None, log)
-    ro = tr_dry.domain.rollout(tr_dry.domain.train_keys()[:2], 8, torch.Generator().manual_seed(0), 0)
-    tree_per_group = ro.info["env/steps"] / 2
-    tr_dry.domain.close()
-    groups = max(1, int(round((2 if quick else 8) * flat_per_group / max(1.0, tree_per_group))))
-    log(f"bench robotics-world-model: sim branching groups ({groups} trees per iteration)")
-    _, t_hist, t_wall = _train(tree_cfg, flat_over + [f"rollout.groups_per_iteration={groups}"], out_dir / "sim-tree",
-                               log)
-    for name, h, wl, g in (("sim flat groups (8 x 8 episodes), grpo", f_hist, f_wall, 2 if quick else 8),
-                           (f"sim branching groups ({groups} trees x 8 leaves, branch at chunks 0/12/24), treerl",
-                            t_hist, t_wall, groups)):
-        b, a = _gain(h)
-        rows.append({"variant": f"{name}, {n_it} it", "before": b, "after": a, "gain": a - b,
-                     "real_env_steps": _env_steps(h), "wall_s": wl, "groups_per_iteration": g})
-    rows.append({"variant": "throughput: imagined (world model) vs simulator with rendering, 64 envs, ODE policy",
-                 "imagined_steps_per_s": imag_sps, "sim_steps_per_s": sim_sps, "imagined_vs_sim_speed": imag_sps / sim_sps})
+    seeds = seeds if seeds is not None else ([0] if quick else [0, 1, 2])
+    names = only or list(VARIANTS)
+    runs: dict[str, list[tuple[int, list[dict], float]]] = {}
+    for v in names:
+        per_seed = [0] if v == "imagined" and not quick else seeds  # its harm is measured; one seed shows it
+        for s in per_seed:
+            runs.setdefault(v, []).append((s, *_train(v, s, out_dir / f"{v}_s{s}", quick, log)))
+    # sim GRPO's target: its mean final success over the seeds run, and the real steps it took to get there
+    sim = runs.get("sim") or [(s, read_metrics(out_dir / f"sim_s{s}"), float("nan")) for s in seeds
+                              if (out_dir / f"sim_s{s}" / "metrics.jsonl").is_file()]
+    sim_final = sim_steps = None
+    if sim:
+        sim_final = float(np.mean([curve(h)[-1]["success"] for _, h, _ in sim]))
+        sim_steps = float(np.mean([curve(h)[-1]["real_env_steps"] for _, h, _ in sim]))
+    rows = []
+    for v, rs in runs.items():
+        vr = [row(v, s, h, w, sim_final, sim_steps) for s, h, w in rs]
+        rows += vr + ([mean_row(vr)] if len(vr) > 1 else [])
     notes = (
-        f"Door-open, BC asset, 40 held-out reset states (the eval split), ODE evaluation in MuJoCo "
-        f"(MUJOCO_GL={os.environ.get('MUJOCO_GL')}, Mesa llvmpipe CPU rendering, tuned 64x64 scene); torch threads 1; "
-        f"2 CPU cores shared with other jobs (wall times are indicative). World-model real steps = world-model data "
-        f"{wm_meta.get('real_env_steps')} (demos {wm_meta.get('demo_env_steps')}, policy rollouts "
-        f"{wm_meta.get('policy_env_steps')}) + co-evolution rollouts {counts['coevolve']} + audit replays fed to "
-        f"the refits {counts['replay']} (learn_from_audit); audit replays that only measure: {counts['audit']} "
-        f"steps, not counted. Final-audit image MSE by depth: "
-        f"{[round(x, 4) for x in final['last'].get('image_mse_by_step', [])]}."
+        f"Door-open, BC asset, world model assets/metaworld-wm-tiny, 100 held-out reset states (eval split), ODE "
+        f"evaluation in MuJoCo (MUJOCO_GL={os.environ.get('MUJOCO_GL')}, Mesa llvmpipe CPU rendering, tuned 64x64 "
+        f"scene); torch threads 1; 2 CPU cores shared with other jobs (wall times are indicative). Sim GRPO's target: "
+        f"mean final held-out success {sim_final if sim_final is None else round(sim_final, 4)} with "
+        f"{sim_steps if sim_steps is None else int(sim_steps)} real env steps. `curve`: held-out success @ real env "
+        f"steps (thousands) at every evaluation (every 5 iterations)."
         + (" QUICK MODE: plumbing check only." if quick else "")
     )
-    result = write_results(out_dir, "robotics-world-model", rows, notes, doc_path=None if quick else DOC)
-    return result
+    full = not quick and only is None
+    return write_results(out_dir, "robotics-world-model", rows, notes, doc_path=DOC if full else None)
 
 
 if __name__ == "__main__":
@@ -233,5 +205,7 @@ if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="runs/bench-robotics-world-model")
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--only", nargs="*", choices=list(VARIANTS), help="train / read only these variants")
+    p.add_argument("--seeds", nargs="*", type=int)
     a = p.parse_args()
-    print(json.dumps(run(Path(a.out), a.quick)["rows"], indent=1, default=float))
+    print(json.dumps(run(Path(a.out), a.quick, only=a.only, seeds=a.seeds)["rows"], indent=1, default=float))
