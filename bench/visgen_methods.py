@@ -64,8 +64,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # (since issue 37 each objective runs its reference's defaults: NFT sampled by its old policy, 9 of 10
     # timesteps; AWM's clipped ratio, ghuber weighting, advantage_max 1 and EMA-KL; the 8 steps are grove's, measured
     # better than the references' one step per batch)
-    "nft": {"visgen": {"method": None, "objective": {"name": "nft"}}, "optim": {"minibatches_per_epoch": 8}},
-    "awm": {"visgen": {"method": None, "objective": {"name": "awm"}}, "optim": {"minibatches_per_epoch": 8}},
+    # (both references normalise by the batch's std: advantage.estimator batch_std, their sample.global_std)
+    "nft": {"visgen": {"method": None, "objective": {"name": "nft"}}, "optim": {"minibatches_per_epoch": 8},
+            "advantage": {"estimator": "batch_std"}},
+    "awm": {"visgen": {"method": None, "objective": {"name": "awm"}}, "optim": {"minibatches_per_epoch": 8},
+            "advantage": {"estimator": "batch_std"}},
     # DGPO as its geneval config: one optimizer step per batch (whole groups per call), KL 0.02 to the reference
     "dgpo": {"visgen": {"method": None, "objective": {"name": "dgpo"}}, "loss": {"kl_coef": 0.02}},
     "guard": {"loss": {"policy_loss": "guard"}},
