@@ -216,6 +216,8 @@ class VisgenConfig(DomainConfig):
             raise ConfigError(f"{where}.method {method.name!r} trains nothing under the log_prob objective (no trained "
                               f"SDE step of {self.num_inference_steps}); widen it, or use visgen.objective nft/awm, "
                               "which train on clean samples from any sampler")
+        if objective.likelihood_free:
+            objective.check_steps(self.num_inference_steps, f"{where}.objective")
 
     def kernel_settings(self):
         """How the stochastic steps are drawn and scored (``visgen.methods.KernelSettings``); a null noise level is
@@ -257,15 +259,19 @@ class VisgenConfig(DomainConfig):
         weights = dict(train_cfg.advantage.weights or {}) if train_cfg is not None else {}
         return [n for n in self.reward_names(train_cfg) if weights.get(n, 1.0) != 0]
 
-    def granular_base_outputs(self, train_cfg) -> list[str]:
+    def granular_base_outputs(self, train_cfg) -> list[str] | None:
         """The trained reward outputs a method scores again at coarser ODE granularities (E-GRPO: each as
-        ``<output>@g<stride>``); none for every other method."""
+        ``<output>@g<stride>``); none for every other method. When the rewards' outputs cannot be known before
+        loading: the outputs ``advantage.weights`` trains, or None (every output) without weights."""
         if not self.rollout_method().reward_granularities():
             return []
         from .preflight import reward_names
 
         weights = dict(train_cfg.advantage.weights or {}) if train_cfg is not None else {}
-        return [n for n in reward_names(self, _import_optional_rewards) or [] if weights.get(n, 1.0) != 0]
+        names = reward_names(self, _import_optional_rewards)
+        if names is None:
+            return [n for n, w in weights.items() if w != 0 and "@g" not in n] if weights else None
+        return [n for n in names if weights.get(n, 1.0) != 0]
 
     def rollout_structure(self, train_cfg) -> str:
         """``flat`` or ``tree``: what the core checks the advantage estimator against."""
@@ -554,14 +560,18 @@ class VisgenDomain(DomainBase):
         so the same prompts and seed give the same initial noise before and after training."""
         from .trajectory import sample as visgen_sample
 
+        from shared_rl.metrics import Progress
+
         steps, guidance = self._eval_settings()
         batch_size = batch_size or self.cfg.eval.batch_size
         images = []
+        progress = Progress(self.ctx.log, "ODE sampling (evaluation)", len(prompts), "images")
         for j, start in enumerate(range(0, len(prompts), batch_size)):
             generator = torch.Generator().manual_seed(seed + j)
             traj = visgen_sample(self.pipe, prompts[start:start + batch_size], steps, guidance, generator, "ode",
                                  decode=True, **self._sample_kwargs())
             images.append(traj.images.float().cpu())
+            progress.update(min(len(prompts), start + batch_size))
         return torch.cat(images) if images else torch.zeros(0, 3, 1, 1)
 
     def evaluate(self, iteration: int) -> dict[str, float]:
@@ -605,6 +615,19 @@ class VisgenDomain(DomainBase):
         prompts = [p for p in self._grid_prompts() for _ in range(self.cfg.eval.grid_samples)]
         return self.sample_ode(prompts, self.cfg.eval.seed + 777) if prompts else torch.zeros(0, 3, 1, 1)
 
+    def _grid_captions(self, prompts: list[str], before: torch.Tensor, after: torch.Tensor) -> list[str]:
+        """``prompt | reward before -> after`` per grid row: the evaluation rewards' outputs (at most three), each
+        the mean over the row's samples."""
+        pool = dict(zip(self.train_prompts, self.train_meta)) | dict(zip(self.eval_prompts, self.eval_meta))
+        n = self.cfg.eval.grid_samples
+        reps = [p for p in prompts for _ in range(n)]
+        metas = [pool.get(p, {}) for p in reps]
+        b, a = (self.score(x, reps, metas, self.eval_rewards) for x in (before, after))
+        names = [k for k in b if k in a][:3]
+        return [f"{p}  |  " + ", ".join(f"{k} {b[k][i * n:(i + 1) * n].nanmean():.2f} -> "
+                                        f"{a[k][i * n:(i + 1) * n].nanmean():.2f}" for k in names)
+                for i, p in enumerate(prompts)]
+
     def save_pretrained(self, out_dir: Path) -> None:
         # the resolved location: a path relative to the repo would not load from anywhere else
         info = {"base_model": self.model_location, "method": self.cfg.method_config(), "kernel": self.cfg.kernel,
@@ -632,7 +655,7 @@ class VisgenDomain(DomainBase):
                 save_before_after_clips(before, after, prompts, self.cfg.eval.grid_samples, run_dir, fps=self.fps)
             else:
                 save_before_after(before, after, prompts, self.cfg.eval.grid_samples,
-                                  run_dir / "samples_before_after.png")
+                                  run_dir / "samples_before_after.png", self._grid_captions(prompts, before, after))
         evals = [r for r in history if any(k.startswith("eval/") for k in r)]
         lines = [f"visgen: {self.cfg.model} | kernel {self.cfg.kernel} | method {self.method.name} | "
                  f"{self.cfg.train_mode} ({sum(p.numel() for p in self.parameters()):,} trainable parameters)"]
@@ -653,7 +676,7 @@ class VisgenDomain(DomainBase):
             lines.append(f"iterations: {len(timed)}, rollout+train+eval time {total:.0f} s")
         if prompts:
             grid = "samples_before_after.gif/.mp4" if self.adapter.is_video else "samples_before_after.png"
-            lines.append(f"grid: {grid} (left: before, right: after; one prompt per row, see .txt)")
+            lines.append(f"grid: {grid} (left: before, right: after; one prompt per row, captioned)")
         if self.cfg.gold_rewards:  # the hacking guard: trained vs gold rewards, in curves.png and here
             from .rewards.gold import hacking_report
 
@@ -661,9 +684,11 @@ class VisgenDomain(DomainBase):
         (run_dir / "visgen_summary.txt").write_text("\n".join(lines) + "\n")
 
 
-def save_before_after(before: torch.Tensor, after: torch.Tensor, prompts: list[str], per_prompt: int, path: Path) -> None:
-    """One row per prompt: ``per_prompt`` "before" samples, a gap, the same seeds "after"; small images upscaled."""
-    from torchvision.utils import save_image
+def save_before_after(before: torch.Tensor, after: torch.Tensor, prompts: list[str], per_prompt: int, path: Path,
+                      captions: list[str] | None = None) -> None:
+    """One row per prompt under its caption (default: the prompt): ``per_prompt`` "before" samples, a gap, the same
+    seeds "after"; small images upscaled."""
+    from shared_rl.report import captioned_rows
 
     rows = []
     h, w = before.shape[-2:]
@@ -676,6 +701,8 @@ def save_before_after(before: torch.Tensor, after: torch.Tensor, prompts: list[s
     grid = torch.stack(rows)
     if scale > 1:
         grid = torch.nn.functional.interpolate(grid, scale_factor=scale, mode="nearest")
-    save_image(grid, path, nrow=1, padding=2, pad_value=1.0)
-    path.with_suffix(".txt").write_text(
-        "left: before training, right: after (same seeds)\n" + "\n".join(f"row {i}: {p}" for i, p in enumerate(prompts)) + "\n")
+    pixels = (grid.clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
+    captioned_rows(list(pixels), captions or list(prompts),
+                   f"left: {per_prompt} before training | right: the same seeds after").save(path)
+    path.with_suffix(".txt").write_text("left: before training, right: after (same seeds)\n" + "\n".join(
+        f"row {i}: {c}" for i, c in enumerate(captions or prompts)) + "\n")

@@ -294,6 +294,13 @@ class Objective:
     def num_slots(self, num_steps: int) -> int:
         return int(self.settings.timesteps_per_sample)
 
+    def check_steps(self, num_steps: int, where: str) -> None:
+        """Its training timesteps fit a grid of ``num_steps`` (ConfigError, one line)."""
+        if self.num_slots(num_steps) > num_steps:
+            raise ConfigError(f"{where}: {self.num_slots(num_steps)} training timesteps per sample is more than the "
+                              f"{num_steps} steps of the grid (visgen.num_inference_steps); lower "
+                              "timesteps_per_sample")
+
     def slot_steps(self, n: int, num_steps: int, generator, groups: torch.Tensor) -> torch.Tensor:
         """``[n, K]`` grid-step indices of each row's training slots (default: K distinct uniform steps per row)."""
         return torch.rand(n, num_steps, generator=generator).argsort(1)[:, : self.num_slots(num_steps)]
@@ -311,9 +318,7 @@ class Objective:
         T = int(timesteps.numel())
         K = self.num_slots(T)
         n = int(is_leaf.numel())
-        if K > T:
-            raise ConfigError(f"visgen.objective {self.name}: {K} training timesteps per sample is more than the {T} "
-                              f"steps of the grid; lower timesteps_per_sample")
+        self.check_steps(T, f"visgen.objective {self.name}")
         groups = torch.zeros(n, dtype=torch.long) if groups is None else groups.cpu()
         choice = self.slot_steps(n, T, generator, groups)
         sig, ts = sigmas.detach().float().cpu(), timesteps.detach().float().cpu()
@@ -518,11 +523,10 @@ class DGPOObjective(Objective):
 
         return PolicyLossChoice(self.policy_loss, self.settings.loss_settings())
 
-    def num_slots(self, num_steps: int) -> int:
+    def check_steps(self, num_steps: int, where: str) -> None:
         if self.settings.trunc_steps >= num_steps:
-            raise ConfigError(f"visgen.objective dgpo: trunc_steps {self.settings.trunc_steps} must be below the "
-                              f"{num_steps} grid steps")
-        return self.settings.timesteps_per_sample
+            raise ConfigError(f"{where}: trunc_steps {self.settings.trunc_steps} must be below the {num_steps} grid "
+                              "steps (visgen.num_inference_steps)")
 
     def slot_steps(self, n, num_steps, generator, groups):
         """``timesteps_per_sample`` distinct grid steps of ``0..trunc_steps``, the same for every row (the reference

@@ -306,3 +306,11 @@ def test_likelihood_free_recipes_run_their_references_defaults():
     dgpo = cfgs["dgpo"]
     assert dgpo.policy_loss_choice().name == "dgpo" and dgpo.domain_config.rollout_method().name == "ode"
     assert dgpo.loss.kl_coef == 0.02 and dgpo.optim.micro_batch_size == 0
+
+
+def test_timesteps_that_do_not_fit_the_grid_are_one_line_config_errors(tiny_dir):
+    with pytest.raises(ConfigError, match="trunc_steps 4 must be below the 4 grid steps"):
+        _visgen_cfg(tiny_dir, {"name": "dgpo"})
+    with pytest.raises(ConfigError, match="6 training timesteps per sample is more than the 4 steps"):
+        _visgen_cfg(tiny_dir, {"name": "awm"})
+    assert _visgen_cfg(tiny_dir, {"name": "nft"}).domain_config.training_objective().num_slots(4) == 3
