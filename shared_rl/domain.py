@@ -73,6 +73,7 @@ class StepLogProbs:
     objective_neg: torch.Tensor | None = None
     step_std: torch.Tensor | None = None  # [n, T] each step's transition std (flow domains; GRPO-Guard's RatioNorm)
     values: torch.Tensor | None = None  # [n, C] the critic's value per decision (with grad; PPO, advantage.estimator: gae)
+    group: torch.Tensor | None = None  # [n] the group of each row, for losses that couple a group's rows (DGPO)
 
 
 @dataclass

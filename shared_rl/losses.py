@@ -465,8 +465,7 @@ def dgpo_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tens
     detached (no gradient). The group sums need every member of a group in the same call (visgen refuses layouts
     that would split one); rows without a group (``terms.group`` None) form one group."""
     dsm, ref = _domain_terms("dgpo", terms, need_neg=True)
-    # StepLogProbs.group (requested of the core; visgen sets it today): a call without groups is one group
-    group = getattr(terms, "group", None)
+    group = terms.group  # a call without groups is one group
     if group is None:
         group = torch.zeros(dsm.shape[0], dtype=torch.long)
     m = mask.to(dsm.dtype)

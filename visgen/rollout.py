@@ -232,7 +232,7 @@ class VisgenRollouts:
             res = StepLogProbs(logp=out.logp.to(dev), kl=None if out.kl is None else out.kl.to(dev), nfe=out.nfe,
                                objective_pos=out.objective_pos.to(dev),
                                objective_neg=None if out.objective_neg is None else out.objective_neg.to(dev))
-            res.group = rollout.group_ids[idx].to(dev)  # DGPO's group sums (StepLogProbs.group, requested)
+            res.group = rollout.group_ids[idx].to(dev)  # DGPO's group sums (StepLogProbs.group)
             return res
         rec = recompute_edges(self.adapter, p, trained, Conditioning(p["cond"], **self._cond_meta),
                               self.kernel.kernel, self.kernel.reduction,
