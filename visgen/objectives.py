@@ -490,7 +490,9 @@ class AWMObjective(Objective):
         per_forward, nfe = adapter.forwards_per_step(cond), 0
         slots = self._live_slots(payload, mask)
         v_emas = [None] * len(slots)
-        if s.ema_beta > 0:  # the EMA copy's velocities first, under one weight swap (see NFTObjective.terms)
+        # the EMA copy's velocities first, under one weight swap (see NFTObjective.terms); without grad (the
+        # trainer's up-front behaviour log p of a several-minibatch iteration) only log p is read: no EMA forward
+        if s.ema_beta > 0 and torch.is_grad_enabled():
             with torch.no_grad(), old():
                 v_emas = [adapter.velocity(x_t, t, cond[d]) for _k, _rows, d, _x0, _eps, x_t, _sigma, t in slots]
         for (k, rows, d, x0, eps, x_t, sigma, t), v_ema in zip(slots, v_emas):

@@ -167,6 +167,8 @@ def test_awm_trains_its_ratio_from_the_second_optimizer_step_on_a_batch(tiny_dir
     m = tr.iteration(0)
     # the second minibatch sees weights the first step moved: its ratios leave 1 (behaviour log p taken up front)
     assert m["ratio/max"] > 1.0 + 1e-6 and math.isfinite(m["loss/policy"]) and m["grad_norm"] > 0
+    # NFE: the up-front behaviour log p (policy only, no EMA copy) + training (policy + EMA copy), 8 images x 2 slots
+    assert m["nfe/train"] == 8 * 2 + 8 * 2 * 2
 
 
 # ------------------------------------------------------------------------------------------------ DGPO
