@@ -154,7 +154,9 @@ def test_two_runs_started_into_one_new_directory_leave_one_history(tmp_path):
     assert codes == [0, 2], outs
     loser = outs[[p.returncode for p in procs].index(2)]
     errors = [line for line in loser.splitlines() if line.startswith("grove: error:")]
-    assert len(errors) == 1 and ("in use by grove train" in errors[0] or "is not empty" in errors[0]), loser
+    # the loser may meet the lock before or after the owner record is written, or the folder already filled
+    assert len(errors) == 1 and any(s in errors[0] for s in ("in use by grove train", "in use by another grove",
+                                                             "is not empty")), loser
     assert _steps(run) == [0, 1, 2, 3, 4]
     assert yaml.safe_load((run / "config.yaml").read_text())["iterations"] == 4
     assert not (run / LOCK_NAME).exists()
