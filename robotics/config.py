@@ -15,6 +15,7 @@ from .adapters import VAL_FIRST_INDEX, AdaptersConfig
 from .balance import BalanceConfig
 from .critic import CriticConfig
 from .envs.vector import EnvConfig
+from .policies.lerobot.settings import PolicySettings
 from .policies.vla import VLAConfig
 from .replay import ReplayConfig
 from .rollouts import RolloutSettings
@@ -52,6 +53,9 @@ class RoboticsConfig(DomainConfig):
     checkpoint: str = field(default="assets/metaworld-vla-tiny",
                             metadata={"help": "pretrained VLA directory; '' = a freshly initialised `model`"})
     model: VLAConfig = field(default_factory=VLAConfig)  # only used when checkpoint is ""
+    policy: PolicySettings = field(default_factory=PolicySettings, metadata={
+        "help": "which policy RL post-trains: {type: tiny_vla} (robotics.checkpoint, the default) or {type: lerobot, "
+                "path: DIR_OR_HUB_ID} (a LeRobot SmolVLA; docs/methods/lerobot_policies.md)"})
     head_mode: Literal["flow_sde", "flow_noise", "sde_one_step", "discrete"] = field(
         default="flow_sde", metadata={"help": "exploration: flow_sde | flow_noise (ReinFlow) | sde_one_step | discrete"})
     noise_level: float = field(default=DEFAULT_NOISE_LEVEL, metadata={
@@ -118,6 +122,25 @@ class RoboticsConfig(DomainConfig):
                               f"rollout.world_model.reward: classifier")
         if self.rollout.world_model.reward == "reference" and self.env.kind != "metaworld":
             raise ConfigError(f"{where}.rollout.world_model.reward: reference needs Meta-World (scripted expert demos)")
+        if self.policy.type == "lerobot":
+            self._check_lerobot(where)
+
+    def _check_lerobot(self, where: str) -> None:
+        """What a LeRobot policy runs with: flat groups in the simulator, Flow-GRPO's SDE steps, no part that reads
+        the tiny VLA's fused feature vector (value head, task adapters, BC replay)."""
+        lerobot = f"with {where}.policy.type: lerobot"
+        if self.head_mode not in ("flow_sde", "sde_one_step"):
+            raise ConfigError(f"{where}.head_mode: {self.head_mode} {lerobot}; use flow_sde or sde_one_step (the "
+                              f"policy has no learned noise head or bins)")
+        if self.rollout.name != "flat":
+            raise ConfigError(f"{where}.rollout.name: {self.rollout.name} {lerobot}; use flat")
+        for what, on in (("critic.enabled", self.critic.enabled), ("adapters.rank", self.adapters.rank),
+                         ("replay", self.replay.coef > 0 or bool(self.replay.data) or self.replay.source != "demos"),
+                         ("train_encoder: false", not self.train_encoder)):
+            if on:
+                raise ConfigError(f"{where}.{what} {lerobot}: not supported (it reads the tiny VLA's features); "
+                                  f"RL trains LoRA ({where}.policy.lora.rank) or what the policy's config leaves "
+                                  f"trainable")
 
     def check_with(self, train_cfg) -> None:
         self.rollout.check_with(train_cfg)

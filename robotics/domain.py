@@ -48,6 +48,7 @@ from .envs.vector import make_vector_env
 from .episodes import SamplingSettings
 from .evaluation import eval_keys, evaluate_policy
 from .parts import Part
+from .policies.lerobot.load import load_lerobot_policy
 from .policies.vla import TinyVLA
 from .replay import DemoReplay, SuccessReplay
 from .rollouts import rollout_class
@@ -69,7 +70,13 @@ def resolve(path: str) -> Path:
 
 
 def load_policy(cfg: RoboticsConfig, seed: int) -> TinyVLA:
-    """The checkpoint's VLA, or a fresh ``cfg.model`` sized for the env (seeded), checked against the env."""
+    """The checkpoint's VLA, or a fresh ``cfg.model`` sized for the env (seeded), checked against the env; with
+    ``robotics.policy.type: lerobot`` the LeRobot policy at ``robotics.policy.path`` behind the same interface
+    (``policies/lerobot/``; its features checked against the env there)."""
+    if cfg.policy.type == "lerobot":
+        path = resolve(cfg.policy.path)
+        return load_lerobot_policy(cfg.policy, cfg.env, str(path) if path.exists() else cfg.policy.path, seed,
+                                   ENV_ACTION_DIM)
     if cfg.checkpoint:
         try:
             policy = TinyVLA.load_pretrained(resolve(cfg.checkpoint))
@@ -124,8 +131,9 @@ class RoboticsDomain(DomainBase):
         self.policy = load_policy(cfg, ctx.seed).to(self.device)
         if cfg.adapters.rank:  # seeded, and added before a resume loads the trained adapters
             add_adapters(self.policy, cfg.adapters, cfg.env.tasks, ctx.seed)
-        for name, p in self.policy.named_parameters():
-            p.requires_grad_(trainable(name, cfg))
+        if cfg.policy.type == "tiny_vla":  # a LeRobot policy keeps its own choice (its config's, or LoRA's)
+            for name, p in self.policy.named_parameters():
+                p.requires_grad_(trainable(name, cfg))
         # the KL reference is the starting policy; made here, before a resume loads trained weights
         self._ref = copy.deepcopy(self.policy).eval().requires_grad_(False)
         m = self.policy.cfg

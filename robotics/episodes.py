@@ -150,7 +150,8 @@ def run_episodes(
     b, k = len(keys), cfg.chunk
     n_chunks = math.ceil(horizon / k)
     steps = cfg.num_denoise_steps if cfg.head == "flow" else 1
-    d = cfg.chunk * cfg.action_dim
+    # a chain element's width: the flow head's (a LeRobot policy's chain is its whole padded chunk, wider than K x A)
+    d = policy.flow.action_dim if cfg.head == "flow" else cfg.chunk * cfg.action_dim
     starts = None
     if episode_noise_seed is not None and cfg.head == "flow":
         starts = torch.stack([torch.randn(n_chunks, d, generator=torch.Generator().manual_seed(

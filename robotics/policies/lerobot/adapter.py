@@ -1,0 +1,246 @@
+"""A LeRobot flow-matching policy (SmolVLA) behind the interface grove's episodes, domain and evaluation use for the
+tiny VLA: ``cfg`` (head, chunk K, action_dim, num_denoise_steps), ``text.token_ids``, ``encode`` (observations ->
+features) and ``flow`` (chunk sampling with per-step log-probs, recomputation of stored steps with grad).
+
+The denoising chain is LeRobot's own: x(σ=1) = noise of shape [chunk_size, max_action_dim] (the model's padded,
+normalised action space), ``num_steps`` Euler steps at LeRobot's times 1 + s·(−1/num_steps), the velocity from the
+policy's action expert (``VLAFlowMatching.denoise_step``) attending to the prefix KV cache of the VLM (images,
+instruction tokens, state). LeRobot's convention is grove's (x_σ = σ·ε + (1−σ)·x0, v ≈ ε − x0), so each step goes
+through the shared kernels of :class:`~robotics.policies.flow_head.FlowActionHead` (``shared_rl.flow_kernels``):
+``ode`` is LeRobot's ``sample_actions``, ``flow_sde`` / ``sde_one_step`` are Flow-GRPO's SDE steps with exact
+Gaussian log-probs. The features ``h`` are the prefix (:class:`Prefix`: the KV cache and pad mask, indexable by
+rows), computed once per chunk and shared by its denoising steps.
+
+Observations map onto the policy's declared input features: each image feature gets an env camera (``cameras``),
+as float [0, 1] CHW at the feature's resolution; ``observation.state`` is the env's proprio vector; ``task`` is the
+task's instruction. LeRobot's own preprocessor (loaded from the policy directory) normalises the state and
+tokenises the instruction; its postprocessor unnormalises the chain's end, which is then cut to the first
+``chunk`` (K) actions and the env's 4 action dims. The chain itself stays in the model's space, so a recomputed step
+sees exactly the sampled one.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from shared_rl.flow_kernels import DEFAULT_NOISE_LEVEL
+
+from ..flow_head import FlowActionHead, FlowSample
+
+IMAGE_PREFIX = "observation.images."
+EMPTY_CAMERA = "observation.images.empty_camera_"  # SmolVLA / π0 pad missing cameras with these themselves
+OBS_STATE = "observation.state"
+ACTION = "action"
+LANG_TOKENS = "observation.language.tokens"
+LANG_MASK = "observation.language.attention_mask"
+# the VLM's attention projections, for ``robotics.policy.lora.vlm`` (the expert's are LeRobot's default targets)
+VLM_ATTENTION = {"smolvla": r"model\.vlm_with_expert\.vlm\.model\.text_model\.layers\.\d+\.self_attn\.(q|v)_proj"}
+
+
+@dataclass
+class LeRobotView:
+    """What grove's episode runner and domain read from ``policy.cfg`` (the tiny VLA's ``VLAConfig`` fields)."""
+
+    family: str  # LeRobot policy type: smolvla
+    chunk: int  # actions the env executes per planned chunk (K)
+    action_dim: int  # the env's action dims
+    num_denoise_steps: int
+    chunk_size: int  # the model's chunk (>= chunk)
+    max_action_dim: int  # the model's padded action width
+    head: str = "flow"
+
+    @property
+    def chain_dim(self) -> int:
+        """Width of one chain element: the model's whole padded chunk."""
+        return self.chunk_size * self.max_action_dim
+
+
+@dataclass
+class Prefix:
+    """The features of a batch of observations: the VLM prefix's KV cache (per layer, batch first) and pad mask.
+    Indexing selects rows (a row of the rollout's chunk, shared by its denoising steps)."""
+
+    kv: dict
+    pad_masks: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size([self.pad_masks.shape[0]])
+
+    @property
+    def device(self) -> torch.device:
+        return self.pad_masks.device
+
+    def __len__(self) -> int:
+        return self.pad_masks.shape[0]
+
+    def __getitem__(self, rows) -> "Prefix":
+        kv = {layer: {name: t[rows] for name, t in entry.items()} for layer, entry in self.kv.items()}
+        return Prefix(kv, self.pad_masks[rows])
+
+
+class InstructionText:
+    """``token_ids`` as the tiny VLA's text encoder has it, for a policy that tokenises in its own preprocessor: a
+    row's "ids" are its instruction's characters (self-contained, so a copy of the policy reads them too)."""
+
+    @staticmethod
+    def token_ids(texts: list[str]) -> list[list[int]]:
+        return [[ord(c) for c in text] for text in texts]
+
+    @staticmethod
+    def texts(ids: list[list[int]]) -> list[str]:
+        return ["".join(map(chr, row)) for row in ids]
+
+
+class LeRobotFlow(FlowActionHead):
+    """The tiny VLA's flow head (sampling loop, SDE/ODE transitions through ``shared_rl.flow_kernels``, log-probs)
+    with the LeRobot action expert as the velocity. FlowActionHead's own velocity MLP and ReinFlow std head are not
+    built (``nn.Module.__init__`` only): the velocity comes from ``velocity_fn(h, x, sigma)``."""
+
+    def __init__(self, view: LeRobotView, velocity_fn, to_env_fn):
+        nn.Module.__init__(self)
+        self.action_dim, self.num_steps = view.chain_dim, view.num_denoise_steps
+        self._velocity_fn, self._to_env_fn = velocity_fn, to_env_fn
+        dt = -1.0 / view.num_denoise_steps  # LeRobot's times, computed as its sample_actions does (float64 -> f32)
+        times = [1.0 + s * dt for s in range(view.num_denoise_steps)] + [0.0]
+        self.register_buffer("sigmas", torch.tensor(times, dtype=torch.float32), persistent=False)
+
+    def velocity_at(self, h: Prefix, x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+        return self._velocity_fn(h, x, sigma)
+
+    def learned_std(self, h, x, sigma):
+        raise ValueError("a LeRobot policy has no learned noise head (flow_noise); use flow_sde or sde_one_step")
+
+    @torch.no_grad()
+    def sample(self, h: Prefix, mode: str, generator: torch.Generator | None, noise_level: float = DEFAULT_NOISE_LEVEL,
+               reduce: str = "sum", init_noise: float = 1.0, start_noise: torch.Tensor | None = None,
+               step_noise: torch.Tensor | None = None, one_step: torch.Tensor | None = None) -> FlowSample:
+        """FlowActionHead's sampling; ``actions`` is the env's chunk [B, K·A] (unnormalised, cut), the chain stays in
+        the model's space [B, S+1, chunk_size·max_action_dim]."""
+        if mode == "flow_noise":
+            self.learned_std(h, None, None)
+        out = super().sample(h, mode, generator, noise_level, reduce, init_noise, start_noise, step_noise, one_step)
+        return dataclasses.replace(out, actions=self._to_env_fn(out.actions))
+
+
+class LeRobotVLA(nn.Module):
+    """A LeRobot ``PreTrainedPolicy`` (SmolVLA) with its pre/postprocessors, driven as grove's robotics policy."""
+
+    def __init__(self, policy, preprocessor, postprocessor, cameras: dict[str, int], image_sizes: dict[str, tuple],
+                 n_action_steps: int, env_action_dim: int):
+        super().__init__()
+        self.policy = policy
+        self.preprocessor, self.postprocessor = preprocessor, postprocessor
+        self.cameras, self.image_sizes = dict(cameras), dict(image_sizes)  # feature -> env camera index, (H, W)
+        c = policy.config
+        self.cfg = LeRobotView(family=policy.name, chunk=n_action_steps, action_dim=env_action_dim,
+                               num_denoise_steps=c.num_steps, chunk_size=c.chunk_size, max_action_dim=c.max_action_dim)
+        self.action_feature_dim = c.output_features[ACTION].shape[0]
+        self.text = InstructionText()
+        self.flow = LeRobotFlow(self.cfg, self._velocity, self._to_env)
+        self._peft = None  # the peft wrapper when LoRA is on (not a submodule: it wraps self.policy)
+
+    # -- observations -> LeRobot batch -> prefix features
+    def observation(self, images: torch.Tensor, proprio: torch.Tensor, texts: list[str]) -> dict:
+        """The raw LeRobot observation of env frames (uint8 [B, H, W, 3·cameras]), proprio [B, P] and instructions:
+        one float [0, 1] CHW image per image feature at its declared resolution, the state, the task strings."""
+        batch = {}
+        for key, cam in self.cameras.items():
+            img = images[..., 3 * cam: 3 * cam + 3].permute(0, 3, 1, 2).float() / 255.0
+            if tuple(img.shape[-2:]) != self.image_sizes[key]:
+                img = F.interpolate(img, size=self.image_sizes[key], mode="bilinear", align_corners=False)
+            batch[key] = img
+        batch[OBS_STATE] = proprio.float()
+        batch["task"] = list(texts)
+        return batch
+
+    def preprocess(self, batch: dict) -> dict:
+        """LeRobot's preprocessor (state normalisation, newline + tokenisation of the task), on the policy's device,
+        with the instruction tokens padded to ``tokenizer_max_length``: the pipeline pads to the batch's longest
+        instruction, and a fixed width keeps a row's prefix independent of the batch it is computed in (the
+        rollout's batch and the recomputation's differ; the pad positions are masked either way)."""
+        out = self.preprocessor(batch)
+        dev = self.flow.sigmas.device
+        out = {k: (v.to(dev) if torch.is_tensor(v) else v) for k, v in out.items()}
+        width = self.policy.config.tokenizer_max_length
+        pad = width - out[LANG_TOKENS].shape[1]
+        if pad > 0:
+            out[LANG_TOKENS] = F.pad(out[LANG_TOKENS], (0, pad))
+            out[LANG_MASK] = F.pad(out[LANG_MASK], (0, pad), value=False)
+        return out
+
+    def prefix(self, batch: dict) -> Prefix:
+        """The prefix KV cache of a preprocessed batch: what ``VLAFlowMatching.sample_actions`` computes before its
+        denoising loop (LeRobot's own calls: prepare_images / prepare_state / embed_prefix / the VLM forward)."""
+        from lerobot.policies.smolvla.modeling_smolvla import make_att_2d_masks
+
+        pol, m = self.policy, self.policy.model
+        images, img_masks = pol.prepare_images(batch)
+        state = pol.prepare_state(batch)
+        embs, pad_masks, att_masks = m.embed_prefix(images, img_masks, batch[LANG_TOKENS], batch[LANG_MASK], state=state)
+        att_2d = make_att_2d_masks(pad_masks, att_masks)
+        positions = torch.cumsum(pad_masks, dim=1) - 1
+        _, kv = m.vlm_with_expert.forward(attention_mask=att_2d, position_ids=positions, past_key_values=None,
+                                          inputs_embeds=[embs, None], use_cache=True, fill_kv_cache=True)
+        return Prefix(kv, pad_masks)
+
+    def encode(self, images: torch.Tensor, proprio: torch.Tensor, text_ids: list[list[int]]) -> Prefix:
+        """Features of observations (the tiny VLA's ``encode``): the prefix of the mapped, preprocessed batch."""
+        return self.prefix(self.preprocess(self.observation(images, proprio, self.text.texts(text_ids))))
+
+    # -- the chain's velocity and the env's actions
+    def _velocity(self, h: Prefix, x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+        c = self.cfg
+        xt = x.view(x.shape[0], c.chunk_size, c.max_action_dim)
+        v = self.policy.model.denoise_step(prefix_pad_masks=h.pad_masks, past_key_values=h.kv, x_t=xt,
+                                           timestep=sigma.float())
+        return v.reshape(x.shape[0], -1).float()
+
+    def model_actions(self, chain_end: torch.Tensor) -> torch.Tensor:
+        """The chain's end as LeRobot's ``predict_action_chunk`` returns it: [B, chunk_size, action feature dims]."""
+        c = self.cfg
+        return chain_end.view(chain_end.shape[0], c.chunk_size, c.max_action_dim)[:, :, : self.action_feature_dim]
+
+    def _to_env(self, chain_end: torch.Tensor) -> torch.Tensor:
+        """The env's chunk [B, K·A]: LeRobot's postprocessor (unnormalise), the first K actions, the env's A dims."""
+        actions = self.postprocessor(self.model_actions(chain_end)).to(chain_end.device)
+        return actions[:, : self.cfg.chunk, : self.cfg.action_dim].reshape(chain_end.shape[0], -1)
+
+    # -- LoRA and export
+    def add_lora(self, rank: int, alpha: float, vlm: bool = False, targets: str = "", seed: int = 0) -> None:
+        """LoRA (peft) on LeRobot's default fine-tuning targets of the policy (the action expert's q/v projections
+        and the state/action/time projections), optionally also the VLM's attention; B = 0, so the policy's actions
+        do not change. peft freezes every other weight."""
+        from peft import LoraConfig, get_peft_model
+
+        pattern = targets or self.policy._get_default_peft_targets()["target_modules"]
+        if vlm:
+            pattern = f"({pattern}|{VLM_ATTENTION[self.cfg.family]})"
+        torch.manual_seed(seed)  # LoRA's A matrices
+        # kept outside the module tree (it wraps self.policy, whose weights are already registered)
+        object.__setattr__(self, "_peft", get_peft_model(self.policy, LoraConfig(r=rank, lora_alpha=alpha,
+                                                                                target_modules=pattern)))
+
+    def lerobot_policy(self):
+        """The LeRobot policy as LeRobot saves it: LoRA merged into a copy (the trained one keeps its adapters)."""
+        if self._peft is None:
+            return self.policy
+        return copy.deepcopy(self._peft).merge_and_unload()
+
+    def save_pretrained(self, out_dir: str | Path) -> None:
+        """A LeRobot policy directory: ``PreTrainedPolicy.from_pretrained`` and ``make_pre_post_processors(config,
+        pretrained_path=...)`` load it; grove's camera map rides along in ``grove_mapping.json``."""
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        self.lerobot_policy().save_pretrained(out)
+        self.preprocessor.save_pretrained(out)
+        self.postprocessor.save_pretrained(out)
+        (out / "grove_mapping.json").write_text(json.dumps(
+            {"cameras": self.cameras, "n_action_steps": self.cfg.chunk, "env_action_dim": self.cfg.action_dim}, indent=1))

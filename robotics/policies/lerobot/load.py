@@ -1,0 +1,113 @@
+"""Loading a user's LeRobot policy for grove (``robotics.policy: {type: lerobot, path: ...}``) and checking that the
+env can feed it: every problem is one ``ConfigError`` line (the CLI's exit 2) before the weights load."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from shared_rl.errors import ConfigError
+
+from .compat import FAMILIES, import_policies, policy_class
+from .settings import PolicySettings
+
+PROCESSOR_FILES = ("policy_preprocessor.json", "policy_postprocessor.json")
+
+
+def _read_config(path: str) -> dict:
+    """The policy's ``config.json`` (a local directory, or a hub id resolved in the local cache only)."""
+    p = Path(path)
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise ConfigError(f"robotics.policy.path: {p} has no config.json; it must be a LeRobot policy directory "
+                              f"(policy.save_pretrained(dir))")
+        return json.loads((p / "config.json").read_text())
+    from huggingface_hub import hf_hub_download
+
+    try:
+        return json.loads(Path(hf_hub_download(path, "config.json", local_files_only=True)).read_text())
+    except Exception:  # not a directory and not in the hub cache (no network here: offline by design)
+        raise ConfigError(f"robotics.policy.path: {path!r} is neither a LeRobot policy directory nor a hub id in the "
+                          f"local cache (download it once with `hf download {path}`)") from None
+
+
+def _transformers_has_openpi_fork() -> bool:
+    try:
+        from transformers.models.siglip import check  # noqa: F401  (shipped only by LeRobot's openpi fork)
+    except ImportError:
+        return False
+    return True
+
+
+def feature_map(config: dict, env_cfg, settings: PolicySettings) -> tuple[dict[str, int], dict[str, tuple[int, int]]]:
+    """Which env camera feeds each image feature of the policy, and each feature's resolution; one line per
+    feature the env cannot provide."""
+    inputs, outputs = config.get("input_features", {}), config.get("output_features", {})
+    for cam_key, cam in settings.cameras.items():
+        if cam not in env_cfg.cameras:
+            raise ConfigError(f"robotics.policy.cameras: {cam_key} -> {cam!r}, but robotics.env.cameras are "
+                              f"{env_cfg.cameras}")
+        if cam_key not in inputs or inputs[cam_key]["type"] != "VISUAL":
+            raise ConfigError(f"robotics.policy.cameras: {cam_key!r} is not an image feature of the policy "
+                              f"({sorted(k for k, f in inputs.items() if f['type'] == 'VISUAL')})")
+    cameras, sizes = {}, {}
+    for key, feat in inputs.items():
+        kind = feat["type"]
+        if kind == "VISUAL":
+            if key.startswith("observation.images.empty_camera_"):
+                continue  # SmolVLA / π0 fill their padding cameras themselves
+            cam = settings.cameras.get(key) or (key.removeprefix("observation.images.")
+                                                if key.removeprefix("observation.images.") in env_cfg.cameras else None)
+            if cam is None:
+                raise ConfigError(f"robotics.policy: the policy's image feature {key!r} has no env camera (env.cameras "
+                                  f"{env_cfg.cameras}); map it: robotics.policy.cameras: {{{key}: {env_cfg.cameras[0]}}}")
+            cameras[key], sizes[key] = env_cfg.cameras.index(cam), tuple(feat["shape"][-2:])
+        elif key == "observation.state":
+            if feat["shape"][0] != env_cfg.proprio_dim:
+                raise ConfigError(f"robotics.policy: the policy's observation.state has {feat['shape'][0]} dims, the env's "
+                                  f"proprio {env_cfg.proprio_dim} (include_goal={env_cfg.include_goal}, "
+                                  f"include_object={env_cfg.include_object})")
+        else:
+            raise ConfigError(f"robotics.policy: the policy reads {key!r} ({kind}), which the env cannot provide "
+                              f"(it gives camera images, observation.state and the task's instruction)")
+    if not cameras:
+        raise ConfigError("robotics.policy: the policy declares no image feature the env can feed")
+    action = outputs.get("action")
+    if action is None or action["shape"][0] < 4:
+        raise ConfigError(f"robotics.policy: the policy's action feature {action} must have >= 4 dims (Meta-World: "
+                          f"hand xyz + gripper; a longer action is cut to its first 4)")
+    return cameras, sizes
+
+
+def load_lerobot_policy(settings: PolicySettings, env_cfg, path: str, seed: int, env_action_dim: int = 4):
+    """The LeRobot policy at ``path`` (``settings.path`` resolved by the caller) as a :class:`LeRobotVLA`."""
+    config = _read_config(path)
+    family = config.get("type")
+    if family not in FAMILIES:
+        raise ConfigError(f"robotics.policy.path: {path} holds a LeRobot {family!r} policy; grove drives "
+                          f"{', '.join(FAMILIES)}")
+    if family in ("pi0", "pi05") and not _transformers_has_openpi_fork():
+        raise ConfigError(f"robotics.policy: LeRobot 0.4.4's {family} needs transformers from LeRobot's openpi fork "
+                          f"(Gemma with adaRMS; PI0Pytorch checks transformers.models.siglip.check); grove pins "
+                          f"stock transformers, so only smolvla runs here (docs/methods/lerobot_policies.md)")
+    if config.get("adapt_to_pi_aloha"):
+        raise ConfigError("robotics.policy: adapt_to_pi_aloha converts Aloha joint spaces; a Meta-World policy has it off")
+    cameras, sizes = feature_map(config, env_cfg, settings)
+    k = settings.n_action_steps or config["n_action_steps"]
+    if k > config["chunk_size"]:
+        raise ConfigError(f"robotics.policy.n_action_steps {k} exceeds the policy's chunk_size {config['chunk_size']}")
+    if Path(path).is_dir() and not all((Path(path) / f).is_file() for f in PROCESSOR_FILES):
+        raise ConfigError(f"robotics.policy.path: {path} lacks LeRobot's processors ({', '.join(PROCESSOR_FILES)}: "
+                          f"normalisation stats and tokenizer); save them with preprocessor.save_pretrained(dir)")
+
+    import_policies()
+    from lerobot.policies.factory import make_pre_post_processors
+
+    from .adapter import LeRobotVLA
+
+    policy = policy_class(family).from_pretrained(path, local_files_only=True)
+    pre, post = make_pre_post_processors(policy.config, pretrained_path=path)
+    vla = LeRobotVLA(policy, pre, post, cameras, sizes, k, env_action_dim)
+    if settings.lora.rank:
+        lo = settings.lora
+        vla.add_lora(lo.rank, lo.alpha, lo.vlm, lo.targets, seed)
+    return vla

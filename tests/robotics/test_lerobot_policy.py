@@ -1,0 +1,228 @@
+"""A LeRobot SmolVLA (a tiny one, built from LeRobot's config classes) as grove's robotics policy: the import under
+transformers 5, the ODE equal to LeRobot's own action path, per-step log-probs recomputed with ratio exactly 1,
+micro-batches, LoRA, export to a directory LeRobot loads with identical actions, config errors, and one RL
+iteration through the trainer (docs/methods/lerobot_policies.md)."""
+import os
+
+os.environ.setdefault("MUJOCO_GL", "egl")
+
+import json
+import sys
+
+import pytest
+import torch
+
+from shared_rl.config import ConfigError, from_dict, load_train_config
+
+from robotics.config import RoboticsConfig
+from robotics.envs.vector import EnvConfig
+from robotics.policies.lerobot import PolicySettings, import_policies
+from robotics.policies.lerobot.load import load_lerobot_policy
+from robotics.policies.lerobot.tiny import TinySmolVLA, build_tiny_smolvla
+
+ENV = EnvConfig(tasks=["reach-v3", "push-v3"], horizon=8)
+TEXTS = ["reach the red goal with the gripper", "push the puck to the green goal", "reach the red goal with the gripper"]
+# the model's chunk (8 x 8 padded dims) is wider than what the env executes (4 actions x 4 dims)
+TINY = TinySmolVLA(chunk_size=8, n_action_steps=4, max_action_dim=8, num_steps=4)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("smolvla") / "policy"
+    stats = {"observation.state": {"mean": torch.tensor([0.0, 0.6, 0.2, 0.5]), "std": torch.tensor([0.1, 0.1, 0.1, 0.3]),
+                                   "min": -torch.ones(4), "max": torch.ones(4)},
+             "action": {"mean": torch.tensor([0.1, -0.1, 0.0, 0.2]), "std": torch.tensor([0.5, 0.4, 0.3, 0.6]),
+                        "min": -torch.ones(4), "max": torch.ones(4)}}
+    build_tiny_smolvla(d, ENV, TINY, stats=stats, seed=0)
+    return d
+
+
+def _load(path, **settings):
+    s = from_dict(PolicySettings, {"type": "lerobot", "path": str(path), **settings}, "robotics.policy")
+    return load_lerobot_policy(s, ENV, str(path), seed=0)
+
+
+def _obs(b=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randint(0, 256, (b, 64, 64, 3), dtype=torch.uint8, generator=g),
+            torch.randn(b, 4, generator=g) * 0.1 + torch.tensor([0.0, 0.6, 0.2, 0.5]))
+
+
+def _lerobot_chunk(vla, images, proprio, noise):
+    """LeRobot's own path: preprocessor -> predict_action_chunk(noise) -> postprocessor, cut to K x 4."""
+    batch = vla.preprocessor(vla.observation(images, proprio, TEXTS[: len(images)]))
+    actions = vla.postprocessor(vla.policy.predict_action_chunk(batch, noise=noise))
+    return actions[:, : vla.cfg.chunk, :4].reshape(len(images), -1)
+
+
+def test_lerobot_policies_import_under_transformers_5():
+    """LeRobot's policy package imports with GR00T's package init skipped (groot_n1's dataclass breaks under
+    transformers 5); SmolVLA's modules load, GR00T's model module does not."""
+    policies = import_policies()
+    from lerobot.policies.smolvla.modeling_smolvla import SmolVLAPolicy  # noqa: F401
+
+    assert policies.SmolVLAConfig.__name__ == "SmolVLAConfig"
+    assert "lerobot.policies.groot.groot_n1" not in sys.modules
+
+
+def test_ode_is_lerobots_action_path(tiny_dir):
+    vla = _load(tiny_dir).eval()
+    images, proprio = _obs()
+    noise = torch.randn(3, TINY.chunk_size, TINY.max_action_dim, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        h = vla.encode(images, proprio, vla.text.token_ids(TEXTS))
+        ours = vla.flow.sample(h, "ode", None, start_noise=noise.reshape(3, -1))
+    theirs = _lerobot_chunk(vla, images, proprio, noise)
+    assert ours.actions.shape == (3, 16) and ours.chain.shape == (3, TINY.num_steps + 1, 64)
+    assert (ours.actions - theirs).abs().max() <= 1e-5
+    # select_action hands out the same chunk one action at a time
+    vla.policy.reset()
+    batch = vla.preprocessor(vla.observation(images[:1], proprio[:1], TEXTS[:1]))
+    first = torch.stack([vla.policy.select_action(dict(batch), noise=noise[:1]) for _ in range(vla.cfg.chunk)], 1)
+    first = vla.postprocessor(first)[:, :, :4].reshape(1, -1)
+    assert (ours.actions[:1] - first).abs().max() <= 1e-5
+    assert not torch.allclose(ours.actions[0], ours.actions[1]), "rows see their own observation"
+
+
+@pytest.mark.parametrize("mode,trained", [("flow_sde", TINY.num_steps - 1), ("sde_one_step", 1)])
+def test_recomputed_log_probs_give_ratio_exactly_one(tiny_dir, mode, trained):
+    vla = _load(tiny_dir).eval()
+    images, proprio = _obs()
+    ids = vla.text.token_ids(TEXTS)
+    with torch.no_grad():
+        out = vla.flow.sample(vla.encode(images, proprio, ids), mode, torch.Generator().manual_seed(2), 0.7)
+    assert (out.stochastic.sum(1) == trained).all() and (out.logp[out.stochastic] != 0).all()
+    # the trainer's layout: the prefix of each chunk once, one row per trained step, in another batch order
+    rows, steps = torch.nonzero(out.stochastic, as_tuple=True)
+    perm = torch.randperm(len(rows), generator=torch.Generator().manual_seed(3))
+    rows, steps = rows[perm], steps[perm]
+    vla.train()
+    h = vla.encode(images[[2, 0, 1]], proprio[[2, 0, 1]], [ids[2], ids[0], ids[1]])
+    where = torch.tensor([1, 2, 0])[rows]
+    logp, ent, _, _ = vla.flow.step_log_prob(h[where], out.chain[rows, steps], out.chain[rows, steps + 1], steps, mode, 0.7)
+    assert torch.equal(logp.detach(), out.logp[rows, steps]), "ratio exactly 1 before the first update"
+    assert (ent > 0).all()
+
+
+def test_micro_batches_give_the_same_gradient(tiny_dir):
+    vla = _load(tiny_dir, lora={"rank": 4}).eval()
+    images, proprio = _obs(4, seed=5)
+    ids = vla.text.token_ids(TEXTS + TEXTS[:1])
+    with torch.no_grad():
+        out = vla.flow.sample(vla.encode(images, proprio, ids), "flow_sde", torch.Generator().manual_seed(4), 0.7)
+    params = [p for p in vla.parameters() if p.requires_grad]
+    steps = torch.zeros(4, dtype=torch.long) + 1
+
+    def grad(idx):
+        vla.zero_grad()
+        h = vla.encode(images[idx], proprio[idx], [ids[i] for i in idx])
+        lp, *_ = vla.flow.step_log_prob(h, out.chain[idx, 1], out.chain[idx, 2], steps[: len(idx)], "flow_sde", 0.7)
+        lp.sum().backward()
+        return [p.grad.clone() for p in params]
+
+    whole = grad([0, 1, 2, 3])
+    halves = [a + b for a, b in zip(grad([0, 1]), grad([2, 3]))]
+    assert any(g.abs().sum() > 0 for g in whole)
+    for a, b in zip(whole, halves):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_lora_trains_only_adapters_and_exports_a_lerobot_policy(tiny_dir, tmp_path):
+    base = _load(tiny_dir).eval()
+    vla = _load(tiny_dir, lora={"rank": 4, "alpha": 8}).eval()
+    images, proprio = _obs()
+    ids = vla.text.token_ids(TEXTS)
+    noise = torch.randn(3, TINY.chunk_size * TINY.max_action_dim, generator=torch.Generator().manual_seed(6))
+
+    def ode(policy):
+        with torch.no_grad():
+            return policy.flow.sample(policy.encode(images, proprio, ids), "ode", None, start_noise=noise).actions
+
+    assert torch.equal(ode(vla), ode(base)), "LoRA starts at B = 0: the policy is unchanged"
+    trained = {n for n, p in vla.named_parameters() if p.requires_grad}
+    assert trained and all("lora_" in n for n in trained)
+    assert any("lm_expert" in n for n in trained) and not any(".vlm." in n for n in trained)
+    with torch.no_grad():  # a stand-in for RL's update: move every adapter
+        for n, p in vla.named_parameters():
+            if p.requires_grad:
+                p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(len(n))))
+    moved = ode(vla)
+    assert (moved - ode(base)).abs().max() > 1e-3
+
+    vla.save_pretrained(tmp_path / "final")
+    assert {"config.json", "model.safetensors", "policy_preprocessor.json", "policy_postprocessor.json"} <= {
+        p.name for p in (tmp_path / "final").iterdir()}
+    assert not json.loads((tmp_path / "final" / "config.json").read_text()).get("use_peft")
+    # LeRobot's own loaders, not grove's
+    from lerobot.policies.factory import make_pre_post_processors
+    from lerobot.policies.smolvla.modeling_smolvla import SmolVLAPolicy
+
+    policy = SmolVLAPolicy.from_pretrained(tmp_path / "final")
+    pre, post = make_pre_post_processors(policy.config, pretrained_path=str(tmp_path / "final"))
+    batch = pre(vla.observation(images, proprio, TEXTS))
+    theirs = post(policy.predict_action_chunk(batch, noise=noise.view(3, TINY.chunk_size, -1)))
+    assert (moved - theirs[:, :4, :4].reshape(3, -1)).abs().max() <= 1e-5
+    # and grove reads its own export back
+    assert (ode(_load(tmp_path / "final").eval()) - moved).abs().max() <= 1e-5
+
+
+def test_config_errors_are_one_line(tiny_dir, tmp_path):
+    with pytest.raises(ConfigError, match=r"robotics.policy.type: 'smolvla' is not one of \['tiny_vla', 'lerobot'\]"):
+        from_dict(RoboticsConfig, {"policy": {"type": "smolvla"}}, "robotics")
+    with pytest.raises(ConfigError, match="path, cameras, n_action_steps and lora are read by type: lerobot"):
+        from_dict(RoboticsConfig, {"policy": {"path": str(tiny_dir)}}, "robotics")
+    lerobot = {"type": "lerobot", "path": str(tiny_dir)}
+    for extra, what in (({"head_mode": "flow_noise"}, "head_mode"), ({"critic": {"enabled": True}}, "critic.enabled"),
+                        ({"adapters": {"rank": 4}}, "adapters.rank")):
+        with pytest.raises(ConfigError, match=what):
+            from_dict(RoboticsConfig, {"policy": lerobot, **extra}, "robotics")
+    # features the env cannot provide
+    config = json.loads((tiny_dir / "config.json").read_text())
+    cases = [
+        ("observation.images.wrist", {"type": "VISUAL", "shape": [3, 64, 64]}, "'observation.images.wrist' has no env camera"),
+        ("observation.environment_state", {"type": "ENV", "shape": [39]}, "which the env cannot provide"),
+        ("observation.state", {"type": "STATE", "shape": [7]}, "observation.state has 7 dims, the env's proprio 4"),
+    ]
+    for key, feature, message in cases:
+        bad = tmp_path / key.replace(".", "_")
+        bad.mkdir()
+        (bad / "config.json").write_text(json.dumps(dict(config, input_features={**config["input_features"], key: feature})))
+        with pytest.raises(ConfigError, match=message) as err:
+            _load(bad)
+        assert "\n" not in str(err.value)
+    with pytest.raises(ConfigError, match="cameras"):
+        _load(tiny_dir, cameras={"observation.images.corner": "topview"})
+    pi0 = tmp_path / "pi0"
+    pi0.mkdir()
+    (pi0 / "config.json").write_text(json.dumps({"type": "pi0"}))
+    with pytest.raises(ConfigError, match="openpi fork"):
+        _load(pi0)
+    with pytest.raises(ConfigError, match="neither a LeRobot policy directory nor a hub id in the local cache"):
+        _load(tmp_path / "missing")
+
+
+def test_one_rl_iteration_and_final_export(tiny_dir, tmp_path):
+    """The robotics domain with the LeRobot policy through the trainer: Meta-World rollouts (flow-SDE), ratio 1 at
+    the first inner step, an update of the LoRA adapters only, evaluation, and final/ as a LeRobot directory."""
+    from shared_rl.trainer import Trainer
+
+    data = {"domain": "robotics", "seed": 0, "iterations": 1,
+            "rollout": {"groups_per_iteration": 2, "group_size": 2},
+            "optim": {"lr": 1e-3, "inner_epochs": 1, "minibatches_per_epoch": 1},
+            "advantage": {"weights": {"success": 1.0, "dense": 1.0}},  # the shaped reward: nonzero advantages
+            "selection": {"filter": "none"}, "eval": {"at_start": False, "every": 1}, "logging": {"progress": False},
+            "robotics": {"policy": {"type": "lerobot", "path": str(tiny_dir), "lora": {"rank": 4}},
+                         "env": {"tasks": ["reach-v3", "push-v3"], "horizon": 8}, "head_mode": "flow_sde",
+                         "dense_reward": True, "train_states_per_task": 2, "eval_states_per_task": 1, "gifs": False}}
+    trainer = Trainer(load_train_config(data), tmp_path / "run", log=lambda s: None)
+    before = {n: p.detach().clone() for n, p in trainer.domain.policy.named_parameters()}
+    hist = trainer.fit()
+    m = hist[-1]
+    assert m["ratio/mean"] == 1.0 and m["approx_kl"] == 0.0, "one update on fresh rollouts: the ratio is exactly 1"
+    assert "eval/success" in m and m["env/episodes"] == 4
+    changed = {n for n, p in trainer.domain.policy.named_parameters() if not torch.equal(p.detach(), before[n])}
+    assert changed and all("lora_" in n for n in changed)
+    final = tmp_path / "run" / "final"
+    from lerobot.policies.smolvla.modeling_smolvla import SmolVLAPolicy
+
+    assert SmolVLAPolicy.from_pretrained(final).config.chunk_size == TINY.chunk_size
