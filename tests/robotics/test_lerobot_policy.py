@@ -180,7 +180,7 @@ def test_config_errors_are_one_line(tiny_dir, tmp_path):
     config = json.loads((tiny_dir / "config.json").read_text())
     cases = [
         ("observation.images.wrist", {"type": "VISUAL", "shape": [3, 64, 64]}, "'observation.images.wrist' has no env camera"),
-        ("observation.environment_state", {"type": "ENV", "shape": [39]}, "which the env cannot provide"),
+        ("observation.velocity", {"type": "STATE", "shape": [4]}, "which the env cannot provide"),
         ("observation.state", {"type": "STATE", "shape": [7]}, "observation.state has 7 dims, the env's proprio 4"),
     ]
     for key, feature, message in cases:
@@ -226,3 +226,38 @@ def test_one_rl_iteration_and_final_export(tiny_dir, tmp_path):
     from lerobot.policies.smolvla.modeling_smolvla import SmolVLAPolicy
 
     assert SmolVLAPolicy.from_pretrained(final).config.chunk_size == TINY.chunk_size
+
+
+def test_grove_lerobot_export_features_map(tiny_dir, tmp_path):
+    """A policy fine-tuned on grove's own LeRobot export reads `observation.image` (LeRobot's one-camera key) and
+    declares `observation.environment_state`, which SmolVLA never reads: both load."""
+    config = json.loads((tiny_dir / "config.json").read_text())
+    inputs = dict(config["input_features"])
+    inputs["observation.image"] = inputs.pop("observation.images.corner")
+    inputs["observation.environment_state"] = {"type": "ENV", "shape": [39]}
+    d = tmp_path / "export"
+    d.mkdir()
+    for f in tiny_dir.iterdir():
+        if f.is_file():
+            (d / f.name).write_bytes(f.read_bytes())
+    (d / "config.json").write_text(json.dumps(dict(config, input_features=inputs)))
+    assert _load(d).cameras == {"observation.image": 0}
+
+
+def test_lerobot_recipes_build_at_tiny_size(tiny_dir):
+    """The LeRobot recipes parse, and their robotics section builds a policy when its path is the tiny SmolVLA."""
+    from pathlib import Path
+
+    import yaml
+
+    from robotics.domain import load_policy
+
+    recipes = sorted((Path(__file__).resolve().parents[2] / "configs" / "robotics").glob("lerobot_*.yaml"))
+    assert len(recipes) >= 2
+    for path in recipes:
+        data = yaml.safe_load(path.read_text())
+        data["robotics"]["policy"].update(path=str(tiny_dir), n_action_steps=0)
+        data["robotics"]["env"]["horizon"] = 8
+        cfg = load_train_config(data).domain_config
+        vla = load_policy(cfg, 0)
+        assert vla.cfg.chunk == TINY.n_action_steps and vla._peft is not None, path.name

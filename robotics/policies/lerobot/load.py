@@ -38,6 +38,15 @@ def _transformers_has_openpi_fork() -> bool:
     return True
 
 
+def _camera_by_name(key: str, cameras: list[str]) -> str | None:
+    """``observation.images.<camera>`` is that env camera; LeRobot's single-camera ``observation.image`` (grove's
+    own LeRobot export) is the env's camera when it has one."""
+    name = key.removeprefix("observation.images.")
+    if name in cameras:
+        return name
+    return cameras[0] if key == "observation.image" and len(cameras) == 1 else None
+
+
 def feature_map(config: dict, env_cfg, settings: PolicySettings) -> tuple[dict[str, int], dict[str, tuple[int, int]]]:
     """Which env camera feeds each image feature of the policy, and each feature's resolution; one line per
     feature the env cannot provide."""
@@ -55,12 +64,13 @@ def feature_map(config: dict, env_cfg, settings: PolicySettings) -> tuple[dict[s
         if kind == "VISUAL":
             if key.startswith("observation.images.empty_camera_"):
                 continue  # SmolVLA / π0 fill their padding cameras themselves
-            cam = settings.cameras.get(key) or (key.removeprefix("observation.images.")
-                                                if key.removeprefix("observation.images.") in env_cfg.cameras else None)
+            cam = settings.cameras.get(key) or _camera_by_name(key, env_cfg.cameras)
             if cam is None:
                 raise ConfigError(f"robotics.policy: the policy's image feature {key!r} has no env camera (env.cameras "
                                   f"{env_cfg.cameras}); map it: robotics.policy.cameras: {{{key}: {env_cfg.cameras[0]}}}")
             cameras[key], sizes[key] = env_cfg.cameras.index(cam), tuple(feat["shape"][-2:])
+        elif kind == "ENV" and config.get("type") == "smolvla":
+            continue  # declared by a dataset with an environment state, never read by SmolVLA (images, state, text)
         elif key == "observation.state":
             if feat["shape"][0] != env_cfg.proprio_dim:
                 raise ConfigError(f"robotics.policy: the policy's observation.state has {feat['shape'][0]} dims, the env's "

@@ -36,6 +36,10 @@ class TinySmolVLA:
     max_action_dim: int = 8
     num_steps: int = 4
     tokenizer_max_length: int = 16
+    # a fresh backbone has nothing to keep frozen: behaviour cloning trains all of it (SmolVLA's defaults freeze
+    # the pretrained VLM and train the expert)
+    train_expert_only: bool = False
+    freeze_vision_encoder: bool = False
     words: list[str] = field(default_factory=list)  # the instruction vocabulary ([] = Meta-World's instructions)
 
 
@@ -108,6 +112,7 @@ def build_tiny_smolvla(out_dir: str | Path, env_cfg, t: TinySmolVLA | None = Non
         expert_width_multiplier=t.expert_width_multiplier, chunk_size=t.chunk_size, n_action_steps=t.n_action_steps,
         max_state_dim=t.max_state_dim, max_action_dim=t.max_action_dim, num_steps=t.num_steps,
         resize_imgs_with_padding=(t.vision_size, t.vision_size), tokenizer_max_length=t.tokenizer_max_length,
+        train_expert_only=t.train_expert_only, freeze_vision_encoder=t.freeze_vision_encoder,
         device="cpu", input_features=inputs, output_features={"action": PolicyFeature(FeatureType.ACTION, (4,))})
     if stats is None:
         dims = {"observation.state": env_cfg.proprio_dim, "action": 4}
