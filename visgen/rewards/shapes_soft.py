@@ -18,6 +18,10 @@ the moments into the requested class's region (positive = classified correctly):
 averaged over the requested object's ``count`` largest components of its colour (0 when it has none). The reward is
 the mean over attributes, like the checker's score; ``shapes_soft_strict`` is not emitted (train on this, evaluate
 with ``shapes``). Output name: ``shapes_soft``. NaN images score NaN.
+
+Computed by the batched checker (``visgen.rewards.shapes_batched``) on the images' device, sharing its components
+with ``shapes`` on the same images; ``reference=True`` scores image by image with :func:`soft_score` below (numpy,
+the test oracle: the same values).
 """
 from __future__ import annotations
 
@@ -29,8 +33,9 @@ import torch
 
 from visgen.tasks import shapes as task
 
+from . import shapes_batched
 from .base import RewardInfo, check_batch, register
-from .shapes import _spec
+from .shapes import _spec, specs_of
 
 
 def shape_margin(shape: str, threefold: float, fourfold: float) -> float:
@@ -56,13 +61,18 @@ def soft_score(image: np.ndarray, spec: task.PromptSpec, temperature: float) -> 
 
 
 class ShapesSoftReward:
-    def __init__(self, temperature: float = 0.05) -> None:
+    def __init__(self, temperature: float = 0.05, reference: bool = False) -> None:
         if temperature <= 0:
             raise ValueError(f"shapes_soft temperature must be > 0, got {temperature}")
         self.temperature = float(temperature)
+        self.reference = bool(reference)
 
     def __call__(self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[dict] | None = None):
         check_batch(images, prompts, metadata)
+        if not self.reference:
+            analysis = shapes_batched.analyse(images)
+            return {"shapes_soft": shapes_batched.soft_score(analysis, specs_of(prompts, metadata),
+                                                             self.temperature).cpu()}
         metas = metadata if metadata is not None else [None] * len(prompts)
         arrays = images.detach().float().cpu().numpy()
         out = []
@@ -73,5 +83,5 @@ class ShapesSoftReward:
 
 @register("shapes_soft", RewardInfo(range="[0, 1]", summary="the shapes score with a smooth shape margin (a "
                                                                    "dense training reward)"))
-def build_shapes_soft(temperature: float = 0.05) -> ShapesSoftReward:
-    return ShapesSoftReward(temperature)
+def build_shapes_soft(temperature: float = 0.05, reference: bool = False) -> ShapesSoftReward:
+    return ShapesSoftReward(temperature, reference)
