@@ -103,7 +103,10 @@ def load_policy(cfg: RoboticsConfig, seed: int) -> TinyVLA:
 
         unknown = [t for t in env.tasks if t not in known_tasks()]
         if unknown:
-            raise ConfigError(f"robotics.env.tasks: unknown Meta-World task(s) {unknown}; v3 names look like "
+            from shared_rl.registry import did_you_mean
+
+            raise ConfigError(f"robotics.env.tasks: unknown Meta-World task(s) {unknown}"
+                              f"{did_you_mean(unknown[0], known_tasks())}; v3 names look like "
                               f"reach-v3, push-v3, door-open-v3 (50 in all, see metaworld.env_dict)")
     if (m.head == "discrete") != (cfg.head_mode == "discrete"):
         raise ConfigError(f"robotics.head_mode {cfg.head_mode!r} does not fit the checkpoint's {m.head!r} head; "

@@ -5,8 +5,8 @@
     grove pretrain CONFIG [--out DIR] [--dry-run] [key=value ...]      supervised pretraining (kind: supervised)
     grove eval RUN_DIR [--out DIR] [key=value ...]                     evaluate a run's newest checkpoint -> DIR
     grove bench NAME [--out DIR] [--quick]                             a benchmark -> DIR/results.json
-    grove config show CONFIG [key=value ...]                           the resolved config, each field with its
-                                                                       help text and default
+    grove config show [CONFIG] [key=value ...]                         the resolved config, each field with its
+                                                                       help text and default (default: as train)
     grove list                                                         rewards, estimators, losses, methods,
                                                                        benchmarks, domains, recipes
     grove --version
@@ -37,8 +37,10 @@ from pathlib import Path
 
 from .config import apply_overrides, describe, dump_train_config, load_train_config, load_yaml, to_dict
 from .errors import ConfigError, NonFiniteError, ResourceError, RunDirectoryBusy, RunDirectoryLost
-from .rewards import RewardFailure
 from .rundir import RunLock, atomic_write_text, holder, is_empty_run_dir
+
+# This module imports no torch and no domain at import time: `grove list`, `grove --version`, `grove config show`
+# and the command groups' listings start in the time their own work takes (tests/core/test_first_hour.py checks).
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "visgen" / "shapes_grpo.yaml"
@@ -304,6 +306,27 @@ def _dry_run(cfg, config_path: Path, run_dir: Path, what: str) -> int:
     return 0
 
 
+def _dry_run_supervised(data: dict, domain: str, body: dict, config_path: Path, run_dir: Path) -> int:
+    """``grove pretrain --dry-run``: the job's settings checked as its run checks them (unknown keys with a "did
+    you mean", types, ranges), then printed resolved (defaults filled in); nothing is written."""
+    import yaml
+
+    from .config import check_supervised
+
+    with _input_errors(domain):
+        resolved = check_supervised(domain, body)
+    if resolved is None:  # a third-party job that declares no settings class
+        print(f"# grove pretrain --dry-run: {config_path} (kind: supervised); the {domain} job declares no settings "
+              f"class, so only its domain was checked (it validates its settings when it starts); nothing was "
+              f"written; run directory: {run_dir}")
+        print(yaml.safe_dump(data, sort_keys=False).rstrip())
+        return 0
+    print(f"# grove pretrain --dry-run: {config_path} is valid (kind: supervised; every setting of the {domain} job "
+          f"checked); nothing was written; run directory: {run_dir}. The resolved settings:")
+    print(yaml.safe_dump({"kind": "supervised", "domain": domain, **to_dict(resolved)}, sort_keys=False).rstrip())
+    return 0
+
+
 def _allocation_failure(e: BaseException) -> str | None:
     """The one-line reason when ``e`` is a failed host-memory allocation (torch's CPU allocator raises a plain
     RuntimeError, Python a MemoryError), else None."""
@@ -362,10 +385,7 @@ def cmd_train(args, force_supervised: bool = False) -> int:
         fn = resolve_supervised(domain)
         body = {k: v for k, v in data.items() if k not in ("kind", "domain")}
         if args.dry_run:
-            print(f"# grove pretrain --dry-run: {config_path} (kind: supervised; the {domain} job validates its "
-                  f"settings when it starts); nothing was written; run directory: {run.path}")
-            print(yaml.safe_dump(data, sort_keys=False).rstrip())
-            return 0
+            return _dry_run_supervised(data, domain, body, config_path, run.path)
         try:
             run_dir = run.create()
             _write_run_file(run_dir / "config.yaml", yaml.safe_dump(data, sort_keys=False))
@@ -522,10 +542,20 @@ def cmd_eval(args) -> int:
         result = {"run": str(run_dir), "checkpoint": str(checkpoint), "iteration": trainer.start_iteration,
                   "overrides": list(args.overrides), "metrics": metrics}
         _write_run_file(out_dir / "results.json", json.dumps(result, indent=1, default=float) + "\n")
+        # the domain's pictures of this checkpoint (visgen: the captioned before/after grid, base vs checkpoint;
+        # the LLM's samples), drawn as at the end of a run, and the page that shows them
+        record = {"step": trainer.start_iteration, **metrics}
+        with contextlib.redirect_stdout(sys.stderr):  # stdout carries the metrics JSON only
+            trainer.domain.on_train_end(out_dir, [record])
+        from .report import write_report
+
+        report = write_report(out_dir, [record], f"grove eval: {run_dir.absolute().name} at iteration "
+                              f"{trainer.start_iteration}", {"run": str(run_dir), "checkpoint": str(checkpoint),
+                                                              "overrides": " ".join(args.overrides) or "none"})
     finally:
         target.release()
     print(json.dumps(metrics, indent=1))
-    _log(f"grove: results in {out_dir / 'results.json'}")
+    _log(f"grove: results in {out_dir / 'results.json'} (pictures: {report.name})")
     return 0
 
 
@@ -580,11 +610,10 @@ def format_config(cfg) -> list[str]:
 
 def cmd_config(args) -> int:
     if args.config_command != "show":
-        raise ConfigError("config needs a sub-command: grove config show CONFIG [key=value ...]")
-    if not args.config:
-        raise ConfigError("config show needs a config, e.g. grove config show configs/toy.yaml")
-    config_path = Path(args.config)
-    data = _read_config(config_path, args.overrides)
+        raise ConfigError("config needs a sub-command: grove config show [CONFIG] [key=value ...]")
+    if args.config and "=" in args.config and not Path(args.config).exists():  # only overrides were given
+        args.overrides, args.config = [args.config] + list(args.overrides), None
+    data, config_path = _load_config(args)  # no config: the default `grove train` runs, and says so
     if data.get("kind", "rl") == "supervised":
         raise ConfigError(f"{config_path}: config show resolves RL configs; this one is kind: supervised "
                           f"(its job validates it when run: grove pretrain {config_path})")
@@ -622,7 +651,7 @@ def catalog() -> list[tuple[str, list[str]]]:
         ("command groups (grove NAME ...)", registry.command_names()),
         ("advantage estimators, flat (advantage.estimator)", estimator_names("flat")),
         ("advantage estimators, tree rollouts (advantage.estimator)", estimator_names("tree")),
-        ("advantage estimators with a critic (advantage.estimator: {name: gae, ...})", estimator_names("step")),
+        ("advantage estimators with a critic (advantage.estimator: {name: NAME, ...})", estimator_names("step")),
         ("policy losses (loss.policy_loss)", sorted(POLICY_LOSSES)),
         ("KL estimators (loss.kl_estimator)", sorted(KL_ESTIMATORS)),
         ("loss aggregations (loss.aggregation)", literal(LossConfig, "aggregation")),
@@ -634,16 +663,38 @@ def catalog() -> list[tuple[str, list[str]]]:
             rows += [(f"{name}: {what}", list(names)) for what, names in registry.resolve_catalog(name)().items()]
         except (ConfigError, ImportError) as e:  # e.g. the robotics extra is not installed
             rows.append((name, [f"(unavailable: {e})"]))
-    recipes = sorted(str(p.relative_to(REPO_ROOT)) for p in (REPO_ROOT / "configs").rglob("*.yaml")
-                     if "accelerate" not in p.parts)
-    rows.append(("recipes (grove train CONFIG; docs: README 'Recipes')", recipes))
+    rl, supervised = recipes()
+    rows.append(("recipes (grove train CONFIG; docs: README 'Recipes')", rl))
+    rows.append(("supervised jobs' configs (grove pretrain CONFIG)", supervised))
     return rows
+
+
+def recipes() -> tuple[list[str], list[str]]:
+    """The configs under ``configs/`` (accelerate launch files aside), as (RL recipes, supervised jobs), each a
+    path relative to the checkout; a file's top-level ``kind: supervised`` line sorts it (no YAML parse: fast)."""
+    import re
+
+    rl, supervised = [], []
+    for path in sorted((REPO_ROOT / "configs").rglob("*.yaml")):
+        if "accelerate" in path.parts:
+            continue
+        text = path.read_text(errors="replace")
+        name = str(path.relative_to(REPO_ROOT))
+        (supervised if re.search(r"^kind:\s*['\"]?supervised\b", text, re.M) else rl).append(name)
+    return rl, supervised
 
 
 def cmd_list(args) -> int:
     for what, names in catalog():
         print(f"{what}:\n  " + ", ".join(names))
     return 0
+
+
+def _loaded_failures() -> tuple[type, ...]:
+    """Failure classes of modules imported lazily (exit code 1): only when their module was imported, since an
+    exception of a module never imported cannot have been raised."""
+    rewards = sys.modules.get("shared_rl.rewards")
+    return (rewards.RewardFailure,) if rewards is not None else ()
 
 
 def version() -> str:
@@ -690,10 +741,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("name", help="benchmark name (grove list shows them)")
     b.add_argument("--out")
     b.add_argument("--quick", action="store_true", help="tiny settings that only check the plumbing")
-    c = sub.add_parser("config", help="inspect configs: grove config show CONFIG [key=value ...]")
+    c = sub.add_parser("config", help="inspect configs: grove config show [CONFIG] [key=value ...]")
     csub = c.add_subparsers(dest="config_command", parser_class=ArgumentParser)
     show = csub.add_parser("show", help="print the resolved config section by section, with help texts and defaults")
-    show.add_argument("config", nargs="?", help="YAML config")
+    show.add_argument("config", nargs="?", help="YAML config (default: the one bare `grove train` runs)")
     show.add_argument("overrides", nargs="*", help="dotted overrides such as optim.lr=1e-4")
     sub.add_parser("list", help="what can be named in a config: rewards, estimators, losses, methods, benchmarks, "
                                 "domains, recipes")
@@ -761,7 +812,7 @@ def _main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"grove: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
-    except (ResourceError, NonFiniteError, RewardFailure, RunDirectoryLost) as e:
+    except (ResourceError, NonFiniteError, RunDirectoryLost, *_loaded_failures()) as e:
         print(f"grove: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

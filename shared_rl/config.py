@@ -602,6 +602,21 @@ class TrainConfig:
         return implied if implied is not None else PolicyLossChoice("clipped")
 
 
+def check_supervised(name: str, settings: dict) -> Any:
+    """The resolved settings of supervised job ``name`` (every key and value checked as its run checks them:
+    ConfigError otherwise), or None for a job that declares no settings class (a third-party entry point)."""
+    from .registry import resolve_supervised_settings
+
+    found = resolve_supervised_settings(name)
+    if found is None:
+        return None
+    obj, where = found
+    if isinstance(obj, type):
+        return from_dict(obj, settings, where)
+    resolved = obj(settings)
+    return resolved[-1] if isinstance(resolved, tuple) else resolved  # visgen: (task, its settings)
+
+
 def load_train_config(data: dict) -> TrainConfig:
     """Validate a full YAML dict: trainer sections plus the domain section (``data[domain]``).
 

@@ -28,6 +28,15 @@ SUPERVISED: dict[str, str] = {
     "robotics-wm": "robotics.world_model.train:run",
 }
 
+# ``grove pretrain --dry-run``: where each built-in supervised job's settings are checked without running it, as
+# (a dataclass for ``shared_rl.config.from_dict`` or a function ``settings -> resolved``, the name its errors use)
+SUPERVISED_SETTINGS: dict[str, tuple[str, str]] = {
+    "llm": ("shared_rl.llm.pretrain:SFTConfig", "sft"),
+    "visgen": ("visgen.pretrain:load_config", "pretrain"),
+    "robotics": ("robotics.bc:BCConfig", "robotics-bc"),
+    "robotics-wm": ("robotics.world_model.train:WorldModelTrainConfig", "robotics-wm"),
+}
+
 BENCHMARKS: dict[str, str] = {
     "llm": "bench.llm_vs_trl:run",
     "robotics-sim": "bench.robotics_sim:run",
@@ -88,11 +97,16 @@ def _load(target: str, what: str, name: str) -> Any:
         raise ConfigError(f"{what} {name!r}: {module} has no {attr!r}") from None
 
 
+def did_you_mean(name: str, choices) -> str:
+    """`` (did you mean 'grpo'?)`` when ``name`` is close to one of ``choices``, else "": every error about a name
+    chosen from a list says it (estimators, losses, rewards, methods, domains, benchmarks, tasks...)."""
+    close = difflib.get_close_matches(str(name), [str(c) for c in choices], n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 def _resolve(table: dict[str, str], what: str, name: str) -> Any:
     if name not in table:
-        close = difflib.get_close_matches(name, list(table), n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ConfigError(f"unknown {what} {name!r}{hint}; known: {', '.join(sorted(table))}")
+        raise ConfigError(f"unknown {what} {name!r}{did_you_mean(name, table)}; known: {', '.join(sorted(table))}")
     return _load(table[name], what, name)
 
 
@@ -139,3 +153,12 @@ def resolve_command(name: str) -> Any:
 
 def command_names() -> list[str]:
     return sorted(_table("commands"))
+
+
+def resolve_supervised_settings(name: str) -> tuple[Any, str] | None:
+    """(the settings class or resolving function of supervised job ``name``, the name its errors use), or None
+    for a job that declares none (a third-party entry point); ``shared_rl.config.check_supervised`` applies it."""
+    if name not in SUPERVISED_SETTINGS:
+        return None
+    target, where = SUPERVISED_SETTINGS[name]
+    return _load(target, "supervised job for domain", name), where

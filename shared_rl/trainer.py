@@ -30,7 +30,7 @@ from .domain import RunContext, StepLogProbs
 from .errors import NonFiniteError  # noqa: F401  (re-exported)
 from .gather import PER_STEP_STATS, StepStats, any_rank, local_index, padding_forward, reduce_stats
 from .losses import Normalizer, aggregate, get_policy_loss, kl_per_step, value_loss
-from .metrics import MetricsLogger, plot_metrics
+from .metrics import MetricsLogger, duration, eta, plot_metrics
 from .optim import Optimizer, WeightEMA, make_scheduler  # noqa: F401  (re-exported)
 from .registry import resolve_domain
 from .rewards import RewardInterrupted, clear_interrupt, interrupt_rewards, reward_calls
@@ -104,7 +104,9 @@ class Trainer:
         self.padding_forwards = 0  # FSDP2: weight-0 forwards run to keep collectives paired (see _optimizer_step)
         self.history: list[dict[str, Any]] = []
         self._stop_requested = False
-        self.stop_signal: str | None = None  # "SIGINT" / "SIGTERM" once one asked the run to stop
+        self.stop_signal: str | None = None  # "SIGINT" / "SIGTERM" / "SIGHUP" once one asked the run to stop
+        self._last_eval_s: float | None = None  # how long the previous evaluation took (announced when long)
+        self._fit_clock: tuple[float, int] = (time.monotonic(), 0)  # (fit's start, its first iteration): the ETA
         self.restored_from: Path | None = None
         self.resume_note: dict[str, Any] = {}  # merged into the first record after a resume (e.g. its overrides)
 
@@ -441,10 +443,13 @@ class Trainer:
         with self._gathered():  # FSDP2: every rank gathers once, then only the main process runs forwards
             if not self.dist.is_main:  # evaluation runs on the main process only
                 return {}
+            if self._last_eval_s is None or self._last_eval_s >= 10:  # the first, or a long one: say it started
+                took = f" (the last took {duration(self._last_eval_s)})" if self._last_eval_s else ""
+                self.log(f"evaluating at iteration {it}{took}...")
             t = time.perf_counter()
             with torch.no_grad(), self.optim.averaged():
                 out = dict(self.domain.evaluate(it))
-            out["time/eval"] = time.perf_counter() - t
+            out["time/eval"] = self._last_eval_s = time.perf_counter() - t
             return out
 
     _evaluate = evaluate  # the name grove eval used
@@ -485,6 +490,7 @@ class Trainer:
                     self.save(self.start_iteration)
                     self._log_stop(self.start_iteration)
                 bar = _progress(cfg.logging.progress and main, self.start_iteration, cfg.iterations)
+                self._fit_clock = (time.monotonic(), self.start_iteration)
                 for it in range(self.start_iteration, cfg.iterations if not stop_first else self.start_iteration):
                     if self._run_one(it, logger, bar):
                         break
@@ -529,7 +535,9 @@ class Trainer:
             bar.set_postfix(reward=f"{metrics.get('reward/mean', float('nan')):.3f}",
                             sps=f"{metrics.get('samples_per_s', 0):.1f}")
         elif self.dist.is_main:
-            self.log(f"[{step}/{cfg.iterations}] " + _fmt(metrics, short=True))
+            started, first = self._fit_clock  # the rate of this process's iterations, evaluations included
+            left = eta(time.monotonic() - started, step - first, cfg.iterations - first)
+            self.log(f"[{step}/{cfg.iterations}] " + _fmt(metrics, short=True) + (f" | {left}" if left else ""))
         # a SIGTERM seen by one process stops all of them at the same iteration (collectives must pair up)
         self._stop_requested = any_rank(self.dist, self._stop_requested)
         if last or self._stop_requested or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
@@ -540,14 +548,19 @@ class Trainer:
 
     @contextlib.contextmanager
     def _stop_on_signals(self):
-        """SIGINT / SIGTERM: finish the current iteration, checkpoint, exit; a second Ctrl-C aborts at once."""
-        old_handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+        """SIGINT / SIGTERM / SIGHUP: finish the current iteration, checkpoint, exit; a second Ctrl-C aborts at
+        once. SIGHUP (the terminal was closed) also points standard output and error at /dev/null where they were
+        that terminal, so the checkpoint is not lost to a write error on the vanished terminal."""
+        stops = [signal.SIGTERM, signal.SIGINT] + ([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])  # Windows
+        old_handlers = {sig: signal.getsignal(sig) for sig in stops}
         clear_interrupt()
 
         def on_signal(signum, frame):
             name = signal.Signals(signum).name
             if name == "SIGINT" and self.stop_signal is not None:
                 raise KeyboardInterrupt
+            if name == "SIGHUP":
+                _detach_terminal()
             if self.stop_signal is None and self.dist.is_main:
                 self.log(f"{name}: finishing this iteration, then checkpointing"
                          + (" (Ctrl-C again to abort without saving)" if name == "SIGINT" else ""))
@@ -620,7 +633,22 @@ class Trainer:
             summary = "summary (step %d -> %d)\n  " % (first["step"], last["step"]) + "\n  ".join(lines)
             atomic_write_text(self.run_dir / "summary.txt", summary + "\n")
             self.log(summary)
-        self.log(f"run directory: {self.run_dir}")
+        from .report import write_report, run_facts
+
+        report = write_report(self.run_dir, records, f"grove run: {self.run_dir.name}", run_facts(self.cfg, records))
+        self.log(f"run directory: {self.run_dir} (open {report.name} in a browser)")
+
+
+def _detach_terminal() -> None:
+    """Point file descriptors 1 and 2 at /dev/null where they are a terminal (after SIGHUP the terminal is gone and
+    every write to it fails); a log file or a pipe is left alone."""
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        for fd in (1, 2):
+            if os.isatty(fd):
+                os.dup2(null, fd)
+    finally:
+        os.close(null)
 
 
 def _step_chunks(mask: torch.Tensor, per_chunk: int):

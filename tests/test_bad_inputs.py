@@ -257,7 +257,6 @@ COMMAND_LINES = {
     "bench --out empty": (["bench", "llm", "--out", ""], "--out is empty"),
     # config show
     "config without sub-command": (["config"], "config needs a sub-command"),
-    "config show without config": (["config", "show"], "config show needs a config"),
     # robotics command group (argument checks run before any simulation)
     "robotics unknown tool": (["robotics", "dance"], "unknown tool 'dance'"),
     "collect without --out": (["robotics", "collect"], "required: --out"),

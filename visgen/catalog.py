@@ -1,17 +1,31 @@
-"""The visgen domain's names for ``grove list`` (registered as ``shared_rl.registry.CATALOGS["visgen"]``)."""
+"""The visgen domain's names for ``grove list`` (registered as ``shared_rl.registry.CATALOGS["visgen"]``).
+
+The method and pipeline registries import diffusers (seconds), so their names are written here as text and
+``grove list`` starts in about the time torch takes to import; ``tests/core/test_docs_match.py`` checks each list
+against its registry (``visgen.methods.METHODS``, ``visgen.pipelines.ADAPTERS``, ``shared_rl.flow_kernels``).
+The rewards are read from their registry: registering them imports no model library.
+"""
 from __future__ import annotations
+
+METHODS = ("branch_grpo", "branch_grpo_mix", "dance_grpo", "egrpo", "explicit", "flow_grpo", "flow_grpo_fast",
+           "mix_grpo", "ode", "tree_grpo")
+KERNELS = ("cps", "dance", "sde")
+PIPELINE_FAMILIES = ("flux", "flux2", "flux2_klein", "hunyuan_video15", "ltx2", "qwen_image", "sana", "sd3", "wan",
+                     "z_image")
+
+
+def register_rewards() -> list[str]:
+    """Every built-in image and video reward registered (the set ``visgen.domain`` checks names against); their
+    names."""
+    from .rewards import available_rewards, hps, pickscore, shapes_soft, video  # noqa: F401  (they register)
+
+    return available_rewards()
 
 
 def catalog() -> dict[str, list[str]]:
-    from .domain import _import_optional_rewards
-    from .methods import METHODS
-    from .pipelines import ADAPTERS
-    from .rewards import available_rewards
-
-    _import_optional_rewards()
     return {
-        "rollout methods (visgen.method.name)": sorted(METHODS),
-        "rewards (visgen.rewards[].name)": available_rewards(),
-        "SDE kernels (visgen.kernel)": ["cps", "dance", "sde"],
-        "pipeline families (visgen.model: a diffusers pipeline of one of these)": sorted(ADAPTERS),
+        "rollout methods (visgen.method.name)": list(METHODS),
+        "rewards (visgen.rewards[].name; grove rewards describes each)": register_rewards(),
+        "SDE kernels (visgen.kernel)": list(KERNELS),
+        "pipeline families (visgen.model: a diffusers pipeline of one of these)": list(PIPELINE_FAMILIES),
     }

@@ -37,9 +37,11 @@ def _kwargs(text: str | None) -> dict:
 def _build(name: str, kwargs: dict):
     import inspect
 
+    from .catalog import register_rewards
     from .rewards import RewardInputError, available_rewards, get_reward
     from .rewards.base import _REGISTRY
 
+    register_rewards()  # the video and reward-model ones too: the names a config may use
     if name not in available_rewards():
         import difflib
 
@@ -57,11 +59,12 @@ def _build(name: str, kwargs: dict):
 
 
 def list_rewards() -> list[tuple[str, str, str, str, str, str]]:
-    """(name, summary, weights, licence, range, extra) of every registered reward."""
-    from .rewards import available_rewards, reward_info
+    """(name, summary, weights, licence, range, extra) of every registered reward (``grove list`` names the same)."""
+    from .catalog import register_rewards
+    from .rewards import reward_info
 
     rows = []
-    for name in available_rewards():
+    for name in register_rewards():
         info = reward_info(name)
         rows.append((name, info.summary, info.weights, info.licence, info.range, info.extra or "core"))
     return rows

@@ -79,7 +79,10 @@ class RewardSpec:
 
         _import_optional_rewards()
         if self.name not in available_rewards():
-            raise ConfigError(f"{where}.name: unknown reward {self.name!r}; available: {', '.join(available_rewards())}")
+            from shared_rl.registry import did_you_mean
+
+            raise ConfigError(f"{where}.name: unknown reward {self.name!r}{did_you_mean(self.name, available_rewards())}; "
+                              f"available: {', '.join(available_rewards())}")
 
 
 @dataclass
@@ -346,7 +349,7 @@ def _import_optional_rewards() -> None:
 def resolve_model_location(model: str) -> tuple[str, bool]:
     """``(path or hub id, is_local)``. Raises ConfigError for a local-looking path that does not exist."""
     p = Path(model).expanduser()
-    bases = [Path.cwd(), REPO_ROOT]
+    bases = list(dict.fromkeys([Path.cwd(), REPO_ROOT]))  # run from the checkout: one place, named once
     candidates = [p] if p.is_absolute() else [b / p for b in bases]
     for c in candidates:
         if c.exists():
@@ -365,7 +368,7 @@ def load_pipeline(model: str, dtype: torch.dtype):
     from diffusers import DiffusionPipeline
 
     location, local = resolve_model_location(model)
-    kwargs: dict[str, Any] = {"torch_dtype": dtype}
+    kwargs: dict[str, Any] = {"dtype": dtype}  # torch_dtype is deprecated (diffusers 0.42, the pinned version)
     if local:
         kwargs["local_files_only"] = True
         index_path = Path(location) / "model_index.json"

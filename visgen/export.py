@@ -77,10 +77,10 @@ def load_trained_pipeline(final_dir: str | Path, base: str | None = None, device
     final_dir = Path(final_dir)
     info = export_info(final_dir)
     location = resolve_base(base or str(info["base_model"]))
-    pipe = load_base_pipeline(location, torch_dtype=dtype or torch.float32)
+    pipe = load_base_pipeline(location, dtype=dtype or torch.float32)  # torch_dtype is deprecated in diffusers
     if (final_dir / "transformer").is_dir():  # full fine-tuning
         pipe.transformer = type(pipe.transformer).from_pretrained(final_dir / "transformer",
-                                                                  torch_dtype=dtype or torch.float32)
+                                                                  dtype=dtype or torch.float32)
     else:
         pipe.load_lora_weights(str(final_dir))
     pipe.to(device)

@@ -423,16 +423,22 @@ class LLMDomain(DomainBase):
 
     # ---- evaluation ------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def generate_text(self, split: str, keys: list[int], temperature: float, generator: torch.Generator | None = None):
-        """Completions for prompts ``keys`` of ``split``: (completion ids, finished flags)."""
+    def generate_text(self, split: str, keys: list[int], temperature: float, generator: torch.Generator | None = None,
+                      what: str = ""):
+        """Completions for prompts ``keys`` of ``split``: (completion ids, finished flags); a slow one reports its
+        progress as ``what`` (``shared_rl.metrics.Progress``)."""
+        from ..metrics import Progress
+
         gen_ids, finished = [], []
         generator = generator or torch.Generator().manual_seed(0)
         bs = self.cfg.eval.batch_size
+        progress = Progress(self.ctx.log, what or f"generating ({split})", len(keys), "prompts")
         for s in range(0, len(keys), bs):
             prompts = [self._prompt_ids(split, k) for k in keys[s:s + bs]]
             g = self.engine.generate(prompts, 1, self.cfg.max_new_tokens, temperature, generator)
             gen_ids += g.completion_ids
             finished += g.finished
+            progress.update(len(gen_ids))
         return gen_ids, finished
 
     def evaluate(self, iteration: int) -> dict[str, float]:
@@ -446,7 +452,8 @@ class LLMDomain(DomainBase):
         modes = [("", 0.0)] + ([("sampled_", self.cfg.temperature)] if self.cfg.eval.sampled else [])
         for prefix, temp in modes:
             # a fixed generator: every evaluation of a run samples with the same noise, so curves compare policies
-            ids, finished = self.generate_text("eval", keys, temp, torch.Generator().manual_seed(self.ctx.seed + 12345))
+            ids, finished = self.generate_text("eval", keys, temp, torch.Generator().manual_seed(self.ctx.seed + 12345),
+                                               f"evaluation ({'greedy' if not prefix else 'sampled'})")
             rewards = self.score(examples, ids, [not f for f in finished], iteration)
             if acc_name not in rewards:
                 raise ConfigError(f"llm.eval.accuracy_reward {acc_name!r} is not a reward label ({sorted(rewards)})")

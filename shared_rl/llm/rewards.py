@@ -179,7 +179,10 @@ def build_reward(spec: LLMRewardSpec) -> tuple[str, RewardFunction]:
         obj = _import_reward(spec.name)
         fn = obj(**spec.args) if spec.args else obj
     else:
-        raise ConfigError(f"unknown reward {spec.name!r}: use one of {sorted(BUILTIN_REWARDS)} or 'module:function'")
+        from ..registry import did_you_mean
+
+        raise ConfigError(f"unknown reward {spec.name!r}{did_you_mean(spec.name, BUILTIN_REWARDS)}: use one of "
+                          f"{sorted(BUILTIN_REWARDS)} or 'module:function'")
     label = spec.label or (spec.name if spec.name in BUILTIN_REWARDS else getattr(fn, "__name__", spec.name))
     return label, fn
 

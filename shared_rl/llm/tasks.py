@@ -49,6 +49,15 @@ class DatasetSettings:
     num_eval: int = field(default=500, metadata={"help": "evaluation examples at most; 0 = all"})
     seed: int = field(default=0, metadata={"help": "seed of the arith draw and the held-out hash"})
 
+    def check(self, where: str) -> None:
+        """The embedded ``arith`` task reads no rows: a path or dataset name given with it would be ignored."""
+        if self.source == "arith":
+            given = [f"{where}.{k}={getattr(self, k)!r}" for k in ("path", "eval_path", "name") if getattr(self, k)]
+            if given:
+                raise ConfigError(f"{', '.join(given)} is ignored by {where}.source: arith (the embedded a+b= task, "
+                                  f"which reads no rows); set {where}.source to jsonl, csv, json or hf to read it, "
+                                  f"or drop it")
+
 
 @dataclass
 class TaskData:

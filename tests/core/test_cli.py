@@ -92,7 +92,7 @@ def test_train_override_resume_and_eval(tmp_path, capsys):
     for key in ("reward/mean", "loss/policy", "ratio/mean", "clip_frac", "grad_norm", "lr", "nfe/rollout",
                 "nfe/train", "time/rollout", "time/train", "samples_per_s", "groups/drawn", "frac_zero_std"):
         assert key in records[1], key
-    assert (out / "curves.png").is_file() and (out / "summary.txt").is_file()
+    assert (out / "curves.png").is_file() and (out / "summary.txt").is_file() and (out / "report.html").is_file()
     # an existing run directory is not overwritten without --resume
     assert main(["train", str(cfg), "--out", str(out)]) == 2
     assert "not empty" in capsys.readouterr().err
@@ -101,8 +101,10 @@ def test_train_override_resume_and_eval(tmp_path, capsys):
     records = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 1, 2, 3, 4, 5]
     capsys.readouterr()
-    assert main(["eval", str(out)]) == 0
+    assert main(["eval", str(out), "--out", str(tmp_path / "ev")]) == 0  # never the checkout's runs/ from a test
     assert "eval/greedy_accuracy" in json.loads(capsys.readouterr().out)
+    page = (tmp_path / "ev" / "report.html").read_text()  # the eval's own page: its metrics at iteration 5
+    assert "grove eval: run at iteration 5" in page and "eval/greedy_accuracy" in page
 
 
 # ------------------------------------------------------------------------------------------ grove config show
@@ -123,7 +125,6 @@ def test_config_show_prints_values_help_and_defaults(capsys):
 
 @pytest.mark.parametrize("argv,expect", [
     (["config"], "config needs a sub-command"),
-    (["config", "show"], "config show needs a config"),
     (["config", "show", "missing.yaml"], "does not exist"),
     (["config", "show", str(ROOT / "configs" / "toy.yaml"), "optim.lr=-1"], "optim.lr must be > 0"),
     (["config", "show", str(ROOT / "configs" / "llm" / "arith_sft.yaml")], "kind: supervised"),
@@ -132,6 +133,34 @@ def test_config_show_bad_input(capsys, argv, expect):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and expect in err[0], err
+
+
+def test_config_show_without_a_config_shows_the_default_that_train_runs(monkeypatch, capsys):
+    """Bare `grove config show` resolves what bare `grove train` would run (and says which file), overrides too."""
+    from shared_rl import cli
+
+    monkeypatch.setattr(cli, "DEFAULT_CONFIG", ROOT / "configs" / "toy.yaml")  # the real default loads visgen
+    assert main(["config", "show", "optim.lr=0.05"]) == 0
+    out, err = capsys.readouterr()
+    assert "no config given; running the default configs/toy.yaml" in err
+    want = load_yaml(ROOT / "configs" / "toy.yaml")
+    want["optim"]["lr"] = 0.05
+    assert yaml.safe_load(out) == dump_train_config(load_train_config(want))
+
+
+def test_pretrain_dry_run_checks_every_setting(tmp_path, monkeypatch, capsys):
+    """`grove pretrain C --dry-run` checks the job's settings as its run does and prints them resolved."""
+    monkeypatch.chdir(tmp_path)
+    sft = ROOT / "configs" / "llm" / "arith_sft.yaml"
+    assert main(["pretrain", str(sft), "--dry-run", "max_steps=7"]) == 0
+    out = capsys.readouterr().out
+    resolved = yaml.safe_load(out)
+    assert resolved["kind"] == "supervised" and resolved["max_steps"] == 7
+    assert "weight_decay" in resolved and "every setting of the llm job checked" in out  # defaults filled in
+    assert main(["pretrain", str(sft), "--dry-run", "max_stepz=7"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "did you mean 'max_steps'" in err[0], err
+    assert list(tmp_path.iterdir()) == []  # nothing written
 
 
 def test_field_without_help_gets_no_comment():

@@ -68,8 +68,8 @@ def test_flat_runs_are_reused_only_at_the_same_sizes(tmp_path):
 
 def test_probe_overrides_reach_the_config():
     cfg = load_train_config(variant_config("awm", 0, 3, False, overrides=["optim.lr=3e-3",
-                                                                         "visgen.num_inference_steps=5"]))
-    assert cfg.optim.lr == pytest.approx(3e-3) and cfg.domain_config.num_inference_steps == 5
+                                                                         "visgen.num_inference_steps=7"]))
+    assert cfg.optim.lr == pytest.approx(3e-3) and cfg.domain_config.num_inference_steps == 7
 
 
 def test_two_stage_bench_takes_reused_seeds_and_runs_only_the_missing(tmp_path, monkeypatch):

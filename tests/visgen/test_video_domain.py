@@ -76,7 +76,8 @@ def test_video_methods_train_with_exact_ratio(wan_dir, method, advantage):
 
 def test_video_egrpo_trains(wan_dir):
     cfg = make_cfg(wan_dir, {"name": "egrpo"}, {"rollout": {"group_size": 2},
-                                                 "advantage": {"estimator": "depth_zscore"}})
+                                                 "advantage": {"estimator": "depth_zscore",
+                                                               "multi_reward": "normalize_then_sum"}})
     m = Trainer(cfg, None, log=quiet).iteration(0)
     assert m["ratio/mean"] == 1.0 and m["grad_norm"] > 0
 
