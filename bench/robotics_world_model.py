@@ -91,21 +91,21 @@ def _train(variant: str, seed: int, run_dir: Path, quick: bool, log) -> tuple[li
         wall = json.loads((run_dir / "bench_wall.json").read_text())["wall_s"] if (run_dir / "bench_wall.json").is_file() \
             else float("nan")
         return read_metrics(run_dir), wall
-    from shared_rl.config import apply_overrides, load_train_config, load_yaml
-    from shared_rl.trainer import Trainer
+    from shared_rl.cli import main as grove
 
     overrides = (QUICK if quick else EVAL) + [f"seed={seed}"]
     if quick and variant != "sim":
         wm = "robotics.rollout.world_model"
         overrides += [f"{wm}.refit_steps=2", f"{wm}.refit_success_steps=2"]
-    log(f"bench robotics-world-model: {variant} seed {seed} -> {run_dir}")
-    trainer = Trainer(load_train_config(apply_overrides(load_yaml(CFG / VARIANTS[variant][0]), overrides)), run_dir,
-                      log=log)
+    # as `grove train` (run-directory lock, config.yaml, checkpoints, final/): a stopped row resumes where it stopped
+    resume = (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir())
+    argv = ["train", "--resume", str(run_dir)] if resume else ["train", str(CFG / VARIANTS[variant][0]), "--out",
+                                                                str(run_dir), *overrides]
+    log(f"bench robotics-world-model: {variant} seed {seed} -> {run_dir}{' (resumed)' if resume else ''}")
     t = time.perf_counter()
-    try:
-        trainer.fit()
-    finally:
-        trainer.domain.close()
+    code = grove(argv)
+    if code != 0:
+        raise RuntimeError(f"bench robotics-world-model: `grove {' '.join(argv)}` exited {code}")
     wall = time.perf_counter() - t
     (run_dir / "bench_wall.json").write_text(json.dumps({"wall_s": wall}))
     return read_metrics(run_dir), wall
