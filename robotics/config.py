@@ -126,15 +126,16 @@ class RoboticsConfig(DomainConfig):
             self._check_lerobot(where)
 
     def _check_lerobot(self, where: str) -> None:
-        """What a LeRobot policy runs with: flat groups in the simulator, Flow-GRPO's SDE steps, no part that reads
-        the tiny VLA's fused feature vector (value head, task adapters, BC replay)."""
+        """What a LeRobot policy runs with: flat groups in the simulator, Flow-GRPO's SDE steps or the learned noise
+        head (flow_noise), the value head on its pooled prefix; no part that reads the tiny VLA's fused feature
+        vector otherwise (task adapters, BC replay)."""
         lerobot = f"with {where}.policy.type: lerobot"
-        if self.head_mode not in ("flow_sde", "sde_one_step"):
-            raise ConfigError(f"{where}.head_mode: {self.head_mode} {lerobot}; use flow_sde or sde_one_step (the "
-                              f"policy has no learned noise head or bins)")
+        if self.head_mode not in ("flow_sde", "sde_one_step", "flow_noise"):
+            raise ConfigError(f"{where}.head_mode: {self.head_mode} {lerobot}; use flow_sde, sde_one_step or "
+                              f"flow_noise (the policy has no bins)")
         if self.rollout.name != "flat":
             raise ConfigError(f"{where}.rollout.name: {self.rollout.name} {lerobot}; use flat")
-        for what, on in (("critic.enabled", self.critic.enabled), ("adapters.rank", self.adapters.rank),
+        for what, on in (("adapters.rank", self.adapters.rank),
                          ("replay", self.replay.coef > 0 or bool(self.replay.data) or self.replay.source != "demos"),
                          ("train_encoder: false", not self.train_encoder)):
             if on:

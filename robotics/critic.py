@@ -1,7 +1,8 @@
 """The value head of PPO in the robotics domain (``robotics.critic``): its architecture and its part of the domain.
 
 The head (``policies.value_head.ValueHead``) reads the policy's fused features of a chunk's observation and the
-chunk's time. A flat rollout gets the values of every executed chunk in its payload (``values``, ``value_mask``,
+chunk's time (a LeRobot policy's features are its prefix: the head reads ``Prefix.pooled``, the VLM's mean prefix
+token, πRL's ``value_after_vlm`` / ``mean_token`` choice). A flat rollout gets the values of every executed chunk in its payload (``values``, ``value_mask``,
 without grad); ``log_probs`` recomputes them with grad (``Critic.values``) for the value loss of the ``gae``
 advantage estimator, which owns every training setting of the critic (``advantage.estimator: {name: gae, gamma,
 lam, normalize, value_coef, value_clip, warmup, lr}``).
@@ -47,6 +48,12 @@ class CriticConfig:
                               f"value_coef: 0.5, ...}} or {where}.enabled: false")
 
 
+def vector(h) -> torch.Tensor:
+    """The feature vector [B, F] of a policy's features: the tiny VLA's fused features as they are, a LeRobot
+    policy's ``Prefix`` by its pooled VLM tokens."""
+    return h if torch.is_tensor(h) else h.pooled
+
+
 class Critic(Part):
     """The value head, its payload entries and its recomputed values. ``encode(images, proprio, task_index)``: the
     policy's fused features of observations (the domain's)."""
@@ -73,13 +80,13 @@ class Critic(Part):
         out = torch.zeros(valid.shape)
         for i in range(0, len(ep), batch):
             e, c = ep[i: i + batch], ch[i: i + batch]
-            h = self._encode(images[e, c], proprio[e, c], task_index[e])
+            h = vector(self._encode(images[e, c], proprio[e, c], task_index[e]))
             out[e, c] = self.head(h, c.float().to(self.device) / self.n_chunks).float().cpu()
         return out
 
     def values(self, h: torch.Tensor, ep: torch.Tensor, ch: torch.Tensor, n: int) -> torch.Tensor:
         """``[n, C]`` the values (with grad) of the chunks (``ep``, ``ch``) whose features are ``h``; 0 elsewhere."""
-        c = self.n_chunks
+        c, h = self.n_chunks, vector(h)
         v = self.head(h.detach() if self.cfg.detach else h, ch.float().to(self.device) / c)
         return torch.zeros(n * c, device=self.device).index_put(((ep * c + ch).to(self.device),), v).view(n, c)
 

@@ -76,7 +76,7 @@ def load_policy(cfg: RoboticsConfig, seed: int) -> TinyVLA:
     if cfg.policy.type == "lerobot":
         path = resolve(cfg.policy.path)
         return load_lerobot_policy(cfg.policy, cfg.env, str(path) if path.exists() else cfg.policy.path, seed,
-                                   ENV_ACTION_DIM)
+                                   ENV_ACTION_DIM, noise_head=cfg.head_mode == "flow_noise")
     if cfg.checkpoint:
         try:
             policy = TinyVLA.load_pretrained(resolve(cfg.checkpoint))

@@ -1,12 +1,14 @@
 """A LeRobot SmolVLA (a tiny one, built from LeRobot's config classes) as grove's robotics policy: the import under
-transformers 5, the ODE equal to LeRobot's own action path, per-step log-probs recomputed with ratio exactly 1,
-micro-batches, LoRA, export to a directory LeRobot loads with identical actions, config errors, and one RL
-iteration through the trainer (docs/methods/lerobot_policies.md)."""
+transformers 5, the ODE equal to LeRobot's own action path, per-step log-probs recomputed with ratio exactly 1
+(flow-SDE and the flow-noise head), micro-batches, gradient checkpointing, LoRA, export to a directory LeRobot
+loads with identical actions, config errors, one RL iteration through the trainer and one PPO iteration with the
+value head (docs/methods/lerobot_policies.md)."""
 import os
 
 os.environ.setdefault("MUJOCO_GL", "egl")
 
 import json
+import math
 import sys
 
 import pytest
@@ -127,6 +129,67 @@ def test_micro_batches_give_the_same_gradient(tiny_dir):
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
+def _load_noisy(path, **settings):
+    s = from_dict(PolicySettings, {"type": "lerobot", "path": str(path), **settings}, "robotics.policy")
+    return load_lerobot_policy(s, ENV, str(path), seed=0, noise_head=True)
+
+
+def test_flow_noise_head_ratio_one_and_ode_unchanged(tiny_dir):
+    """ReinFlow / πRL flow-noise on the LeRobot policy: every denoising step stochastic with a learned per-dim std
+    in [std_min, std_max], recomputed log-probs equal the rollout's bit for bit (ratio exactly 1), the std net gets
+    gradient, and the deterministic ODE path is the policy's own (the std net is not on it)."""
+    base = _load(tiny_dir).eval()
+    vla = _load_noisy(tiny_dir).eval()
+    images, proprio = _obs()
+    ids = vla.text.token_ids(TEXTS)
+    noise = torch.randn(3, TINY.chunk_size * TINY.max_action_dim, generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        ode = [p.flow.sample(p.encode(images, proprio, ids), "ode", None, start_noise=noise).actions for p in (base, vla)]
+        out = vla.flow.sample(vla.encode(images, proprio, ids), "flow_noise", torch.Generator().manual_seed(2))
+    assert torch.equal(ode[0], ode[1]), "the noise head leaves the ODE path unchanged"
+    assert out.stochastic.all() and (out.logp != 0).all(), "flow_noise: every denoising step is sampled and scored"
+    rows, steps = torch.nonzero(out.stochastic, as_tuple=True)
+    perm = torch.randperm(len(rows), generator=torch.Generator().manual_seed(3))
+    rows, steps = rows[perm], steps[perm]
+    vla.train()
+    h = vla.encode(images[[2, 0, 1]], proprio[[2, 0, 1]], [ids[2], ids[0], ids[1]])
+    where = torch.tensor([1, 2, 0])[rows]
+    logp, ent, _, std = vla.flow.step_log_prob(h[where], out.chain[rows, steps], out.chain[rows, steps + 1], steps,
+                                               "flow_noise")
+    assert torch.equal(logp.detach(), out.logp[rows, steps]), "ratio exactly 1 at the first inner step"
+    assert std.shape == (len(rows), TINY.chunk_size * TINY.max_action_dim)
+    assert (std >= 0.08 - 1e-7).all() and (std <= 0.16 + 1e-7).all() and std.std() > 0
+    logp.sum().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in vla.flow.noise_std.parameters())
+
+
+def test_flow_noise_log_prob_at_the_min_std_is_the_gaussian_formula(tiny_dir):
+    """With the std net pushed to its lower bound (tanh -> -1: std = std_min), each step's log-prob is the
+    hand-computed Gaussian N(x + v·dt, std_min²) density of the next chain element, v from LeRobot's own
+    ``denoise_step`` and dt LeRobot's step -1/num_steps."""
+    vla = _load_noisy(tiny_dir, noise={"std_min": 0.05, "std_max": 0.3}).eval()
+    last = vla.flow.noise_std.mlp[-1]
+    with torch.no_grad():
+        last.weight.zero_()
+        last.bias.fill_(-30.0)
+    images, proprio = _obs()
+    ids = vla.text.token_ids(TEXTS)
+    with torch.no_grad():
+        h = vla.encode(images, proprio, ids)
+        out = vla.flow.sample(h, "flow_noise", torch.Generator().manual_seed(7))
+        d = TINY.chunk_size * TINY.max_action_dim
+        for t in range(TINY.num_steps):
+            x, x_next = out.chain[:, t], out.chain[:, t + 1]
+            sigma = torch.full((3,), 1.0 - t / TINY.num_steps)
+            v = vla.policy.model.denoise_step(prefix_pad_masks=h.pad_masks, past_key_values=h.kv,
+                                              x_t=x.view(3, TINY.chunk_size, -1), timestep=sigma).reshape(3, -1)
+            mean = x.double() + v.double() * (-1.0 / TINY.num_steps)
+            z = (x_next.double() - mean) / 0.05
+            expected = (-0.5 * z ** 2).sum(1) - d * (math.log(0.05) + 0.5 * math.log(2 * math.pi))
+            assert torch.allclose(out.logp[:, t].double(), expected, rtol=1e-5, atol=1e-3), t
+            assert 0.8 < z.std() < 1.2, "the step's noise is std_min times a standard normal"
+
+
 def test_lora_trains_only_adapters_and_exports_a_lerobot_policy(tiny_dir, tmp_path):
     base = _load(tiny_dir).eval()
     vla = _load(tiny_dir, lora={"rank": 4, "alpha": 8}).eval()
@@ -169,11 +232,12 @@ def test_lora_trains_only_adapters_and_exports_a_lerobot_policy(tiny_dir, tmp_pa
 def test_config_errors_are_one_line(tiny_dir, tmp_path):
     with pytest.raises(ConfigError, match=r"robotics.policy.type: 'smolvla' is not one of \['tiny_vla', 'lerobot'\]"):
         from_dict(RoboticsConfig, {"policy": {"type": "smolvla"}}, "robotics")
-    with pytest.raises(ConfigError, match="path, cameras, n_action_steps and lora are read by type: lerobot"):
+    with pytest.raises(ConfigError, match="path, cameras, n_action_steps, lora, noise and gradient_checkpointing are "
+                                          "read by type: lerobot"):
         from_dict(RoboticsConfig, {"policy": {"path": str(tiny_dir)}}, "robotics")
     lerobot = {"type": "lerobot", "path": str(tiny_dir)}
-    for extra, what in (({"head_mode": "flow_noise"}, "head_mode"), ({"critic": {"enabled": True}}, "critic.enabled"),
-                        ({"adapters": {"rank": 4}}, "adapters.rank")):
+    for extra, what in (({"head_mode": "discrete"}, "head_mode"), ({"adapters": {"rank": 4}}, "adapters.rank"),
+                        ({"policy": dict(lerobot, noise={"std_min": 0.2, "std_max": 0.1})}, "std_min <= std_max")):
         with pytest.raises(ConfigError, match=what):
             from_dict(RoboticsConfig, {"policy": lerobot, **extra}, "robotics")
     # features the env cannot provide
@@ -226,6 +290,77 @@ def test_one_rl_iteration_and_final_export(tiny_dir, tmp_path):
     from lerobot.policies.smolvla.modeling_smolvla import SmolVLAPolicy
 
     assert SmolVLAPolicy.from_pretrained(final).config.chunk_size == TINY.chunk_size
+
+
+def test_gradient_checkpointing_gives_the_same_gradient(tiny_dir):
+    """``robotics.policy.gradient_checkpointing``: every VLM / expert layer's attention and MLP recomputed in
+    backward (torch.utils.checkpoint): the same log-probs and the same gradient of every weight (the tiny policy
+    trains all of them, VLM included, so the prefix pass is under grad too) within float tolerance."""
+    plain, ckpt = _load(tiny_dir).train(), _load(tiny_dir, gradient_checkpointing=True).train()
+    assert type(ckpt.policy.model.vlm_with_expert).__name__.startswith("Checkpointed")
+    images, proprio = _obs(3, seed=8)
+    ids = plain.text.token_ids(TEXTS)
+    with torch.no_grad():
+        out = plain.flow.sample(plain.encode(images, proprio, ids), "flow_sde", torch.Generator().manual_seed(9), 0.7)
+    steps = torch.tensor([0, 1, 2])
+
+    def grads(vla):
+        vla.zero_grad()
+        h = vla.encode(images, proprio, ids)
+        lp, *_ = vla.flow.step_log_prob(h, out.chain[[0, 1, 2], steps], out.chain[[0, 1, 2], steps + 1], steps,
+                                        "flow_sde", 0.7)
+        lp.sum().backward()
+        return lp.detach(), {n: p.grad.clone() for n, p in vla.named_parameters() if p.grad is not None}
+
+    (lp_a, ga), (lp_b, gb) = grads(plain), grads(ckpt)
+    assert torch.allclose(lp_a, lp_b, rtol=1e-6, atol=1e-5)
+    assert ga.keys() == gb.keys() and any(".vlm." in n for n in ga) and any("lm_expert" in n for n in ga)
+    for n in ga:
+        assert torch.allclose(ga[n], gb[n], rtol=1e-4, atol=1e-6), n
+
+
+def _ppo_config(tiny_dir, **optim):
+    """One PPO iteration (gae + the value head on the pooled prefix) with the flow-noise head, LoRA and gradient
+    checkpointing on the tiny SmolVLA in Meta-World."""
+    return {"domain": "robotics", "seed": 0, "iterations": 1,
+            "rollout": {"groups_per_iteration": 2, "group_size": 2},
+            "optim": {"lr": 1e-3, "inner_epochs": 1, "minibatches_per_epoch": 1, **optim},
+            "advantage": {"weights": {"success": 1.0, "dense": 1.0},
+                          "estimator": {"name": "gae", "gamma": 1.0, "lam": 0.95, "value_coef": 0.5}},
+            "selection": {"filter": "none"}, "eval": {"at_start": False, "every": 0}, "logging": {"progress": False},
+            "robotics": {"policy": {"type": "lerobot", "path": str(tiny_dir), "lora": {"rank": 4},
+                                    "gradient_checkpointing": True},
+                         "env": {"tasks": ["reach-v3", "push-v3"], "horizon": 8}, "head_mode": "flow_noise",
+                         "critic": {"enabled": True}, "dense_reward": True, "train_states_per_task": 2,
+                         "eval_states_per_task": 1, "gifs": False}}
+
+
+def test_ppo_value_head_flow_noise_and_micro_batches(tiny_dir, tmp_path):
+    """``advantage.estimator: gae`` with ``robotics.policy.type: lerobot``: the value head reads the pooled VLM
+    prefix, trains with a finite value loss next to the flow-noise policy loss (ratio 1 at the first inner step),
+    and splitting the update into micro-batches of one episode (optim.micro_batch_size) gives the same update."""
+    from shared_rl.trainer import Trainer
+
+    def run(name, **optim):
+        tr = Trainer(load_train_config(_ppo_config(tiny_dir, **optim)), tmp_path / name, log=lambda s: None)
+        critic0 = [p.detach().clone() for p in tr.domain.critic_parameters()]
+        m = tr.iteration(0)
+        return tr, critic0, m
+
+    tr, critic0, m = run("whole")
+    assert math.isfinite(m["loss/value"]) and m["loss/value"] > 0
+    assert m["ratio/mean"] == 1.0 and m["approx_kl"] == 0.0
+    assert any(not torch.equal(a, b.detach()) for a, b in zip(critic0, tr.domain.critic_parameters()))
+    noise_net = [n for n, p in tr.domain.policy.named_parameters() if p.requires_grad and "noise_std" in n]
+    assert noise_net, "the flow-noise std is trained with the policy"
+    split, _, m2 = run("micro", micro_batch_size=1)
+    for k in ("loss/value", "loss/policy"):
+        assert m2[k] == pytest.approx(m[k], rel=1e-4, abs=1e-6), k
+    a, b = tr.domain.state_dict(), split.domain.state_dict()
+    trained = [k for k in a if "lora_" in k or "noise_std" in k or k.startswith("critic.")]
+    assert trained
+    for k in trained:
+        assert torch.allclose(a[k], b[k], rtol=1e-4, atol=1e-6), k
 
 
 def test_grove_lerobot_export_features_map(tiny_dir, tmp_path):

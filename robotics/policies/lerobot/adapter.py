@@ -23,12 +23,14 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
 
 from shared_rl.flow_kernels import DEFAULT_NOISE_LEVEL
 
@@ -54,6 +56,7 @@ class LeRobotView:
     num_denoise_steps: int
     chunk_size: int  # the model's chunk (>= chunk)
     max_action_dim: int  # the model's padded action width
+    hidden: int = 0  # width of the pooled prefix features (the VLM's hidden size): what a value head reads
     head: str = "flow"
 
     @property
@@ -64,11 +67,14 @@ class LeRobotView:
 
 @dataclass
 class Prefix:
-    """The features of a batch of observations: the VLM prefix's KV cache (per layer, batch first) and pad mask.
-    Indexing selects rows (a row of the rollout's chunk, shared by its denoising steps)."""
+    """The features of a batch of observations: the VLM prefix's KV cache (per layer, batch first) and pad mask,
+    and ``pooled`` [B, hidden], the mean of the VLM's final prefix hidden states over the non-pad tokens (πRL's
+    ``value_vlm_mode: mean_token``: what the value head reads). Indexing selects rows (a row of the rollout's
+    chunk, shared by its denoising steps)."""
 
     kv: dict
     pad_masks: torch.Tensor
+    pooled: torch.Tensor | None = None
 
     @property
     def shape(self) -> torch.Size:
@@ -83,7 +89,7 @@ class Prefix:
 
     def __getitem__(self, rows) -> "Prefix":
         kv = {layer: {name: t[rows] for name, t in entry.items()} for layer, entry in self.kv.items()}
-        return Prefix(kv, self.pad_masks[rows])
+        return Prefix(kv, self.pad_masks[rows], None if self.pooled is None else self.pooled[rows])
 
 
 class InstructionText:
@@ -99,24 +105,67 @@ class InstructionText:
         return ["".join(map(chr, row)) for row in ids]
 
 
+class NoiseStdNet(nn.Module):
+    """πRL's learned exploration noise for ``flow_noise`` (ReinFlow, Zhang et al. 2025; πRL, Chen et al. 2025,
+    RLinf's ``ExploreNoiseNet`` on π0): an MLP (tanh hidden layers, RLinf's [128, 64]) from the action expert's
+    output token of each chunk position (the features its velocity head ``action_out_proj`` reads, so the std
+    depends on the observation through the prefix, on x_σ and on σ) to a log-variance per action dim, squashed by
+    tanh into [log std_min², log std_max²]: std = exp(½·logvar) ∈ [std_min, std_max] (RLinf's defaults 0.08, 0.16).
+    The bounds are settings, not state (buffers not saved)."""
+
+    def __init__(self, in_dim: int, out_dim: int, hidden: tuple[int, ...] = (128, 64), std_min: float = 0.08,
+                 std_max: float = 0.16):
+        super().__init__()
+        layers, d = [], in_dim
+        for width in hidden:
+            layers += [nn.Linear(d, width), nn.Tanh()]
+            d = width
+        layers.append(nn.Linear(d, out_dim))
+        self.mlp = nn.Sequential(*layers)
+        self.register_buffer("logvar_min", torch.tensor(math.log(std_min ** 2)), persistent=False)
+        self.register_buffer("logvar_max", torch.tensor(math.log(std_max ** 2)), persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """``tokens`` [B, chunk_size, width] -> std [B, chunk_size·out_dim] (the chain's flat layout)."""
+        z = torch.tanh(self.mlp(tokens.float()))
+        logvar = self.logvar_min + (self.logvar_max - self.logvar_min) * (z + 1) / 2
+        return torch.exp(0.5 * logvar).flatten(1)
+
+
 class LeRobotFlow(FlowActionHead):
-    """The tiny VLA's flow head (sampling loop, SDE/ODE transitions through ``shared_rl.flow_kernels``, log-probs)
-    with the LeRobot action expert as the velocity. FlowActionHead's own velocity MLP and ReinFlow std head are not
-    built (``nn.Module.__init__`` only): the velocity comes from ``velocity_fn(h, x, sigma)``."""
+    """The tiny VLA's flow head (sampling loop, SDE/ODE transitions through ``shared_rl.flow_kernels``, log-probs,
+    which steps are stochastic) with the LeRobot action expert as the velocity. FlowActionHead's own velocity MLP and
+    std head are not built (``nn.Module.__init__`` only): the velocity comes from ``velocity_fn(h, x, sigma)`` ->
+    (v, expert tokens), and ``flow_noise``'s std from :class:`NoiseStdNet` on those tokens (``noise_std``, built
+    by :meth:`LeRobotVLA.add_noise_head`), so one expert pass per step gives both."""
 
     def __init__(self, view: LeRobotView, velocity_fn, to_env_fn):
         nn.Module.__init__(self)
         self.action_dim, self.num_steps = view.chain_dim, view.num_denoise_steps
         self._velocity_fn, self._to_env_fn = velocity_fn, to_env_fn
+        self.noise_std: NoiseStdNet | None = None
+        self._tokens = None  # (x, sigma, expert tokens) of the last velocity, for the std of the same step
         dt = -1.0 / view.num_denoise_steps  # LeRobot's times, computed as its sample_actions does (float64 -> f32)
         times = [1.0 + s * dt for s in range(view.num_denoise_steps)] + [0.0]
         self.register_buffer("sigmas", torch.tensor(times, dtype=torch.float32), persistent=False)
 
     def velocity_at(self, h: Prefix, x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
-        return self._velocity_fn(h, x, sigma)
+        v, tokens = self._velocity_fn(h, x, sigma, self.noise_std is not None)
+        if self.noise_std is not None:
+            self._tokens = (x, sigma, tokens)
+        return v
 
-    def learned_std(self, h, x, sigma):
-        raise ValueError("a LeRobot policy has no learned noise head (flow_noise); use flow_sde or sde_one_step")
+    def learned_std(self, h: Prefix, x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+        """``flow_noise``'s per-dim std [B, chain_dim] at (x, σ): from the expert tokens of the velocity just computed
+        at the same (x, σ) (``transition`` asks for v first), else from a fresh expert pass."""
+        if self.noise_std is None:
+            raise ValueError("this LeRobot policy has no learned noise head: load it with robotics.head_mode: "
+                             "flow_noise (LeRobotVLA.add_noise_head)")
+        cached, self._tokens = self._tokens, None
+        if cached is None or cached[0] is not x or cached[1] is not sigma:
+            self.velocity_at(h, x, sigma)
+            cached, self._tokens = self._tokens, None
+        return self.noise_std(cached[2])
 
     @torch.no_grad()
     def sample(self, h: Prefix, mode: str, generator: torch.Generator | None, noise_level: float = DEFAULT_NOISE_LEVEL,
@@ -124,9 +173,10 @@ class LeRobotFlow(FlowActionHead):
                step_noise: torch.Tensor | None = None, one_step: torch.Tensor | None = None) -> FlowSample:
         """FlowActionHead's sampling; ``actions`` is the env's chunk [B, K·A] (unnormalised, cut), the chain stays in
         the model's space [B, S+1, chunk_size·max_action_dim]."""
-        if mode == "flow_noise":
+        if mode == "flow_noise" and self.noise_std is None:
             self.learned_std(h, None, None)
         out = super().sample(h, mode, generator, noise_level, reduce, init_noise, start_noise, step_noise, one_step)
+        self._tokens = None
         return dataclasses.replace(out, actions=self._to_env_fn(out.actions))
 
 
@@ -141,7 +191,8 @@ class LeRobotVLA(nn.Module):
         self.cameras, self.image_sizes = dict(cameras), dict(image_sizes)  # feature -> env camera index, (H, W)
         c = policy.config
         self.cfg = LeRobotView(family=policy.name, chunk=n_action_steps, action_dim=env_action_dim,
-                               num_denoise_steps=c.num_steps, chunk_size=c.chunk_size, max_action_dim=c.max_action_dim)
+                               num_denoise_steps=c.num_steps, chunk_size=c.chunk_size, max_action_dim=c.max_action_dim,
+                               hidden=policy.model.vlm_with_expert.config.text_config.hidden_size)
         self.action_feature_dim = c.output_features[ACTION].shape[0]
         self.text = InstructionText()
         self.flow = LeRobotFlow(self.cfg, self._velocity, self._to_env)
@@ -187,21 +238,32 @@ class LeRobotVLA(nn.Module):
         embs, pad_masks, att_masks = m.embed_prefix(images, img_masks, batch[LANG_TOKENS], batch[LANG_MASK], state=state)
         att_2d = make_att_2d_masks(pad_masks, att_masks)
         positions = torch.cumsum(pad_masks, dim=1) - 1
-        _, kv = m.vlm_with_expert.forward(attention_mask=att_2d, position_ids=positions, past_key_values=None,
-                                          inputs_embeds=[embs, None], use_cache=True, fill_kv_cache=True)
-        return Prefix(kv, pad_masks)
+        (out, _), kv = m.vlm_with_expert.forward(attention_mask=att_2d, position_ids=positions, past_key_values=None,
+                                                 inputs_embeds=[embs, None], use_cache=True, fill_kv_cache=True)
+        keep = pad_masks[..., None].to(out.dtype)
+        pooled = (out * keep).sum(1).float() / keep.sum(1).clamp(min=1).float()
+        return Prefix(kv, pad_masks, pooled)
 
     def encode(self, images: torch.Tensor, proprio: torch.Tensor, text_ids: list[list[int]]) -> Prefix:
         """Features of observations (the tiny VLA's ``encode``): the prefix of the mapped, preprocessed batch."""
         return self.prefix(self.preprocess(self.observation(images, proprio, self.text.texts(text_ids))))
 
     # -- the chain's velocity and the env's actions
-    def _velocity(self, h: Prefix, x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+    def _velocity(self, h: Prefix, x: torch.Tensor, sigma: torch.Tensor, tokens: bool = False):
+        """LeRobot's ``denoise_step`` at (x, σ) -> (v [B, chain_dim], the expert's output tokens [B, chunk_size, width]
+        that its ``action_out_proj`` read, when ``tokens``; else None)."""
         c = self.cfg
         xt = x.view(x.shape[0], c.chunk_size, c.max_action_dim)
-        v = self.policy.model.denoise_step(prefix_pad_masks=h.pad_masks, past_key_values=h.kv, x_t=xt,
-                                           timestep=sigma.float())
-        return v.reshape(x.shape[0], -1).float()
+        seen = []
+        hook = (self.policy.model.action_out_proj.register_forward_pre_hook(lambda _m, args: seen.append(args[0]))
+                if tokens else None)
+        try:
+            v = self.policy.model.denoise_step(prefix_pad_masks=h.pad_masks, past_key_values=h.kv, x_t=xt,
+                                               timestep=sigma.float())
+        finally:
+            if hook is not None:
+                hook.remove()
+        return v.reshape(x.shape[0], -1).float(), (seen[0] if tokens else None)
 
     def model_actions(self, chain_end: torch.Tensor) -> torch.Tensor:
         """The chain's end as LeRobot's ``predict_action_chunk`` returns it: [B, chunk_size, action feature dims]."""
@@ -212,6 +274,33 @@ class LeRobotVLA(nn.Module):
         """The env's chunk [B, K·A]: LeRobot's postprocessor (unnormalise), the first K actions, the env's A dims."""
         actions = self.postprocessor(self.model_actions(chain_end)).to(chain_end.device)
         return actions[:, : self.cfg.chunk, : self.cfg.action_dim].reshape(chain_end.shape[0], -1)
+
+    # -- RL heads and memory
+    def add_noise_head(self, hidden: tuple[int, ...] = (128, 64), std_min: float = 0.08, std_max: float = 0.16,
+                       seed: int = 0) -> None:
+        """The learned std of ``flow_noise`` (:class:`NoiseStdNet`, ``flow.noise_std``): RL-only, trained with the
+        policy, not part of the exported LeRobot policy (its ODE actions do not read it)."""
+        torch.manual_seed(seed)
+        width = self.policy.model.vlm_with_expert.expert_hidden_size
+        dev = self.flow.sigmas.device
+        self.flow.noise_std = NoiseStdNet(width, self.cfg.max_action_dim, tuple(hidden), std_min, std_max).to(dev)
+
+    def enable_gradient_checkpointing(self) -> None:
+        """Activation checkpointing (``torch.utils.checkpoint``, non-reentrant) of every transformer layer's two
+        halves in SmolVLA's own VLM + expert layer loop (``SmolVLMWithExpertModel.forward`` calls the layers' parts
+        itself, so transformers' per-layer checkpointing never runs there): its attention
+        (``forward_attn_layer`` / ``forward_cross_attn_layer``) and each layer's MLP; plus transformers'
+        ``gradient_checkpointing_enable`` on the VLM (the SigLIP vision encoder's layers). Only while grad is on;
+        the results and gradients are the same (test), memory of a training forward drops, compute rises by about a
+        forward. A class swap (a subclass whose ``forward`` checkpoints), so weights' names, ``save_pretrained`` and
+        deep copies are unchanged."""
+        vwe = self.policy.model.vlm_with_expert
+        _checkpoint_methods(vwe, ("forward_attn_layer", "forward_cross_attn_layer"))
+        for model in (vwe.get_vlm_model().text_model, vwe.lm_expert):
+            for layer in model.layers:
+                _checkpoint_methods(layer.mlp, ("forward",))
+        if getattr(vwe.vlm, "supports_gradient_checkpointing", False):
+            vwe.vlm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
     # -- LoRA and export
     def add_lora(self, rank: int, alpha: float, vlm: bool = False, targets: str = "", seed: int = 0) -> None:
@@ -244,3 +333,28 @@ class LeRobotVLA(nn.Module):
         self.postprocessor.save_pretrained(out)
         (out / "grove_mapping.json").write_text(json.dumps(
             {"cameras": self.cameras, "n_action_steps": self.cfg.chunk, "env_action_dim": self.cfg.action_dim}, indent=1))
+
+
+_CHECKPOINTED: dict[tuple[type, tuple[str, ...]], type] = {}
+
+
+def _checkpoint_methods(module: nn.Module, names: tuple[str, ...]) -> None:
+    """Swap ``module``'s class for a cached subclass whose methods ``names`` run under ``torch.utils.checkpoint``
+    (non-reentrant) while grad is enabled."""
+    base = type(module)
+    if getattr(base, "_grove_checkpointed", False):
+        return
+    key = (base, names)
+    if key not in _CHECKPOINTED:
+        def wrap(name):
+            inner = getattr(base, name)
+
+            def method(self, *args, **kwargs):
+                if torch.is_grad_enabled():
+                    return checkpoint(inner, self, *args, use_reentrant=False, **kwargs)
+                return inner(self, *args, **kwargs)
+            method.__name__ = name
+            return method
+        _CHECKPOINTED[key] = type(f"Checkpointed{base.__name__}", (base,),
+                                  {"_grove_checkpointed": True, **{n: wrap(n) for n in names}})
+    module.__class__ = _CHECKPOINTED[key]

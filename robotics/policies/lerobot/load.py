@@ -88,8 +88,10 @@ def feature_map(config: dict, env_cfg, settings: PolicySettings) -> tuple[dict[s
     return cameras, sizes
 
 
-def load_lerobot_policy(settings: PolicySettings, env_cfg, path: str, seed: int, env_action_dim: int = 4):
-    """The LeRobot policy at ``path`` (``settings.path`` resolved by the caller) as a :class:`LeRobotVLA`."""
+def load_lerobot_policy(settings: PolicySettings, env_cfg, path: str, seed: int, env_action_dim: int = 4,
+                        noise_head: bool = False):
+    """The LeRobot policy at ``path`` (``settings.path`` resolved by the caller) as a :class:`LeRobotVLA`; with
+    ``noise_head`` the learned std of ``flow_noise`` (``settings.noise``)."""
     config = _read_config(path)
     family = config.get("type")
     if family not in FAMILIES:
@@ -120,4 +122,8 @@ def load_lerobot_policy(settings: PolicySettings, env_cfg, path: str, seed: int,
     if settings.lora.rank:
         lo = settings.lora
         vla.add_lora(lo.rank, lo.alpha, lo.vlm, lo.targets, seed)
+    if noise_head:
+        vla.add_noise_head(tuple(settings.noise.hidden), settings.noise.std_min, settings.noise.std_max, seed)
+    if settings.gradient_checkpointing:
+        vla.enable_gradient_checkpointing()
     return vla

@@ -31,6 +31,24 @@ class LoraSettings:
 
 
 @dataclass
+class NoiseHeadSettings:
+    """``robotics.policy.noise``: the learned exploration std of ``head_mode: flow_noise`` (ReinFlow / πRL's
+    flow-noise; defaults RLinf's for π0: std in [0.08, 0.16], MLP [128, 64] with tanh on the expert's tokens)."""
+
+    std_min: float = field(default=0.08, metadata={"help": "flow_noise: lower bound of the learned per-dim std"})
+    std_max: float = field(default=0.16, metadata={"help": "flow_noise: upper bound of the learned per-dim std"})
+    hidden: list[int] = field(default_factory=lambda: [128, 64], metadata={
+        "help": "flow_noise: hidden widths of the std MLP (input: the action expert's output token per chunk step)"})
+
+    def check(self, where: str = "robotics.policy.noise") -> None:
+        if not 0 < self.std_min <= self.std_max:
+            raise ConfigError(f"{where}: need 0 < std_min <= std_max, got std_min={self.std_min}, "
+                              f"std_max={self.std_max}")
+        if any(w < 1 for w in self.hidden):
+            raise ConfigError(f"{where}.hidden: widths must be >= 1, got {self.hidden}")
+
+
+@dataclass
 class PolicySettings:
     """``robotics.policy``: ``{type: tiny_vla}`` (the default: ``robotics.checkpoint``) or ``{type: lerobot, path:
     DIR_OR_HUB_ID, ...}``."""
@@ -48,11 +66,16 @@ class PolicySettings:
         "help": "lerobot: actions of each predicted chunk the env executes before the next chunk is planned; 0 = "
                 "the policy's own n_action_steps"})
     lora: LoraSettings = field(default_factory=LoraSettings, metadata={"help": "lerobot: LoRA adapters RL trains"})
+    noise: NoiseHeadSettings = field(default_factory=NoiseHeadSettings, metadata={
+        "help": "lerobot: the learned noise std of head_mode: flow_noise (ReinFlow / πRL)"})
+    gradient_checkpointing: bool = field(default=False, metadata={
+        "help": "lerobot: recompute each VLM / expert layer's activations in backward (torch.utils.checkpoint) "
+                "instead of keeping them: less memory, about one more forward of compute; same gradients"})
 
     def check(self, where: str = "robotics.policy") -> None:
         if self.type == "tiny_vla":
             if self != PolicySettings():
-                raise ConfigError(f"{where}: path, cameras, n_action_steps and lora are read by type: lerobot; the tiny "
+                raise ConfigError(f"{where}: path, cameras, n_action_steps, lora, noise and gradient_checkpointing are read by type: lerobot; the tiny "
                                   f"VLA loads robotics.checkpoint (or robotics.model)")
             return
         if not self.path:
