@@ -80,6 +80,9 @@ class RoboticsConfig(DomainConfig):
                                    metadata={"help": "subset of env.tasks for training keys; [] = all"})
     dense_reward: bool = field(default=False, metadata={
         "help": "add the 'dense' reward: best shaped Meta-World reward / 10, in [0, 1]"})
+    rewards: list[str] = field(default_factory=list, metadata={
+        "help": "more rewards of flat rollouts: names of Python functions fn(episodes) -> a value per episode, "
+                "handed over by robotics.api (VLAGRPOTrainer(reward_funcs=...)); weigh them in advantage.weights"})
     train_encoder: bool = field(default=True, metadata={
         "help": "train the image/text/proprio encoders; false = only the fusion MLP and the head"})
     gifs: bool = field(default=True, metadata={"help": "write a GIF of one evaluation episode per task"})
@@ -122,6 +125,14 @@ class RoboticsConfig(DomainConfig):
                               f"rollout.world_model.reward: classifier")
         if self.rollout.world_model.reward == "reference" and self.env.kind != "metaworld":
             raise ConfigError(f"{where}.rollout.world_model.reward: reference needs Meta-World (scripted expert demos)")
+        if self.rewards:
+            clash = [n for n in self.rewards if n in ("success", "dense", "return")]
+            if clash or len(set(self.rewards)) != len(self.rewards):
+                raise ConfigError(f"{where}.rewards {self.rewards}: names must be unique and not success, dense or "
+                                  f"return (the domain's own rewards)")
+            if self.rollout.name != "flat":
+                raise ConfigError(f"{where}.rewards score the episodes of flat groups in the simulator; with "
+                                  f"{where}.rollout.name: {self.rollout.name} set rollout.name: flat or drop them")
         if self.policy.type == "lerobot":
             self._check_lerobot(where)
 
@@ -157,7 +168,7 @@ class RoboticsConfig(DomainConfig):
         ``return`` for short imagined branches (the critic's bootstrapped value), else ``success`` (+ ``dense``)."""
         if self.rollout.name == "short_horizon":
             return ["return"]
-        return ["success"] + (["dense"] if self.dense_reward else [])
+        return ["success"] + (["dense"] if self.dense_reward else []) + list(self.rewards)
 
     @property
     def trained_tasks(self) -> list[str]:

@@ -47,6 +47,7 @@ from .envs.metaworld_env import decode_key, instruction_for
 from .envs.vector import make_vector_env
 from .episodes import SamplingSettings
 from .evaluation import eval_keys, evaluate_policy
+from .held import episode_rewards, held_policy, score_episodes
 from .parts import Part
 from .policies.lerobot.load import load_lerobot_policy
 from .policies.vla import TinyVLA
@@ -69,15 +70,21 @@ def resolve(path: str) -> Path:
     return REPO_ROOT / p
 
 
-def load_policy(cfg: RoboticsConfig, seed: int) -> TinyVLA:
+def load_policy(cfg: RoboticsConfig, seed: int, objects: dict | None = None) -> TinyVLA:
     """The checkpoint's VLA, or a fresh ``cfg.model`` sized for the env (seeded), checked against the env; with
     ``robotics.policy.type: lerobot`` the LeRobot policy at ``robotics.policy.path`` behind the same interface
-    (``policies/lerobot/``; its features checked against the env there)."""
-    if cfg.policy.type == "lerobot":
+    (``policies/lerobot/``; its features checked against the env there). A policy in ``objects`` (one the caller
+    holds: ``robotics.api``, ``held.py``) is used instead of loading one, with the same checks."""
+    held = held_policy(cfg, objects or {}, seed, ENV_ACTION_DIM)
+    if held is not None and cfg.policy.type == "lerobot":
+        return held
+    if held is not None:
+        policy = held
+    elif cfg.policy.type == "lerobot":
         path = resolve(cfg.policy.path)
         return load_lerobot_policy(cfg.policy, cfg.env, str(path) if path.exists() else cfg.policy.path, seed,
                                    ENV_ACTION_DIM, noise_head=cfg.head_mode == "flow_noise")
-    if cfg.checkpoint:
+    elif cfg.checkpoint:
         try:
             policy = TinyVLA.load_pretrained(resolve(cfg.checkpoint))
         except FileNotFoundError as e:
@@ -131,7 +138,8 @@ class RoboticsDomain(DomainBase):
         self.cfg, self.ctx = cfg, ctx
         torch.set_num_threads(max(1, cfg.threads))
         self.device = ctx.device
-        self.policy = load_policy(cfg, ctx.seed).to(self.device)
+        self.episode_rewards = episode_rewards(cfg.rewards, ctx.objects)  # robotics.rewards (from robotics.api)
+        self.policy = load_policy(cfg, ctx.seed, ctx.objects).to(self.device)
         if cfg.adapters.rank:  # seeded, and added before a resume loads the trained adapters
             add_adapters(self.policy, cfg.adapters, cfg.env.tasks, ctx.seed)
         if cfg.policy.type == "tiny_vla":  # a LeRobot policy keeps its own choice (its config's, or LoRA's)
@@ -193,6 +201,8 @@ class RoboticsDomain(DomainBase):
 
     def rollout(self, keys: list[int], group_size: int, generator: torch.Generator, iteration: int) -> Rollout:
         ro, episodes = self.rollouts.rollout(list(keys), group_size, generator, iteration)
+        if self.episode_rewards:  # robotics.rewards: the caller's functions of the episodes (flat rollouts only)
+            ro.rewards.update(score_episodes(self.episode_rewards, episodes))
         if episodes is not None:  # flat groups in the simulator: the parts that learn from episodes see them
             for part in self.parts:
                 part.on_rollout(episodes, ro.payload, iteration)
