@@ -2,13 +2,16 @@
 
 The method and pipeline registries import diffusers (seconds), so their names are written here as text and
 ``grove list`` starts in about the time torch takes to import; ``tests/core/test_docs_match.py`` checks each list
-against its registry (``visgen.methods.METHODS``, ``visgen.pipelines.ADAPTERS``, ``shared_rl.flow_kernels``).
+against its registry (``visgen.methods.METHODS``, ``visgen.objectives.OBJECTIVES``, ``visgen.tasks.TASKS``,
+``visgen.pipelines.ADAPTERS``, ``VisgenConfig.kernel``).
 The rewards are read from their registry: registering them imports no model library.
 """
 from __future__ import annotations
 
 METHODS = ("branch_grpo", "branch_grpo_mix", "dance_grpo", "egrpo", "explicit", "flow_grpo", "flow_grpo_fast",
            "mix_grpo", "ode", "tree_grpo")
+OBJECTIVES = ("awm", "dgpo", "log_prob", "nft")
+TASKS = ("file", "shapes", "video_shapes", "words")
 KERNELS = ("cps", "dance", "sde")
 PIPELINE_FAMILIES = ("flux", "flux2", "flux2_klein", "hunyuan_video15", "ltx2", "qwen_image", "sana", "sd3", "wan",
                      "z_image")
@@ -25,6 +28,8 @@ def register_rewards() -> list[str]:
 def catalog() -> dict[str, list[str]]:
     return {
         "rollout methods (visgen.method.name)": list(METHODS),
+        "training objectives (visgen.objective.name)": list(OBJECTIVES),
+        "tasks (visgen.task)": list(TASKS),
         "rewards (visgen.rewards[].name; grove rewards describes each)": register_rewards(),
         "SDE kernels (visgen.kernel)": list(KERNELS),
         "pipeline families (visgen.model: a diffusers pipeline of one of these)": list(PIPELINE_FAMILIES),
