@@ -331,7 +331,7 @@ class RoboticsDomain(DomainBase):
         """ODE (arg-max) success of the live policy on ``per_task`` states per task of ``split`` from ``first_index``."""
         return evaluate_policy(self.policy, self.cfg.env, per_task, self.venv, gif_dir, tag=tag,
                                init_noise=self.cfg.eval_init_noise, split=split, first_index=first_index,
-                               standard_errors=self.cfg.eval_standard_error)
+                               standard_errors=self.cfg.eval_standard_error, log=self.ctx.log)
 
     def save_pretrained(self, out_dir: Path) -> None:
         self.policy.save_pretrained(out_dir)

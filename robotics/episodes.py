@@ -132,6 +132,7 @@ def run_episodes(
     device: torch.device | str = "cpu",
     episode_noise_seed: int | None = None,
     noise_seeds: list[int] | None = None,
+    on_chunk=None,
 ) -> EpisodeBatch:
     """Run one episode per key (``tasks[i]`` is the task of ``keys[i]``) to the end; batched over envs.
 
@@ -143,7 +144,10 @@ def run_episodes(
 
     ``noise_seeds``: episode i draws *every* sampling noise (start, SDE steps, sde_one_step's step, discrete bins)
     from its own stream ``noise_seeds[i]`` (``chunk_noise``), none from ``generator``: the same stream and the same
-    observations give the same episode in any batch and any env (the two-stage rollout's re-execution)."""
+    observations give the same episode in any batch and any env (the two-stage rollout's re-execution).
+
+    ``on_chunk(steps)``: called after each executed chunk with the env steps run so far (of at most ``horizon``;
+    the evaluation's progress line)."""
     if noise_seeds is not None and (episode_noise_seed is not None or len(noise_seeds) != len(keys)):
         raise ValueError("run_episodes: noise_seeds needs one seed per key and excludes episode_noise_seed")
     cfg = policy.cfg
@@ -201,6 +205,8 @@ def run_episodes(
             for i in act_idx:
                 if not done[i]:
                     frames[i].append(img[i])
+        if on_chunk is not None:
+            on_chunk(min(horizon, (c + 1) * k))
     return EpisodeBatch(
         keys=list(keys), tasks=list(tasks), images=images, proprio=proprio, chain=chain, stochastic=stochastic,
         logp=logp, chunk_valid=valid, success_once=np.asarray(success_once, bool), success_end=np.asarray(success_end, bool),

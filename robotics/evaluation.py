@@ -15,6 +15,8 @@ from .envs.vector import EnvConfig, make_vector_env
 from .episodes import SamplingSettings, run_episodes, success_by_task, write_gif
 from .policies.vla import TinyVLA
 
+PROGRESS_EVERY = 10.0  # seconds between progress lines of a long evaluation (none for one shorter than this)
+
 
 def eval_keys(env_cfg: EnvConfig, per_task: int, split: str = "eval", first_index: int = 0) -> tuple[list[int], list[str]]:
     """``per_task`` reset-state keys per task of ``split``, indices ``first_index ..`` (the held-out set by default)."""
@@ -28,7 +30,7 @@ def eval_keys(env_cfg: EnvConfig, per_task: int, split: str = "eval", first_inde
 
 def evaluate_policy(policy: TinyVLA, env_cfg: EnvConfig, per_task: int, venv=None, gif_dir: Path | None = None,
                     tag: str = "", seed: int = 0, init_noise: float = 1.0, split: str = "eval",
-                    first_index: int = 0, standard_errors: bool = False) -> dict[str, float]:
+                    first_index: int = 0, standard_errors: bool = False, log=None) -> dict[str, float]:
     """Deterministic (ODE / arg-max) success on the held-out evaluation reset states (or on ``per_task`` states of
     another ``split`` from ``first_index`` on: the validation states of ``robotics.adapters.keep_best``).
 
@@ -36,18 +38,26 @@ def evaluate_policy(policy: TinyVLA, env_cfg: EnvConfig, per_task: int, venv=Non
     (``seed``, its reset-state key), so an evaluation is a deterministic function of the weights, and one task's
     score does not move when only another task's policy changes (``run_episodes(episode_noise_seed=...)``).
     ``standard_errors``: also ``eval/success_se`` and ``eval/success_se/<task>`` (``episodes.success_by_task``).
+    ``log``: where a long evaluation reports progress with an ETA (``shared_rl.metrics.Progress``: env steps of the
+    horizon run so far by the lock-stepped episodes; the ETA is an upper bound, episodes may end sooner).
     """
+    from shared_rl.metrics import Progress
+
     keys, tasks = eval_keys(env_cfg, per_task, split, first_index)
     own = venv is None
     venv = venv or make_vector_env(env_cfg)
     mode = "ode" if policy.cfg.head == "flow" else "greedy"
     was_training = policy.training
     policy.eval()
+    on_chunk = None
+    if log is not None:
+        what = f"evaluation ({len(keys)} episodes{f', {len(env_cfg.tasks)} tasks' if len(env_cfg.tasks) > 1 else ''})"
+        on_chunk = Progress(log, what, env_cfg.horizon, "env steps", every=PROGRESS_EVERY).update
     try:
         batch = run_episodes(policy, venv, keys, tasks, SamplingSettings(mode=mode, init_noise=init_noise), env_cfg.horizon,
                              torch.Generator().manual_seed(seed), record_frames=gif_dir is not None,
                              device=next(policy.parameters()).device,  # observations go where the policy is
-                             episode_noise_seed=seed)
+                             episode_noise_seed=seed, on_chunk=on_chunk)
     finally:
         policy.train(was_training)
         if own:
