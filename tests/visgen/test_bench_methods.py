@@ -118,3 +118,19 @@ def test_probe_overrides_come_last_so_step_clip_frac_survives():
     cfg = load_train_config(variant_config("guard", 0, 3, False, overrides=["logging.step_clip_frac=true",
                                                                            "optim.minibatches_per_epoch=4"]))
     assert cfg.logging.step_clip_frac and not cfg.logging.progress and cfg.optim.minibatches_per_epoch == 4
+
+
+def test_a_table_assembled_from_reused_runs_says_what_they_took_not_this_call(tmp_path):
+    """A table made with --reuse took seconds itself; its page sums the runs' recorded time and names --reuse."""
+    import bench.visgen_methods as vm
+
+    run = {"points": [{"iteration": 0, "nfe": 0, "time": 0, "score": 0.5},
+                      {"iteration": 5, "nfe": 50, "time": 600, "score": 0.6}],
+           "iterations": 5, "images": 10, "nfe": 50, "time": 600}
+    vm._save_partial(tmp_path, {"flat": [run], "tree": [{**run, "time": 1200}]})
+    res = vm.run(tmp_path / "out", variants=["tree"], flat_iters=5, flat_seeds=1, eval_every=5, best_seeds=1,
+                 reuse=[tmp_path / "partial.json"], write_doc=False, log=lambda s: None)
+    notes = (tmp_path / "out" / "results.md").read_text()
+    assert "2 runs, most reused from earlier calls: their rollout + training time sums to 30 min" in notes
+    assert "--reuse" in notes and "total 0.0 min" not in notes
+    assert vm.time_note({"flat": [run]}, 90.0, reused=False) == "total 1.5 min"
