@@ -9,7 +9,9 @@ until a real domain exists.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -149,6 +151,25 @@ class ToyDomain(DomainBase):
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         with torch.no_grad():
             self.logits.copy_(state["logits"])
+
+    def save_pretrained(self, out_dir: Path) -> None:
+        """``final/``: the logit table (``model.safetensors``, tensor ``logits`` [num_contexts, num_actions]) and
+        ``config.json`` (the ``toy`` section and each context's target action); ``load_pretrained`` reads it."""
+        from safetensors.torch import save_file
+
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        save_file({"logits": self.logits.detach().cpu().contiguous()}, str(out / "model.safetensors"))
+        (out / "config.json").write_text(json.dumps({"domain": "toy", **asdict(self.cfg),
+                                                     "targets": self.targets.tolist()}, indent=1) + "\n")
+
+    @staticmethod
+    def load_pretrained(path: str | Path) -> tuple[torch.Tensor, dict]:
+        """(the logit table, the config) of a toy run's ``final/``."""
+        from safetensors.torch import load_file
+
+        path = Path(path)
+        return load_file(str(path / "model.safetensors"))["logits"], json.loads((path / "config.json").read_text())
 
     def evaluate(self, iteration: int) -> dict[str, float]:
         greedy = self.logits.detach().argmax(-1)
