@@ -388,8 +388,8 @@ class LossConfig:
     moved_keys: typing.ClassVar[dict[str, str]] = {
         "sapo_tau_pos": "policy_loss: {name: sapo, tau_pos: .., tau_neg: ..}",
         "sapo_tau_neg": "policy_loss: {name: sapo, tau_pos: .., tau_neg: ..}",
-        "guard_center": "policy_loss: {name: guard, center: .., reweight: ..}",
-        "guard_reweight": "policy_loss: {name: guard, center: .., reweight: ..}",
+        "guard_center": "policy_loss: {name: guard, center: .., step_weight: ..}",
+        "guard_reweight": "policy_loss: {name: guard, center: .., step_weight: ..}",
         "objective_adv_max": "the nft loss's own setting (visgen.objective: {name: nft, adv_max: ..})",
         "value_coef": _CRITIC_MOVED, "value_clip": _CRITIC_MOVED, "critic_warmup": _CRITIC_MOVED,
         "replay_coef": "the domain's own replay settings (robotics.replay: {coef: .., data: ..})",
