@@ -2,8 +2,8 @@
 
 The head (``policies.value_head.ValueHead``) reads the policy's fused features of a chunk's observation and the
 chunk's time (a LeRobot policy's features are its prefix: the head reads ``Prefix.pooled``, the VLM's mean prefix
-token, πRL's ``value_after_vlm`` / ``mean_token`` choice). A flat rollout gets the values of every executed chunk in its payload (``values``, ``value_mask``,
-without grad); ``log_probs`` recomputes them with grad (``Critic.values``) for the value loss of the ``gae``
+token, πRL's ``value_after_vlm`` / ``mean_token`` choice). A flat rollout gets the values of every executed chunk
+in its payload (``values``, ``value_mask``, without grad); ``log_probs`` recomputes them with grad (``Critic.values``) for the value loss of the ``gae``
 advantage estimator, which owns every training setting of the critic (``advantage.estimator: {name: gae, gamma,
 lam, normalize, value_coef, value_clip, warmup, lr}``).
 """

@@ -75,8 +75,8 @@ class PolicySettings:
     def check(self, where: str = "robotics.policy") -> None:
         if self.type == "tiny_vla":
             if self != PolicySettings():
-                raise ConfigError(f"{where}: path, cameras, n_action_steps, lora, noise and gradient_checkpointing are read by type: lerobot; the tiny "
-                                  f"VLA loads robotics.checkpoint (or robotics.model)")
+                raise ConfigError(f"{where}: path, cameras, n_action_steps, lora, noise and gradient_checkpointing are "
+                                  f"read by type: lerobot; the tiny VLA loads robotics.checkpoint (or robotics.model)")
             return
         if not self.path:
             raise ConfigError(f"{where}.path: a LeRobot policy directory or cached hub id is needed with type: lerobot")
