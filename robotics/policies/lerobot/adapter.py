@@ -8,8 +8,9 @@ policy's action expert (``VLAFlowMatching.denoise_step``) attending to the prefi
 instruction tokens, state). LeRobot's convention is grove's (x_σ = σ·ε + (1−σ)·x0, v ≈ ε − x0), so each step goes
 through the shared kernels of :class:`~robotics.policies.flow_head.FlowActionHead` (``shared_rl.flow_kernels``):
 ``ode`` is LeRobot's ``sample_actions``, ``flow_sde`` / ``sde_one_step`` are Flow-GRPO's SDE steps with exact
-Gaussian log-probs. The features ``h`` are the prefix (:class:`Prefix`: the KV cache and pad mask, indexable by
-rows), computed once per chunk and shared by its denoising steps.
+Gaussian log-probs, ``flow_noise`` is ReinFlow / πRL's learned std (:class:`NoiseStdNet` on the expert's output
+tokens) at every step. The features ``h`` are the prefix (:class:`Prefix`: the KV cache and pad mask, and the
+pooled VLM tokens a value head reads; indexable by rows), computed once per chunk and shared by its denoising steps.
 
 Observations map onto the policy's declared input features: each image feature gets an env camera (``cameras``),
 as float [0, 1] CHW at the feature's resolution; ``observation.state`` is the env's proprio vector; ``task`` is the
