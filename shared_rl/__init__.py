@@ -3,3 +3,7 @@
 This package never imports ``visgen`` or ``robotics``; domains are resolved by name (``shared_rl.registry``).
 """
 __version__ = "0.1.0"
+
+from . import _quiet
+
+_quiet.install()  # torchao's import-time pytree notices (imported by transformers/diffusers, not by grove)
