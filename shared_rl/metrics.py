@@ -296,6 +296,7 @@ def plot_metrics(records: list[dict[str, Any]], out_png: Path, title: str = "") 
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     records = _derived(records)
     panels, left_out = _layout(records)
@@ -329,6 +330,7 @@ def plot_metrics(records: list[dict[str, Any]], out_png: Path, title: str = "") 
             ax.ticklabel_format(axis="y", useOffset=False)  # near-constant series read as values, not offsets
         ax.set_title(name, fontsize=10)
         ax.set_xlabel("iteration")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # iterations are whole numbers (no 1.5 ticks)
         ax.legend(fontsize=7)
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
@@ -340,7 +342,9 @@ def plot_metrics(records: list[dict[str, Any]], out_png: Path, title: str = "") 
         fig.text(0.01, 0.01, f"constant in this run, not drawn: {text}", fontsize=7, wrap=True)
         bottom = 0.08 + 0.35 / fig.get_figheight()
     # fixed margins: tight_layout costs about a second per call on a busy CPU, at the end of every run
-    fig.subplots_adjust(left=0.07, right=0.98, bottom=bottom, top=0.9 if title else 0.95, wspace=0.28, hspace=0.45)
+    # the top margin in inches (the title, then the panels' own titles): a fraction overlapped them in one row
+    top = 1 - (0.62 if title else 0.3) / fig.get_figheight()
+    fig.subplots_adjust(left=0.07, right=0.98, bottom=bottom, top=top, wspace=0.28, hspace=0.45)
     with atomic_path(out_png) as tmp:
         fig.savefig(tmp, dpi=90)
     plt.close(fig)

@@ -20,6 +20,12 @@ PICTURES = ("curves.png", "samples_before_after.png", "samples_before_after.gif"
             "samples.png")
 TEXTS = ("visgen_summary.txt", "samples.txt")  # summary.txt says what the evaluation table says
 GIF_DIRS = ("gifs", "eval_gifs")
+# what each picture shows, for its caption (the file name follows in the caption)
+CAPTIONS = {"curves.png": "training curves: the training reward, then one panel per kind of metric",
+            "samples_before_after.png": "held-out prompts, same seeds: the base model and the trained one",
+            "samples_before_after.gif": "held-out prompts, same seeds: the base model and the trained one",
+            "eval_samples.png": "samples of this evaluation", "samples.png": "samples"}
+METRIC_COLUMNS = 3  # the last iteration's metrics side by side, not one long column
 MAX_TEXT = 20_000  # characters of one text file shown (a long samples.txt is cut with a note)
 
 STYLE = """
@@ -33,6 +39,8 @@ th { text-align: left; background: #f4f5fa; } td.num { text-align: right; font-v
 td.up { color: #137333; } td.down { color: #b3261e; }
 img { max-width: 100%; border: 1px solid #dde; margin: 6px 0; image-rendering: auto; }
 .gifs img { max-width: 260px; margin-right: 8px; } figure { display: inline-block; margin: 0 10px 10px 0; }
+.cols { display: flex; flex-wrap: wrap; gap: 0 28px; align-items: flex-start; }
+code { font-size: 12px; color: #556; }
 figcaption { font-size: 12px; color: #556; }
 pre { background: #f7f7fa; padding: 10px; font-size: 12px; overflow-x: auto; white-space: pre-wrap; }
 """
@@ -152,12 +160,13 @@ def write_report(run_dir: Path, records: list[dict[str, Any]], title: str, facts
     if shown:
         parts.append("<h2>Curves and samples</h2>")
         for p in shown:
-            parts.append(f"<figure><img src='{html.escape(p)}' alt='{html.escape(p)}'>"
-                         f"<figcaption>{html.escape(p)}</figcaption></figure>")
-        left = constant_series(records) if "curves.png" in shown else {}
-        if left:
-            parts.append("<div class='sub'>not drawn (constant in this run): " + ", ".join(
-                f"{html.escape(k)} = {v:.3g}" for k, v in sorted(left.items())) + "</div>")
+            what = html.escape(CAPTIONS.get(p, p))
+            parts.append(f"<figure><img src='{html.escape(p)}' alt='{what}'>"
+                         f"<figcaption>{what} <code>{html.escape(p)}</code></figcaption></figure>")
+            left = constant_series(records) if p == "curves.png" else {}
+            if left:  # right under the curves it belongs to, not after the samples
+                parts.append("<div class='sub'>not drawn (constant in this run): " + ", ".join(
+                    f"{html.escape(k)} = {v:.3g}" for k, v in sorted(left.items())) + "</div>")
     for folder in GIF_DIRS:
         gifs = sorted((run_dir / folder).glob("*.gif")) if (run_dir / folder).is_dir() else []
         if gifs:
@@ -174,8 +183,11 @@ def write_report(run_dir: Path, records: list[dict[str, Any]], title: str, facts
     last = next((r for r in reversed(records) if _num(r.get("reward/mean"))), None)
     if last is not None:
         parts.append(f"<h2>Last training iteration ({last['step']})</h2>")
-        parts.append(_table([[f"<td>{html.escape(k)}</td>", f"<td class='num'>{_fmt(v)}</td>"]
-                             for k, v in sorted(last.items()) if k != "step" and _num(v)], ["metric", "value"]))
+        rows = [[f"<td>{html.escape(k)}</td>", f"<td class='num'>{_fmt(v)}</td>"]
+                for k, v in sorted(last.items()) if k != "step" and _num(v)]
+        per = -(-len(rows) // METRIC_COLUMNS) if rows else 1  # alphabetical, top to bottom, then the next column
+        parts.append("<div class='cols'>" + "".join(_table(rows[i:i + per], ["metric", "value"])
+                                                   for i in range(0, len(rows), per)) + "</div>")
     parts.append("</body></html>\n")
     out = run_dir / name
     atomic_write_text(out, "\n".join(parts))
