@@ -117,7 +117,10 @@ class FastLlamaEngine:
     """``RolloutEngine`` for Llama / Mistral / Qwen2 ``*ForCausalLM`` (optionally peft-LoRA) models."""
 
     def __init__(self, model: torch.nn.Module, pad_token_id: int, eos_token_ids: list[int] | int,
-                 max_batch_rows: int = 256, compact_below: float = 0.75):
+                 max_batch_rows: int = 256, compact_below: float = 0.75, loop: str = "static",
+                 cuda_graph: bool = False):
+        if loop not in ("static", "compact"):
+            raise ValueError(f"FastLlamaEngine loop must be 'static' or 'compact', got {loop!r}")
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"FastLlamaEngine cannot run this model: {reason}")
@@ -126,6 +129,11 @@ class FastLlamaEngine:
         self.eos_token_ids = [eos_token_ids] if isinstance(eos_token_ids, int) else list(eos_token_ids)
         self.max_batch_rows = max_batch_rows
         self.compact_below = compact_below   # compact the decode batch when active rows < this fraction of it
+        # "static": every row stays in the batch to the end (no compaction, no per-step host reads but the stop
+        # check); "compact": the earlier loop (ended rows leave the batch; kept for the side-by-side bench)
+        self.loop = loop
+        self.cuda_graph = bool(cuda_graph)   # static loop on CUDA: replay each decode step as a captured graph
+        self._graphs: dict[tuple, "_GraphStep"] = {}
         base = _base_model(model)
         cfg = base.config
         self.config = cfg
@@ -179,6 +187,7 @@ class FastLlamaEngine:
         self.lm_head_bias = None if getattr(base.lm_head, "bias", None) is None else base.lm_head.bias.detach().clone()
         self._fingerprint = self._current_fingerprint()
         self.syncs += 1
+        self._graphs = {}   # captured graphs hold the old weight tensors
 
     def _rope(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin tables ``[length, head_dim]`` from the model's own rotary module (exact for these rope types)."""
@@ -273,8 +282,9 @@ class FastLlamaEngine:
             # the reference's chunking, so each chunk's sampling noise has the reference's shape
             for start in range(0, len(rows), self.max_batch_rows):
                 stop = start + self.max_batch_rows
-                self._generate_chunk(rows[start:stop], index[start:stop], max_new_tokens, temperature, gen,
-                                     stop_entropy, min_new_tokens_before_stop, out)
+                chunk = self._generate_chunk_static if self.loop == "static" else self._generate_chunk
+                chunk(rows[start:stop], index[start:stop], max_new_tokens, temperature, gen, stop_entropy,
+                      min_new_tokens_before_stop, out)
         return out
 
     def _start(self, unique_prompts: list[list[int]], row_to_unique: torch.Tensor, new_tokens: int):
@@ -381,3 +391,151 @@ class FastLlamaEngine:
             out.sample_logprobs.append(logp_list[i][:lengths_list[i]])
         out.finished += finished.tolist()
         out.stopped += stopped.tolist()
+
+    # ---- the static decode loop (issue 42) -------------------------------------------------------------------
+    def _decode_full(self, tok: torch.Tensor, pos: torch.Tensor, col: torch.Tensor, state: "_DecodeState"
+                     ) -> torch.Tensor:
+        """One decode step with static shapes, for CUDA-graph capture: ``col`` is a one-element device tensor; the
+        new column is opened in the key bias (``-inf`` until then), written with ``index_copy_`` and attention runs
+        over the cache's full width (zeros beyond ``col``, masked; exactly the sliced step's values: the extra
+        keys add exact zeros after the real ones)."""
+        state.key_bias.index_fill_(1, col, 0.0)
+        cos, sin = state.cos.index_select(0, pos)[:, None], state.sin.index_select(0, pos)[:, None]
+        b = tok.shape[0]
+        h, kvh, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        x = F.embedding(tok, self.embed)
+        for li, layer in enumerate(self.layers):
+            hidden = F.rms_norm(x, (x.shape[-1],), layer.input_norm, self.eps)
+            qkv = F.linear(hidden, layer.qkv, layer.qkv_bias).view(b, h + 2 * kvh, hd)
+            qk = qkv[:, :h + kvh]
+            qk = qk * cos + torch.roll(qk, hd // 2, -1) * sin
+            state.keys[li].index_copy_(1, col, qk[:, None, h:])
+            state.values[li].index_copy_(1, col, qkv[:, None, h + kvh:])
+            att = F.scaled_dot_product_attention(qk[:, :h, None], state.keys[li].transpose(1, 2),
+                                                 state.values[li].transpose(1, 2),
+                                                 attn_mask=state.key_bias.transpose(1, 3), scale=hd ** -0.5,
+                                                 enable_gqa=h != kvh)
+            x = x + F.linear(att.reshape(b, h * hd), layer.o, layer.o_bias)
+            hidden = F.rms_norm(x, (x.shape[-1],), layer.post_norm, self.eps)
+            gate, up = F.linear(hidden, layer.gate_up).chunk(2, -1)
+            x = x + F.linear(F.silu(gate) * up, layer.down)
+        return self._logits(x)
+
+    def _static_stepper(self, state: "_DecodeState", b: int):
+        """``step(tok, t) -> logits`` for the static loop: the sliced eager step, or (``cuda_graph`` on a CUDA
+        device) a captured graph of :meth:`_decode_full` replayed with the token, positions and column copied into
+        its static inputs."""
+        if not (self.cuda_graph and self.device.type == "cuda"):
+            return lambda tok, t: self._step(tok, state, t)
+        key = (b, state.keys.shape[2], state.width)
+        graph = self._graphs.get(key)
+        if graph is None:
+            graph = self._graphs[key] = _GraphStep(self, state)
+        return graph.bind(state)
+
+    def _generate_chunk_static(self, rows, row_prompt, max_new_tokens, temperature, gen, stop_entropy, min_tokens,
+                               out: Generation):
+        """The decode loop without per-token host work that scales with the batch: every row stays in the batch
+        (ended rows decode padding that nothing reads; a row's sampling noise does not depend on the other rows'
+        values, so the tokens equal the compacting loop's), the bookkeeping is whole-batch tensor writes, the
+        forward count is kept on the device, and the one host read per step is the all-ended check (stopping
+        exactly there keeps the generator's stream the reference's for the next chunk)."""
+        device = self.device
+        b = len(rows)
+        starts = [i for i in range(b) if i == 0 or row_prompt[i] != row_prompt[i - 1]]
+        counts = torch.tensor([e - s for s, e in zip(starts, starts[1:] + [b])], device=device)
+        row_to_unique = torch.repeat_interleave(torch.arange(len(starts), device=device), counts)
+        logits, state = self._start([rows[i] for i in starts], row_to_unique, max_new_tokens)
+        step = self._static_stepper(state, b)
+        eos = torch.tensor(self.eos_token_ids, device=device)
+        done = torch.zeros(b, dtype=torch.bool, device=device)
+        finished, stopped = torch.zeros_like(done), torch.zeros_like(done)
+        tokens = torch.full((b, max_new_tokens), self.pad_token_id, dtype=torch.long, device=device)
+        logps = torch.zeros((b, max_new_tokens), dtype=torch.float32, device=device)
+        lengths = torch.zeros(b, dtype=torch.long, device=device)
+        forwards = torch.zeros((), dtype=torch.long, device=device)
+        for t in range(max_new_tokens):
+            logp_all = torch.log_softmax(logits / temperature if temperature > 0 else logits, -1)
+            if stop_entropy is not None and t >= min_tokens:
+                entropy = -(logp_all.exp() * logp_all).sum(-1)
+                branch_here = (~done) & (entropy > stop_entropy)
+                stopped |= branch_here
+                done |= branch_here
+            if temperature > 0:
+                sample = torch.multinomial(logp_all.exp(), 1, generator=gen).squeeze(1)
+            else:
+                sample = logits.argmax(-1)
+            active = ~done
+            tok = torch.where(active, sample, self.pad_token_id)
+            tokens[:, t] = tok
+            logps[:, t] = logp_all.gather(1, sample[:, None]).squeeze(1)
+            lengths += active
+            is_eos = active & torch.isin(tok, eos)
+            finished |= is_eos
+            done |= is_eos
+            if t == max_new_tokens - 1 or bool(done.all()):
+                break
+            forwards += active.sum()
+            logits = step(tok, t)
+        out.nfe += b + int(forwards)
+        lengths_list = lengths.tolist()
+        tok_list, logp_list = tokens.tolist(), logps.tolist()
+        for i in range(b):
+            out.completion_ids.append(tok_list[i][:lengths_list[i]])
+            out.sample_logprobs.append(logp_list[i][:lengths_list[i]])
+        out.finished += finished.tolist()
+        out.stopped += stopped.tolist()
+
+
+class _GraphStep:
+    """A CUDA graph of ``FastLlamaEngine._decode_full`` for one (rows, cache width, prompt width) shape. The graph
+    reads and writes fixed buffers: the token / position / column inputs and a KV cache, key bias and rotary tables
+    of its own, which ``bind`` fills from a fresh decode state (the prefill's cache) before a chunk's first step.
+    Needs a CUDA device (``cuda_graph=True``); not exercised on CPU-only machines."""
+
+    def __init__(self, engine: FastLlamaEngine, state: "_DecodeState") -> None:
+        self.engine = engine
+        b = state.next_pos.numel()
+        self.tok = torch.zeros(b, dtype=torch.long, device=engine.device)
+        self.pos = torch.zeros_like(self.tok)
+        self.col = torch.zeros(1, dtype=torch.long, device=engine.device)
+        self.state = _DecodeState(keys=state.keys.clone(), values=state.values.clone(),
+                                  key_bias=state.key_bias.clone(), cos=state.cos, sin=state.sin, width=state.width,
+                                  next_pos=self.pos)
+        self.col.fill_(state.width)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):   # warm-up outside the graph (allocator, kernels' lazy init)
+            for _ in range(2):
+                engine._decode_full(self.tok, self.pos, self.col, self.state)
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits = engine._decode_full(self.tok, self.pos, self.col, self.state)
+
+    def bind(self, state: "_DecodeState"):
+        """Load ``state`` (a chunk's prefilled cache) into the graph's buffers; returns ``step(tok, t)``."""
+        own = self.state
+        load_full_width(own, state)
+        self.pos.copy_(state.next_pos)
+
+        def step(tok: torch.Tensor, t: int) -> torch.Tensor:
+            self.tok.copy_(tok)
+            self.col.fill_(own.width + t)
+            self.graph.replay()
+            self.pos.add_(1)
+            return self.logits.clone()
+
+        return step
+
+
+def load_full_width(own: "_DecodeState", state: "_DecodeState") -> None:
+    """Copy a freshly prefilled ``state`` into ``own`` (same shapes) laid out for :meth:`FastLlamaEngine._decode_full`:
+    the completion columns' keys and values zero and their key bias ``-inf`` until a step opens them."""
+    w = state.width
+    own.keys[:, :, :w] = state.keys[:, :, :w]
+    own.values[:, :, :w] = state.values[:, :, :w]
+    own.keys[:, :, w:] = 0
+    own.values[:, :, w:] = 0
+    own.key_bias.copy_(state.key_bias)
+    own.key_bias[:, w:] = float("-inf")

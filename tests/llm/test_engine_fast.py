@@ -201,3 +201,53 @@ def test_unsupported_models_are_named():
     with pytest.raises(ValueError, match="cannot run"):
         FastLlamaEngine(gpt2, PAD, EOS)
     assert unsupported_reason(tiny()) is None
+
+
+# ---- issue 42: the static decode loop (no compaction, no per-step host reads but the stop check) -----------------
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_static_loop_samples_the_compact_loops_tokens(kind, temperature):
+    """Same token ids, finished/stopped flags, log-probs and forward count as the earlier compacting loop, greedy
+    and sampled with a fixed generator, over several chunks (the generator's stream must carry over exactly), with
+    rows ending early on EOS (so the compacting loop compacts) and entropy stops."""
+    torch.set_num_threads(1)
+    model = tiny(kind)
+    eos = [EOS, 54, 62] + list(range(20, 36))   # many EOS ids: rows end at different steps (greedy too)
+    prompts = prompts_of([3, 7, 5, 1, 4, 6], seed=2)
+    for stop_entropy in (None, 4.4):
+        outs = []
+        for loop in ("compact", "static"):
+            eng = FastLlamaEngine(model, PAD, eos, max_batch_rows=10, loop=loop)
+            outs.append(eng.generate(prompts, 4, 12, temperature, torch.Generator().manual_seed(3),
+                                     stop_entropy=stop_entropy))
+        old, new = outs
+        assert new.completion_ids == old.completion_ids
+        assert new.finished == old.finished and new.stopped == old.stopped and new.nfe == old.nfe
+        if stop_entropy is None:
+            assert any(old.finished) and not all(old.finished)   # the compacting loop did compact
+        for a, b in zip(old.sample_logprobs, new.sample_logprobs):
+            assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_full_width_step_equals_the_sliced_step(kind):
+    """The CUDA-graph step (static shapes: the column as a tensor, attention over the whole cache, unopened columns
+    masked) computes the sliced eager step's logits; run eagerly here (no GPU needed to check its arithmetic)."""
+    from shared_rl.llm.fast_llama import _DecodeState, load_full_width
+
+    torch.set_num_threads(1)
+    eng = FastLlamaEngine(tiny(kind), PAD, EOS)
+    prompts = prompts_of([3, 7, 5, 1], seed=4)
+    toks = torch.randint(3, 100, (4, 5), generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():
+        logits, state = eng._start(prompts, torch.arange(4), 5)
+        full = _DecodeState(keys=torch.full_like(state.keys, float("nan")), values=torch.full_like(state.values,
+                            float("nan")), key_bias=state.key_bias.clone(), cos=state.cos, sin=state.sin,
+                            width=state.width, next_pos=state.next_pos.clone())
+        load_full_width(full, state)
+        pos = state.next_pos.clone()
+        for t in range(5):
+            want = eng._step(toks[:, t], state, t)
+            got = eng._decode_full(toks[:, t], pos, torch.tensor([state.width + t]), full)
+            pos = pos + 1
+            assert torch.allclose(got, want, atol=1e-5, rtol=0), float((got - want).abs().max())
