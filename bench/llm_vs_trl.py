@@ -274,6 +274,10 @@ def run(out_dir: Path, quick: bool = False) -> dict:
         import shutil
 
         shutil.copyfile(out_dir / "llm_bench.png", DOC.with_suffix(".png"))
+    # the decode loop's host overhead, compacting vs static loop (issue 42): its own section of the page
+    from bench import llm_decode
+
+    llm_decode.run(Path(out_dir) / "decode", quick)
     return result
 
 
