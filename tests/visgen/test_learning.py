@@ -23,6 +23,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+@pytest.mark.slow  # ~2 min alone on 2 cores, ~5 under load: a learning check (the golden runs pin the arithmetic)
 def test_flow_grpo_raises_jpeg_compressibility_on_the_asset():
     train, _ = shapes.split_prompts(0, 0.2)
     pairs = [i for i, spec in enumerate(train) if spec.kind == "pair"][:3]
