@@ -64,7 +64,7 @@ class ToyDomain(DomainBase):
     config_class = ToyConfig
 
     def __init__(self, cfg: ToyConfig, ctx: RunContext) -> None:
-        self.cfg = cfg
+        self.cfg, self.ctx = cfg, ctx
         if ctx.device.type != "cpu":  # said once, so that device= is never silently ignored
             ctx.log(f"toy: the bandit's logit table stays on the CPU (device={ctx.device} applies to the other domains)")
         g = torch.Generator().manual_seed(ctx.seed)
@@ -157,9 +157,16 @@ class ToyDomain(DomainBase):
         ``config.json`` (the ``toy`` section and each context's target action); ``load_pretrained`` reads it."""
         from safetensors.torch import save_file
 
+        from .distributed import full_tensors
+
+        # FSDP2 calls this on every process with the table sharded (a DTensor): gather it (collective, every
+        # rank), then write on the first one only
+        logits = full_tensors({"logits": self.logits.detach()})["logits"]
+        if self.ctx.process_index != 0:
+            return
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        save_file({"logits": self.logits.detach().cpu().contiguous()}, str(out / "model.safetensors"))
+        save_file({"logits": logits.cpu().contiguous()}, str(out / "model.safetensors"))
         (out / "config.json").write_text(json.dumps({"domain": "toy", **asdict(self.cfg),
                                                      "targets": self.targets.tolist()}, indent=1) + "\n")
 
