@@ -5,9 +5,9 @@ CPU proxy of "host microseconds per generated token": a tiny random Llama (hidde
 arithmetic is small, so a decode step's time on one CPU thread is mostly host work (Python, op dispatch, small
 allocations). Two shapes: 1 row (pure host cost per step) and 8 prompts x 8 samples (the recipe's batch), 64 new
 tokens at temperature 1 with a fixed generator. Per loop: process CPU seconds per generate (median of interleaved
-rounds; the side that runs first alternates), split into the model's decode forwards (``_step``) and the rest of
-the loop (sampling and bookkeeping: the per-token work the static loop cuts), per step and per generated token.
-The two loops' token ids are checked equal on the way.
+rounds; the side that runs first alternates), split into the model's decode forwards (``_step``), the prefill
+(``_start``) and the rest of the loop (sampling and bookkeeping: the per-token work the static loop cuts), per
+step and per generated token. The two loops' token ids are checked equal on the way.
 """
 from __future__ import annotations
 
@@ -34,23 +34,26 @@ def _engine(loop: str):
 
 
 def _timed(engine, prompts, n, new_tokens):
-    """(cpu seconds total, cpu seconds in decode forwards, generation)."""
-    spent = [0.0]
-    step = engine._step
+    """(cpu seconds total, in decode forwards, in the prefill, generation)."""
+    spent = {"_step": 0.0, "_start": 0.0}
 
-    def timed_step(*args):
-        t = time.process_time()
-        out = step(*args)
-        spent[0] += time.process_time() - t
-        return out
+    def timed(name):
+        inner = getattr(engine, name)
 
-    engine._step = timed_step
+        def call(*args):
+            t = time.process_time()
+            out = inner(*args)
+            spent[name] += time.process_time() - t
+            return out
+        return call
+
+    engine._step, engine._start = timed("_step"), timed("_start")
     try:
         t = time.process_time()
         gen = engine.generate(prompts, n, new_tokens, 1.0, torch.Generator().manual_seed(1))
-        return time.process_time() - t, spent[0], gen
+        return time.process_time() - t, spent["_step"], spent["_start"], gen
     finally:
-        del engine._step
+        del engine._step, engine._start
 
 
 def run(out_dir: Path, quick: bool = False, log=print, write_doc: bool | None = None) -> dict:
@@ -68,36 +71,37 @@ def run(out_dir: Path, quick: bool = False, log=print, write_doc: bool | None = 
     for label, P, n in (("1 row", 1, 1), ("8 prompts x 8", 8, 8)):
         for e in engines.values():
             _timed(e, prompts[:P], n, new_tokens)  # warm-up
-        res: dict[str, list[tuple[float, float, int, int]]] = {k: [] for k in engines}
+        res: dict[str, list[tuple[float, float, float, int, int]]] = {k: [] for k in engines}
         for r in range(rounds):
             gens = {}
             for loop in (("compact", "static") if r % 2 == 0 else ("static", "compact")):
-                total, fwd, gen = _timed(engines[loop], prompts[:P], n, new_tokens)
+                total, fwd, prefill, gen = _timed(engines[loop], prompts[:P], n, new_tokens)
                 tokens = sum(len(c) for c in gen.completion_ids)
                 steps = max(len(c) for c in gen.completion_ids)
-                res[loop].append((total, fwd, tokens, steps))
+                res[loop].append((total, fwd, prefill, tokens, steps))
                 gens[loop] = gen.completion_ids
             identical &= gens["compact"] == gens["static"]
         per = {}
         for loop, xs in res.items():
-            total = statistics.median(x[0] for x in xs)
-            fwd = statistics.median(x[1] for x in xs)
-            tokens, steps = xs[0][2], xs[0][3]
-            per[loop] = (total, fwd, tokens, steps)
+            total, fwd, prefill = (statistics.median(x[i] for x in xs) for i in range(3))
+            tokens, steps = xs[0][3], xs[0][4]
+            loop_work = total - fwd - prefill
+            per[loop] = (total, loop_work, tokens)
             rows.append({"variant": f"{label}: {loop} loop", "rows": P * n, "steps": steps, "tokens": tokens,
                          "host_us_per_step": 1e6 * total / steps, "host_us_per_token": 1e6 * total / tokens,
-                         "forward_us_per_step": 1e6 * fwd / steps,
-                         "loop_us_per_step": 1e6 * (total - fwd) / steps,
-                         "loop_us_per_token": 1e6 * (total - fwd) / tokens})
-        (ct, cf, ctok, _), (st, sf, stok, _) = per["compact"], per["static"]
+                         "forward_us_per_step": 1e6 * fwd / steps, "prefill_us_per_step": 1e6 * prefill / steps,
+                         "loop_us_per_step": 1e6 * loop_work / steps,
+                         "loop_us_per_token": 1e6 * loop_work / tokens})
+        (ct, cl, ctok), (st, sl, stok) = per["compact"], per["static"]
         rows[-1]["ratio_total_compact_over_static"] = (ct / ctok) / (st / stok)
-        rows[-1]["ratio_loop_compact_over_static"] = ((ct - cf) / ctok) / ((st - sf) / stok)
+        rows[-1]["ratio_loop_compact_over_static"] = (cl / ctok) / (sl / stok)
         log(f"llm-decode {label}: total {1e6 * ct / ctok:.1f} -> {1e6 * st / stok:.1f} us/token, loop "
-            f"{1e6 * (ct - cf) / ctok:.1f} -> {1e6 * (st - sf) / stok:.1f} us/token")
+            f"{1e6 * cl / ctok:.1f} -> {1e6 * sl / stok:.1f} us/token")
     notes = (f"\nTiny random Llama (hidden 64, 4 layers, vocab 256), {new_tokens} new tokens at temperature 1, "
              f"fixed generator, one CPU thread; {rounds} interleaved rounds, medians of process CPU time. host = the "
-             f"whole generate call; forward = the decode steps' model forwards (`_step`); loop = the rest "
-             f"(sampling, bookkeeping, prefill). Token ids of the two loops identical: **{identical}**. "
+             f"whole generate call; forward = the decode steps' model forwards (`_step`); prefill = the "
+             f"prompts' forward and the cache layout (`_start`); loop = the rest (sampling and bookkeeping). "
+             f"Token ids of the two loops identical: **{identical}**. "
              f"Total {time.perf_counter() - t0:.0f} s. Command: `python -m bench.llm_decode --out DIR"
              f"{' --quick' if quick else ''}` (also run by `grove bench llm`).\n")
     result = write_results(Path(out_dir), "llm-decode", rows, notes, {"identical": identical})

@@ -448,43 +448,66 @@ class FastLlamaEngine:
         logits, state = self._start([rows[i] for i in starts], row_to_unique, max_new_tokens)
         step = self._static_stepper(state, b)
         eos = torch.tensor(self.eos_token_ids, device=device)
+        one_eos = len(self.eos_token_ids) == 1
+        scaled = temperature > 0 and temperature != 1.0   # x / 1.0 == x: skip the op, same bits
         done = torch.zeros(b, dtype=torch.bool, device=device)
-        finished, stopped = torch.zeros_like(done), torch.zeros_like(done)
-        tokens = torch.full((b, max_new_tokens), self.pad_token_id, dtype=torch.long, device=device)
-        logps = torch.zeros((b, max_new_tokens), dtype=torch.float32, device=device)
-        lengths = torch.zeros(b, dtype=torch.long, device=device)
-        forwards = torch.zeros((), dtype=torch.long, device=device)
+        stopped = torch.zeros_like(done)
+        # per step only what the next step needs; tokens, log-probs, lengths, EOS flags and the forward count are
+        # assembled once after the loop from the per-step tensors (each a fresh tensor, never written in place)
+        step_tokens, step_logps, step_done = [], [], []
         for t in range(max_new_tokens):
-            logp_all = torch.log_softmax(logits / temperature if temperature > 0 else logits, -1)
+            logp_all = torch.log_softmax(logits / temperature if scaled else logits, -1)
             if stop_entropy is not None and t >= min_tokens:
                 entropy = -(logp_all.exp() * logp_all).sum(-1)
                 branch_here = (~done) & (entropy > stop_entropy)
-                stopped |= branch_here
-                done |= branch_here
+                stopped = stopped | branch_here
+                done = done | branch_here
             if temperature > 0:
-                sample = torch.multinomial(logp_all.exp(), 1, generator=gen).squeeze(1)
+                sample = _draw_one(logp_all.exp(), gen)                               # [b, 1]
             else:
-                sample = logits.argmax(-1)
-            active = ~done
-            tok = torch.where(active, sample, self.pad_token_id)
-            tokens[:, t] = tok
-            logps[:, t] = logp_all.gather(1, sample[:, None]).squeeze(1)
-            lengths += active
-            is_eos = active & torch.isin(tok, eos)
-            finished |= is_eos
-            done |= is_eos
+                sample = logits.argmax(-1, keepdim=True)
+            tok = sample.view(b).masked_fill(done, self.pad_token_id)
+            step_tokens.append(tok)
+            step_logps.append(logp_all.gather(1, sample))
+            step_done.append(done)
+            # ended rows hold the pad token: were pad an EOS id, they are done already, so this changes nothing
+            done = done | (tok == self.eos_token_ids[0] if one_eos else torch.isin(tok, eos))
             if t == max_new_tokens - 1 or bool(done.all()):
                 break
-            forwards += active.sum()
             logits = step(tok, t)
-        out.nfe += b + int(forwards)
+        if not step_tokens:   # max_new_tokens == 0
+            out.nfe += b
+            out.completion_ids += [[] for _ in range(b)]
+            out.sample_logprobs += [[] for _ in range(b)]
+            out.finished += [False] * b
+            out.stopped += [False] * b
+            return
+        sampled_logps = torch.cat(step_logps, 1)
+        if not bool(torch.isfinite(sampled_logps).all()):   # what torch.multinomial's per-call check caught
+            raise ValueError("probability tensor contains either `inf`, `nan` or element < 0 (the policy's "
+                             "logits are not finite)")
+        tokens = torch.stack(step_tokens, 1)                 # [b, steps]
+        active = ~torch.stack(step_done, 1)                  # a row is active over a prefix of the steps
+        lengths = active.sum(1)
+        finished = (active & torch.isin(tokens, eos)).any(1)
+        # the loop always leaves through its break: every step but the last ran one forward per active row
+        out.nfe += b + int(active[:, :-1].sum())
         lengths_list = lengths.tolist()
-        tok_list, logp_list = tokens.tolist(), logps.tolist()
+        tok_list, logp_list = tokens.tolist(), sampled_logps.tolist()
         for i in range(b):
             out.completion_ids.append(tok_list[i][:lengths_list[i]])
             out.sample_logprobs.append(logp_list[i][:lengths_list[i]])
         out.finished += finished.tolist()
         out.stopped += stopped.tolist()
+
+
+def _draw_one(probs: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """``torch.multinomial(probs, 1, generator=gen)`` by its own one-sample path (the exponential race: argmax of
+    ``p / q`` with ``q ~ Exp(1)`` drawn from ``gen``), without the validity check it runs on every call (four
+    reductions and a host read per decode step): the same tokens and the same generator stream afterwards (test).
+    Non-finite logits show as non-finite sampled log-probs, which the loop checks once per chunk."""
+    q = torch.empty_like(probs).exponential_(1, generator=gen)
+    return torch.div(probs, q, out=q).argmax(-1, keepdim=True)
 
 
 class _GraphStep:

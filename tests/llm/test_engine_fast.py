@@ -251,3 +251,27 @@ def test_full_width_step_equals_the_sliced_step(kind):
             got = eng._decode_full(toks[:, t], pos, torch.tensor([state.width + t]), full)
             pos = pos + 1
             assert torch.allclose(got, want, atol=1e-5, rtol=0), float((got - want).abs().max())
+
+
+def test_draw_one_is_torch_multinomials_one_sample_path():
+    """The static loop's draw: torch.multinomial(p, 1)'s tokens and the generator's stream after it, bit for bit,
+    on peaked and flat rows (the draw reads the stream exactly as multinomial does, so the next chunk's noise is
+    the reference's too)."""
+    from shared_rl.llm.fast_llama import _draw_one
+
+    for seed in range(20):
+        g = torch.Generator().manual_seed(seed)
+        probs = torch.log_softmax(torch.randn(16, 100, generator=g) * (0.1 + seed), -1).exp()
+        ga, gb = torch.Generator().manual_seed(100 + seed), torch.Generator().manual_seed(100 + seed)
+        assert torch.equal(_draw_one(probs, ga), torch.multinomial(probs, 1, generator=gb))
+        assert torch.equal(torch.rand(4, generator=ga), torch.rand(4, generator=gb))
+
+
+def test_static_loop_rejects_non_finite_logits():
+    """A policy whose logits went non-finite is an error, as torch.multinomial's own check made it."""
+    model = tiny()
+    with torch.no_grad():
+        model.lm_head.weight[5] = float("nan")
+    eng = FastLlamaEngine(model, PAD, EOS)
+    with pytest.raises(ValueError, match="not finite"):
+        eng.generate(prompts_of([3, 4]), 2, 6, 1.0, torch.Generator().manual_seed(0))
