@@ -1,7 +1,13 @@
 # make demo  — set up .venv from the project's own files, then run the main job (shapes GRPO on the tiny SD3)
 # make test  — set up .venv, then run the whole test suite
 # make bench — set up .venv, then run every benchmark in --quick mode
-PYTHON ?= python3
+# grove needs Python >= 3.12 (LeRobot 0.6's π0 / π0.5 import path uses PEP 695 syntax): the first of python3.12,
+# a pyenv 3.12, python3, python3.13, a pyenv 3.13 that runs and is >= 3.12; override with make PYTHON=...
+ifeq ($(origin PYTHON), undefined)
+PYTHON := $(shell for p in python3.12 $$HOME/.pyenv/versions/3.12*/bin/python3 python3 python3.13 \
+	$$HOME/.pyenv/versions/3.13*/bin/python3; do $$p -c 'import sys; assert sys.version_info >= (3, 12)' \
+	2>/dev/null && { command -v $$p || echo $$p; } && break; done)
+endif
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.grove-installed
@@ -13,6 +19,10 @@ export TOKENIZERS_PARALLELISM ?= false
 .PHONY: setup demo test bench clean
 
 $(STAMP): pyproject.toml constraints.txt
+	@test -n "$(PYTHON)" || { echo "grove: error: no Python >= 3.12 found (tried python3.12, python3, python3.13, \
+	~/.pyenv/versions/3.1[23]*); install one or run make PYTHON=/path/to/python3.12" >&2; exit 2; }
+	@if test -x $(PY) && ! $(PY) -c 'import sys; assert sys.version_info >= (3, 12)' 2>/dev/null; then \
+		echo "grove: $(VENV) is an older Python; rebuilding it with $(PYTHON)"; rm -rf $(VENV); fi
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade "pip>=24"
 	$(PY) -m pip install -q -c constraints.txt -e ".[dev,robotics,ocr]"

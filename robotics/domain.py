@@ -146,7 +146,7 @@ class RoboticsDomain(DomainBase):
             for name, p in self.policy.named_parameters():
                 p.requires_grad_(trainable(name, cfg))
         # the KL reference is the starting policy; made here, before a resume loads trained weights
-        self._ref = copy.deepcopy(self.policy).eval().requires_grad_(False)
+        self._ref = self.policy.kl_reference()
         m = self.policy.cfg
         self.sampling = SamplingSettings(mode=cfg.head_mode, noise_level=cfg.noise_level, temperature=cfg.temperature,
                                          logp_reduce=cfg.logp_reduce, init_noise=cfg.init_noise)

@@ -13,6 +13,8 @@ The model is saved as ``model.safetensors`` + ``config.json`` (``save_pretrained
 """
 from __future__ import annotations
 
+import copy
+
 import json
 import math
 import re
@@ -175,6 +177,10 @@ class TinyVLA(nn.Module):
         if images.dtype == torch.uint8:
             images = images.permute(0, 3, 1, 2).float() / 255.0 - 0.5
         return F.gelu(self.image_proj(self.cnn(images).flatten(1)))
+
+    def kl_reference(self) -> "TinyVLA":
+        """The starting policy a KL term compares with: a frozen deep copy (the tiny VLA is a few MB)."""
+        return copy.deepcopy(self).eval().requires_grad_(False)
 
     def encode(self, images: torch.Tensor, proprio: torch.Tensor, text_ids: list[list[int]]) -> torch.Tensor:
         """images uint8 ``[B, H, W, C]`` (or float [B, C, H, W] already in [-0.5, 0.5]); returns ``[B, hidden]``."""

@@ -21,6 +21,7 @@ sees exactly the sampled one.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import json
@@ -31,27 +32,23 @@ from pathlib import Path
 import torch
 from torch import nn
 from torch.nn import functional as F
-from torch.utils.checkpoint import checkpoint
 
 from shared_rl.flow_kernels import DEFAULT_NOISE_LEVEL
 
 from ..flow_head import FlowActionHead, FlowSample
+from .families import LANG_MASK, LANG_TOKENS, family_of
 
 IMAGE_PREFIX = "observation.images."
 EMPTY_CAMERA = "observation.images.empty_camera_"  # SmolVLA / π0 pad missing cameras with these themselves
 OBS_STATE = "observation.state"
 ACTION = "action"
-LANG_TOKENS = "observation.language.tokens"
-LANG_MASK = "observation.language.attention_mask"
-# the VLM's attention projections, for ``robotics.policy.lora.vlm`` (the expert's are LeRobot's default targets)
-VLM_ATTENTION = {"smolvla": r"model\.vlm_with_expert\.vlm\.model\.text_model\.layers\.\d+\.self_attn\.(q|v)_proj"}
 
 
 @dataclass
 class LeRobotView:
     """What grove's episode runner and domain read from ``policy.cfg`` (the tiny VLA's ``VLAConfig`` fields)."""
 
-    family: str  # LeRobot policy type: smolvla
+    family: str  # LeRobot policy type: smolvla | pi0 | pi05
     chunk: int  # actions the env executes per planned chunk (K)
     action_dim: int  # the env's action dims
     num_denoise_steps: int
@@ -68,14 +65,17 @@ class LeRobotView:
 
 @dataclass
 class Prefix:
-    """The features of a batch of observations: the VLM prefix's KV cache (per layer, batch first) and pad mask,
-    and ``pooled`` [B, hidden], the mean of the VLM's final prefix hidden states over the non-pad tokens (πRL's
-    ``value_vlm_mode: mean_token``: what the value head reads). Indexing selects rows (a row of the rollout's
-    chunk, shared by its denoising steps)."""
+    """The features of a batch of observations: the VLM prefix's KV cache (per layer a (keys, values) pair, batch
+    first) and pad mask, ``pooled`` [B, hidden], the mean of the VLM's final prefix hidden states over the non-pad
+    tokens (πRL's ``value_vlm_mode: mean_token``: what the value head reads), and ``state`` [B, max_state_dim], the
+    padded normalised state for a family whose action expert reads it (π0's suffix; None for SmolVLA and π0.5, which
+    put the state in the prefix). Indexing selects rows (a row of the rollout's chunk, shared by its denoising
+    steps)."""
 
-    kv: dict
+    kv: tuple
     pad_masks: torch.Tensor
     pooled: torch.Tensor | None = None
+    state: torch.Tensor | None = None
 
     @property
     def shape(self) -> torch.Size:
@@ -89,8 +89,21 @@ class Prefix:
         return self.pad_masks.shape[0]
 
     def __getitem__(self, rows) -> "Prefix":
-        kv = {layer: {name: t[rows] for name, t in entry.items()} for layer, entry in self.kv.items()}
-        return Prefix(kv, self.pad_masks[rows], None if self.pooled is None else self.pooled[rows])
+        kv = tuple((k[rows], v[rows]) for k, v in self.kv)
+        return Prefix(kv, self.pad_masks[rows], None if self.pooled is None else self.pooled[rows],
+                      None if self.state is None else self.state[rows])
+
+    @staticmethod
+    def cache_tensors(cache) -> tuple:
+        """The (keys, values) of every layer of a transformers ``DynamicCache``."""
+        return tuple((layer.keys, layer.values) for layer in cache.layers)
+
+    def cache(self):
+        """A fresh ``DynamicCache`` over the prefix tensors: LeRobot's denoising steps append the suffix's keys to the
+        cache they get (and crop or clone it), so each step gets its own and the stored tensors never change."""
+        from .compat import legacy_crop_cache
+
+        return legacy_crop_cache()(self.kv)  # SmolVLA crops it back with crop(prefix_len) (compat.py, item 4)
 
 
 class InstructionText:
@@ -191,13 +204,16 @@ class LeRobotVLA(nn.Module):
         self.preprocessor, self.postprocessor = preprocessor, postprocessor
         self.cameras, self.image_sizes = dict(cameras), dict(image_sizes)  # feature -> env camera index, (H, W)
         c = policy.config
+        self.family = family_of(policy.name)
+        self.family.make_batch_invariant(policy)
         self.cfg = LeRobotView(family=policy.name, chunk=n_action_steps, action_dim=env_action_dim,
-                               num_denoise_steps=c.num_steps, chunk_size=c.chunk_size, max_action_dim=c.max_action_dim,
-                               hidden=policy.model.vlm_with_expert.config.text_config.hidden_size)
+                               num_denoise_steps=self.family.num_steps(c), chunk_size=c.chunk_size,
+                               max_action_dim=c.max_action_dim, hidden=self.family.vlm_hidden(policy))
         self.action_feature_dim = c.output_features[ACTION].shape[0]
         self.text = InstructionText()
         self.flow = LeRobotFlow(self.cfg, self._velocity, self._to_env)
         self._peft = None  # the peft wrapper when LoRA is on (not a submodule: it wraps self.policy)
+        self.tiny = None  # a tiny π0 / π0.5's sizes (tiny_pi.TinyPi), written next to an export
 
     # -- observations -> LeRobot batch -> prefix features
     def observation(self, images: torch.Tensor, proprio: torch.Tensor, texts: list[str]) -> dict:
@@ -229,21 +245,9 @@ class LeRobotVLA(nn.Module):
         return out
 
     def prefix(self, batch: dict) -> Prefix:
-        """The prefix KV cache of a preprocessed batch: what ``VLAFlowMatching.sample_actions`` computes before its
-        denoising loop (LeRobot's own calls: prepare_images / prepare_state / embed_prefix / the VLM forward)."""
-        from lerobot.policies.smolvla.modeling_smolvla import make_att_2d_masks
-
-        pol, m = self.policy, self.policy.model
-        images, img_masks = pol.prepare_images(batch)
-        state = pol.prepare_state(batch)
-        embs, pad_masks, att_masks = m.embed_prefix(images, img_masks, batch[LANG_TOKENS], batch[LANG_MASK], state=state)
-        att_2d = make_att_2d_masks(pad_masks, att_masks)
-        positions = torch.cumsum(pad_masks, dim=1) - 1
-        (out, _), kv = m.vlm_with_expert.forward(attention_mask=att_2d, position_ids=positions, past_key_values=None,
-                                                 inputs_embeds=[embs, None], use_cache=True, fill_kv_cache=True)
-        keep = pad_masks[..., None].to(out.dtype)
-        pooled = (out * keep).sum(1).float() / keep.sum(1).clamp(min=1).float()
-        return Prefix(kv, pad_masks, pooled)
+        """The prefix KV cache of a preprocessed batch: what the policy's ``sample_actions`` computes before its
+        denoising loop, with LeRobot's own calls (``families.py``)."""
+        return self.family.prefix(self.policy, batch)
 
     def encode(self, images: torch.Tensor, proprio: torch.Tensor, text_ids: list[list[int]]) -> Prefix:
         """Features of observations (the tiny VLA's ``encode``): the prefix of the mapped, preprocessed batch."""
@@ -259,8 +263,7 @@ class LeRobotVLA(nn.Module):
         hook = (self.policy.model.action_out_proj.register_forward_pre_hook(lambda _m, args: seen.append(args[0]))
                 if tokens else None)
         try:
-            v = self.policy.model.denoise_step(prefix_pad_masks=h.pad_masks, past_key_values=h.kv, x_t=xt,
-                                               timestep=sigma.float())
+            v = self.family.velocity(self.policy, h, xt, sigma.float())
         finally:
             if hook is not None:
                 hook.remove()
@@ -282,26 +285,17 @@ class LeRobotVLA(nn.Module):
         """The learned std of ``flow_noise`` (:class:`NoiseStdNet`, ``flow.noise_std``): RL-only, trained with the
         policy, not part of the exported LeRobot policy (its ODE actions do not read it)."""
         torch.manual_seed(seed)
-        width = self.policy.model.vlm_with_expert.expert_hidden_size
+        width = self.policy.model.action_out_proj.in_features  # the expert's width: what the velocity head reads
         dev = self.flow.sigmas.device
         self.flow.noise_std = NoiseStdNet(width, self.cfg.max_action_dim, tuple(hidden), std_min, std_max).to(dev)
 
     def enable_gradient_checkpointing(self) -> None:
-        """Activation checkpointing (``torch.utils.checkpoint``, non-reentrant) of every transformer layer's two
-        halves in SmolVLA's own VLM + expert layer loop (``SmolVLMWithExpertModel.forward`` calls the layers' parts
-        itself, so transformers' per-layer checkpointing never runs there): its attention
-        (``forward_attn_layer`` / ``forward_cross_attn_layer``) and each layer's MLP; plus transformers'
-        ``gradient_checkpointing_enable`` on the VLM (the SigLIP vision encoder's layers). Only while grad is on;
-        the results and gradients are the same (test), memory of a training forward drops, compute rises by about a
-        forward. A class swap (a subclass whose ``forward`` checkpoints), so weights' names, ``save_pretrained`` and
-        deep copies are unchanged."""
-        vwe = self.policy.model.vlm_with_expert
-        _checkpoint_methods(vwe, ("forward_attn_layer", "forward_cross_attn_layer"))
-        for model in (vwe.get_vlm_model().text_model, vwe.lm_expert):
-            for layer in model.layers:
-                _checkpoint_methods(layer.mlp, ("forward",))
-        if getattr(vwe.vlm, "supports_gradient_checkpointing", False):
-            vwe.vlm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        """Activation checkpointing (``torch.utils.checkpoint``, non-reentrant, only while grad is on) of the
+        family's transformer layers (``families.py``: SmolVLA's attention and MLP halves in its own layer loop;
+        π0 / π0.5's Gemma attention and MLP and SigLIP layers). The results and gradients are the same (test),
+        memory of a training forward drops, compute rises by about a forward. A class swap (a subclass whose
+        methods checkpoint), so weights' names, ``save_pretrained`` and deep copies are unchanged."""
+        self.family.enable_gradient_checkpointing(self.policy)
 
     # -- LoRA and export
     def add_lora(self, rank: int, alpha: float, vlm: bool = False, targets: str = "", seed: int = 0) -> None:
@@ -312,11 +306,20 @@ class LeRobotVLA(nn.Module):
 
         pattern = targets or self.policy._get_default_peft_targets()["target_modules"]
         if vlm:
-            pattern = f"({pattern}|{VLM_ATTENTION[self.cfg.family]})"
+            pattern = f"({pattern}|{self.family.vlm_attention})"
         torch.manual_seed(seed)  # LoRA's A matrices
         # kept outside the module tree (it wraps self.policy, whose weights are already registered)
         object.__setattr__(self, "_peft", get_peft_model(self.policy, LoraConfig(r=rank, lora_alpha=alpha,
                                                                                 target_modules=pattern)))
+        self.family.make_batch_invariant(self.policy)  # LoRA's own layers on a batch-sensitive input
+
+    def kl_reference(self):
+        """The starting policy a KL term compares with. With LoRA: this policy with its adapters disabled
+        (:class:`AdapterOffReference`; the base weights are frozen, so that *is* the starting policy) and no copy of
+        the weights — a real π0 is ~3.3B parameters. Without LoRA (every trained weight moves): a frozen deep copy."""
+        if self._peft is None:
+            return copy.deepcopy(self).eval().requires_grad_(False)
+        return AdapterOffReference(self)
 
     def lerobot_policy(self):
         """The LeRobot policy as LeRobot saves it: LoRA merged into a copy (the trained one keeps its adapters)."""
@@ -334,28 +337,50 @@ class LeRobotVLA(nn.Module):
         self.postprocessor.save_pretrained(out)
         (out / "grove_mapping.json").write_text(json.dumps(
             {"cameras": self.cameras, "n_action_steps": self.cfg.chunk, "env_action_dim": self.cfg.action_dim}, indent=1))
+        if self.tiny is not None:  # a tiny π keeps its sizes: LeRobot rebuilds π from variant names
+            from .tiny_pi import TINY_FILE
+
+            (out / TINY_FILE).write_text(json.dumps(dataclasses.asdict(self.tiny), indent=1))
 
 
-_CHECKPOINTED: dict[tuple[type, tuple[str, ...]], type] = {}
+class AdapterOffReference:
+    """A LoRA policy's KL reference without a second copy of its weights: ``encode`` and ``flow.step_log_prob`` run the
+    same modules inside peft's ``disable_adapter()`` (and ``no_grad``). ``flow_noise``'s std net has no adapter, so its
+    starting weights are the one small part copied (frozen)."""
+
+    def __init__(self, vla: LeRobotVLA):
+        self._vla = vla
+        std = vla.flow.noise_std
+        self._std = copy.deepcopy(std).requires_grad_(False) if std is not None else None
+        self.cfg = vla.cfg
+        self.flow = _AdapterOffFlow(self)
+
+    @contextlib.contextmanager
+    def active(self):
+        """The policy as it started: adapters off, the starting std net, no grad."""
+        vla = self._vla
+        std, vla.flow.noise_std = vla.flow.noise_std, self._std
+        try:
+            with vla._peft.disable_adapter(), torch.no_grad():
+                yield vla
+        finally:
+            vla.flow.noise_std = std
+
+    def encode(self, images: torch.Tensor, proprio: torch.Tensor, text_ids: list[list[int]]) -> Prefix:
+        with self.active() as vla:
+            return vla.encode(images, proprio, text_ids)
+
+    def eval(self) -> "AdapterOffReference":
+        return self
+
+    def requires_grad_(self, requires_grad: bool = False) -> "AdapterOffReference":
+        return self
 
 
-def _checkpoint_methods(module: nn.Module, names: tuple[str, ...]) -> None:
-    """Swap ``module``'s class for a cached subclass whose methods ``names`` run under ``torch.utils.checkpoint``
-    (non-reentrant) while grad is enabled."""
-    base = type(module)
-    if getattr(base, "_grove_checkpointed", False):
-        return
-    key = (base, names)
-    if key not in _CHECKPOINTED:
-        def wrap(name):
-            inner = getattr(base, name)
+class _AdapterOffFlow:
+    def __init__(self, ref: AdapterOffReference):
+        self._ref = ref
 
-            def method(self, *args, **kwargs):
-                if torch.is_grad_enabled():
-                    return checkpoint(inner, self, *args, use_reentrant=False, **kwargs)
-                return inner(self, *args, **kwargs)
-            method.__name__ = name
-            return method
-        _CHECKPOINTED[key] = type(f"Checkpointed{base.__name__}", (base,),
-                                  {"_grove_checkpointed": True, **{n: wrap(n) for n in names}})
-    module.__class__ = _CHECKPOINTED[key]
+    def step_log_prob(self, *args, **kwargs):
+        with self._ref.active() as vla:
+            return vla.flow.step_log_prob(*args, **kwargs)

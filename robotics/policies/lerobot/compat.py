@@ -1,6 +1,7 @@
-"""Importing LeRobot's policy modules under grove's pinned stack (torch 2.14, transformers 5, lerobot 0.4.4 --no-deps).
+"""Importing LeRobot's policy modules under grove's pinned stack (Python 3.12, torch 2.14, transformers 5.24, lerobot
+0.6.1 --no-deps).
 
-Two things stand between ``import lerobot.policies.smolvla.modeling_smolvla`` and a working module here:
+Three things stand between ``import lerobot.policies.{smolvla,pi0,pi05}`` and a working policy here:
 
 1. LeRobot's pure-Python needs (draccus, einops, pyserial, deepdiff < 9, num2words) that ``pip install --no-deps
    lerobot`` leaves out: the project's robotics extra and ``constraints.txt`` install them.
@@ -13,14 +14,38 @@ Two things stand between ``import lerobot.policies.smolvla.modeling_smolvla`` an
    .groot.configuration_groot import GrootConfig`` then loads that one file, and ``groot/__init__.py`` (the import of
    ``modeling_groot`` / ``groot_n1``) never runs. Nothing of LeRobot is copied or edited; only GR00T's model class
    stays unimportable, as it is under transformers 5 anyway.
+3. **π-Gemma's causal mask** (π0 / π0.5). LeRobot 0.6's ``lerobot/policies/pi_gemma.py`` (``PiGemmaModel.forward``,
+   the Gemma decoder of π0's VLM and action expert) calls ``create_causal_mask(config=..., inputs_embeds=...,
+   attention_mask=..., cache_position=..., past_key_values=..., position_ids=...)``, the signature of transformers
+   5.4-5.8, which LeRobot's ``pi`` extra pins (< 5.6). transformers ~5.9 dropped ``cache_position`` from
+   ``masking_utils.create_causal_mask`` and renamed ``past_key_values`` to ``cache``, so on the transformers grove
+   pins (5.24, which diffusers 0.42's LTX-2 and Gemma-4 pipelines need) π0's *training* forward runs (it passes a
+   4-d mask and no cache) and its *inference* (the prefix KV-cache pass) fails: ``TypeError: create_causal_mask()
+   got an unexpected keyword argument 'cache_position'``. :func:`patch_pi_gemma` rebinds the name
+   ``create_causal_mask`` inside ``lerobot.policies.pi_gemma`` only (no file edited, nothing else in transformers
+   touched) to a wrapper that drops ``cache_position`` and passes the cache as ``cache`` when the installed
+   function takes those — the fix starVLA applied in its copy of this Gemma. With a transformers that still takes
+   ``cache_position`` the name is left alone. The mask is the same either way (``cache_position`` was the
+   positions of the new tokens, which 5.9+ derives from the cache's length).
+
+4. **SmolVLA's cache crop.** LeRobot 0.6's SmolVLA ``denoise_step`` restores the prefix cache after each step with
+   ``past_key_values.crop(prefix_len)``: the *absolute length* meaning ``Cache.crop`` had before transformers ~5.20.
+   Transformers 5.24's ``crop`` takes the number of tokens to remove, as a negative number, and raises
+   ``ValueError: Calling `crop` with a positive value`` otherwise, so SmolVLA's ``predict_action_chunk`` stops at its
+   first denoising step. :func:`patch_smolvla_cache` rebinds the name ``DynamicCache`` inside
+   ``lerobot.policies.smolvla.smolvlm_with_expert`` (where SmolVLA makes its cache) to :class:`LegacyCropCache`, a
+   ``DynamicCache`` whose ``crop(n)`` with n > 0 keeps the first n tokens, as before; grove's own prefix caches
+   are the same class.
 
 Every grove module that touches ``lerobot.policies`` calls :func:`import_policies` first. A user script that imports
 LeRobot's policies itself calls it too (``from robotics.policies.lerobot import import_policies``).
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
+import inspect
 import sys
 import types
 from pathlib import Path
@@ -43,7 +68,7 @@ def _skip_groot_package() -> None:
     spec = importlib.util.find_spec("lerobot")
     if spec is None or spec.origin is None:
         raise ConfigError("robotics.policy.type: lerobot needs LeRobot: pip install --no-deps -c constraints.txt "
-                          "lerobot==0.4.4 (make does this)")
+                          "lerobot (make does this; LeRobot 0.6 needs Python >= 3.12)")
     package = types.ModuleType(GROOT)
     package.__path__ = [str(Path(spec.origin).parent / "policies" / "groot")]
     package.__package__ = GROOT
@@ -51,13 +76,115 @@ def _skip_groot_package() -> None:
 
 
 def import_policies() -> types.ModuleType:
-    """``lerobot.policies``, importable under transformers 5 (GR00T's package init skipped)."""
+    """``lerobot.policies``, importable under transformers 5 (GR00T's package init skipped), with π-Gemma's causal
+    mask call made to fit the installed transformers (:func:`patch_pi_gemma`)."""
     _skip_groot_package()
     try:
-        return importlib.import_module("lerobot.policies")
+        policies = importlib.import_module("lerobot.policies")
     except ModuleNotFoundError as e:
         raise ConfigError(f"robotics.policy.type: lerobot: LeRobot's policy modules need {e.name!r}; install the "
                           f"robotics extra: pip install -c constraints.txt -e '.[robotics]'") from None
+    except SyntaxError as e:  # PEP 695 syntax in LeRobot >= 0.5 on an older interpreter
+        raise ConfigError(f"robotics.policy.type: lerobot: LeRobot's modules need Python >= 3.12 ({e.filename}: "
+                          f"{e.msg}); make builds .venv with Python 3.12") from None
+    patch_pi_gemma()
+    patch_smolvla_cache()
+    return policies
+
+
+def _legacy_crop_cache() -> type:
+    from transformers.cache_utils import DynamicCache
+
+    class LegacyCropCache(DynamicCache):
+        """``DynamicCache`` whose ``crop(n)`` with n > 0 keeps the first n tokens of every layer (the meaning LeRobot
+        0.6's SmolVLA relies on); n <= 0 is transformers' own (remove -n tokens)."""
+
+        def crop(self, tokens_to_remove: int) -> None:
+            if tokens_to_remove > 0:
+                for layer in self.layers:
+                    excess = layer.get_seq_length() - tokens_to_remove if layer.is_initialized else 0
+                    if excess > 0:
+                        layer.crop(-excess)
+                return
+            super().crop(tokens_to_remove)
+
+    return LegacyCropCache
+
+
+_LEGACY_CACHE: list[type] = []
+
+
+def legacy_crop_cache() -> type:
+    """The :class:`LegacyCropCache` class (made once, on first use: it subclasses transformers' ``DynamicCache``)."""
+    if not _LEGACY_CACHE:
+        _LEGACY_CACHE.append(_legacy_crop_cache())
+    return _LEGACY_CACHE[0]
+
+
+def _crop_keeps_length(cache_class) -> bool:
+    """Whether ``cache_class().crop(n)`` with n > 0 keeps n tokens (transformers before ~5.20) rather than raising."""
+    import torch
+
+    cache = cache_class(((torch.zeros(1, 1, 3, 1), torch.zeros(1, 1, 3, 1)),))
+    try:
+        cache.crop(2)
+    except ValueError:
+        return False
+    return cache.get_seq_length() == 2
+
+
+def patch_smolvla_cache() -> bool:
+    """SmolVLA makes its prefix cache as a :class:`LegacyCropCache` (module docstring, item 4) when the installed
+    ``DynamicCache.crop`` refuses positive lengths. Returns whether the rebinding is (now) in place."""
+    try:
+        module = importlib.import_module("lerobot.policies.smolvla.smolvlm_with_expert")
+    except ModuleNotFoundError:
+        return False
+    current = getattr(module, "DynamicCache", None)
+    if current is None:
+        return False
+    if current is legacy_crop_cache():
+        return True
+    if _crop_keeps_length(current):
+        return False
+    module.DynamicCache = legacy_crop_cache()
+    return True
+
+
+def _drops_cache_position(create_causal_mask) -> bool:
+    """Whether this ``create_causal_mask`` is transformers >= ~5.9's (no ``cache_position``, the cache as ``cache``)."""
+    params = inspect.signature(create_causal_mask).parameters
+    return "cache_position" not in params and "cache" in params
+
+
+def _mask_without_cache_position(create_causal_mask):
+    """``create_causal_mask`` taking π-Gemma's 5.4-5.8 keywords: ``cache_position`` dropped, ``past_key_values``
+    passed as ``cache`` (see the module docstring, item 3)."""
+    @functools.wraps(create_causal_mask)
+    def mask(*args, cache_position=None, past_key_values=None, **kwargs):
+        kwargs.setdefault("cache", past_key_values)
+        return create_causal_mask(*args, **kwargs)
+    mask.grove_compat = True
+    return mask
+
+
+def patch_pi_gemma() -> bool:
+    """Make ``lerobot.policies.pi_gemma`` call the installed transformers' ``create_causal_mask`` with the keywords
+    it takes (module docstring, item 3). Returns whether the wrapper is (now) in place; idempotent; a LeRobot
+    without ``pi_gemma`` (0.4.x) or a transformers that still takes ``cache_position`` is left as it is."""
+    try:
+        pi_gemma = importlib.import_module("lerobot.policies.pi_gemma")
+    except ModuleNotFoundError:
+        return False
+    current = getattr(pi_gemma, "create_causal_mask", None)
+    if current is None:
+        return False
+    if getattr(current, "grove_compat", False):
+        return True
+    if not _drops_cache_position(current):
+        return False
+    pi_gemma.create_causal_mask = _mask_without_cache_position(current)
+    return True
 
 
 def policy_class(family: str) -> type:

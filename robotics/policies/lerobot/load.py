@@ -30,14 +30,6 @@ def _read_config(path: str) -> dict:
                           f"local cache (download it once with `hf download {path}`)") from None
 
 
-def _transformers_has_openpi_fork() -> bool:
-    try:
-        from transformers.models.siglip import check  # noqa: F401  (shipped only by LeRobot's openpi fork)
-    except ImportError:
-        return False
-    return True
-
-
 def _camera_by_name(key: str, cameras: list[str]) -> str | None:
     """``observation.images.<camera>`` is that env camera; LeRobot's single-camera ``observation.image`` (grove's
     own LeRobot export) is the env's camera when it has one."""
@@ -97,10 +89,6 @@ def load_lerobot_policy(settings: PolicySettings, env_cfg, path: str, seed: int,
     if family not in FAMILIES:
         raise ConfigError(f"robotics.policy.path: {path} holds a LeRobot {family!r} policy; grove drives "
                           f"{', '.join(FAMILIES)}")
-    if family in ("pi0", "pi05") and not _transformers_has_openpi_fork():
-        raise ConfigError(f"robotics.policy: LeRobot 0.4.4's {family} needs transformers from LeRobot's openpi fork "
-                          f"(Gemma with adaRMS; PI0Pytorch checks transformers.models.siglip.check); grove pins "
-                          f"stock transformers, so only smolvla runs here (docs/methods/lerobot_policies.md)")
     if config.get("adapt_to_pi_aloha"):
         raise ConfigError("robotics.policy: adapt_to_pi_aloha converts Aloha joint spaces; a Meta-World policy has it off")
     cameras, sizes = feature_map(config, env_cfg, settings)
@@ -116,9 +104,13 @@ def load_lerobot_policy(settings: PolicySettings, env_cfg, path: str, seed: int,
 
     from .adapter import LeRobotVLA
 
-    policy = policy_class(family).from_pretrained(path, local_files_only=True)
+    from .tiny_pi import read_tiny, sizes_context
+
+    with sizes_context(path):  # a tiny π0 / π0.5 (tests, the CPU recipe) builds at its own sizes
+        policy = policy_class(family).from_pretrained(path, local_files_only=True)
     pre, post = make_pre_post_processors(policy.config, pretrained_path=path)
     vla = LeRobotVLA(policy, pre, post, cameras, sizes, k, env_action_dim)
+    vla.tiny = read_tiny(path) if Path(path).is_dir() else None
     if settings.lora.rank:
         lo = settings.lora
         vla.add_lora(lo.rank, lo.alpha, lo.vlm, lo.targets, seed)
