@@ -155,7 +155,7 @@ class PiFamily:
             for layer in model.layers:
                 checkpoint_methods(layer.self_attn, ("forward",), cache_layer=_gemma_cache_layer)
                 checkpoint_methods(layer.mlp, ("forward",))
-        for layer in pwe.paligemma.model.vision_tower.vision_model.encoder.layers:
+        for layer in pwe.paligemma.model.vision_tower.encoder.layers:
             checkpoint_methods(layer, ("forward",))
 
 

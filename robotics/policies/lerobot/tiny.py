@@ -80,12 +80,14 @@ def write_tiny_vlm(out: Path, t: TinySmolVLA) -> Path:
 
 
 def demo_stats(episodes) -> dict[str, dict[str, torch.Tensor]]:
-    """LeRobot's normalisation statistics (mean / std / min / max) of the demos' state and action."""
+    """LeRobot's normalisation statistics of the demos' state and action: mean / std / min / max, and the 1st / 99th
+    (and 10th / 90th) percentiles π0.5's QUANTILES normalisation reads."""
     stats = {}
     for key, rows in (("observation.state", [e.proprio for e in episodes]), ("action", [e.actions for e in episodes])):
         x = np.concatenate(rows).astype(np.float32)
+        q = {f"q{p:02d}": torch.from_numpy(np.percentile(x, p, axis=0).astype(np.float32)) for p in (1, 10, 90, 99)}
         stats[key] = {"mean": torch.from_numpy(x.mean(0)), "std": torch.from_numpy(x.std(0) + 1e-6),
-                      "min": torch.from_numpy(x.min(0)), "max": torch.from_numpy(x.max(0))}
+                      "min": torch.from_numpy(x.min(0)), "max": torch.from_numpy(x.max(0)), **q}
     return stats
 
 

@@ -107,7 +107,13 @@ def read_tiny(path: str | Path) -> TinyPi | None:
     f = Path(path) / TINY_FILE
     if not f.is_file():
         return None
-    return TinyPi(**json.loads(f.read_text()))
+    try:
+        return TinyPi(**json.loads(f.read_text()))
+    except (ValueError, TypeError, UnicodeDecodeError) as e:
+        from shared_rl.errors import ConfigError
+
+        raise ConfigError(f"robotics.policy.path: {f} is not a tiny π size file grove wrote ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0][:120]})") from None
 
 
 def sizes_context(path: str | Path):
