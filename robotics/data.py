@@ -7,8 +7,8 @@ task name and instruction. A dataset file stores all episodes concatenated with 
 LeRobot v3.0 (``meta/info.json``, ``meta/tasks.parquet``, ``meta/episodes/…``, ``data/chunk-000/file-000.parquet``,
 images embedded as PNG): ``export_lerobot`` writes through the real ``lerobot`` package
 (``LeRobotDataset.create`` / ``add_frame`` / ``save_episode`` / ``finalize``), which is optional —
-``pip install --no-deps lerobot==0.4.4 av`` (no lerobot release installs next to torch >= 2.12 with its
-dependencies; its dataset module works without them). ``import_lerobot`` reads the v3.0 files with pyarrow
+``pip install --no-deps -c constraints.txt lerobot av`` (LeRobot 0.6.1, Python >= 3.12; its own pins ask for
+torch < 2.12, its dataset module works without them; ``make`` installs it). ``import_lerobot`` reads the v3.0 files with pyarrow
 only, so importing works without lerobot. The reset-state key of each episode (which Meta-World reset produced it:
 what BC and RL use to keep demonstrations, training and evaluation states apart) has no LeRobot feature that
 survives its scalar encoding, so it travels in ``meta/grove.json`` (``{"reset_keys": [...]}``, one per episode),
@@ -174,7 +174,7 @@ def lerobot_dataset_class():
         from lerobot.datasets.lerobot_dataset import LeRobotDataset
     except ImportError as e:
         raise ConfigError(f"LeRobot export needs the lerobot dataset module ({e}); install it with `pip install "
-                          f"--no-deps lerobot==0.4.4 av` (its full dependency set conflicts with torch >= 2.12)") from None
+                          f"--no-deps -c constraints.txt lerobot av` (LeRobot 0.6, Python >= 3.12; make does this)") from None
     return LeRobotDataset
 
 

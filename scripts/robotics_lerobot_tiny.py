@@ -1,12 +1,17 @@
-"""The CPU recipe's first half: a tiny SmolVLA-architecture LeRobot policy, behaviour-cloned on grove's Meta-World
-demos, written as a LeRobot policy directory that configs/robotics/lerobot_smolvla_tiny_grpo.yaml post-trains.
+"""The CPU recipes' first half: a tiny SmolVLA- or π0 / π0.5-architecture LeRobot policy, behaviour-cloned on grove's
+Meta-World demos, written as a LeRobot policy directory that a tiny GRPO recipe post-trains.
 
     python scripts/robotics_lerobot_tiny.py                      # -> runs/lerobot/smolvla-tiny (~6 min on 2 cores)
     grove train configs/robotics/lerobot_smolvla_tiny_grpo.yaml  # GRPO with LoRA, held-out success before/after
+    python scripts/robotics_lerobot_tiny.py --family pi05        # -> runs/lerobot/pi05-tiny
+    grove train configs/robotics/pi05_tiny_grpo.yaml
 
-The policy is LeRobot's ``SmolVLAPolicy`` on a 2-layer SmolVLM built from config (no hub download; its config and
-tokenizer are in ``OUT/vlm``), its pre/postprocessors carry the demos' normalisation statistics, and the BC loss is
-LeRobot's own (``policy.forward``). ``OUT/bc.json`` records the losses and the held-out success per task.
+The policy is LeRobot's own class (``SmolVLAPolicy`` on a 2-layer SmolVLM built from config, its config and tokenizer
+in ``OUT/vlm``; or ``PI0Policy`` / ``PI05Policy`` at the sizes of ``tiny_pi.TinyPi``, a word-level tokenizer in
+``OUT/tokenizer``): no hub download. Its pre/postprocessors carry the demos' normalisation statistics, and the BC
+loss is LeRobot's own (``policy.forward``). A tiny π keeps its two 257,152-token embedding tables frozen in BC
+(``--train-embeddings`` trains them): the word-level prompts use ~300 rows, and Adam over 33M mostly-zero gradients
+would be most of a CPU step. ``OUT/bc.json`` records the losses and the held-out success per task.
 """
 from __future__ import annotations
 
@@ -25,13 +30,16 @@ from robotics.policies.lerobot.bc import behaviour_clone
 from robotics.policies.lerobot.load import load_lerobot_policy
 from robotics.policies.lerobot.settings import PolicySettings
 from robotics.policies.lerobot.tiny import TinySmolVLA, build_tiny_smolvla, demo_stats
+from robotics.policies.lerobot.tiny_pi import TinyPi, build_tiny_pi
 
 TASKS = ["door-open-v3", "button-press-topdown-v3"]
 
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default="runs/lerobot/smolvla-tiny")
+    p.add_argument("--family", choices=["smolvla", "pi0", "pi05"], default="smolvla")
+    p.add_argument("--out", default=None, help="policy directory (default runs/lerobot/<family>-tiny)")
+    p.add_argument("--train-embeddings", action="store_true", help="π: also train the token embedding tables")
     p.add_argument("--demos", default="runs/robotics-demos/lerobot_tiny_demos.npz",
                    help="grove episodes .npz; collected (20 noisy expert demos per task) when missing")
     p.add_argument("--tasks", nargs="+", default=TASKS)
@@ -51,15 +59,22 @@ def main(argv=None) -> dict:
     else:
         episodes = collect_demos(env, a.demos_per_task, 0.3, a.seed)
         save_episodes(episodes, demos)
-    out = Path(a.out)
-    build_tiny_smolvla(out, env, TinySmolVLA(), stats=demo_stats(episodes), seed=a.seed)
+    out = Path(a.out or f"runs/lerobot/{a.family}-tiny")
+    if a.family == "smolvla":
+        build_tiny_smolvla(out, env, TinySmolVLA(), stats=demo_stats(episodes), seed=a.seed)
+    else:
+        build_tiny_pi(out, env, TinyPi(family=a.family), stats=demo_stats(episodes), seed=a.seed)
     vla = load_lerobot_policy(PolicySettings(type="lerobot", path=str(out)), env, str(out), a.seed)
+    if a.family != "smolvla" and not a.train_embeddings:
+        for name, param in vla.named_parameters():
+            if "embed_tokens" in name or "lm_head" in name:
+                param.requires_grad_(False)
     t0 = time.time()
     losses = behaviour_clone(vla, episodes, a.steps, a.batch, a.lr, a.seed)
     bc_s = time.time() - t0
     vla.save_pretrained(out)
     result = evaluate_policy(vla, env, a.eval_states)
-    record = {"demos": len(episodes), "steps": a.steps, "batch": a.batch, "lr": a.lr, "bc_seconds": round(bc_s, 1),
+    record = {"family": a.family, "demos": len(episodes), "steps": a.steps, "batch": a.batch, "lr": a.lr, "bc_seconds": round(bc_s, 1),
               "loss_first_100": sum(losses[:100]) / min(100, len(losses)),
               "loss_last_100": sum(losses[-100:]) / min(100, len(losses)), **result}
     (out / "bc.json").write_text(json.dumps(record, indent=1))

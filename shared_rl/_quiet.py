@@ -9,7 +9,8 @@ through the ``torch.utils._pytree`` logger ("<enum 'KernelPreference'> is an Enu
 supported by torch.compile ..."). The import cannot be avoided from grove without faking transformers'
 availability check; these filters drop exactly those notices (any other pytree warning still shows), and
 diffusers' "Unable to import `torchao` Tensor objects" (its torchao shim probing for tensor classes the installed
-torchao moved; grove loads no torchao-serialised checkpoint).
+torchao moved; grove loads no torchao-serialised checkpoint), and transformers' rename notice for the cache keyword
+LeRobot's π-Gemma still uses.
 """
 from __future__ import annotations
 
@@ -18,6 +19,9 @@ import logging
 _NOTICES = {  # logger -> the message fragment dropped
     "torch.utils._pytree": "is an Enum subclass and is now natively supported by torch.compile",
     "diffusers.quantizers.torchao.torchao_quantizer": "Unable to import `torchao` Tensor objects",
+    # LeRobot 0.6's pi_gemma (π0 / π0.5) passes the cache by its transformers-5.8 name; 5.24 renames it and says so
+    # once per process (robotics/policies/lerobot/compat.py keeps the matching FutureWarning quiet)
+    "transformers.utils.generic": "`past_key_values`/`cache_params` are deprecated",
 }
 
 

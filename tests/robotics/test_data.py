@@ -48,7 +48,7 @@ def test_npz_roundtrip(tmp_path):
 def test_lerobot_v30_roundtrip_with_the_real_package(tmp_path):
     lerobot_dataset = pytest.importorskip(
         "lerobot.datasets.lerobot_dataset",
-        reason="lerobot not installed (pip install --no-deps lerobot==0.4.4 av; its full deps conflict with torch>=2.12)",
+        reason="lerobot not installed (pip install --no-deps -c constraints.txt lerobot av; make does this)",
     )
     eps = _episodes(2)
     root = export_lerobot(eps, tmp_path / "lr", repo_id="grove/test")

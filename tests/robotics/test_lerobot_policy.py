@@ -9,7 +9,6 @@ os.environ.setdefault("MUJOCO_GL", "egl")
 
 import json
 import math
-import sys
 
 import pytest
 import torch
@@ -57,14 +56,22 @@ def _lerobot_chunk(vla, images, proprio, noise):
     return actions[:, : vla.cfg.chunk, :4].reshape(len(images), -1)
 
 
-def test_lerobot_policies_import_under_transformers_5():
-    """LeRobot's policy package imports with GR00T's package init skipped (groot_n1's dataclass breaks under
-    transformers 5); SmolVLA's modules load, GR00T's model module does not."""
-    policies = import_policies()
-    from lerobot.policies.smolvla.modeling_smolvla import SmolVLAPolicy  # noqa: F401
+def test_lerobot_policies_import_with_the_compat_layer():
+    """LeRobot 0.6's policy package imports as it is; after ``import_policies`` SmolVLA makes its caches with the
+    legacy absolute-length crop it relies on (compat.py item 4), and without it transformers 5.24 refuses that crop."""
+    import_policies()
+    from lerobot.policies.smolvla import smolvlm_with_expert
+    from transformers.cache_utils import DynamicCache
 
-    assert policies.SmolVLAConfig.__name__ == "SmolVLAConfig"
-    assert "lerobot.policies.groot.groot_n1" not in sys.modules
+    from robotics.policies.lerobot.compat import legacy_crop_cache
+
+    assert smolvlm_with_expert.DynamicCache is legacy_crop_cache()
+    t = torch.zeros(1, 1, 5, 2)
+    with pytest.raises(ValueError, match="positive value"):
+        DynamicCache(((t, t),)).crop(3)
+    cache = legacy_crop_cache()(((t, t),))
+    cache.crop(3)
+    assert cache.get_seq_length() == 3
 
 
 def test_ode_is_lerobots_action_path(tiny_dir):

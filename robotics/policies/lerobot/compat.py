@@ -1,19 +1,12 @@
 """Importing LeRobot's policy modules under grove's pinned stack (Python 3.12, torch 2.14, transformers 5.24, lerobot
 0.6.1 --no-deps).
 
-Three things stand between ``import lerobot.policies.{smolvla,pi0,pi05}`` and a working policy here:
+What stands between ``import lerobot.policies.{smolvla,pi0,pi05}`` and a working policy here:
 
 1. LeRobot's pure-Python needs (draccus, einops, pyserial, deepdiff < 9, num2words) that ``pip install --no-deps
    lerobot`` leaves out: the project's robotics extra and ``constraints.txt`` install them.
-2. ``lerobot/policies/__init__.py`` imports every policy family's package, and ``lerobot.policies.groot`` imports
-   ``groot_n1.py``, whose ``GR00TN15Config`` dataclass (a subclass of transformers' ``PretrainedConfig``) fails
-   under transformers 5 with ``TypeError: non-default argument 'backbone_cfg' follows default argument``
-   (transformers 5 made ``PretrainedConfig`` a dataclass with defaulted fields). The package ``__init__`` only needs
-   GR00T's *configuration* module, which imports fine. So before anything imports ``lerobot.policies`` we register
-   ``lerobot.policies.groot`` as a bare package object that points at GR00T's real folder: ``from
-   .groot.configuration_groot import GrootConfig`` then loads that one file, and ``groot/__init__.py`` (the import of
-   ``modeling_groot`` / ``groot_n1``) never runs. Nothing of LeRobot is copied or edited; only GR00T's model class
-   stays unimportable, as it is under transformers 5 anyway.
+2. (LeRobot 0.4.4 only, gone with 0.6) GR00T's config failed at class creation under transformers 5 and grove skipped
+   its package init; LeRobot 0.6.1's ``lerobot.policies`` imports as it is.
 3. **π-Gemma's causal mask** (π0 / π0.5). LeRobot 0.6's ``lerobot/policies/pi_gemma.py`` (``PiGemmaModel.forward``,
    the Gemma decoder of π0's VLM and action expert) calls ``create_causal_mask(config=..., inputs_embeds=...,
    attention_mask=..., cache_position=..., past_key_values=..., position_ids=...)``, the signature of transformers
@@ -46,13 +39,11 @@ import functools
 import importlib
 import importlib.util
 import inspect
-import sys
 import types
-from pathlib import Path
+import warnings
 
 from shared_rl.errors import ConfigError
 
-GROOT = "lerobot.policies.groot"
 # the families grove drives: the LeRobot policy ``name`` (config.json's "type") -> modeling module and class
 FAMILIES = {
     "smolvla": ("lerobot.policies.smolvla.modeling_smolvla", "SmolVLAPolicy"),
@@ -61,24 +52,16 @@ FAMILIES = {
 }
 
 
-def _skip_groot_package() -> None:
-    """Register ``lerobot.policies.groot`` as a package whose ``__init__`` is not run (see the module docstring)."""
-    if GROOT in sys.modules:
-        return
-    spec = importlib.util.find_spec("lerobot")
-    if spec is None or spec.origin is None:
+def _check_lerobot() -> None:
+    if importlib.util.find_spec("lerobot") is None:
         raise ConfigError("robotics.policy.type: lerobot needs LeRobot: pip install --no-deps -c constraints.txt "
                           "lerobot (make does this; LeRobot 0.6 needs Python >= 3.12)")
-    package = types.ModuleType(GROOT)
-    package.__path__ = [str(Path(spec.origin).parent / "policies" / "groot")]
-    package.__package__ = GROOT
-    sys.modules[GROOT] = package
 
 
 def import_policies() -> types.ModuleType:
-    """``lerobot.policies``, importable under transformers 5 (GR00T's package init skipped), with π-Gemma's causal
-    mask call made to fit the installed transformers (:func:`patch_pi_gemma`)."""
-    _skip_groot_package()
+    """``lerobot.policies``, with π-Gemma's causal mask call and SmolVLA's cache crop made to fit the installed
+    transformers (:func:`patch_pi_gemma`, :func:`patch_smolvla_cache`)."""
+    _check_lerobot()
     try:
         policies = importlib.import_module("lerobot.policies")
     except ModuleNotFoundError as e:
@@ -184,6 +167,9 @@ def patch_pi_gemma() -> bool:
     if not _drops_cache_position(current):
         return False
     pi_gemma.create_causal_mask = _mask_without_cache_position(current)
+    # pi_gemma's decoder layer hands its attention the cache as past_key_values, which 5.24 renames (until 5.40)
+    warnings.filterwarnings("ignore", message=r"`past_key_values` is deprecated .* `GemmaAttention.forward`",
+                            category=FutureWarning)
     return True
 
 
