@@ -493,7 +493,7 @@ def test_tiny_recipe_smoke(tiny_dirs, tmp_path):
     data["robotics"]["policy"]["path"] = str(tiny_dirs["pi05"])
     data["robotics"]["env"].update(horizon=8, tasks=["reach-v3"])
     hist = Trainer(load_train_config(data), tmp_path / "run", log=lambda s: None).fit()
-    assert "eval/success" in hist[0] and hist[-1]["ratio/mean"] == 1.0
+    assert "eval/success" in hist[0] and math.isfinite(hist[-1]["loss/policy"]) and hist[-1]["ratio/max"] > 1.0
     assert (tmp_path / "run" / "final" / "grove_tiny_pi.json").is_file()
 
 
