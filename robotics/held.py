@@ -11,6 +11,7 @@ gets peft's LoRA layers injected into it, as loading from a path would).
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import numpy as np
@@ -67,6 +68,11 @@ def wrap_lerobot(policy, preprocessor, postprocessor, cfg, seed: int, env_action
     from .policies.lerobot.adapter import LeRobotVLA
 
     vla = LeRobotVLA(policy, preprocessor, postprocessor, cameras, sizes, k, env_action_dim)
+    path = getattr(policy.config, "pretrained_path", None)
+    if path and Path(str(path)).is_dir():  # a tiny π loaded from a directory keeps its sizes for the export
+        from .policies.lerobot.tiny_pi import read_tiny
+
+        vla.tiny = read_tiny(path)
     if cfg.policy.lora.rank:
         lo = cfg.policy.lora
         vla.add_lora(lo.rank, lo.alpha, lo.vlm, lo.targets, seed)

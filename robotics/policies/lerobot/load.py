@@ -61,8 +61,8 @@ def feature_map(config: dict, env_cfg, settings: PolicySettings) -> tuple[dict[s
                 raise ConfigError(f"robotics.policy: the policy's image feature {key!r} has no env camera (env.cameras "
                                   f"{env_cfg.cameras}); map it: robotics.policy.cameras: {{{key}: {env_cfg.cameras[0]}}}")
             cameras[key], sizes[key] = env_cfg.cameras.index(cam), tuple(feat["shape"][-2:])
-        elif kind == "ENV" and config.get("type") == "smolvla":
-            continue  # declared by a dataset with an environment state, never read by SmolVLA (images, state, text)
+        elif kind == "ENV" and config.get("type") in FAMILIES:
+            continue  # declared by a dataset with an environment state, never read by SmolVLA / π (images, state, text)
         elif key == "observation.state":
             if feat["shape"][0] != env_cfg.proprio_dim:
                 raise ConfigError(f"robotics.policy: the policy's observation.state has {feat['shape'][0]} dims, the env's "
