@@ -135,6 +135,9 @@ class RoboticsConfig(DomainConfig):
                                   f"{where}.rollout.name: {self.rollout.name} set rollout.name: flat or drop them")
         if self.policy.type == "lerobot":
             self._check_lerobot(where)
+        elif self.critic.input != "prefix":
+            raise ConfigError(f"{where}.critic.input: {self.critic.input} reads a LeRobot policy's action expert; the "
+                              f"tiny VLA has one fused feature vector (critic.input: prefix)")
 
     def _check_lerobot(self, where: str) -> None:
         """What a LeRobot policy runs with: flat groups in the simulator, Flow-GRPO's SDE steps or the learned noise

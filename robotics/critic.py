@@ -10,7 +10,7 @@ lam, normalize, value_coef, value_clip, warmup, lr}``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 import torch
 
@@ -31,6 +31,11 @@ class CriticConfig:
     detach: bool = field(default=True, metadata={
         "help": "the critic reads the policy's fused features without gradient (true) or trains them too (false)"})
     init: float = field(default=0.0, metadata={"help": "the critic's initial value (its last layer starts at 0)"})
+    input: Literal["prefix", "expert"] = field(default="prefix", metadata={
+        "help": "a LeRobot policy's value input: prefix = the mean of the VLM's final prefix tokens (πRL's "
+                "value_after_vlm, its π0.5 setting) | expert = the mean of the action expert's output tokens over the "
+                "executed chunk (πRL's default, its π0 setting; read at the chain's start with the noise at its mean, "
+                "so the value is a function of the observation). The tiny VLA has one fused feature vector: prefix"})
 
     def check(self, where: str = "robotics.critic") -> None:
         if self.hidden < 1:
@@ -50,8 +55,10 @@ class CriticConfig:
 
 def vector(h) -> torch.Tensor:
     """The feature vector [B, F] of a policy's features: the tiny VLA's fused features as they are, a LeRobot
-    policy's ``Prefix`` by its pooled VLM tokens."""
-    return h if torch.is_tensor(h) else h.pooled
+    policy's ``Prefix`` by its pooled VLM tokens (or, with ``critic.input: expert``, its pooled expert tokens)."""
+    if torch.is_tensor(h):
+        return h
+    return h.pooled if h.expert_pooled is None else h.expert_pooled
 
 
 class Critic(Part):

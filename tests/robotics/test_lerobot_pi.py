@@ -441,21 +441,49 @@ def test_one_grpo_iteration_with_kl_and_final_export(tiny_dirs, tmp_path):
         assert PI05Policy.from_pretrained(tmp_path / "run" / "final").config.chunk_size == TinyPi().chunk_size
 
 
-def test_ppo_value_head_on_pi0(tiny_dirs, tmp_path):
-    """``gae`` + the value head on π0's pooled prefix with the flow-noise head: a finite value loss, the critic moves,
-    ratio 1 at the single update."""
+def test_ppo_value_head_on_pi0_expert_tokens(tiny_dirs, tmp_path):
+    """``gae`` + the value head on π0's action-expert tokens (``critic.input: expert``, πRL's π0 setting) with the
+    flow-noise head: a finite value loss, the critic (width = the expert's) moves, ratio 1 at the single update."""
     from shared_rl.trainer import Trainer
 
-    data = _grpo_config(tiny_dirs["pi0"], head_mode="flow_noise", critic={"enabled": True})
+    data = _grpo_config(tiny_dirs["pi0"], head_mode="flow_noise", critic={"enabled": True, "input": "expert"})
     data["advantage"]["estimator"] = {"name": "gae", "gamma": 1.0, "lam": 0.95, "value_coef": 0.5}
     data["loss"]["kl_coef"] = 0.0
     data["eval"] = {"at_start": False, "every": 0}
     tr = Trainer(load_train_config(data), tmp_path / "run", log=lambda s: None)
+    assert tr.domain.critic.head.net[0].in_features == TinyPi().expert_width + tr.domain.critic.head.time_dim
     critic0 = [p.detach().clone() for p in tr.domain.critic_parameters()]
     m = tr.iteration(0)
     assert math.isfinite(m["loss/value"]) and m["loss/value"] > 0
     assert m["ratio/mean"] == 1.0 and m["approx_kl"] == 0.0
     assert any(not torch.equal(a, b.detach()) for a, b in zip(critic0, tr.domain.critic_parameters()))
+
+
+def test_expert_value_input_is_the_mean_expert_token_at_the_chain_start(tiny_dirs):
+    """The expert-side value input equals the mean, over the executed chunk positions, of the tokens LeRobot's own
+    ``denoise_step`` hands ``action_out_proj`` at σ = 1 with x = 0; it does not depend on the batch; the tiny VLA
+    refuses ``critic.input: expert`` in one line."""
+    from robotics.config import RoboticsConfig
+
+    vla = _load(tiny_dirs["pi0"]).eval()
+    vla.value_input = "expert"
+    images, proprio = _obs(3)
+    ids = vla.text.token_ids(TEXTS)
+    with torch.no_grad():
+        h = vla.encode(images, proprio, ids)
+        seen = []
+        m = vla.policy.model
+        hook = m.action_out_proj.register_forward_pre_hook(lambda _m, args: seen.append(args[0]))
+        m.denoise_step(state=h.state, prefix_pad_masks=h.pad_masks, past_key_values=h.cache(),
+                       x_t=torch.zeros(3, 8, 8), timestep=torch.ones(3))
+        hook.remove()
+        one = vla.encode(images[1:2], proprio[1:2], ids[1:2])
+    expected = seen[0][:, : vla.cfg.chunk].mean(1)
+    assert h.expert_pooled.shape == (3, TinyPi().expert_width) and torch.allclose(h.expert_pooled, expected, atol=1e-6)
+    assert torch.equal(one.expert_pooled[0], h.expert_pooled[1])
+    with pytest.raises(ConfigError, match="critic.input: expert reads a LeRobot policy") as err:
+        from_dict(RoboticsConfig, {"critic": {"enabled": True, "input": "expert"}}, "robotics")
+    assert "\n" not in str(err.value)
 
 
 def test_pi_recipes_parse_and_build_at_tiny_size(tiny_dirs):

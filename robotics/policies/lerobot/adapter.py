@@ -55,6 +55,7 @@ class LeRobotView:
     chunk_size: int  # the model's chunk (>= chunk)
     max_action_dim: int  # the model's padded action width
     hidden: int = 0  # width of the pooled prefix features (the VLM's hidden size): what a value head reads
+    expert_hidden: int = 0  # the action expert's width (its output tokens: flow-noise's std net, critic.input expert)
     head: str = "flow"
 
     @property
@@ -76,6 +77,7 @@ class Prefix:
     pad_masks: torch.Tensor
     pooled: torch.Tensor | None = None
     state: torch.Tensor | None = None
+    expert_pooled: torch.Tensor | None = None  # the critic's expert-side input (LeRobotVLA.value_input = "expert")
 
     @property
     def shape(self) -> torch.Size:
@@ -90,8 +92,8 @@ class Prefix:
 
     def __getitem__(self, rows) -> "Prefix":
         kv = tuple((k[rows], v[rows]) for k, v in self.kv)
-        return Prefix(kv, self.pad_masks[rows], None if self.pooled is None else self.pooled[rows],
-                      None if self.state is None else self.state[rows])
+        pick = (lambda t: None if t is None else t[rows])
+        return Prefix(kv, self.pad_masks[rows], pick(self.pooled), pick(self.state), pick(self.expert_pooled))
 
     @staticmethod
     def cache_tensors(cache) -> tuple:
@@ -208,12 +210,14 @@ class LeRobotVLA(nn.Module):
         self.family.make_batch_invariant(policy)
         self.cfg = LeRobotView(family=policy.name, chunk=n_action_steps, action_dim=env_action_dim,
                                num_denoise_steps=self.family.num_steps(c), chunk_size=c.chunk_size,
-                               max_action_dim=c.max_action_dim, hidden=self.family.vlm_hidden(policy))
+                               max_action_dim=c.max_action_dim, hidden=self.family.vlm_hidden(policy),
+                               expert_hidden=policy.model.action_out_proj.in_features)
         self.action_feature_dim = c.output_features[ACTION].shape[0]
         self.text = InstructionText()
         self.flow = LeRobotFlow(self.cfg, self._velocity, self._to_env)
         self._peft = None  # the peft wrapper when LoRA is on (not a submodule: it wraps self.policy)
         self.tiny = None  # a tiny π0 / π0.5's sizes (tiny_pi.TinyPi), written next to an export
+        self.value_input = "prefix"  # what Prefix carries for a value head: prefix (pooled VLM) | expert (see encode)
 
     # -- observations -> LeRobot batch -> prefix features
     def observation(self, images: torch.Tensor, proprio: torch.Tensor, texts: list[str]) -> dict:
@@ -250,8 +254,21 @@ class LeRobotVLA(nn.Module):
         return self.family.prefix(self.policy, batch)
 
     def encode(self, images: torch.Tensor, proprio: torch.Tensor, text_ids: list[list[int]]) -> Prefix:
-        """Features of observations (the tiny VLA's ``encode``): the prefix of the mapped, preprocessed batch."""
-        return self.prefix(self.preprocess(self.observation(images, proprio, self.text.texts(text_ids))))
+        """Features of observations (the tiny VLA's ``encode``): the prefix of the mapped, preprocessed batch; with
+        ``value_input == "expert"`` also :meth:`expert_value_features` (one more expert pass)."""
+        h = self.prefix(self.preprocess(self.observation(images, proprio, self.text.texts(text_ids))))
+        if self.value_input == "expert":
+            h.expert_pooled = self.expert_value_features(h)
+        return h
+
+    def expert_value_features(self, h: Prefix) -> torch.Tensor:
+        """πRL's expert-side value input (RLinf ``value_after_vlm: false`` with ``chunk_critic_input``): the mean of
+        the action expert's output tokens over the executed chunk positions [B, expert width]. RLinf reads them at
+        each sampled denoising step; grove reads them once per observation at the chain's start (σ = 1) with x at
+        the start noise's mean (0), so the value is a function of the observation only, not of a noise draw."""
+        x = torch.zeros(len(h), self.cfg.chain_dim, device=h.device)
+        _, tokens = self._velocity(h, x, torch.ones(len(h), device=h.device), tokens=True)
+        return tokens[:, : self.cfg.chunk].float().mean(1)
 
     # -- the chain's velocity and the env's actions
     def _velocity(self, h: Prefix, x: torch.Tensor, sigma: torch.Tensor, tokens: bool = False):
@@ -285,7 +302,7 @@ class LeRobotVLA(nn.Module):
         """The learned std of ``flow_noise`` (:class:`NoiseStdNet`, ``flow.noise_std``): RL-only, trained with the
         policy, not part of the exported LeRobot policy (its ODE actions do not read it)."""
         torch.manual_seed(seed)
-        width = self.policy.model.action_out_proj.in_features  # the expert's width: what the velocity head reads
+        width = self.cfg.expert_hidden  # what the velocity head reads
         dev = self.flow.sigmas.device
         self.flow.noise_std = NoiseStdNet(width, self.cfg.max_action_dim, tuple(hidden), std_min, std_max).to(dev)
 
