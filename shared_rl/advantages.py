@@ -141,6 +141,25 @@ def batch_std(r: torch.Tensor, g: torch.Tensor, eps: float = 1e-6) -> torch.Tens
     return ((r.double() - mean) / (std + eps)).to(r.dtype)
 
 
+@register("grpo_population")
+def grpo_population(r: torch.Tensor, g: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """GRPO with the population std (``np.std``, ddof 0), Flow-GRPO / DGPO's ``PerPromptStatTracker``:
+    A_i = (r_i − mean_g) / (std_g,pop + eps) (their eps 1e-4: ``advantage.eps``); zero-spread groups → 0."""
+    mean, std, count = _group_stats(r, g)
+    std = std * ((count - 1).clamp(min=0) / count).sqrt()  # unbiased -> population
+    adv = (r.double() - mean) / (std + eps)
+    return torch.where(std > 0, adv, torch.zeros_like(adv)).to(r.dtype)
+
+
+@register("batch_std_population")
+def batch_std_population(r: torch.Tensor, g: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """Flow-GRPO / DGPO ``global_std`` as their ``PerPromptStatTracker`` computes it: A_i = (r_i − mean_g) /
+    (std_batch,pop + eps), the population std (``np.std``) of every reward in the batch (their eps 1e-4)."""
+    mean, _, _ = _group_stats(r, g)
+    std = r.double().std(correction=0) if r.numel() > 1 else torch.tensor(0.0, dtype=torch.float64)
+    return ((r.double() - mean) / (std + eps)).to(r.dtype)
+
+
 @register("dr_grpo")
 def dr_grpo(r: torch.Tensor, g: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-like training"): A_i = r_i − mean_g (no std)."""

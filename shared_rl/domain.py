@@ -74,6 +74,9 @@ class StepLogProbs:
     step_std: torch.Tensor | None = None  # [n, T] each step's transition std (flow domains; GRPO-Guard's RatioNorm)
     values: torch.Tensor | None = None  # [n, C] the critic's value per decision (with grad; PPO, advantage.estimator: gae)
     group: torch.Tensor | None = None  # [n] the group of each row, for losses that couple a group's rows (DGPO)
+    # [n, T] the old policy's log-probs computed in this call, when the domain keeps a lagging copy that moves within an
+    # iteration (DGPO's EMA ``ema_ref``): the trainer's ratio uses it instead of the rollout's ``logp_old``
+    logp_old: torch.Tensor | None = None
 
 
 @dataclass

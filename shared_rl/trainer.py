@@ -331,7 +331,8 @@ class Trainer:
                            else self.domain.log_probs(rollout, idx, need_kl, steps=steps))
                 nfe += out.nfe
                 mask = (full if steps is None else steps).to(out.logp.device)
-                logp_old = self._behaviour_logp(rollout, idx, out, mask)
+                logp_old = (out.logp_old.to(out.logp) if out.logp_old is not None
+                            else self._behaviour_logp(rollout, idx, out, mask))
                 loss, policy, kl, st = self.loss(out, logp_old, a.to(out.logp), mask, norm,
                                                  row_steps=full.sum(1).to(out.logp))
                 loss = loss * self._policy_weight  # 0 while the critic warms up

@@ -42,6 +42,8 @@ deterministic and splitting a minibatch into micro-batches gives the same gradie
 """
 from __future__ import annotations
 
+import dataclasses
+
 import difflib
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, ContextManager, Literal, Optional
@@ -244,6 +246,18 @@ class DGPOSettings:
         "help": "the timesteps are drawn among grid steps 0..trunc_steps (reference geneval 4 of a 10-step grid)"})
     shared_noise: bool = field(default=True, metadata={"help": "one noise per group and timestep (reference "
                                                                "use_shared_noise: true)"})
+    old_policy: Literal["ema", "iteration_start"] = field(default="ema", metadata={
+        "help": "the clip ratio's old policy: ema = the reference's ema_ref, a lagging copy of the adapter updated after "
+                "every optimizer step with d = min(old_decay_max, old_decay_ramp * steps before it), its velocity one "
+                "more forward per timestep | iteration_start = the weights at the iteration's start (the trainer's "
+                "first forward; with one optimizer step per batch the ratio is then 1 and the clip never acts)"})
+    old_decay_max: float = field(default=0.3, metadata={"help": "ema old policy: the largest decay (reference 0.3)"})
+    old_decay_ramp: float = field(default=0.001, metadata={
+        "help": "ema old policy: d = min(old_decay_max, old_decay_ramp * optimizer steps before the update) "
+                "(reference 0.001)"})
+    train_cfg: bool = field(default=False, metadata={
+        "help": "train on CFG-combined velocities (visgen.guidance_scale, the unconditional branch too) instead of the "
+                "conditional branch alone (false: the reference's train.cfg, whatever CFG the rollout used)"})
 
     def loss_settings(self):
         from shared_rl.losses import DGPOSettings as DGPOLossSettings
@@ -257,6 +271,8 @@ class DGPOSettings:
         if self.timesteps_per_sample > self.trunc_steps + 1:
             raise ConfigError(f"{where}.timesteps_per_sample ({self.timesteps_per_sample}) is more than the "
                               f"{self.trunc_steps + 1} grid steps 0..trunc_steps it draws from; raise trunc_steps")
+        if not 0 <= self.old_decay_max < 1 or self.old_decay_ramp < 0:
+            raise ConfigError(f"{where}.old_decay_max must be in [0, 1) and old_decay_ramp >= 0")
 
 
 # ------------------------------------------------------------------------------------------------ registry
@@ -518,7 +534,20 @@ class DGPOObjective(Objective):
     likelihood_free = True
     policy_loss = "dgpo"
     default_method = {"name": "ode"}
-    deferred_logp = True
+
+    @property
+    def deferred_logp(self) -> bool:
+        """``iteration_start``: the clip's old log p is the trainer's first forward (Rollout.logp_deferred); ``ema``:
+        each call computes it with the EMA copy (``StepLogProbs.logp_old``)."""
+        return self.settings.old_policy == "iteration_start"
+
+    def old_policy(self) -> OldPolicySchedule | None:
+        """The reference's ``ema_ref``: θ_old ← d·θ_old + (1 − d)·θ after every optimizer step, d = min(0.3, 0.001·k)
+        with k the optimizer steps before it (``FlowPolicy.old_policy_step``, update ``step``)."""
+        s = self.settings
+        if s.old_policy != "ema":
+            return None
+        return OldPolicySchedule(s.old_decay_max, s.old_decay_ramp, 0, "step")
 
     def loss_choice(self):
         from shared_rl.config import PolicyLossChoice
@@ -545,14 +574,29 @@ class DGPOObjective(Objective):
         return per_group[inverse.to(device)]
 
     def terms(self, adapter, payload, mask, cond, reference, old, need_kl=False):
+        """Per trained slot: dsm under the policy (with grad) and under the reference (the adapter off), and with the
+        ``ema`` old policy dsm under the EMA copy (``logp_old`` = −dsm_old, no grad) — the reference's ``model_v``,
+        ``ref_old_v`` and ``old_v``. Without ``train_cfg`` every forward is the conditional branch alone (the
+        reference's ``predict_v(..., cfg=False)``), whatever CFG the rollout used."""
         if reference is None:
             raise RuntimeError("the dgpo objective needs the reference policy (the adapter switched off)")
+        s = self.settings
+        if s.old_policy == "ema" and old is None:
+            raise RuntimeError("the dgpo objective's ema old policy needs the policy's old copy (enable_old_policy)")
+        if not s.train_cfg and cond.do_cfg:
+            cond = dataclasses.replace(cond, do_cfg=False)
         n, L = mask.shape
         dev = payload["x0"].device
         dsm, ref_dsm = torch.zeros(n, L, device=dev), torch.zeros(n, L, device=dev)
+        old_dsm = torch.zeros(n, L, device=dev) if s.old_policy == "ema" else None
         kl = torch.zeros(n, L, device=dev) if need_kl else None
         per_forward, nfe = adapter.forwards_per_step(cond), 0
-        for k, rows, d, x0, eps, x_t, _sigma, t in self._live_slots(payload, mask):
+        slots = self._live_slots(payload, mask)
+        v_olds = [None] * len(slots)
+        if old_dsm is not None:  # the EMA copy's velocities first, under one weight swap (see NFTObjective.terms)
+            with torch.no_grad(), old():
+                v_olds = [adapter.velocity(x_t, t, cond[d]) for _k, _rows, d, _x0, _eps, x_t, _sigma, t in slots]
+        for (k, rows, d, x0, eps, x_t, _sigma, t), v_old in zip(slots, v_olds):
             c = cond[d]
             v = adapter.velocity(x_t, t, c)
             value, v_ref = _velocity_kl(adapter, x_t, t, c, v, reference)
@@ -562,7 +606,11 @@ class DGPOObjective(Objective):
             if kl is not None:
                 kl = kl.index_put((d, cols), value)
             nfe += 2 * per_forward * rows.numel()
-        return StepLogProbs(logp=-dsm, kl=kl, nfe=nfe, objective_pos=dsm, objective_neg=ref_dsm)
+            if v_old is not None:
+                old_dsm = old_dsm.index_put((d, cols), flow_matching_loss(x0, eps, v_old))
+                nfe += per_forward * rows.numel()
+        return StepLogProbs(logp=-dsm, kl=kl, nfe=nfe, objective_pos=dsm, objective_neg=ref_dsm,
+                            logp_old=None if old_dsm is None else -old_dsm)
 
 
 def objective_from_config(config: dict[str, Any] | str, where: str = "visgen.objective") -> Objective:

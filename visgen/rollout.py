@@ -232,7 +232,8 @@ class VisgenRollouts:
             return StepLogProbs(logp=out.logp.to(dev), kl=None if out.kl is None else out.kl.to(dev), nfe=out.nfe,
                                 objective_pos=out.objective_pos.to(dev),
                                 objective_neg=None if out.objective_neg is None else out.objective_neg.to(dev),
-                                group=rollout.group_ids[idx].to(dev))  # DGPO's group sums
+                                group=rollout.group_ids[idx].to(dev),  # DGPO's group sums
+                                logp_old=None if out.logp_old is None else out.logp_old.to(dev))  # DGPO's EMA
         rec = recompute_edges(self.adapter, p, trained, Conditioning(p["cond"], **self._cond_meta),
                               self.kernel.kernel, self.kernel.reduction,
                               reference=self.reference if need_kl else None, kl_type=self.kl_type)

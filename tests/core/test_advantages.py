@@ -156,3 +156,20 @@ def test_tree_leaf_zscore_hand_computed():
     adv = tree_advantages(PARENT, LEAF, "tree_leaf_zscore", eps=0.0)
     exp = torch.tensor([0.0, (1.5 - 2.75) / s, (4 - 2.75) / s, *((torch.tensor([1.0, 2, 3, 5]) - 2.75) / s).tolist()])
     assert torch.allclose(adv, exp, atol=1e-5)
+
+
+def test_population_std_estimators_hand_computed():
+    """grpo_population / batch_std_population: Flow-GRPO / DGPO's PerPromptStatTracker (np.std, ddof 0, + eps).
+    Group {1, 3}: mean 2, population std 1 -> A = ∓1/(1 + eps); the batch {1, 3, 5, 5}: population std
+    sqrt(((1-3.5)^2 + (3-3.5)^2 + 2*(5-3.5)^2)/4) = sqrt(2.75)."""
+    import math
+
+    R = torch.tensor([1.0, 3.0, 5.0, 5.0])
+    G = torch.tensor([0, 0, 1, 1])
+    eps = 1e-4
+    adv = group_advantages(R, G, "grpo_population", eps=eps)
+    assert torch.allclose(adv, torch.tensor([-1 / (1 + eps), 1 / (1 + eps), 0.0, 0.0]))
+    assert not torch.allclose(adv, group_advantages(R, G, "grpo", eps=eps)), "unbiased std is sqrt(2) larger"
+    std = math.sqrt(2.75)
+    adv = group_advantages(R, G, "batch_std_population", eps=eps)
+    assert torch.allclose(adv, torch.tensor([-1 / (std + eps), 1 / (std + eps), 0.0, 0.0]))

@@ -210,7 +210,7 @@ def test_dgpo_clip_detaches_the_denoising_loss_outside_the_range():
 
 
 def test_dgpo_trains_on_the_visgen_domain(tiny_dir):
-    obj = {"name": "dgpo", "timesteps_per_sample": 2, "trunc_steps": 2}
+    obj = {"name": "dgpo", "timesteps_per_sample": 2, "trunc_steps": 2, "old_policy": "iteration_start"}
     tr = Trainer(_visgen_cfg(tiny_dir, obj, kl_coef=0.02), None, log=lambda *_: None)
     ro = tr.domain.rollout([0, 1], 4, torch.Generator().manual_seed(0), 0)
     p = ro.payload
@@ -225,6 +225,44 @@ def test_dgpo_trains_on_the_visgen_domain(tiny_dir):
     assert m["grad_norm"] > 0 and math.isfinite(m["loss/policy"]) and m["loss/kl"] >= 0
     with pytest.raises(ConfigError, match="must hold whole groups"):
         _visgen_cfg(tiny_dir, obj, optim={"minibatches_per_epoch": 2})
+
+
+def test_dgpo_ema_old_policy_is_the_reference_schedule_and_the_clip_acts(tiny_dir):
+    """The reference's ema_ref: after optimizer step k (k = 0, 1, ... steps before it) θ_old ← d·θ_old + (1 − d)·θ
+    with d = min(0.3, 0.001·k), computed here by hand from the weights after each step. The clip ratio's old policy
+    is that copy (one more forward per timestep): ratio exactly 1 at the first two optimizer steps (the copy starts
+    at the weights, and the first update copies them, d = 0), off 1 from the third, where a tight clip acts."""
+    obj = {"name": "dgpo", "timesteps_per_sample": 2, "trunc_steps": 2, "clip_range": 1e-9}
+    tr = Trainer(_visgen_cfg(tiny_dir, obj), None, log=lambda *_: None)
+    policy = tr.domain.policy
+    names = [n for n, _ in policy._named_trainable()]
+    weights = lambda: {n: p.detach().clone() for n, p in policy._named_trainable()}  # noqa: E731
+    expected, metrics = weights(), []
+    for it in range(3):
+        metrics.append(tr.iteration(it))
+        d = min(0.3, 0.001 * it)
+        now = weights()
+        expected = {n: d * expected[n] + (1 - d) * now[n] for n in names}
+        for n in names:
+            assert torch.allclose(policy.old[n], expected[n], rtol=1e-6, atol=1e-8), (it, n)
+    assert metrics[0]["ratio/mean"] == 1.0 and metrics[1]["ratio/mean"] == 1.0
+    assert metrics[2]["ratio/mean"] != 1.0 and metrics[2]["clip_frac"] > 0
+    assert metrics[0]["clip_frac"] == 0.0
+    assert metrics[0]["nfe/train"] == 8 * 2 * 3  # policy + reference + the EMA copy per sample and timestep
+    s = tr.cfg.domain_config.training_objective().settings
+    assert (s.old_policy, s.old_decay_max, s.old_decay_ramp, s.train_cfg) == ("ema", 0.3, 0.001, False)
+
+
+def test_dgpo_trains_on_the_conditional_branch_unless_train_cfg(tiny_dir):
+    """Rolled out with CFG 3, DGPO's training forwards are the conditional branch alone (the reference's
+    predict_v(cfg=False)): one forward per velocity; ``train_cfg: true`` trains on the CFG-combined velocity (two)."""
+    obj = {"name": "dgpo", "timesteps_per_sample": 2, "trunc_steps": 2, "old_policy": "iteration_start"}
+    nfe = {}
+    for train_cfg in (False, True):
+        tr = Trainer(_visgen_cfg(tiny_dir, {**obj, "train_cfg": train_cfg}, guidance_scale=3.0), None,
+                     log=lambda *_: None)
+        nfe[train_cfg] = tr.iteration(0)["nfe/train"]
+    assert nfe[False] == 8 * 2 * 2 and nfe[True] == 2 * nfe[False]
 
 
 # ------------------------------------------------------------------------------------------------ BranchGRPO
