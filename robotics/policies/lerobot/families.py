@@ -13,6 +13,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from .prefix import Prefix
+
 LANG_TOKENS = "observation.language.tokens"
 LANG_MASK = "observation.language.attention_mask"
 
@@ -44,8 +46,6 @@ class SmolVLAFamily:
     @staticmethod
     def prefix(policy, batch: dict):
         from lerobot.policies.common.vla_utils import make_att_2d_masks
-
-        from .adapter import Prefix
 
         m = policy.model
         images, img_masks = policy.prepare_images(batch)
@@ -89,7 +89,7 @@ def _gemma_cache_layer(module, args, kwargs):
 
 class PiFamily:
     """π0 (``lerobot.policies.pi0``) and π0.5 (``pi05``) on LeRobot's ``pi_gemma`` (PaliGemma + a Gemma action expert).
-    π0 puts the state in the expert's suffix (``state_proj``, so :class:`~.adapter.Prefix` carries it); π0.5
+    π0 puts the state in the expert's suffix (``state_proj``, so :class:`~.prefix.Prefix` carries it); π0.5
     writes it into the prompt as 256-bin integers (its preprocessor) and conditions the expert on the time through
     adaRMS norms (``use_adarms=[False, True]``), both inside LeRobot's calls below."""
 
@@ -109,8 +109,6 @@ class PiFamily:
 
     def prefix(self, policy, batch: dict):
         from lerobot.policies.common.vla_utils import make_att_2d_masks, prepare_attention_masks_4d
-
-        from .adapter import Prefix
 
         m = policy.model
         pwe = m.paligemma_with_expert
