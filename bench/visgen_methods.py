@@ -69,8 +69,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
             "advantage": {"estimator": "batch_std"}},
     "awm": {"visgen": {"method": None, "objective": {"name": "awm"}}, "optim": {"minibatches_per_epoch": 8},
             "advantage": {"estimator": "batch_std"}},
-    # DGPO as its geneval config: one optimizer step per batch (whole groups per call), KL 0.02 to the reference
-    "dgpo": {"visgen": {"method": None, "objective": {"name": "dgpo"}}, "loss": {"kl_coef": 0.02}},
+    # DGPO as its geneval config: one optimizer step per batch (whole groups per call), KL 0.02 to the reference,
+    # the clip against the EMA old policy, per-prompt advantages with the population std + 1e-4, beta_dpo 101
+    "dgpo": {"visgen": {"method": None, "objective": {"name": "dgpo", "beta_dpo": 101.0}}, "loss": {"kl_coef": 0.02},
+             "advantage": {"estimator": "grpo_population", "eps": 1.0e-4}},
     "guard": {"loss": {"policy_loss": "guard"}},
 }
 # per-method learning rates (docs/bench/visgen_methods.md records the sweep); absent: the demo's 1e-3
