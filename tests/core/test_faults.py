@@ -253,10 +253,14 @@ class SlowExportToy(ToyDomain):
         time.sleep(float(os.environ.get("GROVE_TEST_EXPORT_S", "0")))
 
 
+_REWARD_CALLS = [0]  # reward calls made in this process (GROVE_TEST_HANG_AT)
+
+
 class GuardedToy(ToyDomain):
     """The toy bandit whose reward goes through ``guarded_reward`` like visgen's and the LLM's. GROVE_TEST_REWARD:
-    ``raise`` fails every call; ``hang`` sleeps an hour whenever the file GROVE_TEST_FLAG exists. The guard's
-    settings come from GROVE_TEST_GUARD (JSON)."""
+    ``raise`` fails every call; ``hang`` sleeps an hour whenever the file GROVE_TEST_FLAG exists, or from the
+    GROVE_TEST_HANG_AT-th call of the process on (writing GROVE_TEST_HANG_MARK first, so a test waits for the hang
+    itself, not a clock). The guard's settings come from GROVE_TEST_GUARD (JSON)."""
 
     def _reward(self, ctx, actions, generator):
         mode = os.environ.get("GROVE_TEST_REWARD", "")
@@ -265,7 +269,12 @@ class GuardedToy(ToyDomain):
         def backend(ctx):
             if mode == "raise":
                 raise ConnectionError("backend down")
-            if mode == "hang" and os.path.exists(os.environ["GROVE_TEST_FLAG"]):
+            _REWARD_CALLS[0] += 1
+            hang_at = int(os.environ.get("GROVE_TEST_HANG_AT", "0"))
+            if mode == "hang" and (os.path.exists(os.environ["GROVE_TEST_FLAG"])
+                                   or (hang_at and _REWARD_CALLS[0] >= hang_at)):
+                if os.environ.get("GROVE_TEST_HANG_MARK"):  # tells a waiting test the call is stuck now
+                    Path(os.environ["GROVE_TEST_HANG_MARK"]).write_text(str(_REWARD_CALLS[0]))
                 time.sleep(3600)
             return {"correct": real(ctx, actions, generator)}
 
@@ -388,15 +397,15 @@ def test_sigterm_abandons_a_stuck_reward_checkpoints_and_resume_is_exact(tmp_pat
     from shared_rl import registry
 
     data = {**SMALL, "iterations": 8, "checkpoint": {"every": 3, "keep_last": 2}}
-    flag = tmp_path / "flag"
+    flag = tmp_path / "flag"  # never written: the hang is armed by call count, so the run cannot finish first
+    mark = tmp_path / "hanging"
     guard = json.dumps({"timeout_s": 0})
     run = tmp_path / "run"
     _, proc = _launch(tmp_path, "GuardedToy", "guarded_toy", data, ["--out", str(run)], GROVE_TEST_REWARD="hang",
-                      GROVE_TEST_FLAG=str(flag), GROVE_TEST_GUARD=guard)
+                      GROVE_TEST_FLAG=str(flag), GROVE_TEST_GUARD=guard, GROVE_TEST_HANG_AT="5",
+                      GROVE_TEST_HANG_MARK=str(mark))
     try:
-        _wait_for(lambda: (run / "metrics.jsonl").is_file() and len(_records(run)) >= 3, proc)
-        flag.write_text("hang")  # the next reward call hangs
-        time.sleep(1.0)
+        _wait_for(mark.is_file, proc)  # the fifth reward call (iteration 4) is stuck, iteration 3's checkpoint written
         proc.send_signal(signal.SIGTERM)
         out = proc.communicate(timeout=60)[0]
     finally:
@@ -406,7 +415,6 @@ def test_sigterm_abandons_a_stuck_reward_checkpoints_and_resume_is_exact(tmp_pat
     assert proc.returncode == 0 and "Traceback" not in out, out[-2000:]
     stopped = _records(run)[-1]["step"]
     assert stopped < 8 and f"checkpoint saved at iteration {stopped}" in out, out[-2000:]
-    flag.unlink()
     monkeypatch.setitem(registry.DOMAINS, "guarded_toy", f"{__name__}:GuardedToy")
     monkeypatch.setenv("GROVE_TEST_REWARD", "hang")
     monkeypatch.setenv("GROVE_TEST_FLAG", str(flag))
