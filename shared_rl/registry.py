@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import re
 from importlib.metadata import entry_points
 from typing import Any
 
@@ -95,6 +96,32 @@ def _load(target: str, what: str, name: str) -> Any:
         return getattr(mod, attr)
     except AttributeError:
         raise ConfigError(f"{what} {name!r}: {module} has no {attr!r}") from None
+
+
+_DOTTED = r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*"
+_OBJECT_SPEC = re.compile(rf"({_DOTTED}):({_DOTTED})")
+
+
+def import_object(spec: str, where: str) -> Any:
+    """The object a user names as ``module:attribute`` (a reward function, an engine class, a reward model's entry):
+    ``module`` a dotted module path on the Python path, ``attribute`` a (dotted) name in it. Anything else — a file
+    path, a relative module (``..x``), an empty side — and a module that does not import or lacks the attribute is
+    one ``ConfigError`` line naming ``where``, never a traceback from the import machinery."""
+    match = _OBJECT_SPEC.fullmatch(str(spec)) if isinstance(spec, str) else None
+    if match is None:
+        raise ConfigError(f"{where}: {spec!r} is not 'module:attribute' (a dotted module path on the Python path and "
+                          f"a name in it, e.g. my_rewards:score); file paths and relative modules are not imported")
+    module, attr = match.groups()
+    try:
+        obj = importlib.import_module(module)
+    except ImportError as e:
+        raise ConfigError(f"{where}: {spec!r}: module {module!r} does not import ({e}); put it on the Python path "
+                          f"(PYTHONPATH) or fix the name") from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ConfigError(f"{where}: {spec!r}: module {module!r} has no {attr!r}")
+        obj = getattr(obj, part)
+    return obj
 
 
 def did_you_mean(name: str, choices) -> str:

@@ -236,10 +236,9 @@ class LLMDomain(DomainBase):
             self.ctx.log(f"llm: engine auto -> torch ({reason})")
         if self.cfg.engine in ("torch", "auto"):
             return TorchRolloutEngine(self.model, self.tokenizer.pad_token_id, self.eos_ids, self.cfg.engine_batch_rows)
-        import importlib
+        from ..registry import import_object
 
-        module, _, attr = self.cfg.engine.partition(":")
-        cls = getattr(importlib.import_module(module), attr)
+        cls = import_object(self.cfg.engine, "llm.engine")
         return cls(model=self.model, tokenizer=self.tokenizer, config=self.cfg)
 
     # ---- prompts and rewards ---------------------------------------------------------------------------------

@@ -13,7 +13,6 @@ it is called once as a factory that returns the reward function.
 """
 from __future__ import annotations
 
-import importlib
 import math
 import re
 from dataclasses import dataclass, field
@@ -158,15 +157,9 @@ class LLMRewardSpec:
 def _import_reward(name: str) -> Any:
     """The object ``module:function`` names; a module that does not import or lacks the attribute is a config
     mistake (a typo, a file not on the Python path), reported before any model loads."""
-    module, attr = name.split(":", 1)
-    try:
-        mod = importlib.import_module(module)
-    except ImportError as e:
-        raise ConfigError(f"llm.rewards: reward {name!r}: module {module!r} does not import ({e}); put it on the "
-                          f"Python path (PYTHONPATH) or fix the name") from None
-    if not hasattr(mod, attr):
-        raise ConfigError(f"llm.rewards: reward {name!r}: module {module!r} has no {attr!r}")
-    return getattr(mod, attr)
+    from ..registry import import_object
+
+    return import_object(name, "llm.rewards")
 
 
 def build_reward(spec: LLMRewardSpec) -> tuple[str, RewardFunction]:

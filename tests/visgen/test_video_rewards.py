@@ -174,8 +174,10 @@ def test_videoalign_errors_are_one_line(tmp_path):
     with pytest.raises(RewardInputError, match="does not exist"):
         get_reward("videoalign", path=str(tmp_path / "nope"))
     ckpt = videoalign_standin.save_checkpoint(tmp_path / "ckpt")
-    with pytest.raises(RewardInputError, match="cannot import"):
+    with pytest.raises(RewardInputError, match="does not import"):
         get_reward("videoalign", path=str(ckpt), entry="no_such_module:Model")
+    with pytest.raises(RewardInputError, match="is not 'module:attribute'"):
+        get_reward("videoalign", path=str(ckpt), entry="../inference.py:Model")
     bad_key = get_reward("videoalign", path=str(ckpt), entry="tests.visgen.videoalign_standin:TinyVideoReward",
                          input="frames", output_key="Aesthetics", device="cpu")
     with pytest.raises(RewardInputError, match="not 'Aesthetics'"):

@@ -22,7 +22,6 @@ NaN scores NaN; a malformed batch raises ``RewardInputError`` with one line.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import inspect
 import tempfile
 from pathlib import Path
@@ -364,14 +363,14 @@ VIDEOALIGN_ENTRY = "inference:VideoVLMRewardInference"  # KwaiVGI/VideoAlign's i
 
 
 def _load_entry(entry: str):
-    module, _, attr = entry.partition(":")
-    if not module or not attr:
-        raise RewardInputError(f"videoalign entry must be 'module:attr', got {entry!r}")
+    from shared_rl.errors import ConfigError
+    from shared_rl.registry import import_object
+
     try:
-        return getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as exc:
-        raise RewardInputError(f"videoalign: cannot import {entry!r} ({exc}); put the reward model's code on "
-                               "PYTHONPATH (VideoAlign: its inference.py) or give entry: 'module:attr'") from None
+        return import_object(entry, "videoalign entry")
+    except ConfigError as exc:
+        raise RewardInputError(f"{exc}; put the reward model's code on PYTHONPATH (VideoAlign: its inference.py)") \
+            from None
 
 
 class VideoAlignReward:
