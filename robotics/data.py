@@ -195,7 +195,7 @@ def import_lerobot(root: str | Path, image_key: str | None = None, task_names: d
     ``task_names`` maps instruction text -> task name (default: the text of the instruction, or the Meta-World
     task whose instruction it is).
     """
-    import pyarrow.parquet as pq
+    from shared_rl.readers import read_json, read_parquet
 
     from .envs.metaworld_env import TASK_INSTRUCTIONS
 
@@ -205,14 +205,13 @@ def import_lerobot(root: str | Path, image_key: str | None = None, task_names: d
     info_path = root / "meta" / "info.json"
     if not info_path.is_file():
         raise ConfigError(f"{str(root)!r} is not a LeRobot dataset (no meta/info.json)")
-    try:
-        info = json.loads(info_path.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{info_path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    info = read_json(info_path, "LeRobot's dataset metadata (meta/info.json, UTF-8 JSON)")
     if not isinstance(info, dict) or not str(info.get("codebase_version", "")).startswith("v3"):
         version = info.get("codebase_version") if isinstance(info, dict) else None
         raise ConfigError(f"{root}: LeRobot format {version!r}; only v3.x is supported")
     feats = info.get("features") or {}
+    if not isinstance(feats, dict) or not all(isinstance(f, dict) for f in feats.values()):
+        raise ConfigError(f"{info_path}: 'features' must map each feature name to its description (dtype, shape)")
     for need in ("observation.state", "action"):
         if need not in feats:
             raise ConfigError(f"{root}: the dataset has no {need!r} feature (features: {sorted(feats)})")
@@ -220,11 +219,12 @@ def import_lerobot(root: str | Path, image_key: str | None = None, task_names: d
     image_key = image_key or (IMAGE_KEY if IMAGE_KEY in feats else (image_keys[0] if image_keys else None))
     if image_key is None or image_key not in feats:
         raise ConfigError(f"{root}: no image feature {image_key or ''} (features: {sorted(feats)})")
-    if feats[image_key]["dtype"] == "video":
+    if feats[image_key].get("dtype") == "video":
         raise ConfigError(f"{root}: {image_key!r} is stored as video; decode it with lerobot (needs torchcodec/FFmpeg)")
     if not (root / "meta" / "tasks.parquet").is_file():
         raise ConfigError(f"{root}: no meta/tasks.parquet (an unfinished or non-v3 dataset?)")
-    tasks_table = pq.read_table(root / "meta" / "tasks.parquet").to_pandas()
+    tasks_table = read_parquet(root / "meta" / "tasks.parquet", "LeRobot's task table (meta/tasks.parquet)",
+                               ["task_index"]).to_pandas()
     # tasks.parquet is indexed by the task string with a task_index column
     index_to_task = {int(r["task_index"]): str(name) for name, r in tasks_table.iterrows()}
     if "task" in tasks_table.columns:  # tolerate a flat layout too
@@ -236,24 +236,34 @@ def import_lerobot(root: str | Path, image_key: str | None = None, task_names: d
         raise ConfigError(f"{root}: no data/chunk-*/file-*.parquet files (an unfinished or non-v3 dataset?)")
     import pandas as pd
 
-    df = pd.concat([pq.read_table(f).to_pandas() for f in files], ignore_index=True)
-    df = df.sort_values(["episode_index", "frame_index"])
     state_key = "observation.state"
+    columns = ["episode_index", "frame_index", "task_index", state_key, "action", image_key]
+    df = pd.concat([read_parquet(f, "a LeRobot data file (frames of episodes)", columns).to_pandas() for f in files],
+                   ignore_index=True)
+    df = df.sort_values(["episode_index", "frame_index"])
     meta_path = root / "meta" / GROVE_META
-    keys = json.loads(meta_path.read_text()).get("reset_keys", []) if meta_path.is_file() else []
+    meta = read_json(meta_path, "grove's reset-state keys ({\"reset_keys\": [...]})") if meta_path.is_file() else {}
+    keys = meta.get("reset_keys", []) if isinstance(meta, dict) else []
     episodes = []
-    for _, g in df.groupby("episode_index", sort=True):
-        text = index_to_task[int(g["task_index"].iloc[0])]
-        episodes.append(Episode(
-            task=by_text.get(text, text),
-            instruction=text,
-            images=np.stack([_decode_image(c) for c in g[image_key]]),
-            proprio=np.stack(g[state_key].to_numpy()).astype(np.float32),
-            actions=np.stack(g["action"].to_numpy()).astype(np.float32),
-            success=(np.stack(g["next.success"].to_numpy()).reshape(-1).astype(bool) if "next.success" in g
-                     else np.zeros(len(g), bool)),
-            states=(np.stack(g["observation.environment_state"].to_numpy()).astype(np.float32)
-                    if "observation.environment_state" in g else None),
-            key=int(keys[len(episodes)]) if len(episodes) < len(keys) else -1,
-        ))
+    for index, g in df.groupby("episode_index", sort=True):
+        try:
+            text = index_to_task[int(g["task_index"].iloc[0])]
+            episodes.append(Episode(
+                task=by_text.get(text, text),
+                instruction=text,
+                images=np.stack([_decode_image(c) for c in g[image_key]]),
+                proprio=np.stack(g[state_key].to_numpy()).astype(np.float32),
+                actions=np.stack(g["action"].to_numpy()).astype(np.float32),
+                success=(np.stack(g["next.success"].to_numpy()).reshape(-1).astype(bool) if "next.success" in g
+                         else np.zeros(len(g), bool)),
+                states=(np.stack(g["observation.environment_state"].to_numpy()).astype(np.float32)
+                        if "observation.environment_state" in g else None),
+                key=int(keys[len(episodes)]) if len(episodes) < len(keys) else -1,
+            ))
+        except KeyError as e:
+            raise ConfigError(f"{root}: episode {index} names task_index {e} that meta/tasks.parquet does not "
+                              f"list") from None
+        except (ValueError, TypeError, OSError) as e:  # ragged rows, undecodable images, non-numeric cells
+            raise ConfigError(f"{root}: episode {index} cannot be read ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0][:160] if str(e) else ''}); re-export the dataset") from None
     return episodes

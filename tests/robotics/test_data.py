@@ -154,3 +154,60 @@ def test_bc_auxiliary_object_loss_trains_the_encoder_and_needs_states(tmp_path, 
     bare = save_episodes(eps, tmp_path / "bare.npz")
     with pytest.raises(ConfigError, match="needs demos with Meta-World states"):
         bc.run({**base, "data": str(bare), "aux_object_coef": 1.0}, tmp_path / "run-bare", log=lambda s: None)
+
+
+def _corrupt_copies(root, tmp_path):
+    """A good LeRobot v3 export and copies with one file each that is not what its name says."""
+    import shutil
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    data = sorted((root / "data").glob("chunk-*/file-*.parquet"))[0]
+    cases = {
+        "info.json not UTF-8": ("meta/info.json", lambda p: p.write_bytes(p.read_bytes().replace(b"{", b"{\xe9", 1)),
+                                "not UTF-8 text"),
+        "info.json not JSON": ("meta/info.json", lambda p: p.write_text("{features: nope"), "not valid JSON"),
+        "info.json features not a mapping": ("meta/info.json", lambda p: p.write_text(json.dumps(
+            {**json.loads(p.read_text()), "features": {"observation.state": 3, "action": 4}})), "'features' must map"),
+        "tasks.parquet is text": ("meta/tasks.parquet", lambda p: p.write_text("task_index,task\n0,reach\n"),
+                                  "is not a readable Parquet file"),
+        "tasks.parquet without task_index": ("meta/tasks.parquet", lambda p: pq.write_table(
+            pa.table({"other": [1]}), p), "has no column 'task_index'"),
+        "data parquet truncated": (str(data.relative_to(root)), lambda p: p.write_bytes(p.read_bytes()[:100]),
+                                   "is not a readable Parquet file"),
+        "data parquet without action": (str(data.relative_to(root)), lambda p: pq.write_table(
+            pq.read_table(p).drop_columns(["action"]), p), "has no column 'action'"),
+        "grove.json garbage": ("meta/grove.json", lambda p: p.write_bytes(b"\x00\x01"), "is not text"),
+        "image cell garbage": (str(data.relative_to(root)), lambda p: pq.write_table(
+            pq.read_table(p).set_column(pq.read_table(p).column_names.index("observation.image"), "observation.image",
+                                        pa.array([{"bytes": b"not a png", "path": None}] * pq.read_table(p).num_rows)),
+            p), "cannot be read"),
+    }
+    out = {}
+    for i, (name, (rel, corrupt, message)) in enumerate(cases.items()):
+        copy = tmp_path / f"bad{i}"
+        shutil.copytree(root, copy)
+        corrupt(copy / rel)
+        out[name] = (copy, message)
+    return out
+
+
+def test_hostile_lerobot_dataset_files_are_one_line_errors(tmp_path):
+    """Each LeRobot meta or data file that is not what its name says — not UTF-8, not JSON, not Parquet, a missing
+    column, an undecodable image — answers `grove robotics from-lerobot` with exit 2 and one line naming the file
+    or episode, and writes nothing."""
+    pytest.importorskip("lerobot.datasets.lerobot_dataset")
+    import subprocess
+    import sys
+
+    root = export_lerobot(_episodes(2), tmp_path / "good", repo_id="grove/test")
+    assert len(import_lerobot(root)) == 2
+    for name, (bad, message) in _corrupt_copies(root, tmp_path).items():
+        out = tmp_path / f"{bad.name}.npz"
+        proc = subprocess.run([sys.executable, "-m", "shared_rl", "robotics", "from-lerobot", str(bad), str(out)],
+                              capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        lines = [line for line in proc.stderr.splitlines() if line.strip()]
+        assert proc.returncode == 2, (name, proc.stderr[-1500:])
+        assert len(lines) == 1 and lines[0].startswith("grove: error:") and message in lines[0], (name, lines)
+        assert "Traceback" not in proc.stderr and not out.exists(), name
