@@ -67,6 +67,8 @@ def _files(tmp):
     (tmp / "binary.txt").write_bytes(bytes(range(256)) * 4)
     (tmp / "latin1.txt").write_bytes("a caf\xe9 on a red circle\n".encode("latin-1"))
     (tmp / "latin1.jsonl").write_bytes('{"prompt": "caf\xe9 1+1=", "answer": "2"}\n'.encode("latin-1"))
+    (tmp / "huge_prompt.jsonl").write_text("".join(json.dumps({"prompt": p, "answer": "2"}) + "\n"
+                                                   for p in ["1+1="] * 20 + ["9" * 1_000_000 + "+1="]))
     (tmp / "grove_bad_syntax_reward.py").write_text("def score(prompts, completions, examples):\n    return [1 +\n")
     (tmp / "grove_raising_reward.py").write_text("raise RuntimeError('no licence key in the environment')\n")
     return tmp
@@ -147,6 +149,12 @@ CASES = {
     "llm custom reward named like a file path": (_llm(rewards=[{"name": "../my_rewards.py:score"}]),
                                                  "file paths and relative modules are not imported"),
     "llm engine named like a path": (_llm(engine="./engines/fast.py:Engine"), "llm.engine: './engines/fast.py:Engine'"),
+    "llm prompt beyond the model's context": (_llm(dataset={"source": "jsonl", "path": "TMP/huge_prompt.jsonl"}),
+                                               "prompt is 1,000,004 tokens, more than 24 (the model's context 32 "
+                                               "minus llm.max_new_tokens 8)"),
+    "llm prompt beyond max_prompt_tokens": (_llm(dataset={"source": "jsonl", "path": "TMP/huge_prompt.jsonl",
+                                                          "max_prompt_tokens": 3}),
+                                            "more than 3 (llm.dataset.max_prompt_tokens)"),
     "llm dataset not utf-8": (_llm(dataset={"source": "jsonl", "path": "TMP/latin1.jsonl"}),
                               "latin1.jsonl' is not UTF-8 text (byte 0xe9 at offset"),
     "llm dataset the reward cannot score": (_llm(dataset={"source": "jsonl", "path": "TMP/noanswer.jsonl"}),

@@ -27,7 +27,7 @@ from .engine import RolloutEngine, TorchRolloutEngine
 from .model import LLMLoraSettings, load_causal_lm, load_tokenizer, prepare_causal_lm
 from .policy import collate, collate_shared, reference_context, token_log_probs, token_log_probs_shared
 from .rewards import LLMRewardSpec, build_reward, call_reward
-from .tasks import DatasetSettings, format_prompt, load_task
+from .tasks import DatasetSettings, check_prompt_lengths, format_prompt, load_task, prompt_token_limit
 from .tree import LLMTreeSettings, grow_trees
 
 
@@ -146,6 +146,7 @@ class LLMConfig(DomainConfig):
         if self.dataset.source == "hf":  # may download; the domain reads it after the model
             return
         task = load_task(self.dataset)
+        self._preflight_prompt_lengths(task)
         for spec in self.rewards:
             for column in required_columns(spec):
                 for split, rows in (("train", task.train), ("eval", task.eval)):
@@ -154,6 +155,28 @@ class LLMConfig(DomainConfig):
                         raise ConfigError(f"llm.rewards: {spec.name} scores column {column!r}, which {split} row "
                                           f"{bad} lacks (columns: {sorted(rows[bad])}); set "
                                           f"llm.dataset.answer_column or the reward's args.column")
+
+    def prompt_limit(self, context: int | None) -> tuple[int | None, str]:
+        """The longest prompt in tokens and why: ``dataset.max_prompt_tokens``, else the model's context minus
+        ``max_new_tokens``."""
+        why = ("llm.dataset.max_prompt_tokens" if self.dataset.max_prompt_tokens > 0 else
+               f"the model's context {context} minus llm.max_new_tokens {self.max_new_tokens}")
+        return prompt_token_limit(self.dataset, context, self.max_new_tokens), why
+
+    def _preflight_prompt_lengths(self, task) -> None:
+        """Outsized prompts before the run directory exists: the tokenizer and the model's config (local files only;
+        when either cannot be read here the domain checks after loading)."""
+        try:
+            from transformers import AutoConfig
+
+            from .model import resolve_model_path
+
+            tokenizer = load_tokenizer(self.tokenizer or self.model)
+            config = AutoConfig.from_pretrained(resolve_model_path(self.model), local_files_only=True)
+        except (OSError, ValueError, ConfigError):
+            return
+        limit, why = self.prompt_limit(getattr(config.get_text_config(), "max_position_embeddings", None))
+        check_prompt_lengths(task, tokenizer, self.dataset, self.chat_template, limit, why)
 
     def rollout_structure(self, cfg: Any) -> str:
         """Tree rollouts when ``tree.enabled`` (the hook of ``shared_rl.domain``: tree estimators need them)."""
@@ -213,6 +236,12 @@ class LLMDomain(DomainBase):
         self.eos_ids = sorted({e for e in eos if e is not None})
         self.engine: RolloutEngine = self._make_engine()
         self.task = load_task(cfg.dataset)
+        context = getattr(getattr(self.model, "config", None), "max_position_embeddings", None)
+        self._prompt_limit, why = cfg.prompt_limit(context)
+        cut = check_prompt_lengths(self.task, self.tokenizer, cfg.dataset, cfg.chat_template, self._prompt_limit, why)
+        if cut:
+            ctx.log(f"llm: {cut} prompts longer than {self._prompt_limit} tokens ({why}) are cut to their last "
+                    f"{self._prompt_limit} tokens (llm.dataset.long_prompts: truncate)")
         self.rewards = [(build_reward(spec), spec.weight) for spec in cfg.rewards]
         self._guarded_calls = {
             label: guarded_reward(lambda *a, _label=label, _fn=fn: {_label: call_reward(_fn, _label, *a)}, label,
@@ -249,8 +278,9 @@ class LLMDomain(DomainBase):
         ck = (split, key)
         if ck not in self._prompt_cache:
             ex = self._examples(split)[key]
-            self._prompt_cache[ck] = format_prompt(self.tokenizer, ex["prompt"], self.cfg.dataset.system_prompt,
-                                                   self.cfg.chat_template)
+            ids = format_prompt(self.tokenizer, ex["prompt"], self.cfg.dataset.system_prompt, self.cfg.chat_template)
+            limit = self._prompt_limit
+            self._prompt_cache[ck] = ids[-limit:] if limit is not None and len(ids) > limit else ids
         return self._prompt_cache[ck]
 
     def _decode(self, ids: list[int]) -> str:

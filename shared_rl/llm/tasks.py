@@ -12,7 +12,7 @@ import json
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from ..errors import ConfigError
 
@@ -29,6 +29,8 @@ class DatasetSettings:
     prompt_template: ``str.format`` template applied to string prompts (``{prompt}`` and any column).
     system_prompt: prepended as a system message when a chat template is used.
     num_train / num_eval: caps (0 = all); for ``arith`` the number of problems drawn.
+    max_prompt_tokens / long_prompts: the longest prompt the model takes and what a longer one is (an error before
+        the run starts, or cut to its last tokens, logged).
     """
 
     source: str = field(default="arith", metadata={"help": "arith (embedded) | jsonl | csv | json | hf (datasets)"})
@@ -48,6 +50,12 @@ class DatasetSettings:
     num_train: int = field(default=20000, metadata={"help": "training examples at most; 0 = all"})
     num_eval: int = field(default=500, metadata={"help": "evaluation examples at most; 0 = all"})
     seed: int = field(default=0, metadata={"help": "seed of the arith draw and the held-out hash"})
+    max_prompt_tokens: int = field(default=0, metadata={
+        "help": "longest prompt in tokens (after the chat template); 0 = the model's context (max_position_embeddings) "
+                "minus llm.max_new_tokens"})
+    long_prompts: Literal["error", "truncate"] = field(default="error", metadata={
+        "help": "a longer prompt: error = a bad input found before the run starts | truncate = keep its last "
+                "max_prompt_tokens tokens (TRL's max_prompt_length side) and say how many were cut"})
 
     def check(self, where: str) -> None:
         """The embedded ``arith`` task reads no rows: a path or dataset name given with it would be ignored."""
@@ -209,3 +217,34 @@ def format_prompt(tokenizer, prompt: Any, system_prompt: str | None = None, use_
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return tokenizer(text, add_special_tokens=False).input_ids
     return tokenizer(prompt).input_ids
+
+
+def prompt_token_limit(settings: DatasetSettings, context: int | None, max_new_tokens: int) -> int | None:
+    """The longest prompt in tokens: ``max_prompt_tokens`` when set, else the model's context minus the completion
+    cap (None when the context is unknown)."""
+    if settings.max_prompt_tokens > 0:
+        return settings.max_prompt_tokens
+    if context is None:
+        return None
+    return max(context - max_new_tokens, 1)
+
+
+def check_prompt_lengths(task: TaskData, tokenizer, settings: DatasetSettings, chat_template: str,
+                         limit: int | None, why: str) -> int:
+    """Every prompt's token count against ``limit``: with ``long_prompts: error`` the first too-long row is a
+    ConfigError (one line: split, row, length, limit and ``why`` the limit is what it is); with ``truncate`` the
+    number of rows that will be cut is returned. A prompt is tokenised as the run will (template, BOS)."""
+    if limit is None:
+        return 0
+    too_long = 0
+    for split, rows in (("train", task.train), ("eval", task.eval)):
+        for i, row in enumerate(rows):
+            n = len(format_prompt(tokenizer, row["prompt"], settings.system_prompt, chat_template))
+            if n <= limit:
+                continue
+            if settings.long_prompts == "error":
+                raise ConfigError(f"llm.dataset: {split} row {i}'s prompt is {n:,} tokens, more than {limit:,} ({why}); "
+                                  f"shorten it, set llm.dataset.max_prompt_tokens, or llm.dataset.long_prompts: "
+                                  f"truncate")
+            too_long += 1
+    return too_long

@@ -385,3 +385,31 @@ def test_entropy_branching_stops_before_uncertain_tokens(tiny_dir):
     low = grow_trees(dom.engine, prompts, LLMTreeSettings(True, [2, 2], 3, "entropy", 0.0, 1), 6, 1.0,
                      torch.Generator().manual_seed(1))
     assert all(len(low.path[i]) - low.start[i] == 1 for i in range(len(low)) if low.depth[i] == 1 and not low.finished[i])
+
+
+def test_long_prompts_truncate_keeps_the_last_tokens_and_says_so(tmp_path):
+    """``llm.dataset.long_prompts: truncate``: a prompt longer than ``max_prompt_tokens`` keeps its last tokens (the
+    question end, TRL's side), short ones are untouched, and the run says how many were cut."""
+    import json as _json
+
+    from shared_rl.config import load_train_config
+    from shared_rl.trainer import Trainer
+
+    rows = [{"prompt": "1+1=", "answer": "2"}] * 20 + [{"prompt": "12345678+1=", "answer": "12345679"}] * 4
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(_json.dumps(r) + "\n" for r in rows))
+    logs = []
+    cfg = load_train_config({"domain": "llm", "iterations": 1, "logging": {"progress": False},
+                             "llm": {"dataset": {"source": "jsonl", "path": str(path), "max_prompt_tokens": 6,
+                                                 "long_prompts": "truncate", "eval_fraction": 0.2}}})
+    tr = Trainer(cfg, None, log=logs.append)
+    d = tr.domain
+    from shared_rl.llm.tasks import format_prompt
+
+    for split, rows_ in (("train", d.task.train), ("eval", d.task.eval)):
+        for i, row in enumerate(rows_):
+            full = format_prompt(d.tokenizer, row["prompt"])
+            got = d._prompt_ids(split, i)
+            assert got == (full[-6:] if len(full) > 6 else full)
+    assert any("prompts longer than 6 tokens (llm.dataset.max_prompt_tokens) are cut to their last 6" in m
+               for m in logs), logs
