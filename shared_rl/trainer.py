@@ -503,7 +503,8 @@ class Trainer:
         if self.dist.enabled:
             self.log(self._memory_line())
         if not self._stop_requested:
-            self._finish()
+            with self._signals_after_the_last_iteration():
+                self._finish()
         return self.history
 
     def _run_one(self, it: int, logger: MetricsLogger, bar) -> bool:
@@ -582,6 +583,44 @@ class Trainer:
                     signal.signal(sig, handler)
             except (ValueError, TypeError):
                 pass
+
+    @contextlib.contextmanager
+    def _signals_after_the_last_iteration(self):
+        """SIGTERM / SIGINT / SIGHUP while a finished run writes its end (export, plot, report): the run is complete
+        and its last checkpoint saved, so the writes (seconds) finish and the process exits 0 as a complete run; the
+        signal is said, not obeyed. A second SIGINT aborts at once (``final/`` is written aside and renamed last, so
+        it is then absent, and ``--resume`` exports it again)."""
+        stops = [signal.SIGTERM, signal.SIGINT] + ([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])
+        old_handlers = {sig: signal.getsignal(sig) for sig in stops}
+        seen: list[str] = []
+
+        def on_signal(signum, frame):
+            name = signal.Signals(signum).name
+            if name == "SIGINT" and seen:
+                raise KeyboardInterrupt
+            if name == "SIGHUP":
+                _detach_terminal()
+            if not seen and self.dist.is_main:
+                self.log(f"{name}: every iteration is done and checkpointed; finishing the final export and report "
+                         f"(seconds), then exiting"
+                         + (" (Ctrl-C again to abort them; --resume exports again)" if name == "SIGINT" else ""))
+            seen.append(name)
+
+        try:
+            for sig in old_handlers:
+                signal.signal(sig, on_signal)
+        except ValueError:  # not in the main thread
+            pass
+        try:
+            yield
+        finally:
+            try:
+                for sig, handler in old_handlers.items():
+                    signal.signal(sig, handler)
+            except (ValueError, TypeError):
+                pass
+        if seen and self.dist.is_main:
+            self.log(f"{seen[0]}: the run is complete ({self.run_dir})")
 
     def _log_stop(self, step: int) -> None:
         if self.dist.is_main:

@@ -250,6 +250,13 @@ class SlowExportToy(ToyDomain):
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         (Path(out_dir) / "weights.txt").write_text(str(self.logits.detach().tolist()))
         Path(os.environ["GROVE_TEST_MARK"]).write_text("exporting")
+        gate = os.environ.get("GROVE_TEST_EXPORT_GATE")
+        if gate:  # wait for the test to open the gate (a condition, not a clock), at most a minute
+            for _ in range(1200):
+                if Path(gate).exists():
+                    break
+                time.sleep(0.05)
+            return
         time.sleep(float(os.environ.get("GROVE_TEST_EXPORT_S", "0")))
 
 
@@ -327,6 +334,27 @@ def test_sigkill_during_the_final_export_then_resume_exports_it(tmp_path, monkey
     assert [r["step"] for r in _records(run)] == [0, 1, 2, 3, 4]  # nothing trained again
     assert main(["train", "--resume", str(run)]) == 2
     assert "nothing is left to train" in capsys.readouterr().err
+
+
+def test_sigterm_while_a_finished_run_writes_its_end_exits_cleanly_and_complete(tmp_path):
+    """SIGTERM after the last iteration, inside the final export: the run finishes its end (final/ whole, the report)
+    and exits 0 as a complete run, saying so; no traceback, no -15."""
+    mark, gate, run = tmp_path / "mark", tmp_path / "gate", tmp_path / "run"
+    _, proc = _launch(tmp_path, "SlowExportToy", "slow_export_toy", SMALL, ["--out", str(run)],
+                      GROVE_TEST_MARK=str(mark), GROVE_TEST_EXPORT_GATE=str(gate))
+    try:
+        _wait_for(mark.exists, proc)  # inside save_pretrained, after every iteration
+        proc.send_signal(signal.SIGTERM)
+        gate.write_text("go")
+        out = proc.communicate(timeout=120)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0 and "Traceback" not in out, out[-2000:]
+    assert "SIGTERM: every iteration is done and checkpointed" in out and "the run is complete" in out, out[-2000:]
+    assert (run / "final" / "weights.txt").is_file() and not (run / ".tmp-final").exists()
+    assert (run / "report.html").is_file()
 
 
 def test_a_full_disk_at_the_start_leaves_nothing_behind(tmp_path, capsys):
