@@ -67,6 +67,13 @@ def _files(tmp):
     (tmp / "binary.txt").write_bytes(bytes(range(256)) * 4)
     (tmp / "latin1.txt").write_bytes("a caf\xe9 on a red circle\n".encode("latin-1"))
     (tmp / "latin1.jsonl").write_bytes('{"prompt": "caf\xe9 1+1=", "answer": "2"}\n'.encode("latin-1"))
+    (tmp / "rows_not_objects.jsonl").write_text('[1, 2]\n"x"\n')
+    (tmp / "int_prompts.jsonl").write_text('{"prompt": 5, "answer": "2"}\n' * 10)
+    (tmp / "empty_prompts.jsonl").write_text('{"prompt": "  ", "answer": "2"}\n' * 10)
+    (tmp / "null_answers.jsonl").write_text('{"prompt": "1+1=", "answer": null}\n' * 10)
+    (tmp / "numbers.json").write_text("[1, 2, 3]")
+    (tmp / "truncated.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "1+')
+    (tmp / "unterminated_quote.csv").write_text('prompt,answer\n"1+1=,2\n')
     (tmp / "huge_prompt.jsonl").write_text("".join(json.dumps({"prompt": p, "answer": "2"}) + "\n"
                                                    for p in ["1+1="] * 20 + ["9" * 1_000_000 + "+1="]))
     (tmp / "grove_bad_syntax_reward.py").write_text("def score(prompts, completions, examples):\n    return [1 +\n")
@@ -149,6 +156,20 @@ CASES = {
     "llm custom reward named like a file path": (_llm(rewards=[{"name": "../my_rewards.py:score"}]),
                                                  "file paths and relative modules are not imported"),
     "llm engine named like a path": (_llm(engine="./engines/fast.py:Engine"), "llm.engine: './engines/fast.py:Engine'"),
+    "llm jsonl rows that are not objects": (_llm(dataset={"source": "jsonl", "path": "TMP/rows_not_objects.jsonl"}),
+                                            "row 0 is a list, not an object with named columns"),
+    "llm prompts that are numbers": (_llm(dataset={"source": "jsonl", "path": "TMP/int_prompts.jsonl"}),
+                                     "the 'prompt' column holds int 5"),
+    "llm empty prompts": (_llm(dataset={"source": "jsonl", "path": "TMP/empty_prompts.jsonl"}),
+                          "the 'prompt' column is empty"),
+    "llm null answers": (_llm(dataset={"source": "jsonl", "path": "TMP/null_answers.jsonl"}),
+                         "scores column 'answer', which train row 0 leaves empty (null)"),
+    "llm json list of numbers": (_llm(dataset={"source": "json", "path": "TMP/numbers.json"}),
+                                 "row 0 is a int, not an object"),
+    "llm truncated jsonl": (_llm(dataset={"source": "jsonl", "path": "TMP/truncated.jsonl"}),
+                            "truncated.jsonl: line 2 is not valid JSON"),
+    "llm csv with an unterminated quote": (_llm(dataset={"source": "csv", "path": "TMP/unterminated_quote.csv"}),
+                                           "leaves empty (null)"),
     "llm prompt beyond the model's context": (_llm(dataset={"source": "jsonl", "path": "TMP/huge_prompt.jsonl"}),
                                                "prompt is 1,000,004 tokens, more than 24 (the model's context 32 "
                                                "minus llm.max_new_tokens 8)"),

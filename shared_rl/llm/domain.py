@@ -150,10 +150,11 @@ class LLMConfig(DomainConfig):
         for spec in self.rewards:
             for column in required_columns(spec):
                 for split, rows in (("train", task.train), ("eval", task.eval)):
-                    bad = next((i for i, row in enumerate(rows) if column not in row), None)
+                    bad = next((i for i, row in enumerate(rows) if row.get(column) is None), None)
                     if bad is not None:
+                        why = "lacks" if column not in rows[bad] else "leaves empty (null)"
                         raise ConfigError(f"llm.rewards: {spec.name} scores column {column!r}, which {split} row "
-                                          f"{bad} lacks (columns: {sorted(rows[bad])}); set "
+                                          f"{bad} {why} (columns: {sorted(rows[bad])}); set "
                                           f"llm.dataset.answer_column or the reward's args.column")
 
     def prompt_limit(self, context: int | None) -> tuple[int | None, str]:

@@ -150,16 +150,33 @@ def _read_hf(settings: DatasetSettings, split: str) -> list[dict[str, Any]]:
     return [dict(row) for row in ds]
 
 
+def _check_prompt(prompt: Any, where: str, column: str) -> None:
+    """A prompt is a non-empty string or a conversation: a non-empty list of {role, content} messages with string
+    fields (TRL's two dataset formats); anything else is a bad row, named."""
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise ConfigError(f"{where}: the {column!r} column is empty; every row needs a prompt")
+        return
+    if isinstance(prompt, list) and prompt and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in prompt):
+        return
+    shown = repr(prompt)[:60]
+    raise ConfigError(f"{where}: the {column!r} column holds {type(prompt).__name__} {shown}; a prompt is a string or "
+                      f"a list of {{role, content}} messages")
+
+
 def _normalise(rows: list[dict[str, Any]], s: DatasetSettings, where: str) -> list[dict[str, Any]]:
     out = []
     for i, row in enumerate(rows):
-        row = dict(row)
         if not isinstance(row, dict):
             raise ConfigError(f"{where}: row {i} is a {type(row).__name__}, not an object with named columns")
+        row = dict(row)
         if s.prompt_column not in row:
             raise ConfigError(f"{where}: row {i} has no prompt column {s.prompt_column!r} (columns: {sorted(row)}); "
                            f"set llm.dataset.prompt_column")
         prompt = row.pop(s.prompt_column)
+        _check_prompt(prompt, f"{where} row {i}", s.prompt_column)
         if isinstance(prompt, str):
             try:
                 prompt = s.prompt_template.format(prompt=prompt, **row)
@@ -190,8 +207,8 @@ def load_task(s: DatasetSettings) -> TaskData:
         held = [_stable_hash("holdout", s.seed, i) % 10_000 < s.eval_fraction * 10_000 for i in range(len(rows))]
         eval_rows = [r for r, h in zip(rows, held) if h]
         rows = [r for r, h in zip(rows, held) if not h]
-    train = _normalise(rows, s, "train")
-    evaluation = _normalise(eval_rows, s, "eval")
+    train = _normalise(rows, s, f"llm.dataset {s.path}: train")
+    evaluation = _normalise(eval_rows, s, f"llm.dataset {s.eval_path or s.path}: eval")
     if s.num_train:
         train = train[:s.num_train]
     if s.num_eval:
