@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import io
 import json
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,6 +79,30 @@ EPISODE_ARRAYS = ("episode_starts", "episode_lengths", "images", "proprio", "act
                   "instructions")
 
 
+def _check_episode_arrays(d: dict[str, np.ndarray], where: str) -> None:
+    """The arrays of an episodes file agree with each other (one line naming what does not): per-episode arrays of
+    one length, episodes that tile the frames, frames of one length, uint8 images, numeric vectors."""
+    n = len(d["episode_starts"])
+    bad = [k for k in ("episode_lengths", "tasks", "instructions", "keys") if len(d[k]) != n]
+    frames = len(d["actions"])
+    bad += [k for k in ("images", "proprio", "success") + (("states",) if "states" in d else ()) if len(d[k]) != frames]
+    if bad:
+        raise ConfigError(f"{where!r}: arrays of different lengths ({', '.join(bad)} disagree with "
+                          f"episode_starts {n} / actions {frames}); the file is damaged: collect it again")
+    starts, lengths = d["episode_starts"].astype(np.int64), d["episode_lengths"].astype(np.int64)
+    expected = np.concatenate([[0], np.cumsum(lengths)[:-1]]) if n else starts
+    if (lengths < 1).any() or not np.array_equal(starts, expected) or int(lengths.sum()) != frames:
+        raise ConfigError(f"{where!r}: episode_starts / episode_lengths do not tile its {frames} frames; the file is "
+                          f"damaged: collect it again")
+    if d["images"].dtype != np.uint8 or d["images"].ndim != 4:
+        raise ConfigError(f"{where!r}: images must be uint8 [frames, H, W, channels], got {d['images'].dtype} "
+                          f"{list(d['images'].shape)}")
+    for k in ("proprio", "actions"):
+        if d[k].dtype.kind not in "fiu" or d[k].ndim != 2:
+            raise ConfigError(f"{where!r}: {k} must be a numeric [frames, dims] array, got {d[k].dtype} "
+                              f"{list(d[k].shape)}")
+
+
 def load_episodes(path: str | Path) -> list[Episode]:
     path = Path(path)
     if not path.is_file():
@@ -85,13 +110,14 @@ def load_episodes(path: str | Path) -> list[Episode]:
     try:
         with np.load(path, allow_pickle=False) as z:
             d = {k: z[k] for k in z.files}
-    except (OSError, ValueError, EOFError) as e:  # not a zip / truncated / pickled objects
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:  # not a zip / truncated / pickled objects
         raise ConfigError(f"{str(path)!r} is not an episodes .npz written by `grove robotics collect` (not a "
                           f"NumPy .npz archive: {type(e).__name__})") from None
     missing = sorted(set(EPISODE_ARRAYS) - set(d))
     if missing:
         raise ConfigError(f"{str(path)!r} is not an episodes .npz written by `grove robotics collect` (it lacks "
                           f"{', '.join(missing)})")
+    _check_episode_arrays(d, str(path))
     out = []
     for i, (s, n) in enumerate(zip(d["episode_starts"], d["episode_lengths"])):
         sl = slice(int(s), int(s + n))

@@ -211,3 +211,28 @@ def test_hostile_lerobot_dataset_files_are_one_line_errors(tmp_path):
         assert proc.returncode == 2, (name, proc.stderr[-1500:])
         assert len(lines) == 1 and lines[0].startswith("grove: error:") and message in lines[0], (name, lines)
         assert "Traceback" not in proc.stderr and not out.exists(), name
+
+
+def test_damaged_episode_files_are_one_line_errors(tmp_path):
+    """An episodes .npz that is a truncated zip, whose per-episode arrays disagree in length, whose episodes do not
+    tile its frames, or whose images are not uint8: one ConfigError line each (was BadZipFile / IndexError, or
+    silently empty episodes)."""
+    from shared_rl.errors import ConfigError
+
+    good = save_episodes(_episodes(2), tmp_path / "good.npz")
+    raw = good.read_bytes()
+    z = dict(np.load(good))
+    cases = {"truncated": (raw[: len(raw) // 2], "not a NumPy .npz archive"),
+             "short tasks": ({**z, "tasks": z["tasks"][:1]}, r"arrays of different lengths \(tasks"),
+             "bad starts": ({**z, "episode_starts": z["episode_starts"] + 3}, "do not tile its"),
+             "float images": ({**z, "images": z["images"].astype(np.float64)}, "images must be uint8")}
+    for name, (content, message) in cases.items():
+        path = tmp_path / f"{name.replace(' ', '_')}.npz"
+        if isinstance(content, bytes):
+            path.write_bytes(content)
+        else:
+            np.savez(path, **content)
+        with pytest.raises(ConfigError, match=message) as err:
+            load_episodes(path)
+        assert "\n" not in str(err.value), name
+    assert len(load_episodes(good)) == 2
