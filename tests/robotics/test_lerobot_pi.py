@@ -549,3 +549,14 @@ def test_cpu_recipe_bc_then_grpo_on_metaworld(tmp_path):
     before, after = evals[0]["eval/success"], evals[-1]["eval/success"]
     assert before == bc["eval/success"], "iteration 0 evaluates the BC policy on the same held-out states"
     assert after >= before - 0.05, (before, after)
+
+
+def test_a_policy_directory_with_a_damaged_config_is_one_line(tmp_path):
+    """A LeRobot policy directory whose config.json is not UTF-8, not JSON or not an object: one line naming it."""
+    for name, raw in (("latin1", b'{"type": "caf\xe9"}'), ("garbage", b"{type: pi0"), ("list", b"[1, 2]")):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_bytes(raw)
+        with pytest.raises(ConfigError, match="config.json") as err:
+            _load(d)
+        assert "\n" not in str(err.value), name

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from shared_rl.errors import ConfigError
+from shared_rl.readers import read_json
 
 from .compat import FAMILIES, import_policies, policy_class
 from .settings import PolicySettings
@@ -20,7 +21,11 @@ def _read_config(path: str) -> dict:
         if not (p / "config.json").is_file():
             raise ConfigError(f"robotics.policy.path: {p} has no config.json; it must be a LeRobot policy directory "
                               f"(policy.save_pretrained(dir))")
-        return json.loads((p / "config.json").read_text())
+        config = read_json(p / "config.json", "a LeRobot policy config (policy.save_pretrained writes it)")
+        if not isinstance(config, dict):
+            raise ConfigError(f"robotics.policy.path: {p / 'config.json'} is not a JSON object; it should be a LeRobot "
+                              f"policy config")
+        return config
     from huggingface_hub import hf_hub_download
 
     try:
