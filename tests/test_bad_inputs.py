@@ -170,6 +170,8 @@ CASES = {
                             "truncated.jsonl: line 2 is not valid JSON"),
     "llm csv with an unterminated quote": (_llm(dataset={"source": "csv", "path": "TMP/unterminated_quote.csv"}),
                                            "leaves empty (null)"),
+    "llm model path with a typo": (_llm(model="assets/llm-arith-tiy"),
+                                   "model path 'assets/llm-arith-tiy' does not exist (did you mean 'assets/llm-arith-tiny'?)"),
     "llm prompt beyond the model's context": (_llm(dataset={"source": "jsonl", "path": "TMP/huge_prompt.jsonl"}),
                                                "prompt is 1,000,004 tokens, more than 24 (the model's context 32 "
                                                "minus llm.max_new_tokens 8)"),

@@ -167,14 +167,17 @@ class LLMConfig(DomainConfig):
     def _preflight_prompt_lengths(self, task) -> None:
         """Outsized prompts before the run directory exists: the tokenizer and the model's config (local files only;
         when either cannot be read here the domain checks after loading)."""
+        from .model import resolve_model_path
+
+        model, tok = resolve_model_path(self.model), resolve_model_path(self.tokenizer or self.model)
+        if not (Path(model).exists() and Path(tok).exists()):  # a hub id: checked after loading, never a Hub call here
+            return
         try:
             from transformers import AutoConfig
 
-            from .model import resolve_model_path
-
-            tokenizer = load_tokenizer(self.tokenizer or self.model)
-            config = AutoConfig.from_pretrained(resolve_model_path(self.model), local_files_only=True)
-        except (OSError, ValueError, ConfigError):
+            tokenizer = load_tokenizer(tok)
+            config = AutoConfig.from_pretrained(model, local_files_only=True)
+        except (OSError, ValueError):
             return
         limit, why = self.prompt_limit(getattr(config.get_text_config(), "max_position_embeddings", None))
         check_prompt_lengths(task, tokenizer, self.dataset, self.chat_template, limit, why)
