@@ -52,3 +52,14 @@ def read_parquet(path: str | Path, what: str, columns: list[str] | tuple[str, ..
         raise ConfigError(f"{p} has no column {', '.join(map(repr, missing))} (columns: {table.column_names}); it "
                           f"should be {what}")
     return table
+
+
+def local_path_meant(path: str, roots: tuple[Path, ...] = ()) -> bool:
+    """Whether ``path`` names a local file or folder rather than a hub id ("name" or "org/name"): it starts with
+    ``.``, ``/`` or ``~``, has more than one ``/`` or a backslash, or its first component is a local folder (in the
+    working directory or one of ``roots``: ``assets/llm-arith-tiy``, ``runs/lerobot/smolvla-tiny``). A missing local
+    path is then a one-line error at once, never a Hub client's retries."""
+    if path.startswith((".", "/", "~")) or path.count("/") > 1 or "\\" in path:
+        return True
+    parts = Path(path).parts
+    return len(parts) == 2 and any((base / parts[0]).is_dir() for base in (Path.cwd(), *roots))

@@ -65,19 +65,17 @@ def resolve_model_path(path: str) -> str:
     repo_root = Path(__file__).resolve().parents[2]
     if (repo_root / p).exists():
         return str(repo_root / p)
-    # a hub id is "name" or "org/name"; anything else that does not exist is a missing local path, and so is
-    # "dir/name" whose "dir" is a local folder (assets/llm-arith-tiy): answered here, before any Hub client retries
+    # a hub id is "name" or "org/name"; anything else that does not exist is a missing local path (so is
+    # "dir/name" whose "dir" is a local folder: assets/llm-arith-tiy), answered before any Hub client retries
     from ..config import ConfigError
+    from ..readers import local_path_meant
     from ..registry import did_you_mean
 
-    if path.startswith((".", "/", "~")) or path.count("/") > 1 or "\\" in path:
-        raise ConfigError(f"model path {path!r} does not exist (and is not a hub id like 'org/name')")
-    first = p.parts[0] if len(p.parts) == 2 else None
-    for base in (Path.cwd(), repo_root):
-        if first and (base / first).is_dir():
-            siblings = [f"{first}/{c.name}" for c in (base / first).iterdir()]
-            raise ConfigError(f"model path {path!r} does not exist{did_you_mean(path, siblings)} ({first}/ is a local "
-                              f"folder, so this is a path, not a hub id)")
+    if local_path_meant(path, (repo_root,)):
+        parent = next((b / p.parent for b in (Path.cwd(), repo_root) if (b / p.parent).is_dir()), None)
+        siblings = [str(p.parent / c.name) for c in parent.iterdir()] if parent is not None else []
+        raise ConfigError(f"model path {path!r} does not exist{did_you_mean(path, siblings)} (a local path, not a hub "
+                          f"id like 'org/name')")
     return path
 
 

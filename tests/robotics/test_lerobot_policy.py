@@ -268,8 +268,11 @@ def test_config_errors_are_one_line(tiny_dir, tmp_path):
     (pi0 / "config.json").write_text(json.dumps({"type": "pi0"}))
     with pytest.raises(ConfigError, match="declares no image feature"):  # π0 loads now; its features are checked
         _load(pi0)
-    with pytest.raises(ConfigError, match="neither a LeRobot policy directory nor a hub id in the local cache"):
+    with pytest.raises(ConfigError, match="does not exist .a local path, not a hub id.; the CPU recipes' tiny "
+                                          "policies are made by `python scripts/robotics_lerobot_tiny.py`"):
         _load(tmp_path / "missing")
+    with pytest.raises(ConfigError, match="neither a LeRobot policy directory nor a hub id in the local cache"):
+        _load("no-such-org/no-such-policy")
 
 
 def test_one_rl_iteration_and_final_export(tiny_dir, tmp_path):

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from shared_rl.errors import ConfigError
-from shared_rl.readers import read_json
+from shared_rl.readers import local_path_meant, read_json
 
 from .compat import FAMILIES, import_policies, policy_class
 from .settings import PolicySettings
@@ -17,6 +17,10 @@ PROCESSOR_FILES = ("policy_preprocessor.json", "policy_postprocessor.json")
 def _read_config(path: str) -> dict:
     """The policy's ``config.json`` (a local directory, or a hub id resolved in the local cache only)."""
     p = Path(path)
+    if not p.is_dir() and local_path_meant(path):
+        raise ConfigError(f"robotics.policy.path: {path} does not exist (a local path, not a hub id); the CPU recipes' "
+                          f"tiny policies are made by `python scripts/robotics_lerobot_tiny.py` (--family pi05 for "
+                          f"π0.5), your own by LeRobot's `lerobot-train`")
     if p.is_dir():
         if not (p / "config.json").is_file():
             raise ConfigError(f"robotics.policy.path: {p} has no config.json; it must be a LeRobot policy directory "
