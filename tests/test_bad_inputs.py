@@ -113,6 +113,8 @@ CASES = {
     "visgen unknown kernel": (_visgen(kernel="euler"), "visgen.kernel"),
     "visgen unknown method": (_visgen(method={"name": "nope"}), "nope"),
     "visgen bad resolution": (_visgen(resolution=30), "resolution"),
+    "visgen resolution beyond the model's positional table": (_visgen(resolution=512),
+                                                              "fits at most 64 x 64 pixels; use visgen.resolution <= 64"),
     "visgen missing prompt file": (_visgen(task="file", train_prompts="TMP/none.txt"), "none.txt"),
     "visgen empty prompt file": (_visgen(task="file", train_prompts="TMP/empty.txt", eval_prompts="TMP/empty.txt"),
                                  "empty.txt"),

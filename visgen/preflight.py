@@ -17,6 +17,8 @@ this module never imports ``visgen.domain`` (which imports it).
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import inspect
 import typing
 
@@ -86,9 +88,47 @@ def _unscorable(prompts: list[str], metas: list[dict]) -> tuple[int, str] | None
     return None
 
 
+def check_image_size(cfg, model_dir: Path) -> None:
+    """The image size against what the model's own files allow, before the pipeline loads: a transformer with a
+    fixed positional table (SD3's ``pos_embed_max_size``) takes at most pos_embed_max_size · patch_size latent
+    pixels per side, i.e. that times the VAE's downsampling (2^(blocks − 1)) image pixels; and the size must be a
+    multiple of the VAE's downsampling times the patch size. One line naming the largest size that fits."""
+    import json
+
+    def read(name):
+        path = model_dir / name / "config.json"
+        try:
+            return json.loads(path.read_text()) if path.is_file() else {}
+        except (ValueError, UnicodeDecodeError):
+            return {}  # a damaged file is the loader's to name
+
+    size = cfg.resolution
+    if size is None:
+        try:
+            size = json.loads((model_dir / "grove.json").read_text()).get("resolution")
+        except (OSError, ValueError, AttributeError):
+            size = None
+    transformer, vae = read("transformer"), read("vae")
+    blocks = vae.get("block_out_channels")
+    patch, table = transformer.get("patch_size"), transformer.get("pos_embed_max_size")
+    if not size or not isinstance(blocks, list) or not isinstance(patch, int):
+        return
+    scale = 2 ** (len(blocks) - 1)
+    multiple = scale * patch
+    if size % multiple:
+        raise ConfigError(f"visgen.resolution {size} must be a multiple of {multiple} for {cfg.model} (VAE "
+                          f"downsampling {scale} x transformer patch size {patch})")
+    if isinstance(table, int) and size > table * multiple:
+        raise ConfigError(f"visgen.resolution {size} is more than {cfg.model} takes: its transformer's positional "
+                          f"table (pos_embed_max_size {table}) fits at most {table * multiple} x {table * multiple} "
+                          f"pixels; use visgen.resolution <= {table * multiple}")
+
+
 def preflight(cfg, train_cfg, read_prompt_file, resolve_model_location, import_rewards) -> None:
     """The checks of the module docstring for ``VisgenConfig`` ``cfg``; raises ConfigError."""
-    resolve_model_location(cfg.model)
+    location, local = resolve_model_location(cfg.model)
+    if local:
+        check_image_size(cfg, Path(location))
     import_rewards()
     for i, spec in enumerate(cfg.rewards):
         _check_reward_arguments(f"visgen.rewards[{i}]", spec.name, spec.kwargs)
