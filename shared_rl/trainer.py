@@ -533,6 +533,8 @@ class Trainer:
         logger.log(step, metrics)
         self.history.append({"step": step, **metrics})
         if bar is not None:
+            if any(k.startswith("eval/") for k in metrics):  # held-out numbers as a line above the bar, not hidden
+                bar.write(f"eval at iteration {step}: " + _fmt({k: v for k, v in metrics.items() if k.startswith("eval/")}))
             bar.update(1)
             bar.set_postfix(reward=f"{metrics.get('reward/mean', float('nan')):.3f}",
                             sps=f"{metrics.get('samples_per_s', 0):.1f}")

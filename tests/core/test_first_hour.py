@@ -234,3 +234,34 @@ def test_sighup_points_a_vanished_terminal_at_dev_null():
         os.dup2(saved, 2)
         for fd in (saved, master, slave):
             os.close(fd)
+
+
+def test_a_terminal_sees_mid_run_evaluations_above_the_bar(tmp_path):
+    """On a terminal (a pty) the progress bar is on, and each mid-run held-out evaluation is printed as a line above
+    it (not only in metrics.jsonl)."""
+    import pty
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({**GOOD, "iterations": 4, "eval": {"every": 2, "at_start": False},
+                                   "logging": {"progress": True}}))
+    master, slave = pty.openpty()
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "shared_rl", "train", str(cfg), "--out", str(tmp_path / "run")],
+                                stdout=slave, stderr=slave, stdin=subprocess.DEVNULL, cwd=str(tmp_path),
+                                env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+        os.close(slave)
+        chunks = []
+        while True:
+            try:
+                data = os.read(master, 4096)
+            except OSError:  # the child closed the terminal
+                break
+            if not data:
+                break
+            chunks.append(data)
+        assert proc.wait(timeout=120) == 0
+    finally:
+        os.close(master)
+    out = b"".join(chunks).decode(errors="replace")
+    assert "\r" in out, "a terminal gets the bar"
+    assert re.search(r"eval at iteration 2: eval/\S+=", out) and re.search(r"eval at iteration 4: eval/\S+=", out), out
