@@ -76,6 +76,7 @@ class Trainer:
         if self.dist.enabled and self.device.type == "cuda":
             self.device = torch.device("cuda", self.dist.local_rank)
         torch.manual_seed(cfg.seed)
+        self._held = sorted(objects or {})  # names of the objects the caller holds (config.yaml's header)
         ctx = RunContext(run_dir=self.run_dir, device=self.device, seed=cfg.seed, log=log,
                          process_index=self.dist.rank, num_processes=self.dist.world, train_cfg=cfg,
                          objects=dict(objects or {}))
@@ -461,6 +462,7 @@ class Trainer:
         main = self.dist.is_main
         if self.run_dir and main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
+            self._write_config_for_the_cli()
         logger = MetricsLogger(self.run_dir if main else None, cfg.logging.tensorboard, cfg.logging.wandb,
                                cfg.logging.wandb_project, dump_train_config(cfg))
         if resume:
@@ -506,6 +508,24 @@ class Trainer:
             with self._signals_after_the_last_iteration():
                 self._finish()
         return self.history
+
+    def _write_config_for_the_cli(self) -> None:
+        """A run started from Python (``shared_rl.api``, the domains' trainer classes) writes ``config.yaml`` as
+        ``grove train`` does, so ``grove eval RUN`` and ``grove train --resume RUN`` understand its directory. Objects
+        the caller held (a model, a pipeline, a policy) are named in its header: their config paths are labels
+        (``held/...``); resume such a run from Python with the same objects, or point those paths at saved copies.
+        The CLI writes its own config.yaml first, which is left as it is."""
+        path = self.run_dir / "config.yaml"
+        if path.exists():
+            return
+        import yaml
+
+        held = self._held
+        header = ["# written by a run started from Python (shared_rl.api / a domain's trainer class)"]
+        if held:
+            header.append(f"# held in memory by the caller, not saved: {', '.join(held)}; their paths below are labels "
+                          f"(held/...): resume from Python with the same objects, or set those paths to saved copies")
+        atomic_write_text(path, "\n".join(header) + "\n" + yaml.safe_dump(dump_train_config(self.cfg), sort_keys=False))
 
     def _run_one(self, it: int, logger: MetricsLogger, bar) -> bool:
         """Iteration ``it`` with its evaluation, record and checkpoint; True when a signal asked the run to stop."""

@@ -263,3 +263,23 @@ def test_one_ctrl_c_in_process_checkpoints_where_it_stopped(tmp_path, monkeypatc
     monkeypatch.setattr(SignalToy, "at", -1)
     assert main(["train", "--resume", str(run)]) == 0
     assert [r["step"] for r in _records(run)] == list(range(7))
+
+
+def test_a_run_started_from_python_can_be_evaluated_and_resumed_from_the_cli(tmp_path, capsys):
+    """``shared_rl.api.train(..., run_dir=...)`` writes config.yaml as ``grove train`` does: ``grove eval RUN`` reads
+    its checkpoint and ``grove train --resume RUN iterations=N`` continues it, the records equal to an
+    uninterrupted run's."""
+    from shared_rl.api import train
+
+    run = tmp_path / "run"
+    train(GOOD, run_dir=run, log=lambda *_: None)
+    assert (run / "config.yaml").is_file() and "started from Python" in (run / "config.yaml").read_text()
+    assert main(["eval", str(run), "--out", str(tmp_path / "ev")]) == 0
+    assert (tmp_path / "ev" / "results.json").is_file()
+    assert main(["train", "--resume", str(run), "iterations=5"]) == 0
+    ref = tmp_path / "ref"
+    train({**GOOD, "iterations": 5}, run_dir=ref, log=lambda *_: None)
+    strip = lambda rs: [{k: v for k, v in r.items() if not k.startswith(("time/", "resume/", "eval/")) and k != "samples_per_s"}  # noqa: E731
+                        for r in rs]
+    read = lambda d: [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
+    assert strip(read(run)) == strip(read(ref))
