@@ -67,6 +67,9 @@ def _files(tmp):
     (tmp / "binary.txt").write_bytes(bytes(range(256)) * 4)
     (tmp / "latin1.txt").write_bytes("a caf\xe9 on a red circle\n".encode("latin-1"))
     (tmp / "latin1.jsonl").write_bytes('{"prompt": "caf\xe9 1+1=", "answer": "2"}\n'.encode("latin-1"))
+    (tmp / "damaged_model").mkdir()
+    (tmp / "damaged_model" / "config.json").write_text("{not json")
+    (tmp / "damaged_model" / "model.safetensors").write_bytes(b"\x00" * 16)
     (tmp / "rows_not_objects.jsonl").write_text('[1, 2]\n"x"\n')
     (tmp / "int_prompts.jsonl").write_text('{"prompt": 5, "answer": "2"}\n' * 10)
     (tmp / "empty_prompts.jsonl").write_text('{"prompt": "  ", "answer": "2"}\n' * 10)
@@ -172,6 +175,8 @@ CASES = {
                             "truncated.jsonl: line 2 is not valid JSON"),
     "llm csv with an unterminated quote": (_llm(dataset={"source": "csv", "path": "TMP/unterminated_quote.csv"}),
                                            "leaves empty (null)"),
+    "llm model directory with a damaged config": (_llm(model="TMP/damaged_model"), "damaged_model"),
+    "robotics checkpoint with a damaged config": (_robotics(checkpoint="TMP/damaged_model"), "damaged_model"),
     "llm model path with a typo": (_llm(model="assets/llm-arith-tiy"),
                                    "model path 'assets/llm-arith-tiy' does not exist (did you mean 'assets/llm-arith-tiny'?)"),
     "llm prompt beyond the model's context": (_llm(dataset={"source": "jsonl", "path": "TMP/huge_prompt.jsonl"}),
