@@ -485,7 +485,8 @@ class Trainer:
                     rec = self.evaluate(0)
                     logger.log(0, rec)
                     self.history.append({"step": 0, **rec})
-                    self.log("eval before training: " + _fmt(rec))
+                    self.log("eval before training: " + (_fmt(rec) or "no held-out metrics (the run has nothing "
+                                                                      "to evaluate on; see the domain's note above)"))
                 # a signal during the first evaluation: checkpoint the untouched start, so --resume picks up there
                 stop_first = any_rank(self.dist, self._stop_requested)
                 if stop_first:
@@ -687,12 +688,16 @@ class Trainer:
         plot_metrics(records, self.run_dir / "curves.png", f"{self.cfg.domain}")
         self.domain.on_train_end(self.run_dir, records)
         evals = [r for r in records if any(k.startswith("eval/") for k in r)]
+        trained = [r for r in records if any(k.startswith("reward/") for k in r)]
+        prefix, what = "eval/", "summary"
+        if len(evals) < 2 and len(trained) >= 2:  # no held-out evaluation: the training rewards, said as such
+            evals, prefix, what = trained, "reward/", "summary of the training rewards (no held-out evaluation)"
         if len(evals) >= 2:
             first, last = evals[0], evals[-1]
             lines = [f"{k}: {first[k]:.4g} -> {last[k]:.4g}" for k in sorted(last)
-                     if k.startswith("eval/") and isinstance(first.get(k), (int, float))
-                     and isinstance(last.get(k), (int, float))]
-            summary = "summary (step %d -> %d)\n  " % (first["step"], last["step"]) + "\n  ".join(lines)
+                     if k.startswith(prefix) and k.endswith("mean" if prefix == "reward/" else "")
+                     and isinstance(first.get(k), (int, float)) and isinstance(last.get(k), (int, float))]
+            summary = f"{what} (step %d -> %d)\n  " % (first["step"], last["step"]) + "\n  ".join(lines)
             atomic_write_text(self.run_dir / "summary.txt", summary + "\n")
             self.log(summary)
         from .report import write_report, run_facts

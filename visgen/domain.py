@@ -483,6 +483,9 @@ class VisgenDomain(DomainBase):
             keep = [int(i * step) for i in range(cfg.eval.max_prompts)]
             self.eval_prompts = [self.eval_prompts[i] for i in keep]
             self.eval_meta = [self.eval_meta[i] for i in keep]
+        if not self.eval_prompts:
+            self.ctx.log("visgen: no evaluation prompts (visgen.eval_prompts, or eval_prompts= in the Python API): "
+                         "held-out evaluation is off; the summary reports the training rewards")
 
     def _sample_kwargs(self) -> dict[str, Any]:
         kw: dict[str, Any] = {"max_sequence_length": self.max_sequence_length}

@@ -265,3 +265,19 @@ def test_a_terminal_sees_mid_run_evaluations_above_the_bar(tmp_path):
     out = b"".join(chunks).decode(errors="replace")
     assert "\r" in out, "a terminal gets the bar"
     assert re.search(r"eval at iteration 2: eval/\S+=", out) and re.search(r"eval at iteration 4: eval/\S+=", out), out
+
+
+def test_a_run_without_held_out_metrics_says_so_and_summarises_its_training_rewards(tmp_path, capsys, monkeypatch):
+    """A domain whose evaluation returns nothing: "eval before training:" says there are no held-out metrics (not an
+    empty line), and summary.txt reports the training rewards first -> last, labelled as such."""
+    from shared_rl.toy import ToyDomain
+
+    monkeypatch.setattr(ToyDomain, "evaluate", lambda self, iteration: {})
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump(GOOD))
+    assert main(["train", str(cfg), "--out", str(tmp_path / "run")]) == 0
+    err = capsys.readouterr().err
+    assert "eval before training: no held-out metrics" in err
+    summary = (tmp_path / "run" / "summary.txt").read_text()
+    assert summary.startswith("summary of the training rewards (no held-out evaluation) (step 1 -> 3)")
+    assert "reward/mean: " in summary
