@@ -526,6 +526,7 @@ def test_tiny_recipe_smoke(tiny_dirs, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2400)  # 4.6 min alone (measured); the suite's 600 s limit is for the default tests
 def test_cpu_recipe_bc_then_grpo_on_metaworld(tmp_path):
     """The π0.5 CPU recipe end to end (~12 min on 2 cores): the tiny π0.5 behaviour-cloned on fresh demos with
     LeRobot's loss learns the two tasks from nothing, and GRPO with LoRA keeps or raises its held-out success (the
