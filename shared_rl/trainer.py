@@ -576,8 +576,7 @@ class Trainer:
         """SIGINT / SIGTERM / SIGHUP: finish the current iteration, checkpoint, exit; a second Ctrl-C aborts at
         once. SIGHUP (the terminal was closed) also points standard output and error at /dev/null where they were
         that terminal, so the checkpoint is not lost to a write error on the vanished terminal."""
-        stops = [signal.SIGTERM, signal.SIGINT] + ([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])  # Windows
-        old_handlers = {sig: signal.getsignal(sig) for sig in stops}
+        old_handlers = _stop_signal_handlers()
         clear_interrupt()
 
         def on_signal(signum, frame):
@@ -593,19 +592,8 @@ class Trainer:
             self.stop_signal = self.stop_signal or name
             interrupt_rewards()  # a reward still running STOP_GRACE_S from now is abandoned
 
-        try:
-            for sig in old_handlers:
-                signal.signal(sig, on_signal)
-        except ValueError:  # not in the main thread
-            pass
-        try:
+        with _handling(old_handlers, on_signal):
             yield
-        finally:
-            try:
-                for sig, handler in old_handlers.items():
-                    signal.signal(sig, handler)
-            except (ValueError, TypeError):
-                pass
 
     @contextlib.contextmanager
     def _signals_after_the_last_iteration(self):
@@ -613,8 +601,7 @@ class Trainer:
         and its last checkpoint saved, so the writes (seconds) finish and the process exits 0 as a complete run; the
         signal is said, not obeyed. A second SIGINT aborts at once (``final/`` is written aside and renamed last, so
         it is then absent, and ``--resume`` exports it again)."""
-        stops = [signal.SIGTERM, signal.SIGINT] + ([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])
-        old_handlers = {sig: signal.getsignal(sig) for sig in stops}
+        old_handlers = _stop_signal_handlers()
         seen: list[str] = []
 
         def on_signal(signum, frame):
@@ -629,19 +616,8 @@ class Trainer:
                          + (" (Ctrl-C again to abort them; --resume exports again)" if name == "SIGINT" else ""))
             seen.append(name)
 
-        try:
-            for sig in old_handlers:
-                signal.signal(sig, on_signal)
-        except ValueError:  # not in the main thread
-            pass
-        try:
+        with _handling(old_handlers, on_signal):
             yield
-        finally:
-            try:
-                for sig, handler in old_handlers.items():
-                    signal.signal(sig, handler)
-            except (ValueError, TypeError):
-                pass
         if seen and self.dist.is_main:
             self.log(f"{seen[0]}: the run is complete ({self.run_dir})")
 
@@ -704,6 +680,31 @@ class Trainer:
 
         report = write_report(self.run_dir, records, f"grove run: {self.run_dir.name}", run_facts(self.cfg, records))
         self.log(f"run directory: {self.run_dir} (open {report.name} in a browser)")
+
+
+def _stop_signal_handlers() -> dict:
+    """The current handlers of the signals that stop a run: SIGTERM, SIGINT and (not on Windows) SIGHUP."""
+    stops = [signal.SIGTERM, signal.SIGINT] + ([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])
+    return {sig: signal.getsignal(sig) for sig in stops}
+
+
+@contextlib.contextmanager
+def _handling(old_handlers: dict, on_signal):
+    """``on_signal`` handles the signals of ``old_handlers`` inside the block; their handlers are put back after it
+    (outside the main thread nothing is installed)."""
+    try:
+        for sig in old_handlers:
+            signal.signal(sig, on_signal)
+    except ValueError:  # not in the main thread
+        pass
+    try:
+        yield
+    finally:
+        try:
+            for sig, handler in old_handlers.items():
+                signal.signal(sig, handler)
+        except (ValueError, TypeError):
+            pass
 
 
 def _detach_terminal() -> None:
