@@ -116,22 +116,31 @@ def _crop_keeps_length(cache_class) -> bool:
     return cache.get_seq_length() == 2
 
 
+def _rebind(module_name: str, name: str, is_ours, needs_it, replacement) -> bool:
+    """Rebind ``name`` inside LeRobot's ``module_name`` to ``replacement(current)`` when ``needs_it(current)`` (the
+    installed transformers breaks LeRobot's call); idempotent (``is_ours``). Returns whether grove's version is (now)
+    in place; a LeRobot without that module or name, or a transformers it still fits, is left as it is."""
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError:
+        return False
+    current = getattr(module, name, None)
+    if current is None:
+        return False
+    if is_ours(current):
+        return True
+    if not needs_it(current):
+        return False
+    setattr(module, name, replacement(current))
+    return True
+
+
 def patch_smolvla_cache() -> bool:
     """SmolVLA makes its prefix cache as a :class:`LegacyCropCache` (module docstring, item 4) when the installed
     ``DynamicCache.crop`` refuses positive lengths. Returns whether the rebinding is (now) in place."""
-    try:
-        module = importlib.import_module("lerobot.policies.smolvla.smolvlm_with_expert")
-    except ModuleNotFoundError:
-        return False
-    current = getattr(module, "DynamicCache", None)
-    if current is None:
-        return False
-    if current is legacy_crop_cache():
-        return True
-    if _crop_keeps_length(current):
-        return False
-    module.DynamicCache = legacy_crop_cache()
-    return True
+    return _rebind("lerobot.policies.smolvla.smolvlm_with_expert", "DynamicCache",
+                   lambda current: current is legacy_crop_cache(), lambda current: not _crop_keeps_length(current),
+                   lambda current: legacy_crop_cache())
 
 
 def _drops_cache_position(create_causal_mask) -> bool:
@@ -155,18 +164,10 @@ def patch_pi_gemma() -> bool:
     """Make ``lerobot.policies.pi_gemma`` call the installed transformers' ``create_causal_mask`` with the keywords
     it takes (module docstring, item 3). Returns whether the wrapper is (now) in place; idempotent; a LeRobot
     without ``pi_gemma`` (0.4.x) or a transformers that still takes ``cache_position`` is left as it is."""
-    try:
-        pi_gemma = importlib.import_module("lerobot.policies.pi_gemma")
-    except ModuleNotFoundError:
+    if not _rebind("lerobot.policies.pi_gemma", "create_causal_mask",
+                   lambda current: getattr(current, "grove_compat", False), _drops_cache_position,
+                   _mask_without_cache_position):
         return False
-    current = getattr(pi_gemma, "create_causal_mask", None)
-    if current is None:
-        return False
-    if getattr(current, "grove_compat", False):
-        return True
-    if not _drops_cache_position(current):
-        return False
-    pi_gemma.create_causal_mask = _mask_without_cache_position(current)
     # pi_gemma's decoder layer hands its attention the cache as past_key_values, which 5.24 renames (until 5.40)
     warnings.filterwarnings("ignore", message=r"`past_key_values` is deprecated .* `GemmaAttention.forward`",
                             category=FutureWarning)
