@@ -55,10 +55,8 @@ class CriticConfig:
 
 def vector(h) -> torch.Tensor:
     """The feature vector [B, F] of a policy's features: the tiny VLA's fused features as they are, a LeRobot
-    policy's ``Prefix`` by its pooled VLM tokens (or, with ``critic.input: expert``, its pooled expert tokens)."""
-    if torch.is_tensor(h):
-        return h
-    return h.pooled if h.expert_pooled is None else h.expert_pooled
+    policy's ``Prefix`` by its pooled VLM tokens (``critic.input: prefix``)."""
+    return h if torch.is_tensor(h) else h.pooled
 
 
 class Critic(Part):
@@ -68,8 +66,11 @@ class Critic(Part):
     state_prefix = "critic."
 
     def __init__(self, cfg: CriticConfig, feature_dim: int, n_chunks: int, device: torch.device,
-                 encode: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]):
-        self.cfg, self.n_chunks, self.device, self._encode = cfg, n_chunks, device, encode
+                 encode: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+                 features: Callable[[Any], torch.Tensor] = vector):
+        """``features``: the policy's features -> the head's input [B, feature_dim] (:func:`vector`, or a LeRobot
+        policy's ``expert_value_features`` with ``critic.input: expert``: computed only when values are)."""
+        self.cfg, self.n_chunks, self.device, self._encode, self._features = cfg, n_chunks, device, encode, features
         self.head = ValueHead(feature_dim, cfg.hidden, init_value=cfg.init).to(device)
 
     def parameters(self) -> list[torch.nn.Parameter]:
@@ -87,13 +88,13 @@ class Critic(Part):
         out = torch.zeros(valid.shape)
         for i in range(0, len(ep), batch):
             e, c = ep[i: i + batch], ch[i: i + batch]
-            h = vector(self._encode(images[e, c], proprio[e, c], task_index[e]))
+            h = self._features(self._encode(images[e, c], proprio[e, c], task_index[e]))
             out[e, c] = self.head(h, c.float().to(self.device) / self.n_chunks).float().cpu()
         return out
 
     def values(self, h: torch.Tensor, ep: torch.Tensor, ch: torch.Tensor, n: int) -> torch.Tensor:
         """``[n, C]`` the values (with grad) of the chunks (``ep``, ``ch``) whose features are ``h``; 0 elsewhere."""
-        c, h = self.n_chunks, vector(h)
+        c, h = self.n_chunks, self._features(h)
         v = self.head(h.detach() if self.cfg.detach else h, ch.float().to(self.device) / c)
         return torch.zeros(n * c, device=self.device).index_put(((ep * c + ch).to(self.device),), v).view(n, c)
 

@@ -42,7 +42,7 @@ from shared_rl.selection import UniformSampler
 
 from .adapters import AdapterSteps, KeepBestAdapters, add_adapters
 from .config import RoboticsConfig
-from .critic import Critic
+from .critic import Critic, vector
 from .envs.metaworld_env import decode_key, instruction_for
 from .envs.vector import make_vector_env
 from .episodes import SamplingSettings
@@ -153,8 +153,11 @@ class RoboticsDomain(DomainBase):
         self.steps_per_chunk = m.num_denoise_steps if m.head == "flow" else 1
         self.n_chunks = math.ceil(cfg.rollout.horizon(cfg.env) / m.chunk)
         self._text_ids = {t: self.policy.text.token_ids([instruction_for(t)])[0] for t in cfg.env.tasks}
-        self.critic = (Critic(cfg.critic, self._value_width(), self.n_chunks, self.device, self._encode_tasks)
-                       if cfg.critic.enabled else None)
+        self.critic = None
+        if cfg.critic.enabled:  # critic.input: expert (a LeRobot policy's action-expert tokens) or the features
+            expert = cfg.critic.input == "expert"
+            self.critic = Critic(cfg.critic, m.expert_hidden if expert else m.hidden, self.n_chunks, self.device,
+                                 self._encode_tasks, self.policy.expert_value_features if expert else vector)
         self.replay = self._make_replay()  # demos are loaded before the env workers start: a bad file fails in a second
         self.adapter_steps = (AdapterSteps(cfg.adapters, self.policy, len(cfg.env.tasks), ctx.num_processes)
                               if cfg.adapters.rank else None)
@@ -177,14 +180,6 @@ class RoboticsDomain(DomainBase):
             return DemoReplay(cfg.replay, resolve(cfg.replay.data), cfg.trained_tasks, self.policy, ctx.seed,
                               self.device, self._encode)
         return None
-
-    def _value_width(self) -> int:
-        """The critic's input width: the policy's features (the pooled VLM prefix of a LeRobot policy), or with
-        ``critic.input: expert`` the action expert's width (the features then carry its pooled tokens)."""
-        if self.cfg.critic.enabled and self.cfg.critic.input == "expert":
-            self.policy.value_input = "expert"
-            return self.policy.cfg.expert_hidden
-        return self.policy.cfg.hidden
 
     def _encode(self, images: torch.Tensor, proprio: torch.Tensor, text_ids, policy: TinyVLA | None = None) -> torch.Tensor:
         """The fused features of observations (``policy``: the trained one by default)."""

@@ -27,7 +27,7 @@ from .engine import RolloutEngine, TorchRolloutEngine
 from .model import LLMLoraSettings, load_causal_lm, load_tokenizer, prepare_causal_lm
 from .policy import collate, collate_shared, reference_context, token_log_probs, token_log_probs_shared
 from .rewards import LLMRewardSpec, build_reward, call_reward
-from .tasks import DatasetSettings, check_prompt_lengths, format_prompt, load_task, prompt_token_limit
+from .tasks import DatasetSettings, load_task, prompt_token_ids, prompt_token_limit
 from .tree import LLMTreeSettings, grow_trees
 
 
@@ -179,8 +179,9 @@ class LLMConfig(DomainConfig):
             config = AutoConfig.from_pretrained(model, local_files_only=True)
         except (OSError, ValueError):
             return
-        limit, why = self.prompt_limit(getattr(config.get_text_config(), "max_position_embeddings", None))
-        check_prompt_lengths(task, tokenizer, self.dataset, self.chat_template, limit, why)
+        limit, why = self.prompt_limit(_context_length(config))
+        if limit is not None and self.dataset.long_prompts == "error":
+            prompt_token_ids(task, tokenizer, self.dataset, self.chat_template, limit, why)
 
     def rollout_structure(self, cfg: Any) -> str:
         """Tree rollouts when ``tree.enabled`` (the hook of ``shared_rl.domain``: tree estimators need them)."""
@@ -203,6 +204,11 @@ class LLMConfig(DomainConfig):
     def default_reward_weights(self) -> dict[str, float]:
         """Reward label -> ``llm.rewards[].weight``: the trainer's weights when ``advantage.weights`` is empty."""
         return {build_reward(r)[0]: r.weight for r in self.rewards}
+
+
+def _context_length(config) -> int | None:
+    """The model's context in tokens (``max_position_embeddings`` of its text config), None when it declares none."""
+    return getattr(config.get_text_config(), "max_position_embeddings", None)
 
 
 def _pad_steps(x: torch.Tensor, width: int, value: float = 0.0) -> torch.Tensor:
@@ -240,18 +246,18 @@ class LLMDomain(DomainBase):
         self.eos_ids = sorted({e for e in eos if e is not None})
         self.engine: RolloutEngine = self._make_engine()
         self.task = load_task(cfg.dataset)
-        context = getattr(getattr(self.model, "config", None), "max_position_embeddings", None)
-        self._prompt_limit, why = cfg.prompt_limit(context)
-        cut = check_prompt_lengths(self.task, self.tokenizer, cfg.dataset, cfg.chat_template, self._prompt_limit, why)
+        limit, why = cfg.prompt_limit(_context_length(self.model.config))
+        # every prompt tokenised once, here: checked against the limit (hf sources are first seen here) and cached
+        self._prompt_cache, cut = prompt_token_ids(self.task, self.tokenizer, cfg.dataset, cfg.chat_template, limit,
+                                                   why)
         if cut:
-            ctx.log(f"llm: {cut} prompts longer than {self._prompt_limit} tokens ({why}) are cut to their last "
-                    f"{self._prompt_limit} tokens (llm.dataset.long_prompts: truncate)")
+            ctx.log(f"llm: {cut} prompts longer than {limit} tokens ({why}) are cut to their last {limit} tokens "
+                    f"(llm.dataset.long_prompts: truncate)")
         self.rewards = [(build_reward(spec), spec.weight) for spec in cfg.rewards]
         self._guarded_calls = {
             label: guarded_reward(lambda *a, _label=label, _fn=fn: {_label: call_reward(_fn, _label, *a)}, label,
                                   cfg.reward_guard, lambda prompts, completions, *_: len(completions), log=ctx.log)
             for (label, fn), _w in self.rewards}
-        self._prompt_cache: dict[tuple[str, int], list[int]] = {}
         self._sharded = False  # set by fsdp_modules(): the trainer shards the model with FSDP2
         ctx.log(f"llm: {cfg.model} ({sum(p.numel() for p in self.model.parameters()):,} params, "
                 f"{sum(p.numel() for p in self.parameters()):,} trainable) | task {cfg.dataset.source}: "
@@ -279,13 +285,7 @@ class LLMDomain(DomainBase):
         return self.task.train if split == "train" else self.task.eval
 
     def _prompt_ids(self, split: str, key: int) -> list[int]:
-        ck = (split, key)
-        if ck not in self._prompt_cache:
-            ex = self._examples(split)[key]
-            ids = format_prompt(self.tokenizer, ex["prompt"], self.cfg.dataset.system_prompt, self.cfg.chat_template)
-            limit = self._prompt_limit
-            self._prompt_cache[ck] = ids[-limit:] if limit is not None and len(ids) > limit else ids
-        return self._prompt_cache[ck]
+        return self._prompt_cache[(split, key)]  # tokenised once at start (prompt_token_ids)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

@@ -246,22 +246,21 @@ def prompt_token_limit(settings: DatasetSettings, context: int | None, max_new_t
     return max(context - max_new_tokens, 1)
 
 
-def check_prompt_lengths(task: TaskData, tokenizer, settings: DatasetSettings, chat_template: str,
-                         limit: int | None, why: str) -> int:
-    """Every prompt's token count against ``limit``: with ``long_prompts: error`` the first too-long row is a
-    ConfigError (one line: split, row, length, limit and ``why`` the limit is what it is); with ``truncate`` the
-    number of rows that will be cut is returned. A prompt is tokenised as the run will (template, BOS)."""
-    if limit is None:
-        return 0
-    too_long = 0
+def prompt_token_ids(task: TaskData, tokenizer, settings: DatasetSettings, chat_template: str,
+                     limit: int | None, why: str) -> tuple[dict[tuple[str, int], list[int]], int]:
+    """Every prompt's token ids as the run feeds them (template, BOS), keyed ``(split, row)``, checked against
+    ``limit``: with ``long_prompts: error`` the first too-long row is a ConfigError (one line: split, row, length,
+    limit and ``why`` the limit is what it is); with ``truncate`` it keeps its last ``limit`` tokens. Returns the ids
+    and how many rows were cut."""
+    ids, cut = {}, 0
     for split, rows in (("train", task.train), ("eval", task.eval)):
         for i, row in enumerate(rows):
-            n = len(format_prompt(tokenizer, row["prompt"], settings.system_prompt, chat_template))
-            if n <= limit:
-                continue
-            if settings.long_prompts == "error":
-                raise ConfigError(f"llm.dataset: {split} row {i}'s prompt is {n:,} tokens, more than {limit:,} ({why}); "
-                                  f"shorten it, set llm.dataset.max_prompt_tokens, or llm.dataset.long_prompts: "
-                                  f"truncate")
-            too_long += 1
-    return too_long
+            tokens = format_prompt(tokenizer, row["prompt"], settings.system_prompt, chat_template)
+            if limit is not None and len(tokens) > limit:
+                if settings.long_prompts == "error":
+                    raise ConfigError(f"llm.dataset: {split} row {i}'s prompt is {len(tokens):,} tokens, more than "
+                                      f"{limit:,} ({why}); shorten it, set llm.dataset.max_prompt_tokens, or "
+                                      f"llm.dataset.long_prompts: truncate")
+                tokens, cut = tokens[-limit:], cut + 1
+            ids[(split, i)] = tokens
+    return ids, cut

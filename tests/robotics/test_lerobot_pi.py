@@ -466,21 +466,21 @@ def test_expert_value_input_is_the_mean_expert_token_at_the_chain_start(tiny_dir
     from robotics.config import RoboticsConfig
 
     vla = _load(tiny_dirs["pi0"]).eval()
-    vla.value_input = "expert"
     images, proprio = _obs(3)
     ids = vla.text.token_ids(TEXTS)
     with torch.no_grad():
         h = vla.encode(images, proprio, ids)
+        got = vla.expert_value_features(h)
         seen = []
         m = vla.policy.model
         hook = m.action_out_proj.register_forward_pre_hook(lambda _m, args: seen.append(args[0]))
         m.denoise_step(state=h.state, prefix_pad_masks=h.pad_masks, past_key_values=h.cache(),
                        x_t=torch.zeros(3, 8, 8), timestep=torch.ones(3))
         hook.remove()
-        one = vla.encode(images[1:2], proprio[1:2], ids[1:2])
+        one = vla.expert_value_features(vla.encode(images[1:2], proprio[1:2], ids[1:2]))
     expected = seen[0][:, : vla.cfg.chunk].mean(1)
-    assert h.expert_pooled.shape == (3, TinyPi().expert_width) and torch.allclose(h.expert_pooled, expected, atol=1e-6)
-    assert torch.equal(one.expert_pooled[0], h.expert_pooled[1])
+    assert got.shape == (3, TinyPi().expert_width) and torch.allclose(got, expected, atol=1e-6)
+    assert torch.equal(one[0], got[1])
     with pytest.raises(ConfigError, match="critic.input: expert reads a LeRobot policy") as err:
         from_dict(RoboticsConfig, {"critic": {"enabled": True, "input": "expert"}}, "robotics")
     assert "\n" not in str(err.value)

@@ -174,7 +174,6 @@ class LeRobotVLA(nn.Module):
         self.flow = LeRobotFlow(self.cfg, self._velocity, self._to_env)
         self._peft = None  # the peft wrapper when LoRA is on (not a submodule: it wraps self.policy)
         self.tiny = None  # a tiny π0 / π0.5's sizes (tiny_pi.TinyPi), written next to an export
-        self.value_input = "prefix"  # what Prefix carries for a value head: prefix (pooled VLM) | expert (see encode)
 
     # -- observations -> LeRobot batch -> prefix features
     def observation(self, images: torch.Tensor, proprio: torch.Tensor, texts: list[str]) -> dict:
@@ -211,18 +210,15 @@ class LeRobotVLA(nn.Module):
         return self.family.prefix(self.policy, batch)
 
     def encode(self, images: torch.Tensor, proprio: torch.Tensor, text_ids: list[list[int]]) -> Prefix:
-        """Features of observations (the tiny VLA's ``encode``): the prefix of the mapped, preprocessed batch; with
-        ``value_input == "expert"`` also :meth:`expert_value_features` (one more expert pass)."""
-        h = self.prefix(self.preprocess(self.observation(images, proprio, self.text.texts(text_ids))))
-        if self.value_input == "expert":
-            h.expert_pooled = self.expert_value_features(h)
-        return h
+        """Features of observations (the tiny VLA's ``encode``): the prefix of the mapped, preprocessed batch."""
+        return self.prefix(self.preprocess(self.observation(images, proprio, self.text.texts(text_ids))))
 
     def expert_value_features(self, h: Prefix) -> torch.Tensor:
         """πRL's expert-side value input (RLinf ``value_after_vlm: false`` with ``chunk_critic_input``): the mean of
         the action expert's output tokens over the executed chunk positions [B, expert width]. RLinf reads them at
         each sampled denoising step; grove reads them once per observation at the chain's start (σ = 1) with x at
-        the start noise's mean (0), so the value is a function of the observation only, not of a noise draw."""
+        the start noise's mean (0), so the value is a function of the observation only, not of a noise draw. One
+        expert pass, paid only where values are computed (the critic calls it; sampling never does)."""
         x = torch.zeros(len(h), self.cfg.chain_dim, device=h.device)
         _, tokens = self._velocity(h, x, torch.ones(len(h), device=h.device), tokens=True)
         return tokens[:, : self.cfg.chunk].float().mean(1)

@@ -20,7 +20,6 @@ class Prefix:
     pad_masks: torch.Tensor
     pooled: torch.Tensor | None = None
     state: torch.Tensor | None = None
-    expert_pooled: torch.Tensor | None = None  # the critic's expert-side input (LeRobotVLA.value_input = "expert")
 
     @property
     def shape(self) -> torch.Size:
@@ -36,7 +35,7 @@ class Prefix:
     def __getitem__(self, rows) -> "Prefix":
         kv = tuple((k[rows], v[rows]) for k, v in self.kv)
         pick = (lambda t: None if t is None else t[rows])
-        return Prefix(kv, self.pad_masks[rows], pick(self.pooled), pick(self.state), pick(self.expert_pooled))
+        return Prefix(kv, self.pad_masks[rows], pick(self.pooled), pick(self.state))
 
     @staticmethod
     def cache_tensors(cache) -> tuple:
