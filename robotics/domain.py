@@ -50,7 +50,7 @@ from .evaluation import eval_keys, evaluate_policy
 from .held import episode_rewards, held_policy, score_episodes
 from .parts import Part
 from .policies.lerobot.load import load_lerobot_policy
-from .policies.vla import TinyVLA
+from .policies.vla import TinyVLA, libero_vocab
 from .replay import DemoReplay, SuccessReplay
 from .rollouts import rollout_class
 
@@ -58,7 +58,6 @@ SHORT_HORIZON_PREFIX = "short_horizon."  # the short-horizon strategy's critic (
 # on demand, so its prefix is named here rather than imported)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-ENV_ACTION_DIM = 4  # Meta-World's action: hand displacement xyz + gripper effort
 ENCODER_MODULES = ("cnn", "image_proj", "text", "proprio")
 
 
@@ -75,7 +74,7 @@ def load_policy(cfg: RoboticsConfig, seed: int, objects: dict | None = None) -> 
     ``robotics.policy.type: lerobot`` the LeRobot policy at ``robotics.policy.path`` behind the same interface
     (``policies/lerobot/``; its features checked against the env there). A policy in ``objects`` (one the caller
     holds: ``robotics.api``, ``held.py``) is used instead of loading one, with the same checks."""
-    held = held_policy(cfg, objects or {}, seed, ENV_ACTION_DIM)
+    held = held_policy(cfg, objects or {}, seed, cfg.env.action_dim)
     if held is not None and cfg.policy.type == "lerobot":
         return held
     if held is not None:
@@ -83,7 +82,7 @@ def load_policy(cfg: RoboticsConfig, seed: int, objects: dict | None = None) -> 
     elif cfg.policy.type == "lerobot":
         path = resolve(cfg.policy.path)
         return load_lerobot_policy(cfg.policy, cfg.env, str(path) if path.exists() else cfg.policy.path, seed,
-                                   ENV_ACTION_DIM, noise_head=cfg.head_mode == "flow_noise")
+                                   cfg.env.action_dim, noise_head=cfg.head_mode == "flow_noise")
     elif cfg.checkpoint:
         try:
             policy = TinyVLA.load_pretrained(resolve(cfg.checkpoint))
@@ -93,6 +92,9 @@ def load_policy(cfg: RoboticsConfig, seed: int, objects: dict | None = None) -> 
     else:
         mc = copy.deepcopy(cfg.model)
         mc.image_channels, mc.proprio_dim, mc.image_size = cfg.env.image_channels, cfg.env.proprio_dim, cfg.env.image_size
+        mc.action_dim = cfg.env.action_dim
+        if cfg.env.kind == "libero":  # LIBERO's instructions are not in the Meta-World vocabulary
+            mc.vocab = libero_vocab(mc.vocab)
         torch.manual_seed(seed)
         policy = TinyVLA(mc)
     m, env = policy.cfg, cfg.env
@@ -102,9 +104,11 @@ def load_policy(cfg: RoboticsConfig, seed: int, objects: dict | None = None) -> 
             f"{m.image_size}; env gives {env.image_channels} (cameras {env.cameras}), "
             f"{env.proprio_dim} (include_goal={env.include_goal}, include_object={env.include_object}), {env.image_size}"
         )
-    if m.action_dim != ENV_ACTION_DIM:
-        raise ConfigError(f"robotics: the policy's action_dim is {m.action_dim} but Meta-World and the point env "
-                          f"take {ENV_ACTION_DIM} (hand xyz + gripper); set robotics.model.action_dim: {ENV_ACTION_DIM}")
+    if m.action_dim != env.action_dim:
+        what = "LIBERO takes 7 (OSC_POSE delta + gripper)" if env.kind == "libero" else \
+            "Meta-World and the point env take 4 (hand xyz + gripper)"
+        raise ConfigError(f"robotics: the policy's action_dim is {m.action_dim} but {what}; set "
+                          f"robotics.model.action_dim: {env.action_dim}")
     if env.kind == "metaworld":
         from .envs.metaworld_env import known_tasks
 

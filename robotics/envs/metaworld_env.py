@@ -67,6 +67,10 @@ _MJ_STATE = mujoco.mjtState.mjSTATE_INTEGRATION
 def instruction_for(task: str) -> str:
     if task in TASK_INSTRUCTIONS:
         return TASK_INSTRUCTIONS[task]
+    from . import libero_tasks  # no simulator import: the task table only
+
+    if libero_tasks.is_libero_task(task):
+        return libero_tasks.language(task)
     return task.removesuffix("-v3").replace("-", " ")
 
 
@@ -103,7 +107,7 @@ class RenderSettings:
     tuned: bool = True
 
 
-_LIVE_RENDERERS: "weakref.WeakSet[TaskRenderer]" = weakref.WeakSet()
+_LIVE_RENDERERS: weakref.WeakSet = weakref.WeakSet()  # TaskRenderer / LiberoRenderer
 
 
 _ATEXIT_REGISTERED = False
@@ -115,6 +119,16 @@ def _close_live_renderers() -> None:
     # registers its own handler when it is first imported, i.e. when that renderer is made).
     for r in list(_LIVE_RENDERERS):
         r.close()
+
+
+def _register_renderer(renderer) -> None:
+    """Close ``renderer`` (anything with ``close()``) at exit unless it was closed before; call after it made its
+    GL context."""
+    global _ATEXIT_REGISTERED
+    _LIVE_RENDERERS.add(renderer)
+    if not _ATEXIT_REGISTERED:
+        atexit.register(_close_live_renderers)
+        _ATEXIT_REGISTERED = True
 
 
 _LLVM_GUARDED = False
@@ -148,15 +162,11 @@ class TaskRenderer:
     def __init__(self, model: mujoco.MjModel, settings: RenderSettings):
         self.settings = settings
         _load_triton_llvm_first()
-        _LIVE_RENDERERS.add(self)
         if settings.tuned:
             # offsamples sizes the multisample framebuffer, which is made with the renderer: set it first.
             model.vis.quality.offsamples = 0
         self.renderer = mujoco.Renderer(model, settings.size, settings.size)
-        global _ATEXIT_REGISTERED
-        if not _ATEXIT_REGISTERED:
-            atexit.register(_close_live_renderers)
-            _ATEXIT_REGISTERED = True
+        _register_renderer(self)
         if settings.tuned:
             flags = self.renderer.scene.flags
             flags[mujoco.mjtRndFlag.mjRND_SHADOW] = False

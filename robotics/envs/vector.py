@@ -31,6 +31,10 @@ from .metaworld_env import (
 )
 from .results import ChunkResult
 
+LIBERO_CAMERAS = ("image", "image2")  # = libero_env.CAMERAS' keys (that module imports the simulator)
+LIBERO_STATE_DIM = 8
+LIBERO_ACTION_DIM = 7
+
 __all__ = ["DEFAULT_TASKS", "EnvConfig", "ChunkResult", "BatchedMetaWorld", "SubprocMetaWorld", "make_vector_env"]
 
 DEFAULT_TASKS = ["reach-v3", "push-v3", "door-open-v3", "button-press-topdown-v3", "drawer-close-v3"]
@@ -40,10 +44,16 @@ DEFAULT_TASKS = ["reach-v3", "push-v3", "door-open-v3", "button-press-topdown-v3
 class EnvConfig:
     """Simulator settings (the ``env`` section of a robotics config)."""
 
-    kind: Literal["metaworld", "point"] = field(
-        default="metaworld", metadata={"help": "metaworld | point (the synthetic reaching env: tests, templates)"})
+    kind: Literal["metaworld", "libero", "point"] = field(
+        default="metaworld", metadata={"help": "metaworld | libero (LIBERO in LeRobot's conventions: 7-d actions, "
+                                               "cameras image / image2, 8-d state) | point (the synthetic reaching "
+                                               "env: tests, templates)"})
     tasks: list[str] = field(default_factory=lambda: list(DEFAULT_TASKS),
-                             metadata={"help": "Meta-World v3 task names, e.g. [reach-v3, push-v3]"})
+                             metadata={"help": "Meta-World v3 task names, e.g. [reach-v3, push-v3]; LIBERO: "
+                                               "<suite>/<index or name>, or an index / name of env.suite"})
+    suite: str = field(default="", metadata={
+        "help": "LIBERO suite the tasks belong to when they name none (libero_spatial, libero_object, libero_goal, "
+                "libero_10, libero_90)"})
     horizon: int = field(default=150, metadata={"help": "env steps per episode at most"})
     success_mode: Literal["once", "end"] = field(default="once", metadata={
         "help": "once: any successful step (ends the episode) | end: the last step succeeded"})
@@ -74,21 +84,47 @@ class EnvConfig:
             raise ConfigError(f"{where}.num_workers must be >= 0, got {self.num_workers}")
         if self.kind == "point" and self.include_object:
             raise ConfigError(f"{where}.include_object needs Meta-World (the point env has no object); set it false")
+        if self.kind == "libero":
+            self._check_libero(where)
 
+    def _check_libero(self, where: str) -> None:
+        from shared_rl.config import ConfigError
+
+        from .libero_tasks import LiberoUnavailable, canonical_task
+
+        try:
+            self.tasks = [canonical_task(t, self.suite) for t in self.tasks]
+        except (ValueError, LiberoUnavailable) as e:
+            raise ConfigError(f"{where}.tasks: {e}") from None
+        unknown = [c for c in self.cameras if c not in LIBERO_CAMERAS]
+        if unknown:
+            raise ConfigError(f"{where}.cameras: LIBERO has no camera {unknown[0]!r}; its cameras are image (agentview) "
+                              f"and image2 (the wrist), LeRobot's names")
+        if self.include_goal or self.include_object:
+            raise ConfigError(f"{where}.include_goal / include_object are Meta-World's; LIBERO's state is LeRobot's 8-d "
+                              f"one (end-effector position, axis-angle, gripper)")
     @property
     def image_channels(self) -> int:
         return 3 * len(self.cameras)
 
     @property
     def proprio_dim(self) -> int:
+        if self.kind == "libero":
+            return LIBERO_STATE_DIM
         return proprio_dim(self.include_goal, self.include_object)
+
+    @property
+    def action_dim(self) -> int:
+        """Meta-World and the point env: hand displacement xyz + gripper; LIBERO: LeRobot's 7-d OSC_POSE delta."""
+        return LIBERO_ACTION_DIM if self.kind == "libero" else 4
 
     def render_settings(self) -> RenderSettings:
         return RenderSettings(size=self.image_size, cameras=list(self.cameras), tuned=self.render_tuned)
 
 
 class BatchedMetaWorld:
-    """In-process batch of Meta-World envs (envs are kept alive and re-used: building one costs ~0.15 s)."""
+    """In-process batch of Meta-World or LIBERO envs (kept alive and re-used: building one costs ~0.15 s for
+    Meta-World, ~2 s for LIBERO)."""
 
     def __init__(self, cfg: EnvConfig):
         self.cfg = cfg
@@ -102,7 +138,13 @@ class BatchedMetaWorld:
     # -- env bookkeeping
     def _acquire(self, task: str) -> MetaWorldTaskEnv:
         free = self._pool.setdefault(task, [])
-        return free.pop() if free else MetaWorldTaskEnv(task)
+        if free:
+            return free.pop()
+        if self.cfg.kind == "libero":
+            from .libero_env import LiberoTaskEnv
+
+            return LiberoTaskEnv(task)
+        return MetaWorldTaskEnv(task)
 
     def _release_all(self) -> None:
         for env in self.slots:
@@ -111,7 +153,13 @@ class BatchedMetaWorld:
 
     def _renderer(self, env: MetaWorldTaskEnv) -> TaskRenderer:
         if env.task not in self._renderers:
-            self._renderers[env.task] = TaskRenderer(env.model, self.settings)
+            if self.cfg.kind == "libero":
+                from .libero_env import LiberoRenderer
+
+                s = self.settings
+                self._renderers[env.task] = LiberoRenderer(env.model, s.size, s.cameras, s.tuned)
+            else:
+                self._renderers[env.task] = TaskRenderer(env.model, self.settings)
         return self._renderers[env.task]
 
     def task_of_key(self, key: int) -> str:
@@ -122,6 +170,9 @@ class BatchedMetaWorld:
         env = self.slots[i]
         s = self.settings
         img = self._renderer(env).render(env.data) if render else np.zeros((s.size, s.size, 3 * len(s.cameras)), np.uint8)
+        if self.cfg.kind == "libero":  # the state vector is LeRobot's 8-d observation.state
+            state = env.state_vector()
+            return img, state, state
         return img, proprio_from_obs(env.last_obs, self.cfg.include_goal, self.cfg.include_object), env.last_obs.astype(np.float32)
 
     def render(self, idx: list[int]) -> np.ndarray:

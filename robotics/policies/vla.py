@@ -36,6 +36,19 @@ def default_vocab() -> list[str]:
     return ["<unk>"] + sorted(words)
 
 
+def vocab_with(base: list[str], texts: list[str]) -> list[str]:
+    """``base`` grown by the words of ``texts`` (``<unk>`` first, then sorted, as :func:`default_vocab`)."""
+    words = (set(base) - {"<unk>"}) | {w for text in texts for w in tokenize(text)}
+    return ["<unk>"] + sorted(words)
+
+
+def libero_vocab(base: list[str]) -> list[str]:
+    """``base`` with every LIBERO instruction's words (all suites, so one model reads any of them)."""
+    from ..envs.libero_tasks import all_languages
+
+    return vocab_with(base, all_languages())
+
+
 def tokenize(text: str) -> list[str]:
     return re.findall(r"[a-z0-9]+", text.lower())
 
