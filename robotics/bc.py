@@ -81,6 +81,7 @@ class BCConfig:
     def check(self, where: str = "bc") -> None:
         if self.batch_size < 1 or self.train_steps < 0:
             raise ConfigError(f"{where}: batch_size must be >= 1 and train_steps >= 0")
+        self.env.check_eval_states(self.eval_states_per_task, where)
         if self.env.image_size != self.model.image_size:
             raise ConfigError(f"{where}.model.image_size ({self.model.image_size}) must equal env.image_size ({self.env.image_size})")
         stray = sorted(set(self.collect.task_demos) - set(self.env.tasks))
@@ -181,6 +182,11 @@ def new_policy(c: BCConfig, episodes: list[Episode]) -> TinyVLA:
     mcfg = c.model
     mcfg.image_channels = episodes[0].images.shape[-1]
     mcfg.proprio_dim = episodes[0].proprio.shape[-1]
+    mcfg.action_dim = episodes[0].actions.shape[-1]
+    if c.env.kind == "libero":  # LIBERO's instructions are not in the Meta-World vocabulary
+        from .policies.vla import libero_vocab
+
+        mcfg.vocab = libero_vocab(mcfg.vocab)
     allp = np.concatenate([e.proprio for e in episodes])
     mcfg.proprio_mean = allp.mean(0).tolist()
     mcfg.proprio_std = (allp.std(0) + 1e-3).tolist()

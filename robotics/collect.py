@@ -1,4 +1,5 @@
-"""Demonstrations from Meta-World's scripted experts (``metaworld.policies``) with Gaussian action noise.
+"""Demonstrations from scripted experts with Gaussian action noise: Meta-World's (``metaworld.policies``) and grove's
+LIBERO pick-and-place expert (``envs/libero_expert.py``: libero_spatial, libero_object).
 
 ``collect_demos`` runs the expert of each task from training reset states reserved for demonstrations (train
 split, indices from ``DEMO_INDEX_OFFSET`` on, so RL training states and evaluation states are never demos),
@@ -15,15 +16,9 @@ import numpy as np
 
 from shared_rl.errors import ConfigError
 
-from .data import Episode, export_lerobot, save_episodes
-from .envs.metaworld_env import (
-    MetaWorldTaskEnv,
-    TaskRenderer,
-    instruction_for,
-    make_key,
-    proprio_from_obs,
-)
-from .envs.vector import DEFAULT_TASKS, EnvConfig  # noqa: E402
+from .data import LIBERO_FPS, Episode, export_lerobot, save_episodes
+from .envs.metaworld_env import instruction_for, make_key
+from .envs.vector import DEFAULT_TASKS, EnvConfig, make_renderer, make_task_env, observed_vectors  # noqa: E402
 
 DEMO_INDEX_OFFSET = 100_000
 
@@ -34,6 +29,41 @@ def expert_for(task: str):
     if task not in ENV_POLICY_MAP:
         raise ValueError(f"no scripted expert for {task!r} in metaworld.policies")
     return ENV_POLICY_MAP[task]()
+
+
+class _MetaWorldDemoExpert:
+    def __init__(self, task: str):
+        self.policy = expert_for(task)
+
+    def start(self) -> None:
+        pass
+
+    def action(self, obs: np.ndarray) -> np.ndarray:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the experts warn about saturating gains, by design
+            return np.asarray(self.policy.get_action(obs), dtype=np.float64)
+
+
+class _LiberoDemoExpert:
+    """The LIBERO expert reads the simulator (object poses, the goal predicate), not the observation."""
+
+    def __init__(self, env):
+        from .envs.libero_expert import LiberoScriptedExpert
+
+        self.env, self.policy = env, LiberoScriptedExpert()
+
+    def start(self) -> None:
+        self.policy.reset(self.env.env)
+
+    def action(self, obs: np.ndarray) -> np.ndarray:
+        return np.asarray(self.policy.act(self.env.env), dtype=np.float64)
+
+
+def demo_expert(env_cfg: EnvConfig, env):
+    """The scripted expert of ``env``'s task: ``start()`` after each reset, ``action(obs)`` every step."""
+    if env_cfg.kind == "libero":
+        return _LiberoDemoExpert(env)
+    return _MetaWorldDemoExpert(env.task)
 
 
 def collect_demos(
@@ -58,26 +88,25 @@ def collect_demos(
     if labels not in ("executed", "expert"):
         raise ConfigError(f"collect labels must be 'executed' or 'expert', got {labels!r}")
     rng = np.random.default_rng(seed)
-    settings = env_cfg.render_settings()
     episodes: list[Episode] = []
     for task_index, task in enumerate(env_cfg.tasks):
-        env = MetaWorldTaskEnv(task)
-        renderer = TaskRenderer(env.model, settings)
-        expert = expert_for(task)
+        env = make_task_env(env_cfg, task)
+        renderer = make_renderer(env_cfg, env)
+        expert = demo_expert(env_cfg, env)
         wanted = (task_demos or {}).get(task, demos_per_task)
         kept, attempts, t0 = 0, 0, time.perf_counter()
         while kept < wanted and attempts < wanted * max_attempts_factor:
             key = make_key(task_index, "train", DEMO_INDEX_OFFSET + attempts)
             attempts += 1
             obs = env.reset(key)
+            expert.start()
             frames, pro, states, acts, succ = [], [], [], [], []
             for _ in range(env_cfg.horizon):
                 frames.append(renderer.render(env.data))
-                pro.append(proprio_from_obs(obs, env_cfg.include_goal, env_cfg.include_object))
-                states.append(obs.astype(np.float32))
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")  # the experts warn about saturating gains, by design
-                    a = expert.get_action(obs)
+                proprio, state = observed_vectors(env_cfg, env)
+                pro.append(proprio)
+                states.append(state)
+                a = expert.action(obs)
                 clean = np.clip(a, -1.0, 1.0).astype(np.float32)
                 a = np.clip(a + rng.normal(0.0, noise_std, size=a.shape), -1.0, 1.0).astype(np.float32)
                 obs, _, ok = env.step(a)
@@ -118,6 +147,16 @@ def _check_tasks(tasks: list[str]) -> None:
         raise ConfigError(f"--tasks: no scripted expert for {no_expert} in metaworld.policies")
 
 
+def _check_libero_expert(tasks: list[str]) -> None:
+    """The LIBERO expert picks and places (an 'on' or 'in' goal): libero_spatial, libero_object."""
+    from .envs.libero_tasks import split_task
+
+    other = [t for t in tasks if split_task(t)[0] not in ("libero_spatial", "libero_object")]
+    if other:
+        raise ConfigError(f"--tasks: grove's LIBERO expert covers libero_spatial and libero_object (pick and place); "
+                          f"{other[0]} is not one of them")
+
+
 def main(argv: list[str] | None = None) -> int:
     """``grove robotics collect``: write noisy expert demonstrations to an ``.npz`` (and optionally LeRobot v3.0).
 
@@ -127,14 +166,19 @@ def main(argv: list[str] | None = None) -> int:
 
     p = ArgumentParser(prog="grove robotics collect", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="output .npz file (must not exist)")
-    p.add_argument("--tasks", nargs="+", default=list(DEFAULT_TASKS), help="Meta-World v3 task names")
+    p.add_argument("--env", choices=["metaworld", "libero"], default="metaworld", help="the simulator")
+    p.add_argument("--suite", default="", help="LIBERO suite of --tasks given as indices (libero_spatial, libero_object)")
+    p.add_argument("--tasks", nargs="+", default=None,
+                   help="Meta-World v3 task names (default: the five-task set); LIBERO: indices of --suite or "
+                        "<suite>/<index>")
     p.add_argument("--demos-per-task", type=int, default=40)
     p.add_argument("--task-demos", nargs="+", default=[], metavar="TASK=N",
                    help="per-task override of --demos-per-task, e.g. push-v3=160")
     p.add_argument("--noise", type=float, default=0.3, help="std of the Gaussian action noise")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--horizon", type=int, default=150)
-    p.add_argument("--cameras", nargs="+", default=["corner"])
+    p.add_argument("--horizon", type=int, default=None, help="env steps at most (Meta-World 150; LIBERO: the suite's "
+                                                                 "limit, 280 for spatial / object)")
+    p.add_argument("--cameras", nargs="+", default=None, help="Meta-World: corner; LIBERO: image image2")
     p.add_argument("--image-size", type=int, default=64)
     p.add_argument("--include-goal", action="store_true", help="append the goal xyz to proprio")
     p.add_argument("--include-object", action="store_true", help="append the object's xyz to proprio (before the goal)")
@@ -144,6 +188,22 @@ def main(argv: list[str] | None = None) -> int:
                         "each (noise-perturbed) state")
     p.add_argument("--lerobot", help="also export a LeRobot v3.0 dataset to this (new) directory")
     args = p.parse_args(argv)
+    libero = args.env == "libero"
+    if args.tasks is None:
+        if libero:
+            raise ConfigError("--tasks: name the LIBERO tasks, e.g. --suite libero_spatial --tasks 0 1")
+        args.tasks = list(DEFAULT_TASKS)
+    args.cameras = args.cameras or (["image", "image2"] if libero else ["corner"])
+    if libero:
+        cfg = EnvConfig(kind="libero", suite=args.suite, tasks=args.tasks, cameras=args.cameras,
+                        image_size=args.image_size)
+        cfg.check("collect")  # canonical task names, one line for an unknown suite / task / camera
+        if args.horizon is None:
+            from .envs.libero_tasks import EPISODE_LIMITS, split_task
+
+            args.horizon = max(EPISODE_LIMITS[split_task(t)[0]] for t in cfg.tasks)
+        args.tasks = cfg.tasks
+    args.horizon = 150 if args.horizon is None else args.horizon
     for flag, value, low in (("--demos-per-task", args.demos_per_task, 1), ("--horizon", args.horizon, 1),
                              ("--image-size", args.image_size, 8)):
         if value < low:
@@ -162,9 +222,12 @@ def main(argv: list[str] | None = None) -> int:
 
         check_new_dataset_dir(args.lerobot, "--lerobot")
         lerobot_dataset_class()
-    _check_tasks(args.tasks)
-    cfg = EnvConfig(tasks=args.tasks, horizon=args.horizon, cameras=args.cameras, image_size=args.image_size,
-                    include_goal=args.include_goal, include_object=args.include_object)
+    if libero:
+        _check_libero_expert(args.tasks)
+    else:
+        _check_tasks(args.tasks)
+    cfg = EnvConfig(kind=args.env, tasks=args.tasks, horizon=args.horizon, cameras=args.cameras,
+                    image_size=args.image_size, include_goal=args.include_goal, include_object=args.include_object)
     cfg.check("collect")
     eps = collect_demos(cfg, args.demos_per_task, args.noise, args.seed, only_successful=not args.keep_failures,
                         labels=args.labels, task_demos=task_demos)
@@ -174,6 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     path = save_episodes(eps, out)
     print(f"wrote {len(eps)} episodes ({sum(len(e) for e in eps)} frames) to {path} ({path.stat().st_size / 1e6:.1f} MB)")
     if args.lerobot:
-        export_lerobot(eps, args.lerobot)
+        if libero:  # LeRobot's LIBERO layout: image / image2, 20 Hz control
+            export_lerobot(eps, args.lerobot, repo_id="grove/libero", fps=LIBERO_FPS, cameras=args.cameras)
+        else:
+            export_lerobot(eps, args.lerobot)
         print(f"wrote LeRobot v3.0 dataset to {args.lerobot}")
     return 0

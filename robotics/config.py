@@ -103,6 +103,7 @@ class RoboticsConfig(DomainConfig):
         what crosses sections."""
         if self.train_states_per_task < 1 or self.eval_states_per_task < 1:
             raise ConfigError(f"{where}: train_states_per_task and eval_states_per_task must be >= 1")
+        self.env.check_eval_states(self.eval_states_per_task, where)
         if self.noise_level <= 0 and self.head_mode in ("flow_sde", "sde_one_step"):
             raise ConfigError(f"{where}.noise_level must be > 0 for {self.head_mode} (0 is the deterministic ODE)")
         if self.init_noise < 0 or self.eval_init_noise < 0:

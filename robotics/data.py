@@ -30,6 +30,7 @@ import numpy as np
 from shared_rl.errors import ConfigError
 
 METAWORLD_FPS = 80  # frame_skip 5 x timestep 0.0025 s
+LIBERO_FPS = 20  # LIBERO's control frequency (robosuite control_freq)
 
 
 @dataclass
@@ -136,12 +137,24 @@ IMAGE_KEY = "observation.image"
 GROVE_META = "grove.json"  # meta/grove.json: what LeRobot's features do not carry (reset-state keys)
 
 
-def _lerobot_features(ep: Episode) -> dict:
-    h, w, c = ep.images.shape[1:]
+def _image_keys(ep: Episode, cameras: list[str] | None) -> list[str]:
+    """One LeRobot image feature per camera: ``observation.image`` for a single camera (grove's Meta-World export),
+    ``observation.images.<camera>`` for several (LIBERO: image, image2, as LeRobot's LIBERO datasets name them)."""
+    c = ep.images.shape[-1]
+    if cameras and len(cameras) > 1:
+        if c != 3 * len(cameras):
+            raise ValueError(f"{len(cameras)} cameras need {3 * len(cameras)} image channels; the episodes have {c}")
+        return [f"observation.images.{cam}" for cam in cameras]
     if c != 3:
-        raise ValueError(f"LeRobot image features are RGB; this dataset has {c} channels (export one camera)")
+        raise ValueError(f"LeRobot image features are RGB; this dataset has {c} channels (name its cameras)")
+    return [IMAGE_KEY]
+
+
+def _lerobot_features(ep: Episode, cameras: list[str] | None = None) -> dict:
+    h, w = ep.images.shape[1:3]
     feats = {
-        IMAGE_KEY: {"dtype": "image", "shape": (h, w, 3), "names": ["height", "width", "channels"]},
+        **{key: {"dtype": "image", "shape": (h, w, 3), "names": ["height", "width", "channels"]}
+           for key in _image_keys(ep, cameras)},
         "observation.state": {"dtype": "float32", "shape": (ep.proprio.shape[1],), "names": None},
         "action": {"dtype": "float32", "shape": (ep.actions.shape[1],), "names": None},
         "next.success": {"dtype": "bool", "shape": (1,), "names": None},
@@ -151,10 +164,12 @@ def _lerobot_features(ep: Episode) -> dict:
     return feats
 
 
-def export_lerobot(episodes: list[Episode], root: str | Path, repo_id: str = "grove/metaworld", fps: int = METAWORLD_FPS) -> Path:
+def export_lerobot(episodes: list[Episode], root: str | Path, repo_id: str = "grove/metaworld", fps: int = METAWORLD_FPS,
+                   cameras: list[str] | None = None) -> Path:
     """Write a LeRobot v3.0 dataset at ``root`` (must not exist) with the real ``lerobot`` package.
 
-    The task string of each frame is the instruction (LeRobot's ``task`` is the language annotation).
+    The task string of each frame is the instruction (LeRobot's ``task`` is the language annotation). ``cameras``
+    names the cameras stacked on the episodes' channel axis when there are several (one feature each).
     """
     LeRobotDataset = lerobot_dataset_class()
     root = Path(root)
@@ -162,12 +177,13 @@ def export_lerobot(episodes: list[Episode], root: str | Path, repo_id: str = "gr
         raise ConfigError(f"{root} exists; LeRobot creates the dataset directory itself: remove it or choose another")
     if not episodes:
         raise ConfigError("no episodes to export")
-    ds = LeRobotDataset.create(repo_id, fps=fps, root=root, features=_lerobot_features(episodes[0]),
+    ds = LeRobotDataset.create(repo_id, fps=fps, root=root, features=_lerobot_features(episodes[0], cameras),
                                use_videos=False, image_writer_threads=0)
+    image_keys = _image_keys(episodes[0], cameras)
     for ep in episodes:
         for t in range(len(ep)):
             frame = {
-                IMAGE_KEY: ep.images[t],
+                **{key: ep.images[t][..., 3 * i: 3 * i + 3] for i, key in enumerate(image_keys)},
                 "observation.state": ep.proprio[t].astype(np.float32),
                 "action": ep.actions[t].astype(np.float32),
                 "next.success": np.array([bool(ep.success[t])]),
@@ -242,11 +258,17 @@ def import_lerobot(root: str | Path, image_key: str | None = None, task_names: d
         if need not in feats:
             raise ConfigError(f"{root}: the dataset has no {need!r} feature (features: {sorted(feats)})")
     image_keys = [k for k, f in feats.items() if f.get("dtype") in ("image", "video")]
-    image_key = image_key or (IMAGE_KEY if IMAGE_KEY in feats else (image_keys[0] if image_keys else None))
-    if image_key is None or image_key not in feats:
+    if image_key:
+        read_keys = [image_key]
+    elif IMAGE_KEY in feats:
+        read_keys = [IMAGE_KEY]
+    else:  # several cameras (observation.images.*): stacked on the channel axis in the dataset's feature order
+        read_keys = image_keys
+    if not read_keys or any(k not in feats for k in read_keys):
         raise ConfigError(f"{root}: no image feature {image_key or ''} (features: {sorted(feats)})")
-    if feats[image_key].get("dtype") == "video":
-        raise ConfigError(f"{root}: {image_key!r} is stored as video; decode it with lerobot (needs torchcodec/FFmpeg)")
+    for key in read_keys:
+        if feats[key].get("dtype") == "video":
+            raise ConfigError(f"{root}: {key!r} is stored as video; decode it with lerobot (needs torchcodec/FFmpeg)")
     if not (root / "meta" / "tasks.parquet").is_file():
         raise ConfigError(f"{root}: no meta/tasks.parquet (an unfinished or non-v3 dataset?)")
     tasks_table = read_parquet(root / "meta" / "tasks.parquet", "LeRobot's task table (meta/tasks.parquet)",
@@ -263,7 +285,7 @@ def import_lerobot(root: str | Path, image_key: str | None = None, task_names: d
     import pandas as pd
 
     state_key = "observation.state"
-    columns = ["episode_index", "frame_index", "task_index", state_key, "action", image_key]
+    columns = ["episode_index", "frame_index", "task_index", state_key, "action", *read_keys]
     df = pd.concat([read_parquet(f, "a LeRobot data file (frames of episodes)", columns).to_pandas() for f in files],
                    ignore_index=True)
     df = df.sort_values(["episode_index", "frame_index"])
@@ -277,7 +299,7 @@ def import_lerobot(root: str | Path, image_key: str | None = None, task_names: d
             episodes.append(Episode(
                 task=by_text.get(text, text),
                 instruction=text,
-                images=np.stack([_decode_image(c) for c in g[image_key]]),
+                images=np.concatenate([np.stack([_decode_image(c) for c in g[key]]) for key in read_keys], axis=-1),
                 proprio=np.stack(g[state_key].to_numpy()).astype(np.float32),
                 actions=np.stack(g["action"].to_numpy()).astype(np.float32),
                 success=(np.stack(g["next.success"].to_numpy()).reshape(-1).astype(bool) if "next.success" in g

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from .data import METAWORLD_FPS
+from .data import LIBERO_FPS, METAWORLD_FPS
 from .envs.metaworld_env import make_key
 from .envs.vector import EnvConfig, make_vector_env
 from .episodes import SamplingSettings, run_episodes, success_by_task, write_gif
@@ -67,6 +67,8 @@ def evaluate_policy(policy: TinyVLA, env_cfg: EnvConfig, per_task: int, venv=Non
         for task in env_cfg.tasks:
             i = tasks.index(task)
             ok = "ok" if batch.success_once[i] else "fail"
-            # one frame per action chunk: chunk env steps of 1/METAWORLD_FPS s each, played in real time
-            write_gif(batch.frames[i], gif_dir / f"{tag}{task}-{ok}.gif", fps=METAWORLD_FPS / policy.cfg.chunk)
+            # one frame per action chunk: chunk env steps of 1/fps s each, played in real time; a LIBERO task name
+            # (suite/index) becomes suite-index in the file name
+            fps = LIBERO_FPS if env_cfg.kind == "libero" else METAWORLD_FPS
+            write_gif(batch.frames[i], gif_dir / f"{tag}{task.replace('/', '-')}-{ok}.gif", fps=fps / policy.cfg.chunk)
     return success_by_task(batch, env_cfg.success_mode, standard_errors)

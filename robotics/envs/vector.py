@@ -87,6 +87,14 @@ class EnvConfig:
         if self.kind == "libero":
             self._check_libero(where)
 
+    def check_eval_states(self, per_task: int, where: str) -> None:
+        """LIBERO's held-out states are the benchmark's 50 fixed init states per task."""
+        from shared_rl.config import ConfigError
+
+        if self.kind == "libero" and per_task > 50:
+            raise ConfigError(f"{where}.eval_states_per_task is {per_task}; LIBERO holds out its 50 fixed init states "
+                              f"per task (training draws fresh scenes), so at most 50")
+
     def _check_libero(self, where: str) -> None:
         from shared_rl.config import ConfigError
 
@@ -122,6 +130,33 @@ class EnvConfig:
         return RenderSettings(size=self.image_size, cameras=list(self.cameras), tuned=self.render_tuned)
 
 
+def make_task_env(cfg: EnvConfig, task: str):
+    """One task env of ``cfg.kind`` (Meta-World or LIBERO; both have reset / step / get_state / set_state)."""
+    if cfg.kind == "libero":
+        from .libero_env import LiberoTaskEnv
+
+        return LiberoTaskEnv(task)
+    return MetaWorldTaskEnv(task)
+
+
+def make_renderer(cfg: EnvConfig, env):
+    """The renderer for ``env``'s task (one per task and process; ``render(data)`` -> [H, W, 3 * cameras])."""
+    if cfg.kind == "libero":
+        from .libero_env import LiberoRenderer
+
+        return LiberoRenderer(env.model, cfg.image_size, list(cfg.cameras), cfg.render_tuned)
+    return TaskRenderer(env.model, cfg.render_settings())
+
+
+def observed_vectors(cfg: EnvConfig, env) -> tuple[np.ndarray, np.ndarray]:
+    """(proprio, state) of ``env`` now: Meta-World's proprio from its 39-d state; LIBERO's is LeRobot's 8-d
+    ``observation.state`` for both."""
+    if cfg.kind == "libero":
+        state = env.state_vector()
+        return state, state
+    return proprio_from_obs(env.last_obs, cfg.include_goal, cfg.include_object), env.last_obs.astype(np.float32)
+
+
 class BatchedMetaWorld:
     """In-process batch of Meta-World or LIBERO envs (kept alive and re-used: building one costs ~0.15 s for
     Meta-World, ~2 s for LIBERO)."""
@@ -138,13 +173,7 @@ class BatchedMetaWorld:
     # -- env bookkeeping
     def _acquire(self, task: str) -> MetaWorldTaskEnv:
         free = self._pool.setdefault(task, [])
-        if free:
-            return free.pop()
-        if self.cfg.kind == "libero":
-            from .libero_env import LiberoTaskEnv
-
-            return LiberoTaskEnv(task)
-        return MetaWorldTaskEnv(task)
+        return free.pop() if free else make_task_env(self.cfg, task)
 
     def _release_all(self) -> None:
         for env in self.slots:
@@ -153,13 +182,7 @@ class BatchedMetaWorld:
 
     def _renderer(self, env: MetaWorldTaskEnv) -> TaskRenderer:
         if env.task not in self._renderers:
-            if self.cfg.kind == "libero":
-                from .libero_env import LiberoRenderer
-
-                s = self.settings
-                self._renderers[env.task] = LiberoRenderer(env.model, s.size, s.cameras, s.tuned)
-            else:
-                self._renderers[env.task] = TaskRenderer(env.model, self.settings)
+            self._renderers[env.task] = make_renderer(self.cfg, env)
         return self._renderers[env.task]
 
     def task_of_key(self, key: int) -> str:
@@ -170,10 +193,7 @@ class BatchedMetaWorld:
         env = self.slots[i]
         s = self.settings
         img = self._renderer(env).render(env.data) if render else np.zeros((s.size, s.size, 3 * len(s.cameras)), np.uint8)
-        if self.cfg.kind == "libero":  # the state vector is LeRobot's 8-d observation.state
-            state = env.state_vector()
-            return img, state, state
-        return img, proprio_from_obs(env.last_obs, self.cfg.include_goal, self.cfg.include_object), env.last_obs.astype(np.float32)
+        return (img, *observed_vectors(self.cfg, env))
 
     def render(self, idx: list[int]) -> np.ndarray:
         return np.stack([self._observe(i, True)[0] for i in idx])
