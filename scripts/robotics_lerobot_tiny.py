@@ -5,6 +5,8 @@ Meta-World demos, written as a LeRobot policy directory that a tiny GRPO recipe 
     grove train configs/robotics/lerobot_smolvla_tiny_grpo.yaml  # GRPO with LoRA, held-out success before/after
     python scripts/robotics_lerobot_tiny.py --family pi05        # -> runs/lerobot/pi05-tiny
     grove train configs/robotics/pi05_tiny_grpo.yaml
+    python scripts/robotics_lerobot_tiny.py --env libero         # -> runs/lerobot/smolvla-tiny-libero (LIBERO demos,
+    grove train configs/robotics/libero_smolvla_tiny_grpo.yaml   #    the same ones configs/robotics/libero_bc.yaml uses)
 
 The policy is LeRobot's own class (``SmolVLAPolicy`` on a 2-layer SmolVLM built from config, its config and tokenizer
 in ``OUT/vlm``; or ``PI0Policy`` / ``PI05Policy`` at the sizes of ``tiny_pi.TinyPi``, a word-level tokenizer in
@@ -33,16 +35,21 @@ from robotics.policies.lerobot.tiny import TinySmolVLA, build_tiny_smolvla, demo
 from robotics.policies.lerobot.tiny_pi import TinyPi, build_tiny_pi
 
 TASKS = ["door-open-v3", "button-press-topdown-v3"]
+LIBERO_TASKS = ["libero_spatial/0", "libero_object/0"]
+LIBERO_DEMOS = "runs/libero-demos/spatial0_object0_dart40.npz"  # configs/robotics/libero_bc.yaml's demos
 
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--family", choices=["smolvla", "pi0", "pi05"], default="smolvla")
+    p.add_argument("--env", choices=["metaworld", "libero"], default="metaworld",
+                   help="libero: LIBERO's two cameras, 8-d state and 7-d actions; demos from grove's LIBERO expert")
     p.add_argument("--out", default=None, help="policy directory (default runs/lerobot/<family>-tiny)")
     p.add_argument("--train-embeddings", action="store_true", help="π: also train the token embedding tables")
-    p.add_argument("--demos", default="runs/robotics-demos/lerobot_tiny_demos.npz",
-                   help="grove episodes .npz; collected (20 noisy expert demos per task) when missing")
-    p.add_argument("--tasks", nargs="+", default=TASKS)
+    p.add_argument("--demos", default=None,
+                   help="grove episodes .npz; collected (noisy expert demos) when missing (default: "
+                        "runs/robotics-demos/lerobot_tiny_demos.npz; LIBERO: " + LIBERO_DEMOS + ")")
+    p.add_argument("--tasks", nargs="+", default=None, help=f"default {TASKS}; LIBERO {LIBERO_TASKS}")
     p.add_argument("--demos-per-task", type=int, default=20)
     p.add_argument("--steps", type=int, default=4000)
     p.add_argument("--batch", type=int, default=32)
@@ -52,19 +59,27 @@ def main(argv=None) -> dict:
     p.add_argument("--threads", type=int, default=1)
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
-    env = EnvConfig(tasks=list(a.tasks), horizon=150)
-    demos = Path(a.demos)
+    libero = a.env == "libero"
+    if libero:
+        env = EnvConfig(kind="libero", tasks=list(a.tasks or LIBERO_TASKS), horizon=280, cameras=["image", "image2"])
+        env.check()
+    else:
+        env = EnvConfig(tasks=list(a.tasks or TASKS), horizon=150)
+    demos = Path(a.demos or (LIBERO_DEMOS if libero else "runs/robotics-demos/lerobot_tiny_demos.npz"))
     if demos.is_file():
         episodes = [e for e in load_episodes(demos) if e.task in env.tasks]
+    elif libero:  # as configs/robotics/libero_bc.yaml collects them: DART labels, noise 0.2
+        episodes = collect_demos(env, a.demos_per_task, 0.2, a.seed, labels="expert")
+        save_episodes(episodes, demos)
     else:
         episodes = collect_demos(env, a.demos_per_task, 0.3, a.seed)
         save_episodes(episodes, demos)
-    out = Path(a.out or f"runs/lerobot/{a.family}-tiny")
+    out = Path(a.out or f"runs/lerobot/{a.family}-tiny" + ("-libero" if libero else ""))
     if a.family == "smolvla":
         build_tiny_smolvla(out, env, TinySmolVLA(), stats=demo_stats(episodes), seed=a.seed)
     else:
         build_tiny_pi(out, env, TinyPi(family=a.family), stats=demo_stats(episodes), seed=a.seed)
-    vla = load_lerobot_policy(PolicySettings(type="lerobot", path=str(out)), env, str(out), a.seed)
+    vla = load_lerobot_policy(PolicySettings(type="lerobot", path=str(out)), env, str(out), a.seed, env.action_dim)
     if a.family != "smolvla" and not a.train_embeddings:
         for name, param in vla.named_parameters():
             if "embed_tokens" in name or "lm_head" in name:
@@ -74,7 +89,7 @@ def main(argv=None) -> dict:
     bc_s = time.time() - t0
     vla.save_pretrained(out)
     result = evaluate_policy(vla, env, a.eval_states)
-    record = {"family": a.family, "demos": len(episodes), "steps": a.steps, "batch": a.batch, "lr": a.lr, "bc_seconds": round(bc_s, 1),
+    record = {"family": a.family, "env": a.env, "demos": len(episodes), "steps": a.steps, "batch": a.batch, "lr": a.lr, "bc_seconds": round(bc_s, 1),
               "loss_first_100": sum(losses[:100]) / min(100, len(losses)),
               "loss_last_100": sum(losses[-100:]) / min(100, len(losses)), **result}
     (out / "bc.json").write_text(json.dumps(record, indent=1))

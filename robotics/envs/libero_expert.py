@@ -369,8 +369,9 @@ class LiberoScriptedExpert:
         obst = self._obstacle_geoms()
         tgt_xy, _ = self._target_xy_and_floor()
         to_tgt = tgt_xy - ctr[:2]
-        best, best_score = None, -np.inf
-        zs = [max(min(0.7 * h, h - 0.016), TIP_CLEAR), max(h - 0.010, TIP_CLEAR)]
+        best, best_score = None, None
+        self._cands = []
+        zs = [max(h - dz, TIP_CLEAR) for dz in (0.016, 0.013, 0.010)]
         for k in range(24):
             a = k * np.pi / 12.0
             u = np.array([np.cos(a), np.sin(a), 0.0])
@@ -378,7 +379,7 @@ class LiberoScriptedExpert:
             yaw = self._yaw_for_axis(u[:2])
             for zi, z_rel in enumerate(zs):
                 g = np.array([ctr[0], ctr[1], lo[2] + z_rel]) + u * r
-                for oi, w2 in enumerate((0.039, 0.02)):
+                for oi, w2 in enumerate((0.039, 0.02, 0.012)):
                     pts = []
                     for du in (w2 + 0.004, w2 + 0.016, w2 + 0.028):
                         for dv in (-0.012, 0.0, 0.012):
@@ -388,11 +389,12 @@ class LiberoScriptedExpert:
                         for dv in (-0.03, 0.04):
                             pts.append(g + u * du + v * dv + np.array([0.0, 0.0, 0.027]))
                     clear = self.geoms.min_dist(np.asarray(pts), obst)
-                    score = min(clear, 0.015)
-                    score -= 0.003 * abs(yaw) / (np.pi / 2)
-                    score -= 0.002 * zi + 0.002 * oi
-                    score += 0.001 * float(np.dot(u[:2], to_tgt) > 0)
-                    if score > best_score:
+                    # lexicographic: feasible, low grasp, little wrist rotation,
+                    # wide opening, side facing the target, clearance
+                    score = (clear >= 0.005, -zi, -round(abs(yaw) / (np.pi / 12)), -oi,
+                             float(np.dot(u[:2], to_tgt) > 0), clear)
+                    self._cands.append((k * 15, zi, w2, round(clear, 4)))
+                    if best is None or score > best_score:
                         best_score = score
                         best = (yaw, u * r, z_rel, w2, clear)
         self.yaw, off, z_rel, w2, clear = best
@@ -484,8 +486,8 @@ class LiberoScriptedExpert:
         elif ph == LIFT:
             grip = 1.0
             target = np.array([self.hold_pos[0], self.hold_pos[1], self.carry_z])
-            dpos = self._move(eef, target, max_speed=0.8)
             risen = eef[2] - self.lift_start_z
+            dpos = self._move(eef, target, max_speed=0.3 if risen < 0.02 else 0.8)
             if (risen > 0.02 and not self._grasping()) or (risen > 0.04 and lo[2] - self.obj_start_bottom < 0.5 * risen):
                 self._regrasp()
             elif abs(eef[2] - self.carry_z) < 0.015 or self.phase_t > TIMEOUT[LIFT]:

@@ -270,3 +270,31 @@ def test_collect_cli_errors_are_one_line(tmp_path, capsys):
             main(argv + ["--out", str(tmp_path / "x.npz")])
         assert "\n" not in str(e.value)
     assert not (tmp_path / "x.npz").exists()
+
+
+def test_tiny_smolvla_runs_libero_episodes_in_lerobot_layout(tmp_path):
+    """A LeRobot SmolVLA with LIBERO's layout (image / image2, 8-d state, 7-d action) drives the LIBERO env through
+    grove's adapter; LIBERO's instructions are in its tokenizer's vocabulary."""
+    pytest.importorskip("lerobot")
+    import json
+
+    from robotics.envs.vector import EnvConfig
+    from robotics.evaluation import evaluate_policy
+    from robotics.policies.lerobot.load import load_lerobot_policy
+    from robotics.policies.lerobot.settings import PolicySettings
+    from robotics.policies.lerobot.tiny import build_tiny_smolvla
+
+    env_cfg = EnvConfig(kind="libero", tasks=["libero_spatial/0"], cameras=["image", "image2"], image_size=32,
+                        horizon=8)
+    env_cfg.check()
+    build_tiny_smolvla(tmp_path, env_cfg)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["output_features"]["action"]["shape"] == [7]
+    assert set(config["input_features"]) == {"observation.images.image", "observation.images.image2",
+                                             "observation.state"}
+    vocab = json.loads((tmp_path / "vlm" / "tokenizer.json").read_text())["model"]["vocab"]
+    assert {"bowl", "ramekin", "plate"} <= set(vocab)
+    vla = load_lerobot_policy(PolicySettings(type="lerobot", path=str(tmp_path)), env_cfg, str(tmp_path), 0,
+                              env_cfg.action_dim)
+    result = evaluate_policy(vla, env_cfg, 1)
+    assert result["eval/episode_length"] == 8 and "eval/success/libero_spatial/0" in result

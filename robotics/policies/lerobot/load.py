@@ -83,9 +83,11 @@ def feature_map(config: dict, env_cfg, settings: PolicySettings) -> tuple[dict[s
     if not cameras:
         raise ConfigError("robotics.policy: the policy declares no image feature the env can feed")
     action = outputs.get("action")
-    if action is None or action["shape"][0] < 4:
-        raise ConfigError(f"robotics.policy: the policy's action feature {action} must have >= 4 dims (Meta-World: "
-                          f"hand xyz + gripper; a longer action is cut to its first 4)")
+    need = env_cfg.action_dim
+    if action is None or action["shape"][0] < need:
+        what = "LIBERO: OSC_POSE delta + gripper" if env_cfg.kind == "libero" else "Meta-World: hand xyz + gripper"
+        raise ConfigError(f"robotics.policy: the policy's action feature {action} must have >= {need} dims ({what}; "
+                          f"a longer action is cut to its first {need})")
     return cameras, sizes
 
 

@@ -5,6 +5,7 @@ Tests and the CPU recipe use it; a real run brings ``lerobot/smolvla_base`` (or 
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -47,6 +48,16 @@ def _words() -> list[str]:
     from ...envs.metaworld_env import TASK_INSTRUCTIONS
 
     return sorted({w for text in TASK_INSTRUCTIONS.values() for w in text.lower().split()})
+
+
+def env_words(env_cfg) -> list[str]:
+    """Instruction words a tiny policy for ``env_cfg`` must know beyond Meta-World's: every LIBERO instruction's
+    for a LIBERO env (a word-level tokenizer maps an unknown word to <unk>)."""
+    if getattr(env_cfg, "kind", "metaworld") != "libero":
+        return []
+    from ...envs.libero_tasks import all_languages
+
+    return sorted({w for text in all_languages() for w in text.lower().split()})
 
 
 def write_tiny_vlm(out: Path, t: TinySmolVLA) -> Path:
@@ -105,6 +116,8 @@ def build_tiny_smolvla(out_dir: str | Path, env_cfg, t: TinySmolVLA | None = Non
     from lerobot.policies.smolvla.processor_smolvla import make_smolvla_pre_post_processors
 
     out = Path(out_dir)
+    if env_words(env_cfg):
+        t = dataclasses.replace(t, words=sorted(set(t.words or _words()) | set(env_words(env_cfg))))
     vlm = write_tiny_vlm(out / "vlm", t)
     inputs = {f"observation.images.{cam}": PolicyFeature(FeatureType.VISUAL, (3, t.image_size, t.image_size))
               for cam in env_cfg.cameras}
@@ -115,9 +128,10 @@ def build_tiny_smolvla(out_dir: str | Path, env_cfg, t: TinySmolVLA | None = Non
         max_state_dim=t.max_state_dim, max_action_dim=t.max_action_dim, num_steps=t.num_steps,
         resize_imgs_with_padding=(t.vision_size, t.vision_size), tokenizer_max_length=t.tokenizer_max_length,
         train_expert_only=t.train_expert_only, freeze_vision_encoder=t.freeze_vision_encoder,
-        device="cpu", input_features=inputs, output_features={"action": PolicyFeature(FeatureType.ACTION, (4,))})
+        device="cpu", input_features=inputs,
+        output_features={"action": PolicyFeature(FeatureType.ACTION, (env_cfg.action_dim,))})
     if stats is None:
-        dims = {"observation.state": env_cfg.proprio_dim, "action": 4}
+        dims = {"observation.state": env_cfg.proprio_dim, "action": env_cfg.action_dim}
         stats = {k: {"mean": torch.zeros(d), "std": torch.ones(d), "min": -torch.ones(d), "max": torch.ones(d)}
                  for k, d in dims.items()}
     torch.manual_seed(seed)

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from .compat import import_policies
+from .tiny import env_words
 
 TINY_FILE = "grove_tiny_pi.json"
 TOKENIZER_DIR = "tokenizer"
@@ -189,6 +190,8 @@ def build_tiny_pi(out_dir: str | Path, env_cfg, t: TinyPi | None = None, stats: 
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if env_words(env_cfg):
+        t = dataclasses.replace(t, words=sorted(set(t.words) | set(env_words(env_cfg))))
     tokenizer = write_tiny_tokenizer(out / TOKENIZER_DIR, t)
     inputs = {f"observation.images.{cam}": PolicyFeature(FeatureType.VISUAL, (3, t.image_size, t.image_size))
               for cam in env_cfg.cameras}
@@ -197,9 +200,9 @@ def build_tiny_pi(out_dir: str | Path, env_cfg, t: TinyPi | None = None, stats: 
                     max_action_dim=t.max_action_dim, num_inference_steps=t.num_inference_steps,
                     image_resolution=(t.vision_size, t.vision_size), tokenizer_max_length=t.tokenizer_max_length,
                     dtype="float32", device="cpu", input_features=inputs,
-                    output_features={"action": PolicyFeature(FeatureType.ACTION, (4,))})
+                    output_features={"action": PolicyFeature(FeatureType.ACTION, (env_cfg.action_dim,))})
     if stats is None:
-        dims = {"observation.state": env_cfg.proprio_dim, "action": 4}
+        dims = {"observation.state": env_cfg.proprio_dim, "action": env_cfg.action_dim}
         stats = {k: {"mean": torch.zeros(d), "std": torch.ones(d), "min": -torch.ones(d), "max": torch.ones(d),
                      "q01": -torch.ones(d), "q99": torch.ones(d)} for k, d in dims.items()}
     torch.manual_seed(seed)
