@@ -52,6 +52,19 @@ class EpisodeBatch:
     frames: list[list[np.ndarray]] | None = None  # per env, the frames seen (for GIFs)
 
 
+def concat_batches(batches: list[EpisodeBatch]) -> EpisodeBatch:
+    """The episodes of ``batches`` (run with the same horizon and policy) as one batch, in order."""
+    if len(batches) == 1:
+        return batches[0]
+    first = batches[0]
+    arrays = {name: np.concatenate([getattr(b, name) for b in batches], axis=0)
+              for name in ("images", "proprio", "chain", "stochastic", "logp", "chunk_valid", "success_once",
+                           "success_end", "dense", "length")}
+    frames = None if first.frames is None else [f for b in batches for f in b.frames]
+    return EpisodeBatch(keys=[k for b in batches for k in b.keys], tasks=[t for b in batches for t in b.tasks],
+                        nfe=first.nfe, frames=frames, **arrays)
+
+
 @dataclass
 class ChunkNoise:
     """Every random draw of one chunk per row, given instead of drawn from a shared generator (``chunk_noise``)."""

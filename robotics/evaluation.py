@@ -12,7 +12,7 @@ import torch
 from .data import LIBERO_FPS, METAWORLD_FPS
 from .envs.metaworld_env import make_key
 from .envs.vector import EnvConfig, make_vector_env
-from .episodes import SamplingSettings, run_episodes, success_by_task, write_gif
+from .episodes import SamplingSettings, concat_batches, run_episodes, success_by_task, write_gif
 from .policies.vla import TinyVLA
 
 PROGRESS_EVERY = 10.0  # seconds between progress lines of a long evaluation (none for one shorter than this)
@@ -53,11 +53,17 @@ def evaluate_policy(policy: TinyVLA, env_cfg: EnvConfig, per_task: int, venv=Non
     if log is not None:
         what = f"evaluation ({len(keys)} episodes{f', {len(env_cfg.tasks)} tasks' if len(env_cfg.tasks) > 1 else ''})"
         on_chunk = Progress(log, what, env_cfg.horizon, "env steps", every=PROGRESS_EVERY).update
+    # each episode draws its own start noise (episode_noise_seed), so running the keys in slices of eval_batch gives
+    # the same episodes as running them at once
+    size = env_cfg.eval_batch or len(keys)
     try:
-        batch = run_episodes(policy, venv, keys, tasks, SamplingSettings(mode=mode, init_noise=init_noise), env_cfg.horizon,
-                             torch.Generator().manual_seed(seed), record_frames=gif_dir is not None,
-                             device=next(policy.parameters()).device,  # observations go where the policy is
-                             episode_noise_seed=seed, on_chunk=on_chunk)
+        batch = concat_batches([
+            run_episodes(policy, venv, keys[a: a + size], tasks[a: a + size],
+                         SamplingSettings(mode=mode, init_noise=init_noise), env_cfg.horizon,
+                         torch.Generator().manual_seed(seed), record_frames=gif_dir is not None,
+                         device=next(policy.parameters()).device,  # observations go where the policy is
+                         episode_noise_seed=seed, on_chunk=on_chunk)
+            for a in range(0, len(keys), size)])
     finally:
         policy.train(was_training)
         if own:

@@ -144,6 +144,22 @@ def test_an_evaluation_episode_does_not_depend_on_the_rest_of_the_batch():
     dom.close()
 
 
+def test_an_evaluation_in_slices_equals_one_at_once():
+    """robotics.env.eval_batch (LIBERO's memory cap) runs the held-out keys in slices: the same episodes, so the same
+    scores and lengths (the chains agree to batch-size rounding)."""
+    import copy
+
+    from robotics.evaluation import evaluate_policy
+
+    dom = _domain("sde_one_step", eval_states_per_task=3)
+    sliced_cfg = copy.deepcopy(dom.cfg.env)
+    sliced_cfg.eval_batch = 2
+    whole = evaluate_policy(dom.policy, dom.cfg.env, 3, dom.venv)
+    sliced = evaluate_policy(dom.policy, sliced_cfg, 3, dom.venv)
+    assert whole == sliced and len(dom.cfg.env.tasks) * 3 > 2
+    dom.close()
+
+
 def test_every_rl_recipe_parses_as_one_robotics_domain():
     """The recipes in configs/robotics are on the current keys; flat, tree and world-model rollouts are one domain
     with a rollout strategy (``robotics.rollout.name``)."""
