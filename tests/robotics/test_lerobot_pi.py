@@ -486,12 +486,14 @@ def test_expert_value_input_is_the_mean_expert_token_at_the_chain_start(tiny_dir
     assert "\n" not in str(err.value)
 
 
-def test_pi_recipes_parse_and_build_at_tiny_size(tiny_dirs):
+def test_pi_recipes_parse_and_build_at_tiny_size(tiny_dirs, tmp_path):
     """The π recipes (the tiny CPU one and the GPU ones for lerobot/pi0_base, pi05_base, pi05_libero) parse, and their
-    robotics section builds a policy when its path is a tiny π of the same family."""
+    robotics section builds a policy when its path is a tiny π of the same family (for the LIBERO recipe, one in
+    LIBERO's layout: image / image2, 8-d state, 7-d action, on the recipe's own env section)."""
     import yaml
 
     from robotics.domain import load_policy
+    from robotics.envs.vector import EnvConfig
 
     recipes = sorted((ROOT / "configs" / "robotics").glob("pi0*.yaml"))
     names = {p.name for p in recipes}
@@ -500,12 +502,23 @@ def test_pi_recipes_parse_and_build_at_tiny_size(tiny_dirs):
     for path in recipes:
         data = yaml.safe_load(path.read_text())
         family = "pi05" if path.name.startswith("pi05") else "pi0"
-        data["robotics"]["policy"].update(path=str(tiny_dirs[family]), n_action_steps=0)
-        data["robotics"]["env"].update(horizon=8, cameras=["corner"], tasks=["reach-v3"])
+        env = data["robotics"]["env"]
+        if env.get("kind") == "libero":
+            pytest.importorskip("libero")
+            libero_env = EnvConfig(kind="libero", suite=env["suite"], tasks=env["tasks"][:1], cameras=env["cameras"])
+            libero_env.check()
+            policy_dir = tmp_path / f"{path.stem}-tiny"
+            build_tiny_pi(policy_dir, libero_env, TinyPi(family=family), seed=0)
+            env.update(horizon=8, tasks=env["tasks"][:1])
+        else:
+            policy_dir = tiny_dirs[family]
+            env.update(horizon=8, cameras=["corner"], tasks=["reach-v3"])
+        data["robotics"]["policy"].update(path=str(policy_dir), n_action_steps=0)
         data["robotics"]["policy"]["cameras"] = {}
         cfg = load_train_config(data).domain_config
         vla = load_policy(cfg, 0)
         assert vla.cfg.family == family and vla.cfg.chunk == TinyPi().n_action_steps, path.name
+        assert vla.cfg.action_dim == cfg.env.action_dim, path.name
 
 
 def test_tiny_recipe_smoke(tiny_dirs, tmp_path):
