@@ -73,6 +73,11 @@ class BCConfig:
     threads: int = field(default=1, metadata={"help": "torch CPU threads"})
     export_dir: str = field(default="", metadata={
         "help": "also write the final model here (e.g. assets/metaworld-vla-tiny); '' = only the run directory"})
+    val_demos_per_task: int = field(default=0, metadata={
+        "help": "demos per task held out of training (the last ones of each task): every val_every steps the BC loss "
+                "on them (fixed noise, no augmentation) is measured and the model kept is the one with the lowest; "
+                "0 = the last step's model"})
+    val_every: int = field(default=200, metadata={"help": "steps between validation losses (val_demos_per_task > 0)"})
     aux_object_coef: float = field(default=0.0, metadata={
         "help": "weight of an auxiliary loss: a linear head (training only) predicts the object's xyz (Meta-World "
                 "state obs[4:7], z-scored) from the image features, so the encoder learns where the object is; "
@@ -84,6 +89,8 @@ class BCConfig:
         self.env.check_eval_states(self.eval_states_per_task, where)
         if self.env.image_size != self.model.image_size:
             raise ConfigError(f"{where}.model.image_size ({self.model.image_size}) must equal env.image_size ({self.env.image_size})")
+        if self.val_demos_per_task < 0 or self.val_every < 1:
+            raise ConfigError(f"{where}: val_demos_per_task must be >= 0 and val_every >= 1")
         stray = sorted(set(self.collect.task_demos) - set(self.env.tasks))
         if stray:
             raise ConfigError(f"{where}.collect.task_demos names {stray}, which are not in env.tasks {self.env.tasks}")
@@ -211,14 +218,58 @@ class ObjectHead(torch.nn.Module):
         return torch.nn.functional.mse_loss(self.linear(img), target)
 
 
+def split_validation(episodes: list[Episode], per_task: int) -> tuple[list[Episode], list[Episode]]:
+    """(training, validation): the last ``per_task`` demos of each task are validation; a task needs at least one
+    training demo beside them."""
+    if per_task == 0:
+        return episodes, []
+    by_task: dict[str, list[Episode]] = {}
+    for e in episodes:
+        by_task.setdefault(e.task, []).append(e)
+    short = {t: len(eps) for t, eps in by_task.items() if len(eps) <= per_task}
+    if short:
+        raise ConfigError(f"val_demos_per_task={per_task} leaves no training demo for {short} (demos per task); "
+                          f"lower it or collect more")
+    val = {id(e) for eps in by_task.values() for e in eps[-per_task:]}
+    return [e for e in episodes if id(e) not in val], [e for e in episodes if id(e) in val]
+
+
+class ValidationLoss:
+    """The BC loss on the validation demos with the same noise every time (one generator seed, no augmentation), so
+    two measurements differ only by the weights."""
+
+    def __init__(self, episodes: list[Episode], policy: TinyVLA, chunk: int, seed: int, batch: int = 256):
+        self.data = ChunkDataset(episodes, chunk, policy)
+        self.seed, self.batch = seed, batch
+
+    @torch.no_grad()
+    def __call__(self, policy: TinyVLA) -> float:
+        was = policy.training
+        policy.eval()
+        gen = torch.Generator().manual_seed(self.seed)
+        rng = np.random.default_rng(self.seed)
+        total, n = 0.0, len(self.data)
+        for a in range(0, n, self.batch):
+            idx = np.arange(a, min(n, a + self.batch))
+            imgs, pro, tids, chunks = self.data.batch(idx, 0, rng)
+            h = policy.fuse_features(policy.image_features(imgs), pro, tids)
+            total += float(policy.bc_loss(h, chunks, gen)) * len(idx)
+        policy.train(was)
+        return total / n
+
+
 def train(c: BCConfig, episodes: list[Episode], venv, run_dir: Path, log=print) -> Trained:
     """AdamW with a cosine schedule over ``train_steps``, gradients clipped to norm 1; a log record every
-    ``log_every`` steps (the mean loss since the last one), an evaluation every ``eval_every``; the model is saved
-    at the end, before the final evaluation (a long run keeps its weights if the evaluation dies, e.g. out of
-    memory)."""
+    ``log_every`` steps (the mean loss since the last one), an evaluation every ``eval_every``; with
+    ``val_demos_per_task`` the weights of the lowest validation loss are the result (early stopping chosen on
+    held-out demos, never on the evaluation states). The model is saved at the end, before the final evaluation (a
+    long run keeps its weights if the evaluation dies, e.g. out of memory)."""
     rng = np.random.default_rng(c.seed)
+    episodes, val_episodes = split_validation(episodes, c.val_demos_per_task)
     policy = new_policy(c, episodes)
     data = ChunkDataset(episodes, c.model.chunk, policy)
+    val_loss = ValidationLoss(val_episodes, policy, c.model.chunk, c.seed) if val_episodes else None
+    best = (math.inf, 0, None)  # (validation loss, step, weights)
     log(f"bc: {len(data)} samples, model {sum(p.numel() for p in policy.parameters()):,} params, head {c.model.head}")
     params = [p for n, p in policy.named_parameters() if not n.startswith("flow.noise_std")]  # ReinFlow's: RL only
     aux = ObjectHead(c, data) if c.aux_object_coef > 0 else None
@@ -249,6 +300,11 @@ def train(c: BCConfig, episodes: list[Episode], venv, run_dir: Path, log=print) 
                 window = []
                 rec = {"step": step, "loss/bc": mean_loss, "lr": sched.get_last_lr()[0], "time/train": elapsed}
                 log(f"bc step {step}: loss {mean_loss:.4f} ({elapsed:.0f}s)")
+            if val_loss is not None and (step % c.val_every == 0 or step == c.train_steps or out_of_time):
+                rec = rec or {"step": step}
+                rec["loss/val"] = v = val_loss(policy)
+                if v < best[0]:
+                    best = (v, step, {k: t.detach().clone() for k, t in policy.state_dict().items()})
             if c.eval_every and step % c.eval_every == 0 and not out_of_time and step != c.train_steps:
                 rec = rec or {"step": step}
                 rec.update(evaluate_policy(policy, c.env, c.eval_states_per_task, venv))
@@ -260,6 +316,10 @@ def train(c: BCConfig, episodes: list[Episode], venv, run_dir: Path, log=print) 
             if out_of_time:
                 log(f"bc: time budget {c.time_budget_s:.0f}s reached at step {step}")
                 break
+    if best[2] is not None:
+        policy.load_state_dict(best[2])
+        log(f"bc: the lowest validation loss {best[0]:.4f} was at step {best[1]} of {step}; that model is kept")
+        history.append({"step": step, "bc/best_step": best[1], "loss/val_best": best[0]})
     policy.save_pretrained(run_dir / "model")
     return Trained(policy, history, step, time.perf_counter() - t0)
 
@@ -272,6 +332,7 @@ def evaluate(c: BCConfig, trained: Trained, venv, run_dir: Path) -> dict[str, fl
     result["time/eval"] = time.perf_counter() - te
     result["time/train"] = trained.seconds
     result["train_steps"] = trained.step
+    result["bc/best_step"] = next((r["bc/best_step"] for r in trained.history if "bc/best_step" in r), trained.step)
     rec = {"step": trained.step, **result}
     trained.history.append(rec)
     with open(run_dir / "metrics.jsonl", "a") as f:

@@ -374,6 +374,11 @@ class LiberoScriptedExpert:
         best, best_score = None, None
         self._cands = []
         zs = [max(h - dz, TIP_CLEAR) for dz in (0.016, 0.013, 0.010)]
+        fz = np.concatenate([[-0.012, 0.005, 0.025, 0.045], np.arange(0.07, 0.30, 0.03)])
+        finger_u = np.array([(du, dv, dz) for du in (0.004, 0.016, 0.028) for dv in (-0.012, 0.0, 0.012)
+                             for dz in fz])
+        hand_u = np.array([(du, dv, dz) for du in (-0.09, -0.06, -0.03, 0.0, 0.03, 0.06, 0.09)
+                           for dv in (-0.03, 0.04) for dz in np.arange(0.027, 0.30, 0.03)])
         for k in range(24):
             a = k * np.pi / 12.0
             u = np.array([np.cos(a), np.sin(a), 0.0])
@@ -382,14 +387,12 @@ class LiberoScriptedExpert:
             for zi, z_rel in enumerate(zs):
                 g = np.array([ctr[0], ctr[1], lo[2] + z_rel]) + u * r
                 for oi, w2 in enumerate((0.039, 0.02, 0.012)):
-                    pts = []
-                    for du in (w2 + 0.004, w2 + 0.016, w2 + 0.028):
-                        for dv in (-0.012, 0.0, 0.012):
-                            for dz in (-0.012, 0.005, 0.025, 0.045, 0.07, 0.1):
-                                pts.append(g + u * du + v * dv + np.array([0.0, 0.0, dz]))
-                    for du in (-0.09, -0.06, -0.03, 0.0, 0.03, 0.06, 0.09):
-                        for dv in (-0.03, 0.04):
-                            pts.append(g + u * du + v * dv + np.array([0.0, 0.0, 0.027]))
+                    # outer finger and hand, swept from the grasp height up
+                    # (the descent must be free too)
+                    pts = (g + np.outer(finger_u[:, 0] + w2, u)
+                           + np.outer(finger_u[:, 1], v) + np.outer(finger_u[:, 2], [0.0, 0.0, 1.0]))
+                    pts = np.concatenate([pts, g + np.outer(hand_u[:, 0], u) + np.outer(hand_u[:, 1], v)
+                                          + np.outer(hand_u[:, 2], [0.0, 0.0, 1.0])])
                     clear = self.geoms.min_dist(np.asarray(pts), obst)
                     # lexicographic: feasible, low grasp, little wrist rotation,
                     # wide opening, side facing the target, clearance

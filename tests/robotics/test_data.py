@@ -1,5 +1,6 @@
 """Episode storage, LeRobot v3.0 round trip (against the real lerobot package), demos and the BC entry point."""
 import json
+import math
 import os
 
 os.environ.setdefault("MUJOCO_GL", "egl")
@@ -154,6 +155,52 @@ def test_bc_auxiliary_object_loss_trains_the_encoder_and_needs_states(tmp_path, 
     bare = save_episodes(eps, tmp_path / "bare.npz")
     with pytest.raises(ConfigError, match="needs demos with Meta-World states"):
         bc.run({**base, "data": str(bare), "aux_object_coef": 1.0}, tmp_path / "run-bare", log=lambda s: None)
+
+
+def test_bc_keeps_the_model_of_the_lowest_validation_loss(tmp_path, monkeypatch):
+    """``val_demos_per_task``: the last demos of each task are held out; the validation loss is measured every
+    ``val_every`` steps with fixed noise (the same weights give the same number), and the model saved is the one of
+    the lowest; a split that leaves a task no training demo is one line."""
+    pytest.importorskip("metaworld")
+    import robotics.bc as bc
+    from safetensors.torch import load_file
+
+    from robotics.policies.vla import TinyVLA
+    from shared_rl.config import ConfigError
+
+    monkeypatch.setattr(bc, "evaluate_policy", lambda *a, **k: {"eval/success": 0.0})
+    eps = _episodes(n=4, t=12)  # two demos per task
+    train_eps, val_eps = bc.split_validation(eps, 1)
+    assert len(val_eps) == 2 and {e.task for e in val_eps} == {"reach-v3", "drawer-close-v3"}
+    assert not {id(e) for e in val_eps} & {id(e) for e in train_eps}
+    demos = save_episodes(eps, tmp_path / "demos.npz")
+    snapshots = []
+    real_loss = bc.ValidationLoss.__call__
+    scripted = iter([3.0, 1.0, 2.0, 4.0])  # the best is the second measurement (step 6), not the last
+
+    def recording(self, policy):
+        value = real_loss(self, policy)
+        assert math.isfinite(value) and real_loss(self, policy) == value  # fixed noise: a function of the weights
+        snapshots.append({k: t.clone() for k, t in policy.state_dict().items()})
+        return next(scripted)
+
+    monkeypatch.setattr(bc.ValidationLoss, "__call__", recording)
+    cfg = {"data": str(demos), "env": {"tasks": ["reach-v3", "drawer-close-v3"], "horizon": 8}, "train_steps": 12,
+           "batch_size": 8, "log_every": 3, "gifs": False, "eval_states_per_task": 1, "lr": 3e-3,
+           "val_demos_per_task": 1, "val_every": 3,
+           "model": {"cnn_channels": [8, 8, 8, 8], "feature_dim": 32, "text_dim": 8, "hidden": 64}}
+    out = bc.run(cfg, tmp_path / "run", log=lambda s: None)
+    recs = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    vals = {r["step"]: r["loss/val"] for r in recs if "loss/val" in r}
+    assert vals == {3: 3.0, 6: 1.0, 9: 2.0, 12: 4.0} and len(snapshots) == 4
+    assert out["bc/best_step"] == 6
+    saved = load_file(str(tmp_path / "run" / "model" / "model.safetensors"))
+    for k, t in snapshots[1].items():
+        assert torch.equal(saved[k], t), k
+    assert any(not torch.equal(saved[k], t) for k, t in snapshots[-1].items())  # not the last step's weights
+    assert TinyVLA.load_pretrained(tmp_path / "run" / "model") is not None
+    with pytest.raises(ConfigError, match="leaves no training demo"):
+        bc.run({**cfg, "val_demos_per_task": 2}, tmp_path / "run2", log=lambda s: None)
 
 
 def _corrupt_copies(root, tmp_path):
