@@ -328,7 +328,7 @@ def evaluate(c: BCConfig, trained: Trained, venv, run_dir: Path) -> dict[str, fl
     """The final held-out evaluation (GIFs in ``run_dir/gifs``), appended to the history and ``metrics.jsonl``."""
     te = time.perf_counter()
     result = evaluate_policy(trained.policy, c.env, c.eval_states_per_task, venv,
-                             gif_dir=run_dir / "gifs" if c.gifs else None, tag="bc-")
+                             gif_dir=run_dir / "gifs" if c.gifs else None, tag="bc-", standard_errors=True)
     result["time/eval"] = time.perf_counter() - te
     result["time/train"] = trained.seconds
     result["train_steps"] = trained.step

@@ -1,0 +1,213 @@
+"""``grove bench robotics-demos``: what RL buys in demonstrations — BC fitted at every demo count vs RL from few demos.
+
+The claim robot-RL papers make (SimpleVLA-RL: LIBERO-Long 17% -> 91% from one demo per task; RIPT-VLA) is about
+demonstrations, which are what costs on a real robot. This bench measures it on the five Meta-World tasks:
+
+1. **The BC curve**: for K in ``KS`` demonstrations per task (DART labels, the object-observing proprio of
+   ``configs/robotics/metaworld_bc_dart_object.yaml``), the tiny VLA behaviour-cloned with its model chosen on
+   ``VAL_DEMOS`` held-out validation demos per task (``bc.val_demos_per_task``: the lowest validation loss over
+   ``BC_STEPS`` steps; never on the evaluation states), held-out success on ``EVAL_STATES`` states per task with
+   binomial standard errors. The validation demos are the same for every K and not counted in it (BC's best chance).
+2. **RL from few demos**: ``configs/robotics/metaworld_mt5_rl.yaml`` (GRPO, per-task adapters) from the K-demo clones
+   at ``RL_KS``, in the variants of ``RL_VARIANTS`` (the recipe; + replay of the K demos); held-out success before ->
+   after, env steps and wall time.
+3. **The table**: for each RL row, K' = the demo count at which the BC curve (log-K, linearly interpolated over the
+   seed means) reaches RL's final success: "RL from K demos ≈ BC from K' demos".
+
+Every row is its own ``grove train`` process writing its own run directory under the output directory; a finished row
+is read back, not re-run, so the bench resumes across sittings (run it again with the same ``--out``) and
+``python -m bench.robotics_demos --out DIR --only bc`` (or ``rl``) runs a part. ``--quick``: two tiny rows of each
+kind (plumbing only). Results in docs/bench/robotics_demos.md.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+DOC = ROOT / "docs" / "bench" / "robotics_demos.md"
+BC_RECIPE = "configs/robotics/metaworld_bc_dart_object.yaml"
+RL_RECIPE = "configs/robotics/metaworld_mt5_rl.yaml"
+TASKS = ["reach-v3", "push-v3", "door-open-v3", "button-press-topdown-v3", "drawer-close-v3"]
+KS = (1, 2, 5, 10, 20, 40)
+BC_SEEDS = (0, 1)
+RL_KS = (2, 5)
+RL_SEEDS = (0, 1, 2)
+VAL_DEMOS = 5
+EVAL_STATES = 100
+BC_STEPS = 6000
+RL_VARIANTS = {
+    "grpo": [],
+    "grpo+demo-replay": ["robotics.replay.coef=1.0"],  # the BC loss on the K demos beside the policy gradient (DAPG)
+}
+QUICK = {"ks": (1, 2), "bc_seeds": (0,), "rl_ks": (1,), "rl_seeds": (0,), "val": 1, "eval": 2, "bc_steps": 6,
+         "variants": {"grpo": []}}
+
+
+def _grove(args: list[str], log_path: Path) -> None:
+    """One row: ``grove ARGS`` in its own process (its output in ``log_path``); raises if it fails."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "w") as f:
+        code = subprocess.run([sys.executable, "-m", "shared_rl.cli", *args], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
+                              env={**os.environ, "MUJOCO_GL": os.environ.get("MUJOCO_GL", "egl")}).returncode
+    if code != 0:
+        tail = log_path.read_text().strip().splitlines()[-1:] or ["(no output)"]
+        raise RuntimeError(f"grove {' '.join(args[:2])} failed ({code}): {tail[0]} (log: {log_path})")
+
+
+def demo_pool(out: Path, per_task: int, val: int, quick: bool) -> Path:
+    """``per_task + val`` DART demos per task (collected once; the last ``val`` of each task validate)."""
+    path = out / "demos.npz"
+    if not path.is_file():
+        args = ["robotics", "collect", "--out", str(path), "--tasks", *TASKS, "--demos-per-task", str(per_task + val),
+                "--noise", "0.3", "--labels", "expert", "--include-goal", "--include-object", "--seed", "0"]
+        _grove(args, out / "logs" / "collect.log")
+    return path
+
+
+def demo_subset(pool: Path, k: int, val: int, out: Path) -> Path:
+    """The first ``k`` training demos and the ``val`` validation demos (the pool's last) of each task."""
+    from robotics.data import load_episodes, save_episodes
+
+    path = out / f"demos-K{k}.npz"
+    if path.is_file():
+        return path
+    eps = load_episodes(pool)
+    chosen = []
+    for task in TASKS:
+        mine = [e for e in eps if e.task == task]
+        if len(mine) < k + val:
+            raise ValueError(f"{pool}: {task} has {len(mine)} demos, K={k} + {val} validation needs more")
+        chosen += mine[:k] + mine[-val:]
+    save_episodes(chosen, path)
+    return path
+
+
+def _last_eval(run_dir: Path) -> dict | None:
+    f = run_dir / "metrics.jsonl"
+    if not f.is_file():
+        return None
+    recs = [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+    evals = [r for r in recs if "eval/success" in r]
+    return evals[-1] if evals else None
+
+
+def bc_row(out: Path, pool: Path, k: int, seed: int, s: dict) -> dict:
+    run_dir = out / f"bc-K{k}-s{seed}"
+    if not (run_dir / "model" / "model.safetensors").is_file() or _last_eval(run_dir) is None:
+        data = demo_subset(pool, k, s["val"], out)
+        _grove(["train", BC_RECIPE, "--out", str(run_dir), f"data={data}", "export_dir=''", f"seed={seed}",
+                f"val_demos_per_task={s['val']}", f"train_steps={s['bc_steps']}", "val_every=250" if not s["quick"]
+                else "val_every=2", f"eval_states_per_task={s['eval']}", "gifs=false"], out / "logs" / f"bc-K{k}-s{seed}.log")
+    rec = _last_eval(run_dir)
+    row = {"variant": f"BC, K={k}", "kind": "bc", "K": k, "seed": seed, "success": rec["eval/success"],
+           "success_se": rec.get("eval/success_se", _se(rec, s["eval"])), "best_step": rec.get("bc/best_step")}
+    row.update({t: rec.get(f"eval/success/{t}") for t in TASKS})
+    return row
+
+
+def _se(rec: dict, n: int) -> float:
+    """The stratified binomial standard error of a five-task mean (for records written without it)."""
+    ps = [rec[f"eval/success/{t}"] for t in TASKS if f"eval/success/{t}" in rec]
+    return math.sqrt(sum(p * (1 - p) / n for p in ps)) / max(1, len(ps))
+
+
+def rl_row(out: Path, k: int, seed: int, variant: str, overrides: list[str], s: dict) -> dict:
+    from shared_rl.metrics import read_metrics
+
+    clone = out / f"bc-K{k}-s0" / "model"  # every RL seed starts from the seed-0 clone of K demos
+    run_dir = out / f"rl-{variant}-K{k}-s{seed}"
+    if not (run_dir / "summary.txt").is_file():
+        extra = [f"robotics.replay.data={out / f'demos-K{k}.npz'}"] if any("replay" in o for o in overrides) else []
+        quick = ["iterations=1", "rollout.groups_per_iteration=5", "rollout.group_size=2", "robotics.env.horizon=16",
+                 "eval.every=0"] if s["quick"] else ["eval.every=25"]
+        _grove(["train", RL_RECIPE, "--out", str(run_dir), f"robotics.checkpoint={clone}", f"seed={seed}",
+                f"robotics.eval_states_per_task={s['eval']}", "robotics.gifs=false", *quick, *overrides, *extra],
+               out / "logs" / f"rl-{variant}-K{k}-s{seed}.log")
+    recs = read_metrics(run_dir / "metrics.jsonl")
+    evals = [r for r in recs if "eval/success" in r]
+    first, last = evals[0], evals[-1]
+    row = {"variant": f"RL {variant}, K={k}", "kind": "rl", "K": k, "seed": seed,
+           "success_before": first["eval/success"], "success": last["eval/success"],
+           "env_steps": int(sum(r.get("env/steps", 0) for r in recs)),
+           "wall_min": round(sum(r.get("time/iteration", 0) + r.get("time/eval", 0) for r in recs) / 60, 1),
+           "worst_task_change": min(last[f"eval/success/{t}"] - first[f"eval/success/{t}"] for t in TASKS
+                                    if f"eval/success/{t}" in last)}
+    row.update({t: f"{first.get(f'eval/success/{t}', 0):.2f} -> {last.get(f'eval/success/{t}', 0):.2f}" for t in TASKS})
+    return row
+
+
+def equivalent_demos(curve: dict[int, float], success: float) -> float | None:
+    """K' at which the BC curve (mean success per K, linear in log K between measured points) reaches ``success``;
+    None above the curve's best (RL beats BC at every measured K), the smallest K below its first point."""
+    ks = sorted(curve)
+    if success <= curve[ks[0]]:
+        return float(ks[0])
+    for a, b in zip(ks, ks[1:]):
+        lo, hi = curve[a], curve[b]
+        if lo < success <= hi and hi > lo:
+            t = (success - lo) / (hi - lo)
+            return float(math.exp(math.log(a) + t * (math.log(b) - math.log(a))))
+        if success <= max(lo, hi):
+            return float(b)
+    return None
+
+
+def run(out_dir: Path, quick: bool = False, only: str = "") -> dict:
+    from shared_rl.bench import write_results
+
+    out = Path(out_dir)
+    s = {"quick": quick, "ks": KS, "bc_seeds": BC_SEEDS, "rl_ks": RL_KS, "rl_seeds": RL_SEEDS, "val": VAL_DEMOS,
+         "eval": EVAL_STATES, "bc_steps": BC_STEPS, "variants": RL_VARIANTS}
+    if quick:
+        s.update(QUICK)
+    t0 = time.perf_counter()
+    pool = demo_pool(out, max(s["ks"]), s["val"], quick)
+    rows = []
+    if only in ("", "bc"):
+        for k in s["ks"]:
+            for seed in s["bc_seeds"]:
+                rows.append(bc_row(out, pool, k, seed, s))
+                print(f"bench robotics-demos: BC K={k} seed {seed}: {rows[-1]['success']:.3f} "
+                      f"({(time.perf_counter() - t0) / 60:.0f} min so far)", flush=True)
+    if only in ("", "rl"):
+        for k in s["rl_ks"]:
+            if only == "rl":
+                bc_row(out, pool, k, 0, s)  # the clone RL starts from
+            for variant, overrides in s["variants"].items():
+                for seed in s["rl_seeds"]:
+                    rows.append(rl_row(out, k, seed, variant, overrides, s))
+                    print(f"bench robotics-demos: RL {variant} K={k} seed {seed}: {rows[-1]['success_before']:.3f} -> "
+                          f"{rows[-1]['success']:.3f}", flush=True)
+    curve_rows = [r for r in rows if r["kind"] == "bc"]
+    curve = {k: float(np.mean([r["success"] for r in curve_rows if r["K"] == k])) for k in {r["K"] for r in curve_rows}}
+    for r in rows:
+        if r["kind"] == "rl" and curve:
+            kp = equivalent_demos(curve, r["success"])
+            r["bc_equivalent_K"] = round(kp, 1) if kp is not None else "above the BC curve"
+            r["demo_multiplier"] = round(kp / r["K"], 1) if kp is not None else None
+    notes = (f"Five Meta-World tasks, DART demos (noise 0.3, expert labels), the object-observing proprio. BC: "
+             f"{s['bc_steps']} steps, the model of the lowest validation loss on {s['val']} held-out demos per task "
+             f"(the same for every K, not counted in K); evaluation: ODE on {s['eval']} held-out states per task, "
+             f"standard errors binomial, stratified over tasks. RL: {RL_RECIPE} from the seed-0 clone of K demos; "
+             f"bc_equivalent_K reads RL's final success off the BC curve of seed means (linear in log K). Each row "
+             f"its own process; a finished row is read back." + (" QUICK MODE: plumbing check only." if quick else ""))
+    return write_results(out, "robotics-demos", rows, notes, doc_path=None if quick or only else DOC)
+
+
+if __name__ == "__main__":
+    import argparse
+
+    p = argparse.ArgumentParser(description="grove bench robotics-demos, in parts (rows resume from --out)")
+    p.add_argument("--out", default="runs/bench-robotics-demos")
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--only", choices=["", "bc", "rl"], default="")
+    a = p.parse_args()
+    print(json.dumps(run(Path(a.out), a.quick, a.only)["rows"], indent=1))

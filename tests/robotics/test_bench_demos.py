@@ -1,0 +1,33 @@
+"""grove bench robotics-demos: the demo-count read-off and the K-demo subsets (the rows themselves are processes)."""
+import math
+
+import numpy as np
+import pytest
+
+from bench.robotics_demos import TASKS, demo_subset, equivalent_demos
+from robotics.data import Episode, load_episodes, save_episodes
+
+
+def test_equivalent_demos_reads_the_bc_curve_linearly_in_log_k():
+    curve = {1: 0.2, 2: 0.4, 5: 0.6, 10: 0.8}
+    assert equivalent_demos(curve, 0.5) == pytest.approx(math.sqrt(10))  # halfway from 2 to 5 in log K
+    assert equivalent_demos(curve, 0.4) == pytest.approx(2.0)
+    assert equivalent_demos(curve, 0.7) == pytest.approx(math.sqrt(50))
+    assert equivalent_demos(curve, 0.1) == 1.0  # below the curve: its smallest K
+    assert equivalent_demos(curve, 0.9) is None  # above BC at every measured K
+    # a dip in the curve: the first K whose success reaches it
+    assert equivalent_demos({1: 0.2, 2: 0.5, 5: 0.4, 10: 0.8}, 0.45) == pytest.approx(2 ** (0.25 / 0.3))
+
+
+def test_demo_subset_takes_the_first_k_and_the_validation_demos_of_each_task(tmp_path):
+    rng = np.random.default_rng(0)
+    eps = [Episode(task=t, instruction=t, images=rng.integers(0, 255, (3, 8, 8, 3), dtype=np.uint8),
+                   proprio=np.zeros((3, 4), np.float32), actions=np.zeros((3, 4), np.float32),
+                   success=np.array([False, False, True]), key=100 * i + j)
+           for i, t in enumerate(TASKS) for j in range(6)]
+    pool = save_episodes(eps, tmp_path / "demos.npz")
+    sub = load_episodes(demo_subset(pool, 2, 1, tmp_path))
+    assert [e.key % 100 for e in sub] == [0, 1, 5] * len(TASKS)
+    assert [e.task for e in sub] == [t for t in TASKS for _ in range(3)]
+    with pytest.raises(ValueError, match="K=6 \\+ 1 validation"):
+        demo_subset(pool, 6, 1, tmp_path / "other")
