@@ -374,6 +374,39 @@ def test_export_loads_in_lerobot_with_identical_actions(tiny_dirs, family, tmp_p
     assert not torch.allclose(trained, _ours(_load(tiny_dirs[family]).eval(), images, proprio, noise).actions)
 
 
+def test_a_moved_export_loads_elsewhere(tiny_dirs, tmp_path):
+    """Exports travel (issue 50): a tiny π0.5's export carries its tokenizer, a tiny SmolVLA's its VLM folder, named
+    relative to the directory; moved to another place with the originals deleted, grove loads each with the same
+    actions, and the carried-folder record names no absolute path."""
+    import shutil
+
+    from robotics.policies.lerobot.local_files import LOCAL_FILES
+    from robotics.policies.lerobot.tiny import build_tiny_smolvla
+
+    images, proprio = _obs()
+    smol_src = tmp_path / "smolvla-src"
+    build_tiny_smolvla(smol_src, ENV)
+    pi_src = tmp_path / "pi05-src"  # built here: its files name this folder, which the test deletes
+    build_tiny_pi(pi_src, ENV, TinyPi(family="pi05"), stats=STATS, seed=0)
+    for name, src in (("pi05", pi_src), ("smolvla", smol_src)):
+        vla = _load(src).eval()
+        noise = torch.randn(3, vla.flow.action_dim, generator=torch.Generator().manual_seed(3))
+        with torch.no_grad():
+            before = vla.flow.sample(vla.encode(images, proprio, vla.text.token_ids(TEXTS)), "ode", None,
+                                     start_noise=noise).actions
+        vla.save_pretrained(tmp_path / f"{name}-final")
+        record = json.loads((tmp_path / f"{name}-final" / LOCAL_FILES).read_text())
+        assert record and all(not Path(v).is_absolute() for v in record.values()), record
+        moved = tmp_path / "elsewhere" / f"{name}-copied"
+        shutil.move(str(tmp_path / f"{name}-final"), moved)
+        shutil.rmtree(src)
+        again = _load(moved).eval()
+        with torch.no_grad():
+            after = again.flow.sample(again.encode(images, proprio, again.text.token_ids(TEXTS)), "ode", None,
+                                      start_noise=noise).actions
+        assert (after - before).abs().max() <= 1e-6, name
+
+
 def test_bad_inputs_are_one_line(tiny_dirs, tmp_path):
     """A feature the env cannot provide, a wrong state size, a missing processor file, an unreadable tiny-size
     file: each one ``ConfigError`` line before the weights load."""

@@ -305,6 +305,9 @@ class LeRobotVLA(nn.Module):
         self.lerobot_policy().save_pretrained(out)
         self.preprocessor.save_pretrained(out)
         self.postprocessor.save_pretrained(out)
+        from .local_files import bundle_local_files
+
+        bundle_local_files(out, self.policy.config, self.preprocessor)  # a local VLM / tokenizer travels with it
         (out / "grove_mapping.json").write_text(json.dumps(
             {"cameras": self.cameras, "n_action_steps": self.cfg.chunk, "env_action_dim": self.cfg.action_dim}, indent=1))
         if self.tiny is not None:  # a tiny π keeps its sizes: LeRobot rebuilds π from variant names

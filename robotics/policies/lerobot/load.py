@@ -117,9 +117,13 @@ def load_lerobot_policy(settings: PolicySettings, env_cfg, path: str, seed: int,
 
     from .tiny_pi import read_tiny, sizes_context
 
+    from .local_files import policy_config_here, preprocessor_overrides_here
+
     with sizes_context(path):  # a tiny π0 / π0.5 (tests, the CPU recipe) builds at its own sizes
-        policy = policy_class(family).from_pretrained(path, local_files_only=True)
-    pre, post = make_pre_post_processors(policy.config, pretrained_path=path)
+        # a directory that carries its VLM / tokenizer (grove's exports) reads them where it is now
+        policy = policy_class(family).from_pretrained(path, local_files_only=True, config=policy_config_here(path))
+    pre, post = make_pre_post_processors(policy.config, pretrained_path=path,
+                                         preprocessor_overrides=preprocessor_overrides_here(path))
     vla = LeRobotVLA(policy, pre, post, cameras, sizes, k, env_action_dim)
     vla.tiny = read_tiny(path) if Path(path).is_dir() else None
     if settings.lora.rank:

@@ -140,4 +140,7 @@ def build_tiny_smolvla(out_dir: str | Path, env_cfg, t: TinySmolVLA | None = Non
     policy.save_pretrained(out)
     pre.save_pretrained(out)
     post.save_pretrained(out)
+    from .local_files import bundle_local_files
+
+    bundle_local_files(out, config, pre)  # vlm/ is inside: the directory loads wherever it is moved
     return policy

@@ -216,5 +216,8 @@ def build_tiny_pi(out_dir: str | Path, env_cfg, t: TinyPi | None = None, stats: 
     policy.save_pretrained(out)
     pre.save_pretrained(out)
     post.save_pretrained(out)
+    from .local_files import bundle_local_files
+
+    bundle_local_files(out, config, pre)  # tokenizer/ is inside: the directory loads wherever it is moved
     (out / TINY_FILE).write_text(json.dumps(dataclasses.asdict(t), indent=1))
     return policy
