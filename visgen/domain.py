@@ -635,8 +635,12 @@ class VisgenDomain(DomainBase):
                 for i, p in enumerate(prompts)]
 
     def save_pretrained(self, out_dir: Path) -> None:
-        # the resolved location: a path relative to the repo would not load from anywhere else
+        # the resolved location: a path relative to the repo would not load from anywhere else; a base inside the
+        # checkout (the project's assets) is also named relative to it, so the export loads in a checkout elsewhere
+        from .export import checkout_relative
+
         info = {"base_model": self.model_location, "method": self.cfg.method_config(), "kernel": self.cfg.kernel,
+                **({"base_model_in_checkout": rel} if (rel := checkout_relative(self.model_location)) else {}),
                 "num_inference_steps": self.cfg.num_inference_steps, "guidance_scale": self.cfg.guidance_scale,
                 "max_sequence_length": self.max_sequence_length, "resolution": self.height}
         self.policy.save_pretrained(Path(out_dir), use_ema=self.cfg.eval.use_ema, info=info)

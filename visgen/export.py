@@ -45,11 +45,22 @@ def sampling_settings(info: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def resolve_base(base: str) -> str:
+def checkout_relative(location: str) -> str | None:
+    """``location`` relative to this checkout when it is a folder inside it (the project's assets), else None."""
+    try:
+        return str(Path(location).resolve().relative_to(REPO_ROOT))
+    except (ValueError, OSError):
+        return None
+
+
+def resolve_base(base: str, in_checkout: str | None = None) -> str:
     """A local base pipeline (absolute, or relative to the working directory, then to this checkout: exports of
-    older runs stored the path as configured), else the hub id as given."""
+    older runs stored the path as configured; then ``in_checkout``, the base's place inside the checkout that wrote
+    the export, under this one: a run moved with its checkout to another machine), else the hub id as given."""
     p = Path(base).expanduser()
-    for candidate in ([p] if p.is_absolute() else [Path.cwd() / p, REPO_ROOT / p]):
+    candidates = [p] if p.is_absolute() else [Path.cwd() / p, REPO_ROOT / p]
+    candidates += [REPO_ROOT / in_checkout] if in_checkout else []
+    for candidate in candidates:
         if (candidate / "model_index.json").is_file():
             return str(candidate)
     return base
@@ -76,7 +87,7 @@ def load_trained_pipeline(final_dir: str | Path, base: str | None = None, device
 
     final_dir = Path(final_dir)
     info = export_info(final_dir)
-    location = resolve_base(base or str(info["base_model"]))
+    location = resolve_base(base or str(info["base_model"]), None if base else info.get("base_model_in_checkout"))
     pipe = load_base_pipeline(location, dtype=dtype or torch.float32)  # torch_dtype is deprecated in diffusers
     if (final_dir / "transformer").is_dir():  # full fine-tuning
         pipe.transformer = type(pipe.transformer).from_pretrained(final_dir / "transformer",

@@ -41,3 +41,19 @@ def test_export_loads_into_the_stock_pipeline_from_another_directory(tiny_dir, t
     assert torch.allclose(trained, loaded, atol=1e-5)
     with dom.policy.reference():  # the adapter switched off: the base model draws something else
         assert not torch.allclose(sample(dom.pipe), loaded, atol=1e-3)
+
+
+def test_an_export_of_a_checkout_asset_loads_in_a_checkout_elsewhere(tmp_path, monkeypatch):
+    """Exports travel (issue 50): a base pipeline inside the checkout is also recorded relative to it, so a run
+    copied to another machine (its absolute path gone) still finds the base in that machine's checkout."""
+    import visgen.export as export
+
+    fake_root = tmp_path / "checkout-here"
+    (fake_root / "assets" / "base").mkdir(parents=True)
+    (fake_root / "assets" / "base" / "model_index.json").write_text("{}")
+    monkeypatch.setattr(export, "REPO_ROOT", fake_root)
+    assert export.checkout_relative(str(fake_root / "assets" / "base")) == "assets/base"
+    assert export.checkout_relative(str(tmp_path)) is None
+    gone = "/machine-that-trained/grove/assets/base"  # the absolute path recorded on the other machine
+    assert export.resolve_base(gone, "assets/base") == str(fake_root / "assets" / "base")
+    assert export.resolve_base(gone) == gone  # without the record it cannot know
