@@ -44,7 +44,6 @@ import numpy as np
 
 from .libero_tasks import (
     EPISODE_LIMITS,
-    INIT_STATES_PER_TASK,
     INSTALL_HINT,
     LiberoUnavailable,
     bddl_file,
@@ -52,7 +51,7 @@ from .libero_tasks import (
     quiet_robosuite_import,
     split_task,
 )
-from .metaworld_env import decode_key, reset_seed
+from .metaworld_env import RenderSettings, TaskRenderer, decode_key, reset_seed
 
 NOOP_ACTION = np.array([0, 0, 0, 0, 0, 0, -1], dtype=np.float64)
 SETTLE_STEPS = 10
@@ -277,44 +276,20 @@ class LiberoTaskEnv:
 # Rendering
 
 
-class LiberoRenderer:
+class LiberoRenderer(TaskRenderer):
     """One ``mujoco.Renderer`` for the LIBERO envs of one task in this process, frames in LeRobot's orientation.
 
     ``cameras`` are grove / LeRobot names (``image``, ``image2``); frames are stacked on the channel axis.
-    ``tuned`` turns shadows, reflections, skybox and multisampling off (set before the framebuffer is made)."""
+    ``tuned`` turns shadows, reflections, skybox and multisampling off (as for Meta-World: ``TaskRenderer``)."""
 
     def __init__(self, model: mujoco.MjModel, size: int, cameras: list[str], tuned: bool):
-        from .metaworld_env import _load_triton_llvm_first, _register_renderer
-
-        _load_triton_llvm_first()
-        self.cameras = [CAMERAS[c] for c in cameras]
-        if tuned:
-            model.vis.quality.offsamples = 0
-        self.renderer = mujoco.Renderer(model, size, size)
-        _register_renderer(self)
+        super().__init__(model, RenderSettings(size=size, cameras=[CAMERAS[c] for c in cameras], tuned=tuned))
         self.option = mujoco.MjvOption()
         self.option.geomgroup[0] = 0  # robosuite hides collision meshes (render_collision_mesh=False)
-        if tuned:
-            flags = self.renderer.scene.flags
-            flags[mujoco.mjtRndFlag.mjRND_SHADOW] = False
-            flags[mujoco.mjtRndFlag.mjRND_REFLECTION] = False
-            flags[mujoco.mjtRndFlag.mjRND_SKYBOX] = False
 
     def render(self, data: mujoco.MjData) -> np.ndarray:
         frames = []
-        for cam in self.cameras:
+        for cam in self.settings.cameras:
             self.renderer.update_scene(data, camera=cam, scene_option=self.option)
             frames.append(self.renderer.render()[:, ::-1])  # = robosuite's frame flipped in H and W (LeRobot)
         return np.ascontiguousarray(np.concatenate(frames, axis=-1))
-
-    def close(self) -> None:
-        if self.renderer is not None:
-            try:
-                self.renderer.close()
-            except Exception:  # the GL context may already be gone at interpreter exit
-                pass
-            self.renderer = None
-
-
-def fixed_state_count(task: str) -> int:
-    return min(len(init_states(task)), INIT_STATES_PER_TASK)
