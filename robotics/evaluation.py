@@ -49,21 +49,26 @@ def evaluate_policy(policy: TinyVLA, env_cfg: EnvConfig, per_task: int, venv=Non
     mode = "ode" if policy.cfg.head == "flow" else "greedy"
     was_training = policy.training
     policy.eval()
-    on_chunk = None
-    if log is not None:
-        what = f"evaluation ({len(keys)} episodes{f', {len(env_cfg.tasks)} tasks' if len(env_cfg.tasks) > 1 else ''})"
-        on_chunk = Progress(log, what, env_cfg.horizon, "env steps", every=PROGRESS_EVERY).update
     # each episode draws its own start noise (episode_noise_seed), so running the keys in slices of eval_batch gives
     # the same episodes as running them at once
     size = env_cfg.eval_batch or len(keys)
+    slices = range(0, len(keys), size)
+    progress = None
+    if log is not None:  # env steps of the lock-stepped slices, one after the other
+        what = f"evaluation ({len(keys)} episodes{f', {len(env_cfg.tasks)} tasks' if len(env_cfg.tasks) > 1 else ''})"
+        progress = Progress(log, what, env_cfg.horizon * len(slices), "env steps", every=PROGRESS_EVERY)
+
+    def on_chunk(j: int):
+        return None if progress is None else (lambda steps: progress.update(j * env_cfg.horizon + steps))
+
     try:
         batch = concat_batches([
             run_episodes(policy, venv, keys[a: a + size], tasks[a: a + size],
                          SamplingSettings(mode=mode, init_noise=init_noise), env_cfg.horizon,
                          torch.Generator().manual_seed(seed), record_frames=gif_dir is not None,
                          device=next(policy.parameters()).device,  # observations go where the policy is
-                         episode_noise_seed=seed, on_chunk=on_chunk)
-            for a in range(0, len(keys), size)])
+                         episode_noise_seed=seed, on_chunk=on_chunk(j))
+            for j, a in enumerate(slices)])
     finally:
         policy.train(was_training)
         if own:

@@ -42,3 +42,16 @@ def test_a_short_evaluation_stays_quiet():
     lines = []
     _domain(lines.append).evaluate(0)  # well under PROGRESS_EVERY seconds
     assert not [s for s in lines if s.startswith("evaluation (")]
+
+
+def test_an_evaluation_in_slices_counts_its_progress_across_them(monkeypatch):
+    """env.eval_batch: the slices run one after the other, so the count goes on from one to the next (0..24 of 24
+    for two slices of a 12-step horizon) instead of restarting, and ends at the total."""
+    lines = []
+    monkeypatch.setattr(evaluation, "PROGRESS_EVERY", 0.0)
+    dom = _domain(lines.append)
+    dom.cfg.env.eval_batch = 2  # 3 episodes: slices of 2 and 1
+    dom.evaluate(0)
+    pattern = r"evaluation \(3 episodes\): (\d+)/24 env steps, .+ elapsed, (ETA .+|done)"
+    steps = [int(re.fullmatch(pattern, s).group(1)) for s in lines if s.startswith("evaluation (3 episodes)")]
+    assert steps == sorted(steps) and steps[-1] == 24 and any(s > 12 for s in steps), lines
