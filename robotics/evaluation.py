@@ -44,6 +44,16 @@ def evaluate_policy(policy: TinyVLA, env_cfg: EnvConfig, per_task: int, venv=Non
     from shared_rl.metrics import Progress
 
     keys, tasks = eval_keys(env_cfg, per_task, split, first_index)
+    if env_cfg.eval_batch and env_cfg.eval_batch < len(keys):
+        # slices mix the tasks (round robin), so the env pool holds ~eval_batch envs in all, not eval_batch per task
+        # (each task keeps its own envs); the episodes are the same, only their order in the batch changes
+        rank = {t: 0 for t in env_cfg.tasks}
+        order = []
+        for i, t in enumerate(tasks):
+            order.append((rank[t], env_cfg.tasks.index(t), i))
+            rank[t] += 1
+        idx = [i for _, _, i in sorted(order)]
+        keys, tasks = [keys[i] for i in idx], [tasks[i] for i in idx]
     own = venv is None
     venv = venv or make_vector_env(env_cfg)
     mode = "ode" if policy.cfg.head == "flow" else "greedy"

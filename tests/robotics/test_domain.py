@@ -160,6 +160,25 @@ def test_an_evaluation_in_slices_equals_one_at_once():
     dom.close()
 
 
+def test_evaluation_slices_mix_tasks_so_the_env_pool_stays_small():
+    """Each task keeps its own envs; slices of one task each would pool eval_batch envs *per task* (a LIBERO env holds
+    ~0.35 GB: that killed a LIBERO run for memory), so the slices take the tasks in turn and the pool holds
+    eval_batch envs in all."""
+    pytest.importorskip("metaworld")
+    from robotics.envs.vector import BatchedMetaWorld, EnvConfig
+    from robotics.evaluation import evaluate_policy
+    from robotics.policies.vla import TinyVLA, VLAConfig
+
+    env = EnvConfig(tasks=["reach-v3", "drawer-close-v3"], horizon=4, image_size=32, eval_batch=2)
+    torch.manual_seed(0)
+    policy = TinyVLA(VLAConfig(image_size=32, cnn_channels=[8, 8, 8, 8], feature_dim=32, text_dim=8, hidden=64))
+    venv = BatchedMetaWorld(env)
+    out = evaluate_policy(policy, env, 3, venv)
+    pooled = sum(len(v) for v in venv._pool.values()) + len(venv.slots)
+    venv.close()
+    assert pooled == 2 and set(out) >= {"eval/success/reach-v3", "eval/success/drawer-close-v3"}, pooled
+
+
 def test_every_rl_recipe_parses_as_one_robotics_domain():
     """The recipes in configs/robotics are on the current keys; flat, tree and world-model rollouts are one domain
     with a rollout strategy (``robotics.rollout.name``)."""
