@@ -66,6 +66,34 @@ def demo_expert(env_cfg: EnvConfig, env):
     return _MetaWorldDemoExpert(env.task)
 
 
+def libero_expert_success(task: str, states: int, noise: float = 0.0, seed: int = 0, first_state: int = 0,
+                          log=None) -> dict:
+    """The LIBERO expert on ``states`` of ``task``'s fixed init states (the held-out split, from ``first_state``), in
+    grove's env (LeRobot's reset and settle steps, the suite's step limit): success rate, steps to success (the limit
+    counted for a failure), the failed states. ``noise``: std of the expert's own Gaussian action noise."""
+    from .envs.libero_env import LiberoTaskEnv, episode_limit
+    from .envs.libero_expert import LiberoScriptedExpert
+
+    env = LiberoTaskEnv(task)
+    expert = LiberoScriptedExpert(noise=noise, seed=seed)
+    limit, wins, steps, t0 = episode_limit(task), [], [], time.perf_counter()
+    for i in range(first_state, first_state + states):
+        env.reset(make_key(0, "eval", i))
+        expert.reset(env.env)
+        ok = False
+        while env.steps < limit and not ok:
+            ok = env.step(expert.act(env.env))[2]
+        wins.append(ok)
+        steps.append(env.steps if ok else limit)
+    failed = [first_state + i for i, ok in enumerate(wins) if not ok]
+    out = {"task": task, "success_rate": float(np.mean(wins)), "n": states, "mean_steps": float(np.mean(steps)),
+           "noise": noise, "failed_states": failed, "wall_s": round(time.perf_counter() - t0, 1)}
+    if log is not None:
+        log(f"expert {task}: success {out['success_rate']:.2f} ({sum(wins)}/{states}), steps {out['mean_steps']:.0f}, "
+            f"noise {noise}, {out['wall_s']:.0f}s, failed {failed}")
+    return out
+
+
 def collect_demos(
     env_cfg: EnvConfig,
     demos_per_task: int = 40,
