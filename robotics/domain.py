@@ -92,7 +92,6 @@ def load_policy(cfg: RoboticsConfig, seed: int, objects: dict | None = None) -> 
     else:
         mc = copy.deepcopy(cfg.model)
         mc.image_channels, mc.proprio_dim, mc.image_size = cfg.env.image_channels, cfg.env.proprio_dim, cfg.env.image_size
-        mc.action_dim = cfg.env.action_dim
         if cfg.env.kind == "libero":  # LIBERO's instructions are not in the Meta-World vocabulary
             mc.vocab = libero_vocab(mc.vocab)
         torch.manual_seed(seed)

