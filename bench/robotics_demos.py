@@ -62,7 +62,7 @@ def _grove(args: list[str], log_path: Path) -> None:
         raise RuntimeError(f"grove {' '.join(args[:2])} failed ({code}): {tail[0]} (log: {log_path})")
 
 
-def demo_pool(out: Path, per_task: int, val: int, quick: bool) -> Path:
+def demo_pool(out: Path, per_task: int, val: int) -> Path:
     """``per_task + val`` DART demos per task (collected once; the last ``val`` of each task validate)."""
     path = out / "demos.npz"
     if not path.is_file():
@@ -169,7 +169,7 @@ def run(out_dir: Path, quick: bool = False, only: str = "") -> dict:
     if quick:
         s.update(QUICK)
     t0 = time.perf_counter()
-    pool = demo_pool(out, max(s["ks"]), s["val"], quick)
+    pool = demo_pool(out, max(s["ks"]), s["val"])
     rows = []
     if only in ("", "bc"):
         for k in s["ks"]:

@@ -144,7 +144,7 @@ def bddl_file(task: str) -> str:
 def init_states(task: str) -> np.ndarray:
     """The task's 50 fixed init states (flattened MuJoCo states), as LeRobot's ``get_task_init_states`` reads them."""
     suite, index = split_task(task)
-    benchmark, get_libero_path = _libero()
+    _, get_libero_path = _libero()
     t = suite_tasks(suite)[index]
     root = os.path.join(get_libero_path("init_states"), t.problem_folder)
     path = os.path.join(root, t.init_states_file)

@@ -57,7 +57,7 @@ def local_files(path: str | Path) -> dict[str, str]:
     return {k: str((p / v).resolve()) for k, v in record.items() if isinstance(v, str) and (p / v).is_dir()}
 
 
-def policy_config_here(path: str | Path, family_config_class=None):
+def policy_config_here(path: str | Path):
     """The policy's config with its carried VLM where the directory is now, or None when it carries none."""
     moved = local_files(path)
     if "vlm_model_name" not in moved:

@@ -53,7 +53,7 @@ def _words() -> list[str]:
 def env_words(env_cfg) -> list[str]:
     """Instruction words a tiny policy for ``env_cfg`` must know beyond Meta-World's: every LIBERO instruction's
     for a LIBERO env (a word-level tokenizer maps an unknown word to <unk>)."""
-    if getattr(env_cfg, "kind", "metaworld") != "libero":
+    if env_cfg.kind != "libero":
         return []
     from ...envs.libero_tasks import all_languages
 
