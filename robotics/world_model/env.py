@@ -96,7 +96,7 @@ class WorldModelEnv:
         pro = torch.from_numpy(np.stack([kf.proprio for kf in kfs]).astype(np.float32))
         self.slots = [LatentState(key=int(k), z=z[i], z_prev=z_prev[i], proprio=pro[i], frame=frames[i], steps=0,
                                   done=False, success_once=False, last_success=False, truncated=False,
-                                  trace={"actions": [], "frames": [], "proprio": [], "prob": [], "uncertainty": []})
+                                  trace={"actions": [], "frames": [], "proprio": [], "prob": [], "uncertainty": [], "z": []})
                       for i, k in enumerate(keys)]
         return {"image": frames, "proprio": pro.numpy().copy(), "state": np.zeros((len(keys), 39), np.float32)}
 
@@ -143,6 +143,7 @@ class WorldModelEnv:
                 st.trace["proprio"].append(pred.proprio[j].numpy().copy())
                 st.trace["prob"].append(float(prob[j]))
                 st.trace["uncertainty"].append(float(unc[j]))
+                st.trace["z"].append(pred.z[j])  # the imagined latent (the sibling ranker reads it)
                 executed[i] = True
                 reward[i] = 10.0 * prob[j]
                 success[i, k - 1] = ok

@@ -1,0 +1,229 @@
+"""``grove bench robotics-wm-probe``: does the world model rank a keyframe's candidates as MuJoCo would?
+
+The verified two-stage rollout (docs/methods/world_model.md) selects, per keyframe, which of N imagined candidates
+the simulator re-executes; that helps only if the imagined score ranks candidates **within** a keyframe as their
+real outcomes do. This bench measures it (``robotics.world_model.probe``) and what changes it:
+
+1. **Sibling sets** (collected once, in parts, resumable): with the BC policy and the world model of
+   ``configs/robotics/world_model_verified.yaml``, ``TRAIN_KEYS`` keyframes of the first ``SPLIT_STATE`` training
+   reset states and ``HELDOUT_KEYS`` keyframes of the others each get ``CANDIDATES`` imagined candidates, and every
+   candidate is re-executed in MuJoCo from the keyframe's restored state with its noise stream.
+2. **Rows**: each scorer of the imagined candidates, trained (where it learns) on the training sibling sets only,
+   probed on the held-out ones: within-keyframe Spearman against the real success and against the real return
+   (success + 0.5 x best shaped reward), top-k precision against the base rate, mixed kept groups, scorer steps/s.
+   The ceiling row scores the *real* re-executed trajectories (what a perfect world model could give a ranker).
+
+``python -m bench.robotics_wm_probe --out runs/bench-robotics-wm-probe`` (``--quick``: 2 + 2 keyframes x 4
+candidates, plumbing only). Results in docs/bench/robotics_wm_probe.md.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+os.environ.setdefault("MUJOCO_GL", "egl")
+
+import numpy as np  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+DOC = ROOT / "docs" / "bench" / "robotics_wm_probe.md"
+CONFIG = ROOT / "configs" / "robotics" / "world_model_verified.yaml"
+TRAIN_KEYS = 160
+HELDOUT_KEYS = 64
+CANDIDATES = 16
+SPLIT_STATE = 28  # keyframes of training reset states < 28 train the rankers; >= 28 are held out
+PART = 8  # keyframes per saved part (a killed run resumes at the next part)
+K = 4
+QUICK = {"train": 2, "heldout": 2, "candidates": 4, "part": 2, "ranker_steps": 5}
+
+
+def _setup(log):
+    import torch
+
+    from shared_rl.config import apply_overrides, load_train_config, load_yaml
+    from shared_rl.trainer import Trainer
+
+    torch.set_num_threads(1)
+    # imagination is never truncated here: the rankers read the whole imagined trajectory (and its disagreement);
+    # the recipe's score with truncation is recomputed from the recorded disagreement (``truncated_score``)
+    cfg = apply_overrides(load_yaml(CONFIG), ["robotics.eval_states_per_task=1",
+                                              "robotics.rollout.world_model.uncertainty_threshold=0"])
+    tr = Trainer(load_train_config(cfg), None, log=log)
+    return tr.domain
+
+
+def split_keyframes(keyframes: dict, split_state: int, n_train: int, n_heldout: int, seed: int = 0):
+    """Keyframe keys whose trajectories start at training reset states < ``split_state`` (train) and >= (held out),
+    the first ``n`` of a seeded permutation of each (a larger ``n`` keeps the smaller one's keyframes)."""
+    from robotics.envs.metaworld_env import decode_key
+
+    rng = np.random.default_rng(seed)
+    tr = sorted(k for k, kf in keyframes.items() if decode_key(kf.episode_key)[2] < split_state)
+    ho = sorted(k for k, kf in keyframes.items() if decode_key(kf.episode_key)[2] >= split_state)
+    pick = lambda ks, n: [int(x) for x in rng.permutation(ks)[:n]]  # noqa: E731
+    return pick(tr, n_train), pick(ho, n_heldout)
+
+
+def collect(out: Path, s: dict, log=print):
+    """The training and held-out sibling sets, part by part (each part its own file)."""
+    import torch
+
+    from robotics.world_model.probe import SiblingSets, collect_sibling_sets
+    from robotics.world_model.verified import RestoredEnv
+
+    paths = {"train": out / "train.npz", "heldout": out / "heldout.npz"}
+    if all(p.is_file() for p in paths.values()):
+        return {n: SiblingSets.load(p) for n, p in paths.items()}
+    dom = _setup(log)
+    st = dom.rollouts
+    train, heldout = split_keyframes(st.keyframes, SPLIT_STATE, s["train"], s["heldout"])
+    h = dom.cfg.rollout.world_model.horizon
+    res = {}
+    for name, keys in (("train", train), ("heldout", heldout)):
+        parts = []
+        for p0 in range(0, len(keys), s["part"]):
+            part = out / "parts" / f"{name}-{p0:04d}.npz"
+            if not part.is_file():
+                t0 = time.perf_counter()
+                gen = torch.Generator().manual_seed(1000 * (name == "heldout") + p0)
+                ss = collect_sibling_sets(dom.policy, st.imagine, RestoredEnv(dom.venv, st.keyframes),
+                                          keys[p0:p0 + s["part"]], s["candidates"], h, dom.sampling, gen, st.task_of)
+                ss.save(part)
+                log(f"bench robotics-wm-probe: {name} keyframes {p0 + len(ss.keys)}/{len(keys)} "
+                    f"({time.perf_counter() - t0:.0f} s, {int(ss.real_steps.sum())} real env steps)")
+            parts.append(SiblingSets.load(part))
+        res[name] = SiblingSets.concat(parts)
+        res[name].save(paths[name])
+    dom.close()
+    return res
+
+
+RANKERS = {  # row name -> (RankerConfig overrides, fit_ranker overrides); every row trains on the training sets only
+    "sibling ranker, all inputs, target return": ({}, {}),
+    "sibling ranker, all inputs, target success": ({}, {"target": "success"}),
+    "sibling ranker, no latent (proprio, actions, P(success), disagreement)": (
+        {"inputs": ["proprio", "actions", "prob", "uncertainty"]}, {}),
+    "sibling ranker, latent only": ({"inputs": ["latent"]}, {}),
+    "sibling ranker, actions only (no world-model output)": ({"inputs": ["actions"]}, {}),
+    "sibling ranker, first chunk only": ({"first_chunks": 1}, {}),
+}
+RANKER_SEEDS = (0, 1, 2)
+
+
+def truncated_score(sets, threshold: float, uncertainty_threshold: float = 1.0) -> np.ndarray:
+    """The verified recipe's score from an untruncated imagination: the best P(success) over the steps before the
+    first one whose disagreement exceeds ``uncertainty_threshold`` without an imagined success (that step excluded,
+    as ``verified.imagined_scores`` scores a truncated slot)."""
+    prob = np.where(sets.valid, sets.prob, -np.inf)
+    cut = sets.valid & (sets.uncertainty > uncertainty_threshold) & (sets.prob <= threshold)
+    t = sets.valid.shape[-1]
+    first = np.where(cut.any(-1), cut.argmax(-1), t)
+    keep = np.arange(t)[None, None, :] < first[..., None]
+    best = np.where(keep, prob, -np.inf).max(-1)
+    return np.where(np.isfinite(best), best, 0.0)
+
+
+def probe_row(name: str, score: np.ndarray, heldout, extra: dict | None = None) -> dict:
+    from robotics.world_model.probe import ranking_metrics
+    from robotics.world_model.ranker import outcome
+
+    m = ranking_metrics(score, heldout.real_success.astype(float), K)
+    r = ranking_metrics(score, outcome(heldout, "return"), K)
+    row = {"variant": name, "spearman_within_success": m["spearman_within"],
+           "keyframes_defined": int(m["spearman_within_defined"]), "spearman_within_max": m["spearman_within_max"],
+           "spearman_within_return": r["spearman_within"],
+           "top_k_precision": m["top_k_precision"], "base_rate": m["base_rate"], "top_k_lift": m["top_k_lift"],
+           "mixed_selected": m["mixed_selected"], "mixed_random": m["mixed_random"],
+           "spearman_across_success": m["spearman_across"]}
+    row.update(extra or {})
+    return row
+
+
+def analyse(sets: dict, s: dict, log=print) -> list[dict]:
+    import torch
+
+    from robotics.world_model.ranker import RankerConfig, SiblingRanker, fit_ranker, rank_scores
+    from robotics.world_model.reward import SuccessModel
+
+    torch.set_num_threads(1)
+    train, heldout = sets["train"], sets["heldout"]
+    thr = SuccessModel.load(ROOT / "assets" / "metaworld-wm-tiny").cfg.threshold
+    rows = [probe_row("success model: best imagined P(success), truncated at disagreement x1 (the verified recipe)",
+                      truncated_score(heldout, thr), heldout),
+            probe_row("success model: best imagined P(success), untruncated", heldout.score, heldout),
+            probe_row("imagined success (0/1)", heldout.imagined_success.astype(float), heldout)]
+    g, n = heldout.score.shape
+    variants = list(RANKERS.items()) + [("ceiling: sibling ranker on the REAL re-executed trajectories", ({}, {"real": True}))]
+    for name, (cfg_over, fit_over) in variants:
+        per_seed = []
+        for seed in s["ranker_seeds"]:
+            t0 = time.perf_counter()
+            from robotics.world_model.ranker import trajectories
+
+            tr = trajectories(train, real=fit_over.get("real", False))
+            cfg = RankerConfig(latent_dim=tr.z.shape[-1], proprio_dim=tr.proprio.shape[-1],
+                               action_dim=tr.actions.shape[-1], horizon_chunks=tr.z.shape[1], **cfg_over)
+            model = fit_ranker(train, cfg, steps=s["ranker_steps"], seed=seed, **fit_over)
+            fit_s = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            sc = rank_scores(model, heldout, real=fit_over.get("real", False))
+            per_seed.append((probe_row(name, sc, heldout), fit_s, g * n / max(time.perf_counter() - t0, 1e-9)))
+        keys = [k for k, v in per_seed[0][0].items() if isinstance(v, float)]
+        row = {"variant": name, "seeds": len(per_seed)}
+        for k in keys:
+            vals = [p[0][k] for p in per_seed]
+            row[k] = float(np.nanmean(vals))
+            if k == "spearman_within_success":
+                row["spearman_within_success_range"] = f"{np.nanmin(vals):.2f}..{np.nanmax(vals):.2f}"
+        row["keyframes_defined"] = per_seed[0][0]["keyframes_defined"]
+        row["fit_s"] = round(float(np.mean([p[1] for p in per_seed])), 1)
+        row["ranker_candidates_per_s"] = round(float(np.mean([p[2] for p in per_seed])))
+        rows.append(row)
+        log(f"bench robotics-wm-probe: {name}: within-keyframe spearman {row['spearman_within_success']:.3f} "
+            f"({row['spearman_within_success_range']}), top-{K} precision {row['top_k_precision']:.3f} "
+            f"vs base {row['base_rate']:.3f}")
+    return rows
+
+
+def run(out_dir: Path = Path("runs/bench-robotics-wm-probe"), quick: bool = False, log=print) -> dict:
+    from shared_rl.bench import write_results
+
+    out = Path(out_dir)
+    s = {"train": TRAIN_KEYS, "heldout": HELDOUT_KEYS, "candidates": CANDIDATES, "part": PART, "ranker_steps": 600,
+         "ranker_seeds": RANKER_SEEDS}
+    if quick:
+        s.update(QUICK, ranker_seeds=(0,))
+    t0 = time.perf_counter()
+    sets = collect(out, s, log)
+    collect_s = time.perf_counter() - t0
+    rows = analyse(sets, s, log)
+    tr, ho = sets["train"], sets["heldout"]
+    notes = (f"door-open, the BC policy (assets/metaworld-vla-tiny, sde_one_step as GRPO samples) and the world model "
+             f"assets/metaworld-wm-tiny of {CONFIG.relative_to(ROOT)}; {len(tr.keys)} training and {len(ho.keys)} "
+             f"held-out keyframes (reset states < / >= {SPLIT_STATE}) x {tr.score.shape[1]} candidates imagined "
+             f"{int(tr.valid.shape[-1])} chunks and every one re-executed in MuJoCo "
+             f"({int(tr.real_steps.sum() + ho.real_steps.sum())} real env steps, collected in {collect_s:.0f} s "
+             f"this run). Held-out real success {ho.real_success.mean():.3f}; keyframes with mixed real outcomes "
+             f"{(ho.real_success.max(1) != ho.real_success.min(1)).mean():.2f} (held out), "
+             f"{(tr.real_success.max(1) != tr.real_success.min(1)).mean():.2f} (training). spearman_within_*: mean "
+             f"over held-out keyframes where both vary; top_k_precision / base_rate over keyframes with mixed real "
+             f"success, k={K}; rankers: mean over seeds {list(s['ranker_seeds'])}, each {s['ranker_steps']} steps "
+             f"with its step chosen on the last 20% of the TRAINING keyframes.")
+    return write_results(out, "robotics-wm-probe", rows, notes, doc_path=None if quick else DOC)
+
+
+if __name__ == "__main__":
+    import argparse
+
+    p = argparse.ArgumentParser(description="grove bench robotics-wm-probe")
+    p.add_argument("--out", default="runs/bench-robotics-wm-probe")
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--collect-only", action="store_true")
+    a = p.parse_args()
+    if a.collect_only:
+        s = {"train": TRAIN_KEYS, "heldout": HELDOUT_KEYS, "candidates": CANDIDATES, "part": PART}
+        collect(Path(a.out), s if not a.quick else {**s, **QUICK})
+    else:
+        run(Path(a.out), a.quick)

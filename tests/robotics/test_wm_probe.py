@@ -1,0 +1,167 @@
+"""The world-model ranking probe and the sibling ranker: hand-computed metrics and losses, sibling sets whose real
+side is the simulator's re-execution of each stream, a ranker that learns a within-keyframe order it can see and
+not one it cannot, files that round-trip (point env, tiny models, seconds)."""
+import math
+import os
+
+os.environ.setdefault("MUJOCO_GL", "egl")
+
+import numpy as np
+import pytest
+import torch
+
+from shared_rl.config import ConfigError, load_train_config
+from shared_rl.trainer import Trainer
+
+from bench.robotics_wm_probe import split_keyframes, truncated_score
+from robotics.episodes import run_episodes
+from robotics.world_model.probe import SiblingSets, collect_sibling_sets, imagine_candidates, ranking_metrics
+from robotics.world_model.ranker import (RankerConfig, SiblingRanker, fit_ranker, outcome, pairwise_loss,
+                                         rank_scores)
+from robotics.world_model.verified import RestoredEnv
+
+from .test_verified import _point, _verified_config
+from .test_world_model_fixtures import tiny_wm_asset
+
+
+def test_ranking_metrics_by_hand():
+    S = np.array([[4.0, 3, 2, 1], [1, 2, 3, 4], [1, 2, 3, 4]])
+    R = np.array([[1.0, 1, 0, 0], [1, 0, 0, 0], [0, 0, 0, 0]])
+    m = ranking_metrics(S, R, k=2)
+    # row 0: centred ranks S (1.5, .5, -.5, -1.5), R (1, 1, -1, -1): 4 / (sqrt(5) * 2); row 1: -3 / (sqrt(5) sqrt(3));
+    # row 2: R constant -> undefined, left out
+    r0, r1 = 4 / (math.sqrt(5) * 2), -3 / (math.sqrt(5) * math.sqrt(3))
+    assert m["spearman_within"] == pytest.approx((r0 + r1) / 2)
+    assert m["spearman_within_defined"] == 2
+    # the best a strict order can reach on each defined row: row 0 = r0 (it is one), row 1 = 3 / (sqrt(5) sqrt(3))
+    assert m["spearman_within_max"] == pytest.approx((r0 + 3 / (math.sqrt(5) * math.sqrt(3))) / 2)
+    # top-2 by score: row 0 keeps (1, 1), row 1 keeps (0, 0); base rate over the mixed rows 3 / 8
+    assert m["top_k_precision"] == pytest.approx(0.5) and m["base_rate"] == pytest.approx(3 / 8)
+    assert m["top_k_lift"] == pytest.approx(0.125)
+    assert m["mixed_random"] == pytest.approx(1 / 3)  # the first 2 candidates: only row 0's differ
+
+
+def test_pairwise_loss_by_hand():
+    s = torch.tensor([[0.0, 1.0, 5.0]], requires_grad=True)
+    y = torch.tensor([[1.0, 0.0, 0.0]])
+    loss = pairwise_loss(s, y)  # pairs (0 > 1), (0 > 2): mean of softplus(1), softplus(5)
+    assert float(loss.detach()) == pytest.approx((math.log1p(math.e) + math.log1p(math.e ** 5)) / 2, rel=1e-6)
+    loss.backward()
+    assert s.grad[0, 0] < 0 < s.grad[0, 2], "the better sibling's score is pushed up, the worse one's down"
+    flat = pairwise_loss(s, torch.ones(1, 3))
+    assert float(flat.detach()) == 0.0 and flat.requires_grad, "no pair: nothing to learn, still differentiable"
+
+
+def _synthetic(g, n=8, t=5, seed=0):
+    """Sibling sets whose real success is the sign of the first action of chunk 1; P(success) is noise."""
+    rng = np.random.default_rng(seed)
+    act = rng.normal(size=(g, n, t, 4)).astype(np.float32)
+    succ = act[:, :, 1, 0] > 0
+    z = lambda *s: rng.normal(size=s).astype(np.float32)  # noqa: E731
+    return SiblingSets(
+        keys=np.arange(g), seeds=rng.integers(0, 2**40, (g, n)), episode_keys=np.arange(g), chunk=np.zeros(g, np.int64),
+        start_z=z(g, 6), start_proprio=z(g, 2), z=z(g, n, t, 6), proprio=z(g, n, t, 2), actions=act,
+        prob=rng.uniform(size=(g, n, t)).astype(np.float32), uncertainty=np.ones((g, n, t), np.float32),
+        valid=np.ones((g, n, t), bool), score=rng.uniform(size=(g, n)), imagined_success=np.zeros((g, n), bool),
+        real_success=succ, real_dense=rng.uniform(size=(g, n)).astype(np.float32) * 0.1,
+        real_steps=np.full((g, n), 20))
+
+
+def _fit_and_probe(inputs, first_chunks=0):
+    train, test = _synthetic(40, seed=0), _synthetic(12, seed=1)
+    cfg = RankerConfig(latent_dim=6, proprio_dim=2, action_dim=4, horizon_chunks=5, inputs=inputs,
+                       first_chunks=first_chunks, latent_proj=4, hidden=32)
+    model = fit_ranker(train, cfg, target="success", steps=150, lr=3e-3, seed=0)
+    return model, ranking_metrics(rank_scores(model, test), test.real_success.astype(float), 4), test
+
+
+def test_the_ranker_learns_a_within_keyframe_order_it_can_see_and_not_one_it_cannot():
+    model, seen, test = _fit_and_probe(["actions"])
+    assert seen["spearman_within"] > 0.6 and seen["top_k_lift"] > 0.25
+    _, noise, _ = _fit_and_probe(["prob"])  # P(success) here carries no information about the outcome
+    assert noise["spearman_within"] < 0.3
+    _, first, _ = _fit_and_probe(["actions"], first_chunks=1)  # the deciding action is in chunk 1, masked out
+    assert first["spearman_within"] < 0.3
+
+
+def test_ranker_files_round_trip(tmp_path):
+    model, _, test = _fit_and_probe(["actions", "latent", "proprio"])
+    model.save(tmp_path / "r")
+    again = SiblingRanker.load(tmp_path / "r")
+    assert np.allclose(rank_scores(model, test), rank_scores(again, test), atol=1e-6)
+    with pytest.raises(FileNotFoundError, match="ranker.json"):
+        SiblingRanker.load(tmp_path)
+    with pytest.raises(ConfigError, match="inputs"):
+        RankerConfig(inputs=["pixels"]).check()
+    with pytest.raises(ConfigError, match="differ"):
+        fit_ranker(_synthetic(6).subset(np.arange(6)) if False else _constant(), steps=1)
+
+
+def _constant():
+    s = _synthetic(6)
+    s.real_success[:] = True
+    s.real_dense[:] = 0.5
+    return s
+
+
+def test_outcome_targets():
+    s = _synthetic(2)
+    assert np.array_equal(outcome(s, "success"), s.real_success.astype(float))
+    assert np.allclose(outcome(s, "return"), s.real_success + 0.5 * s.real_dense)
+    with pytest.raises(ConfigError, match="target"):
+        outcome(s, "reward")
+
+
+def test_truncated_score_by_hand():
+    s = _synthetic(1, n=3, t=4)
+    s.prob[0] = [[0.1, 0.4, 0.3, 0.9], [0.2, 0.3, 0.95, 0.1], [0.5, 0.1, 0.1, 0.1]]
+    s.uncertainty[0] = [[0.5, 0.5, 2.0, 0.5], [0.5, 0.5, 2.0, 0.5], [2.0, 0.5, 0.5, 0.5]]
+    s.valid[0, 2, 3] = False
+    # row 0: cut at step 2 (uncertain, 0.3 below the 0.9 threshold) -> best of steps 0-1 = 0.4;
+    # row 1: step 2 is uncertain but an imagined success (0.95 > 0.9): no cut -> 0.95; row 2: cut at 0 -> 0
+    assert np.allclose(truncated_score(s, threshold=0.9), [[0.4, 0.95, 0.0]])
+
+
+def test_sibling_set_halves_are_split_by_reset_state_and_grow_as_prefixes():
+    class KF:
+        def __init__(self, e):
+            self.episode_key = e
+
+    from robotics.envs.metaworld_env import make_key
+
+    kfs = {k: KF(make_key(0, "train", k % 10)) for k in range(100)}
+    tr, ho = split_keyframes(kfs, 7, 20, 10)
+    assert all(k % 10 < 7 for k in tr) and all(k % 10 >= 7 for k in ho) and not set(tr) & set(ho)
+    tr2, ho2 = split_keyframes(kfs, 7, 40, 20)
+    assert tr2[:20] == tr and ho2[:10] == ho, "more keyframes keep the ones already collected"
+
+
+@pytest.fixture(scope="module")
+def tiny_asset(tmp_path_factory):
+    root = tmp_path_factory.mktemp("wmprobe")
+    return root, tiny_wm_asset(root)
+
+
+def test_sibling_sets_re_execute_every_stream_in_the_simulator(tiny_asset, tmp_path):
+    root, asset = tiny_asset
+    tr = Trainer(load_train_config(_verified_config(asset, root, uncertainty_threshold=0.0)), None, log=lambda s: None)
+    dom, st = tr.domain, tr.domain.rollouts
+    keys = dom.train_keys()[:3]
+    sets = collect_sibling_sets(dom.policy, st.imagine, RestoredEnv(_point(), st.keyframes), keys, 4, 12,
+                                dom.sampling, torch.Generator().manual_seed(0), st.task_of, keys_per_batch=2)
+    assert sets.shape == (3, 4) and sets.z.shape[:3] == (3, 4, 3) and sets.real_z.shape == sets.z.shape
+    # the real side is the simulator's: each stream re-run alone from its keyframe gives the same outcome
+    cand = [k for k in keys for _ in range(4)]
+    ref = run_episodes(dom.policy, RestoredEnv(_point(), st.keyframes), cand, ["point-reach"] * 12, dom.sampling, 12,
+                       torch.Generator().manual_seed(9), noise_seeds=sets.seeds.flatten().tolist())
+    assert np.array_equal(sets.real_success.flatten(), ref.success_once)
+    assert np.allclose(sets.real_dense.flatten(), ref.dense) and np.array_equal(sets.real_steps.flatten(), ref.length)
+    # the imagined side is a function of the streams: imagined again, the same trajectories and scores
+    again = imagine_candidates(dom.policy, st.imagine, keys, torch.from_numpy(sets.seeds), 12, dom.sampling,
+                               torch.Generator().manual_seed(5), st.task_of)
+    assert np.allclose(again["score"], sets.score) and np.allclose(again["actions"], sets.actions, atol=1e-6)
+    # the first chunk sees the same real frame in both worlds: the same action chunk
+    assert np.allclose(sets.actions[:, :, 0], sets.real_actions[:, :, 0], atol=1e-6)
+    back = SiblingSets.load(sets.save(tmp_path / "s.npz"))
+    assert np.array_equal(back.real_success, sets.real_success) and np.allclose(back.z, sets.z, atol=1e-2)
+    assert not list(tmp_path.glob("*.tmp*")), "nothing half-written is left"
