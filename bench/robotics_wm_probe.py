@@ -214,6 +214,28 @@ def run(out_dir: Path = Path("runs/bench-robotics-wm-probe"), quick: bool = Fals
     return write_results(out, "robotics-wm-probe", rows, notes, doc_path=None if quick else DOC)
 
 
+RANKER_RECIPE = "sibling ranker, all inputs, target return"  # the row --save-ranker trains (training sets only)
+
+
+def save_ranker(out_dir: Path, target_dir: Path, steps: int = 600, seed: int = 0, log=print) -> Path:
+    """Train the ``RANKER_RECIPE`` ranker on the collected training sibling sets and save it (``ranker.json`` +
+    weights) where ``robotics.rollout.verify.ranker`` reads it."""
+    import torch
+
+    from robotics.world_model.probe import SiblingSets
+    from robotics.world_model.ranker import RankerConfig, fit_ranker, trajectories
+
+    torch.set_num_threads(1)
+    train = SiblingSets.load(Path(out_dir) / "train.npz")
+    cfg_over, fit_over = RANKERS[RANKER_RECIPE]
+    tr = trajectories(train)
+    cfg = RankerConfig(latent_dim=tr.z.shape[-1], proprio_dim=tr.proprio.shape[-1], action_dim=tr.actions.shape[-1],
+                       horizon_chunks=tr.z.shape[1], **cfg_over)
+    fit_ranker(train, cfg, steps=steps, seed=seed, **fit_over).save(target_dir)
+    log(f"bench robotics-wm-probe: {RANKER_RECIPE!r} trained on {len(train.keys)} keyframes -> {target_dir}")
+    return Path(target_dir)
+
+
 if __name__ == "__main__":
     import argparse
 
@@ -221,8 +243,11 @@ if __name__ == "__main__":
     p.add_argument("--out", default="runs/bench-robotics-wm-probe")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--collect-only", action="store_true")
+    p.add_argument("--save-ranker", metavar="DIR", help="train the recipe's ranker on the collected sets, save it in DIR")
     a = p.parse_args()
-    if a.collect_only:
+    if a.save_ranker:
+        save_ranker(Path(a.out), Path(a.save_ranker))
+    elif a.collect_only:
         s = {"train": TRAIN_KEYS, "heldout": HELDOUT_KEYS, "candidates": CANDIDATES, "part": PART}
         collect(Path(a.out), s if not a.quick else {**s, **QUICK})
     else:

@@ -89,6 +89,11 @@ class RolloutSettings:
                 raise ConfigError(f"{where}.{section} is read by name: {owner} only; set {where}.name: {owner} or "
                                   f"remove the {section} settings")
 
+        if self.name == "verified" and self.verify.probe_states >= self.world_model.keyframe_states:
+            raise ConfigError(f"{where}.verify.probe_states ({self.verify.probe_states}) must be below "
+                              f"{where}.world_model.keyframe_states ({self.world_model.keyframe_states}): training "
+                              f"needs keyframes too")
+
     def check_with(self, train_cfg, where: str = "robotics.rollout") -> None:
         if self.branch.enabled and self.branch.leaves != train_cfg.rollout.group_size:
             raise ConfigError(f"{where}.branch.factors {self.branch.factors} make {self.branch.leaves} leaves per group "

@@ -44,6 +44,7 @@ BENCHMARKS: dict[str, str] = {
     "robotics-libero": "bench.robotics_libero:run",
     "robotics-demos": "bench.robotics_demos:run",
     "robotics-world-model": "bench.robotics_world_model:run",
+    "robotics-wm-probe": "bench.robotics_wm_probe:run",
     "visgen-trees": "bench.visgen_trees:run",
     "visgen-video": "bench.visgen_video:run",
     "visgen-rewards": "bench.visgen_rewards:run",

@@ -107,22 +107,27 @@ def imagine_candidates(policy, imagine, keys: list[int], seeds: torch.Tensor, ho
     """The imagined side of sibling sets: one episode per (keyframe, stream) in ``imagine`` (a ``WorldModelEnv``),
     as ``[G, N, ...]`` arrays (the ``SiblingSets`` fields of the same names)."""
     from ..episodes import run_episodes
-    from .verified import imagined_scores
 
-    wm = imagine.wm
     g, n = seeds.shape
-    k_chunk = policy.cfg.chunk
-    t_max = -(-horizon // k_chunk)
     cand = [kk for kk in keys for _ in range(n)]
     policy.eval()
     run_episodes(policy, imagine, cand, [task_of(kk) for kk in cand], sampling, horizon, generator,
                  noise_seeds=seeds.flatten().tolist())
-    slots = imagine.slots
+    return slot_features(imagine, keys, n, policy.cfg.chunk, -(-horizon // policy.cfg.chunk))
+
+
+@torch.no_grad()
+def slot_features(imagine, keys: list[int], n: int, chunk: int, t_max: int) -> dict[str, np.ndarray]:
+    """What the rankers read of the imagined episodes now in ``imagine``'s slots (``n`` per key of ``keys``, in
+    order): ``[G, N, ...]`` arrays named as the ``SiblingSets`` fields."""
+    from .verified import imagined_scores
+
+    wm, slots, g = imagine.wm, imagine.slots, len(keys)
     score, imag = imagined_scores(slots, "prob")
     dz = int(np.prod(wm.cfg.latent_shape))
     z, valid = _pad([[x.flatten().numpy() for x in s.trace["z"]] for s in slots], t_max, (dz,), np.float32)
     pro, _ = _pad([s.trace["proprio"] for s in slots], t_max, (wm.cfg.proprio_dim,), np.float32)
-    act, _ = _pad([s.trace["actions"] for s in slots], t_max, (k_chunk * wm.cfg.action_dim,), np.float32)
+    act, _ = _pad([s.trace["actions"] for s in slots], t_max, (chunk * wm.cfg.action_dim,), np.float32)
     prob, _ = _pad([[[p] for p in s.trace["prob"]] for s in slots], t_max, (1,), np.float32)
     unc, _ = _pad([[[u] for u in s.trace["uncertainty"]] for s in slots], t_max, (1,), np.float32)
     kfs = [imagine.keyframes[kk] for kk in keys]

@@ -75,17 +75,23 @@ def trajectories(sets, rows=None, real: bool = False) -> Trajectories:
     """``Trajectories`` of every candidate of ``sets`` (``rows``: a subset of its keyframes), flattened keyframe-major;
     ``real``: the re-executed real trajectories' features (the probe's ceiling; no success-model inputs there)."""
     s = sets if rows is None else sets.subset(rows)
-    g, n = s.score.shape
-    rep = lambda a: torch.from_numpy(np.repeat(a, n, axis=0)).float()  # noqa: E731
-    flat = lambda a: torch.from_numpy(np.ascontiguousarray(a)).flatten(0, 1)  # noqa: E731
     if real:
-        z, pro, act, valid = s.real_z, s.real_proprio, s.real_actions, s.real_valid
-        prob = unc = np.zeros(valid.shape, np.float32)
-    else:
-        z, pro, act, valid, prob, unc = s.z, s.proprio, s.actions, s.valid, s.prob, s.uncertainty
-    return Trajectories(start_z=rep(s.start_z), start_proprio=rep(s.start_proprio), z=flat(z).float(),
-                        proprio=flat(pro).float(), actions=flat(act).float(), prob=flat(prob).float(),
-                        uncertainty=flat(unc).float(), valid=flat(valid).bool())
+        zeros = np.zeros(s.real_valid.shape, np.float32)
+        return trajectories_from({"start_z": s.start_z, "start_proprio": s.start_proprio, "z": s.real_z,
+                                  "proprio": s.real_proprio, "actions": s.real_actions, "prob": zeros,
+                                  "uncertainty": zeros, "valid": s.real_valid})
+    return trajectories_from({name: getattr(s, name) for name in Trajectories.__dataclass_fields__})
+
+
+def trajectories_from(arrays: dict) -> Trajectories:
+    """``Trajectories`` from ``[G, ...]`` keyframe arrays (start_z, start_proprio) and ``[G, N, T, ...]`` candidate
+    arrays (``probe.slot_features``' names), flattened keyframe-major."""
+    n = arrays["valid"].shape[1]
+    rep = lambda a: torch.from_numpy(np.repeat(np.asarray(a, np.float32), n, axis=0))  # noqa: E731
+    flat = lambda a: torch.from_numpy(np.ascontiguousarray(a)).flatten(0, 1)  # noqa: E731
+    return Trajectories(start_z=rep(arrays["start_z"]), start_proprio=rep(arrays["start_proprio"]),
+                        **{k: flat(arrays[k]).float() for k in ("z", "proprio", "actions", "prob", "uncertainty")},
+                        valid=flat(arrays["valid"]).bool())
 
 
 class SiblingRanker(nn.Module):

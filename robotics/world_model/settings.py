@@ -71,9 +71,24 @@ class VerifySettings:
     selector: str = field(default="max_variance", metadata={
         "help": "which k of the N candidates are re-executed (shared_rl.two_stage): max_variance (the k-subset of "
                 "largest score variance) | top_bottom (half the best, half the worst)"})
-    score: Literal["prob", "success"] = field(default="prob", metadata={
+    score: Literal["prob", "success", "ranker"] = field(default="prob", metadata={
         "help": "the imagined score the selector ranks: prob = the best imagined P(success) along the episode "
-                "(pessimistic over the ensemble when world_model.pessimistic) | success = the 0/1 imagined success"})
+                "(pessimistic over the ensemble when world_model.pessimistic) | success = the 0/1 imagined success | "
+                "ranker = the sibling ranker's score of the whole imagined trajectory (world_model/ranker.py)"})
+    ranker: str = field(default="", metadata={
+        "help": "score: ranker — the directory of the trained sibling ranker (ranker.json); '' = the world model's "
+                "checkpoint directory (python -m bench.robotics_wm_probe --save-ranker DIR makes one)"})
+    ranker_refit_steps: int = field(default=0, metadata={
+        "help": "score: ranker — at each co-evolution round, fine-tune the ranker this many steps on the groups "
+                "re-executed since the last round (the policy's own siblings and their real outcomes; 0 = never)"})
+    probe_every: int = field(default=0, metadata={
+        "help": "every n iterations re-execute ALL candidates of probe_keys held-out keyframes: probe/spearman_within, "
+                "probe/top_k_precision against the real outcomes (a measurement: its env steps are counted apart, "
+                "probe/env_steps_total; 0 = never)"})
+    probe_keys: int = field(default=4, metadata={"help": "keyframes per probe"})
+    probe_states: int = field(default=0, metadata={
+        "help": "the keyframes of the last n of world_model.keyframe_states reset states are held out for the probe "
+                "(never training keys)"})
     learn_from_verified: bool = field(default=True, metadata={
         "help": "the re-executed real episodes join the world model's real data: the next co-evolution round refits "
                 "on them and takes keyframes from them (their steps count as real steps either way)"})
@@ -83,6 +98,10 @@ class VerifySettings:
             raise ConfigError(f"{where}.candidates must be >= 1, got {self.candidates}")
         if self.selector not in SELECTORS:
             raise ConfigError(f"{where}.selector {self.selector!r} is unknown; choose one of {sorted(SELECTORS)}")
+        if min(self.ranker_refit_steps, self.probe_every, self.probe_states) < 0 or self.probe_keys < 1:
+            raise ConfigError(f"{where}: ranker_refit_steps, probe_every and probe_states must be >= 0, probe_keys >= 1")
+        if self.probe_every and not self.probe_states:
+            raise ConfigError(f"{where}.probe_every needs probe_states > 0 (held-out keyframes to probe on)")
 
 
 @dataclass

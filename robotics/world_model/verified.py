@@ -42,11 +42,15 @@ import torch
 from shared_rl.errors import ConfigError
 from shared_rl.two_stage import kept_agreement, select_candidates, spearman
 
+from ..envs.metaworld_env import decode_key
 from ..episodes import run_episodes
 from ..rollouts import flat_rollout
 from .data import RecordingEnv
 from .env import Keyframe
+from .probe import SiblingSets, ranking_metrics, slot_features
+from .ranker import SiblingRanker, fit_ranker, outcome, trajectories_from
 from .rollout import WorldModelRollout
+from .train import resolve
 
 
 class RestoredEnv:
@@ -106,7 +110,45 @@ class VerifiedRollout(WorldModelRollout):
         super().__init__(cfg, ctx, policy, venv, sampling)
         self.real_steps_verified = 0
         self.imagined_steps = 0
+        self.probe_steps = 0  # the probe's re-executions: a measurement, counted apart from the real-step budget
         self.last: dict = {}  # the last call's seeds, scores, kept indices (tests and analysis read them)
+        v = cfg.rollout.verify
+        self.ranker = None
+        if v.score == "ranker":
+            where = resolve(v.ranker or cfg.rollout.world_model.checkpoint)
+            try:
+                self.ranker = SiblingRanker.load(where)
+            except FileNotFoundError as e:
+                raise ConfigError(f"robotics.rollout.verify.ranker: {e}; make one with `python -m "
+                                  f"bench.robotics_wm_probe --save-ranker {where}`") from None
+        self._ranker_pending: list[SiblingSets] = []  # re-executed groups since the last refit
+        self._probe_gen = torch.Generator().manual_seed(ctx.seed + 29)  # the probe never moves training's streams
+
+    # -- keyframes held out for the probe
+    def _probe_state(self, key: int) -> bool:
+        w, v = self.cfg.rollout.world_model, self.cfg.rollout.verify
+        return v.probe_states > 0 and decode_key(self.keyframes[key].episode_key)[2] >= w.keyframe_states - v.probe_states
+
+    def train_keys(self) -> list[int]:
+        """The keyframes, less those of the reset states held out for the probe (``verify.probe_states``)."""
+        return [k for k in self.keyframes if not self._probe_state(k)]
+
+    def probe_keys(self) -> list[int]:
+        return [k for k in self.keyframes if self._probe_state(k)]
+
+    # -- scores
+    def _scores(self, keys: list[int], n: int) -> tuple[np.ndarray, np.ndarray, dict | None]:
+        """The selector's score of the N candidates per key now imagined (``[G*N]``), their 0/1 imagined success,
+        and the ranker's features (``score: ranker``; None otherwise)."""
+        v = self.cfg.rollout.verify
+        if v.score != "ranker":
+            score, imag = imagined_scores(self.imagine.slots, v.score)
+            return score, imag, None
+        t_max = -(-self.cfg.rollout.world_model.horizon // self.policy.cfg.chunk)
+        feats = slot_features(self.imagine, keys, n, self.policy.cfg.chunk, t_max)
+        with torch.no_grad():
+            score = self.ranker(trajectories_from(feats)).double().numpy()
+        return score, feats["imagined_success"].reshape(-1).astype(np.float64), feats
 
     @property
     def real_env_steps(self) -> int:
@@ -130,7 +172,7 @@ class VerifiedRollout(WorldModelRollout):
         imagined = run_episodes(self.policy, self.imagine, cand_keys, [self.task_of(kk) for kk in cand_keys],
                                 self.sampling, w.horizon, generator, device=self.device,
                                 noise_seeds=seeds.flatten().tolist())
-        score, imag_success = imagined_scores(self.imagine.slots, v.score)
+        score, imag_success, feats = self._scores(keys, N)
         imag_steps = int(imagined.length.sum())
         self.imagined_steps += imag_steps
         # 2. select k per keyframe with the shared selector
@@ -151,15 +193,59 @@ class VerifiedRollout(WorldModelRollout):
                 e.key, e.start_steps = kf.episode_key, kf.chunk * self.policy.cfg.chunk
             self.real_data += eps
             self._pending += eps
+        if feats is not None and v.ranker_refit_steps:  # the kept groups with their real outcomes: sibling sets
+            self._ranker_pending.append(_kept_sets(feats, keep, keys, kept_seeds, real, self.keyframes))
         # 4. the trainer sees the real episodes and their simulator rewards only
         ro = flat_rollout(real, keys, k, self.cfg.env.tasks, self.cfg.env.success_mode, self.cfg.dense_reward)
         info.update(self._agreement(score_t.gather(1, keep), torch.from_numpy(imag_success).view(G, N).gather(1, keep),
                                     ro.rewards["success"].view(G, k), imag_success))
         info.update({"env/steps": real_steps, "wm/imagined_steps": float(imag_steps),
                      "wm/model_steps": float(self.imagine.model_steps), "wm/real_env_steps": float(self.real_env_steps)})
+        if v.probe_every and iteration % v.probe_every == 0:
+            info.update(self.probe(N, k))
         ro.info.update(info)
         self.last = {"keys": keys, "seeds": seeds, "score": score_t, "keep": keep, "imagined": imagined, "real": real}
         return ro, real
+
+    def coevolve(self, generator: torch.Generator, log=None) -> dict[str, float]:
+        out = super().coevolve(generator, log)
+        pending, self._ranker_pending = self._ranker_pending, []
+        v = self.cfg.rollout.verify
+        if self.ranker is not None and v.ranker_refit_steps and pending:
+            sets = SiblingSets.concat(pending)
+            y = outcome(sets)
+            if (y.max(1) > y.min(1)).any():  # some group's real outcomes differ: an order to learn
+                seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator))
+                with torch.enable_grad():  # refits run inside the trainer's no-grad rollout
+                    self.ranker = fit_ranker(sets, steps=v.ranker_refit_steps, val_fraction=0.0, seed=seed,
+                                             model=self.ranker.train())
+                out["coevolve/ranker_groups"] = float(len(sets.keys))
+        return out
+
+    @torch.no_grad()
+    def probe(self, n: int, k: int) -> dict[str, float]:
+        """The ranking probe during training: ``verify.probe_keys`` held-out keyframes, ``n`` candidates each
+        imagined and ALL re-executed; the selector's score against the real outcomes (``probe.ranking_metrics``)."""
+        v, w = self.cfg.rollout.verify, self.cfg.rollout.world_model
+        pool = self.probe_keys()
+        if not pool:
+            return {}
+        pick = torch.randperm(len(pool), generator=self._probe_gen)[:v.probe_keys].tolist()
+        keys = [pool[i] for i in pick]
+        seeds = torch.randint(0, 2**62, (len(keys), n), generator=self._probe_gen)
+        cand = [kk for kk in keys for _ in range(n)]
+        tasks = [self.task_of(kk) for kk in cand]
+        run_episodes(self.policy, self.imagine, cand, tasks, self.sampling, w.horizon, self._probe_gen,
+                     device=self.device, noise_seeds=seeds.flatten().tolist())
+        score = self._scores(keys, n)[0]
+        real = run_episodes(self.policy, RestoredEnv(self.venv, self.keyframes), cand, tasks, self.sampling,
+                            w.horizon, self._probe_gen, device=self.device, noise_seeds=seeds.flatten().tolist())
+        self.probe_steps += int(real.length.sum())
+        m = ranking_metrics(score.reshape(len(keys), n), real.success_once.reshape(len(keys), n).astype(float), k)
+        out = {f"probe/{name}": m[name] for name in ("spearman_within", "spearman_within_max", "top_k_precision",
+                                                     "base_rate", "mixed_selected", "mixed_random")}
+        out["probe/env_steps_total"] = float(self.probe_steps)
+        return out
 
     @staticmethod
     def _agreement(score_kept: torch.Tensor, imag_kept: torch.Tensor, real: torch.Tensor,
@@ -184,9 +270,35 @@ class VerifiedRollout(WorldModelRollout):
 
     def extra_state(self) -> dict:
         return super().extra_state() | {"real_steps_verified": self.real_steps_verified,
-                                        "imagined_steps": self.imagined_steps}
+                                        "imagined_steps": self.imagined_steps, "probe_steps": self.probe_steps}
 
     def load_extra_state(self, state: dict) -> None:
         super().load_extra_state(state)
         self.real_steps_verified = int(state.get("real_steps_verified", 0))
         self.imagined_steps = int(state.get("imagined_steps", 0))
+        self.probe_steps = int(state.get("probe_steps", 0))
+
+    def save_pretrained(self, out_dir) -> None:
+        super().save_pretrained(out_dir)
+        if self.ranker is not None:  # beside the refit world model: the ranker as refit
+            from pathlib import Path
+
+            self.ranker.save(Path(out_dir) / "world_model")
+
+
+def _kept_sets(feats: dict, keep: torch.Tensor, keys: list[int], kept_seeds: torch.Tensor, real,
+               keyframes: dict[int, Keyframe]) -> SiblingSets:
+    """The kept candidates of each key (``keep [G, k]``) as sibling sets with their real re-executed outcomes."""
+    g, k = keep.shape
+    idx = keep.numpy()
+    pick = lambda a: np.stack([a[i, idx[i]] for i in range(g)])  # noqa: E731
+    sh = lambda a: np.asarray(a).reshape(g, k)  # noqa: E731
+    kfs = [keyframes[kk] for kk in keys]
+    return SiblingSets(
+        keys=np.array(keys, np.int64), seeds=kept_seeds.numpy().astype(np.int64),
+        episode_keys=np.array([kf.episode_key for kf in kfs], np.int64), chunk=np.array([kf.chunk for kf in kfs]),
+        start_z=feats["start_z"], start_proprio=feats["start_proprio"],
+        **{name: pick(feats[name]) for name in ("z", "proprio", "actions", "prob", "uncertainty", "valid", "score",
+                                                "imagined_success")},
+        real_success=sh(real.success_once.astype(bool)), real_dense=sh(real.dense.astype(np.float32)),
+        real_steps=sh(real.length))

@@ -165,3 +165,68 @@ def test_sibling_sets_re_execute_every_stream_in_the_simulator(tiny_asset, tmp_p
     back = SiblingSets.load(sets.save(tmp_path / "s.npz"))
     assert np.array_equal(back.real_success, sets.real_success) and np.allclose(back.z, sets.z, atol=1e-2)
     assert not list(tmp_path.glob("*.tmp*")), "nothing half-written is left"
+
+
+def _ranker_config(asset, root, **verify):
+    cfg = _verified_config(asset, root, uncertainty_threshold=0.0)
+    cfg["robotics"]["rollout"]["verify"].update(verify)
+    return cfg
+
+
+def test_verified_rollout_selects_by_the_ranker_refits_it_and_probes_held_out_keyframes(tiny_asset, tmp_path):
+    root, asset = tiny_asset
+    tr = Trainer(load_train_config(_ranker_config(asset, root)), None, log=lambda s: None)
+    dom, st = tr.domain, tr.domain.rollouts
+    sets = collect_sibling_sets(dom.policy, st.imagine, RestoredEnv(_point(), st.keyframes), dom.train_keys()[:6], 4,
+                                12, dom.sampling, torch.Generator().manual_seed(0), st.task_of)
+    fit_ranker(sets, target="return", steps=5, val_fraction=0.0).save(tmp_path / "ranker")
+    cfg = _ranker_config(asset, root, score="ranker", ranker=str(tmp_path / "ranker"), ranker_refit_steps=3,
+                         probe_every=1, probe_keys=2, probe_states=2)
+    cfg["robotics"]["rollout"]["world_model"].update(coevolve_every=1, coevolve_episodes=0, refit_steps=2,
+                                                     refit_success_steps=2)
+    cfg["iterations"] = 2
+    tr = Trainer(load_train_config(cfg), None, log=lambda s: None)
+    dom, st = tr.domain, tr.domain.rollouts
+    from robotics.envs.metaworld_env import decode_key
+
+    held = {k for k in st.keyframes if decode_key(st.keyframes[k].episode_key)[2] >= 6 - 2}
+    assert held and not held & set(dom.train_keys()), "the probe's keyframes never train"
+    assert set(st.probe_keys()) == held
+    # the selector ranks by the ranker's score of each imagined trajectory
+    keys = dom.train_keys()[:2]
+    from robotics.world_model.probe import slot_features
+    from robotics.world_model.ranker import trajectories_from
+
+    # (without the probe: it would re-imagine other keyframes after the selection)
+    st2 = Trainer(load_train_config({**cfg, "robotics": {**cfg["robotics"], "rollout": {
+        **cfg["robotics"]["rollout"], "verify": {**cfg["robotics"]["rollout"]["verify"], "probe_every": 0}}}}),
+        None, log=lambda s: None).domain.rollouts
+    st2.rollout(keys, 3, torch.Generator().manual_seed(0), 0)
+    with torch.no_grad():
+        expect = st2.ranker(trajectories_from(slot_features(st2.imagine, keys, 6, 4, 3))).view(2, 6).double()
+    assert torch.allclose(st2.last["score"], expect)
+    assert not torch.allclose(st2.last["score"], torch.from_numpy(
+        np.array([s_.trace["prob"][-1] for s_ in st2.imagine.slots])).view(2, 6).double())
+    # training: the probe's metrics every iteration, its steps apart from the budget; the ranker is refit
+    steps0 = st.real_env_steps
+    before = [p.detach().clone() for p in st.ranker.parameters()]
+    hist = tr.fit()
+    probes = [h for h in hist if "probe/spearman_within" in h or "probe/env_steps_total" in h]
+    assert len(probes) == 2 and all(h["probe/env_steps_total"] > 0 for h in probes)
+    assert st.real_env_steps == steps0 + sum(h["env/steps"] for h in hist if "env/steps" in h), "probe steps apart"
+    assert st.probe_steps == probes[-1]["probe/env_steps_total"]
+    assert any("coevolve/ranker_groups" in h for h in hist)
+    assert any(not torch.equal(a, b) for a, b in zip(before, st.ranker.parameters())), "the ranker was refit"
+    tr.domain.save_pretrained(tmp_path / "final")
+    assert (tmp_path / "final" / "world_model" / "ranker.json").is_file()
+
+
+def test_ranker_settings_errors(tiny_asset, tmp_path):
+    root, asset = tiny_asset
+    with pytest.raises(ConfigError, match="ranker.json"):
+        Trainer(load_train_config(_ranker_config(asset, root, score="ranker", ranker=str(tmp_path))), None,
+                log=lambda s: None)
+    with pytest.raises(ConfigError, match="probe_states"):
+        load_train_config(_ranker_config(asset, root, probe_every=1))
+    with pytest.raises(ConfigError, match="keyframe_states"):
+        load_train_config(_ranker_config(asset, root, probe_every=1, probe_states=6))
