@@ -99,9 +99,11 @@ def _last_eval(run_dir: Path) -> dict | None:
     return evals[-1] if evals else None
 
 
-def bc_row(out: Path, pool: Path, k: int, seed: int, s: dict) -> dict:
+def bc_row(out: Path, pool: Path, k: int, seed: int, s: dict) -> dict | None:
     run_dir = out / f"bc-K{k}-s{seed}"
     if not (run_dir / "model" / "model.safetensors").is_file() or _last_eval(run_dir) is None:
+        if s.get("assemble"):
+            return None  # not run yet: --assemble reads finished rows only
         data = demo_subset(pool, k, s["val"], out)
         _grove(["train", BC_RECIPE, "--out", str(run_dir), f"data={data}", "export_dir=''", f"seed={seed}",
                 f"val_demos_per_task={s['val']}", f"train_steps={s['bc_steps']}", "val_every=250" if not s["quick"]
@@ -119,12 +121,14 @@ def _se(rec: dict, n: int) -> float:
     return math.sqrt(sum(p * (1 - p) / n for p in ps)) / max(1, len(ps))
 
 
-def rl_row(out: Path, k: int, seed: int, variant: str, overrides: list[str], s: dict) -> dict:
+def rl_row(out: Path, k: int, seed: int, variant: str, overrides: list[str], s: dict) -> dict | None:
     from shared_rl.metrics import read_metrics
 
     clone = out / f"bc-K{k}-s0" / "model"  # every RL seed starts from the seed-0 clone of K demos
     run_dir = out / f"rl-{variant}-K{k}-s{seed}"
     if not (run_dir / "summary.txt").is_file():
+        if s.get("assemble"):
+            return None
         extra = [f"robotics.replay.data={out / f'demos-K{k}.npz'}"] if any("replay" in o for o in overrides) else []
         quick = ["iterations=1", "rollout.groups_per_iteration=5", "rollout.group_size=2", "robotics.env.horizon=16",
                  "eval.every=0"] if s["quick"] else ["eval.every=25"]
@@ -160,21 +164,26 @@ def equivalent_demos(curve: dict[int, float], success: float) -> float | None:
     return None
 
 
-def run(out_dir: Path, quick: bool = False, only: str = "") -> dict:
+def run(out_dir: Path, quick: bool = False, only: str = "", assemble: bool = False) -> dict:
+    """All rows (or ``only`` bc / rl); ``assemble``: run nothing, write the table of the rows finished so far."""
     from shared_rl.bench import write_results
 
     out = Path(out_dir)
     s = {"quick": quick, "ks": KS, "bc_seeds": BC_SEEDS, "rl_ks": RL_KS, "rl_seeds": RL_SEEDS, "val": VAL_DEMOS,
-         "eval": EVAL_STATES, "bc_steps": BC_STEPS, "variants": RL_VARIANTS}
+         "eval": EVAL_STATES, "bc_steps": BC_STEPS, "variants": RL_VARIANTS, "assemble": assemble}
     if quick:
         s.update(QUICK)
     t0 = time.perf_counter()
-    pool = demo_pool(out, max(s["ks"]), s["val"])
-    rows = []
+    pool = out / "demos.npz" if assemble else demo_pool(out, max(s["ks"]), s["val"])
+    rows, missing = [], []
     if only in ("", "bc"):
         for k in s["ks"]:
             for seed in s["bc_seeds"]:
-                rows.append(bc_row(out, pool, k, seed, s))
+                row = bc_row(out, pool, k, seed, s)
+                if row is None:
+                    missing.append(f"BC K={k} seed {seed}")
+                    continue
+                rows.append(row)
                 print(f"bench robotics-demos: BC K={k} seed {seed}: {rows[-1]['success']:.3f} "
                       f"({(time.perf_counter() - t0) / 60:.0f} min so far)", flush=True)
     if only in ("", "rl"):
@@ -183,7 +192,11 @@ def run(out_dir: Path, quick: bool = False, only: str = "") -> dict:
                 bc_row(out, pool, k, 0, s)  # the clone RL starts from
             for variant, overrides in s["variants"].items():
                 for seed in s["rl_seeds"]:
-                    rows.append(rl_row(out, k, seed, variant, overrides, s))
+                    row = rl_row(out, k, seed, variant, overrides, s)
+                    if row is None:
+                        missing.append(f"RL {variant} K={k} seed {seed}")
+                        continue
+                    rows.append(row)
                     print(f"bench robotics-demos: RL {variant} K={k} seed {seed}: {rows[-1]['success_before']:.3f} -> "
                           f"{rows[-1]['success']:.3f}", flush=True)
     curve_rows = [r for r in rows if r["kind"] == "bc"]
@@ -198,8 +211,9 @@ def run(out_dir: Path, quick: bool = False, only: str = "") -> dict:
              f"(the same for every K, not counted in K); evaluation: ODE on {s['eval']} held-out states per task, "
              f"standard errors binomial, stratified over tasks. RL: {RL_RECIPE} from the seed-0 clone of K demos; "
              f"bc_equivalent_K reads RL's final success off the BC curve of seed means (linear in log K). Each row "
-             f"its own process; a finished row is read back." + (" QUICK MODE: plumbing check only." if quick else ""))
-    return write_results(out, "robotics-demos", rows, notes, doc_path=None if quick or only else DOC)
+             f"its own process; a finished row is read back." + (" QUICK MODE: plumbing check only." if quick else "")
+             + (f" Not run yet ({len(missing)} rows): {'; '.join(missing)}." if missing else ""))
+    return write_results(out, "robotics-demos", rows, notes, doc_path=None if quick or (only and not assemble) else DOC)
 
 
 if __name__ == "__main__":
@@ -209,5 +223,6 @@ if __name__ == "__main__":
     p.add_argument("--out", default="runs/bench-robotics-demos")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--only", choices=["", "bc", "rl"], default="")
+    p.add_argument("--assemble", action="store_true", help="run nothing: the table (and docs page) of the finished rows")
     a = p.parse_args()
-    print(json.dumps(run(Path(a.out), a.quick, a.only)["rows"], indent=1))
+    print(json.dumps(run(Path(a.out), a.quick, a.only, a.assemble)["rows"], indent=1))

@@ -31,3 +31,22 @@ def test_demo_subset_takes_the_first_k_and_the_validation_demos_of_each_task(tmp
     assert [e.task for e in sub] == [t for t in TASKS for _ in range(3)]
     with pytest.raises(ValueError, match="K=6 \\+ 1 validation"):
         demo_subset(pool, 6, 1, tmp_path / "other")
+
+
+def test_assemble_reads_finished_rows_only_and_names_the_missing(tmp_path, monkeypatch):
+    """--assemble runs nothing: a finished BC row is read back, the others are listed as not run."""
+    import json
+
+    import bench.robotics_demos as bd
+
+    done = tmp_path / "bc-K1-s0"
+    (done / "model").mkdir(parents=True)
+    (done / "model" / "model.safetensors").write_bytes(b"x")
+    rec = {"eval/success": 0.5, "eval/success_se": 0.02, "bc/best_step": 250, **{f"eval/success/{t}": 0.5 for t in TASKS}}
+    (done / "metrics.jsonl").write_text(json.dumps(rec) + "\n")
+    monkeypatch.setattr(bd, "_grove", lambda *a, **k: pytest.fail("--assemble must not start a run"))
+    monkeypatch.setattr(bd, "DOC", tmp_path / "doc.md")
+    res = bd.run(tmp_path, assemble=True)
+    assert [(r["K"], r["seed"], r["success"]) for r in res["rows"]] == [(1, 0, 0.5)]
+    assert "Not run yet" in res["notes"] and "BC K=40 seed 1" in res["notes"] and "RL grpo K=2 seed 0" in res["notes"]
+    assert (tmp_path / "doc.md").is_file()
