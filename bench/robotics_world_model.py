@@ -13,6 +13,9 @@ Rows (``variant``), each per seed and as a mean over its seeds:
 3. ``verified two-stage``: ``world_model_verified.yaml`` — 16 imagined candidates per keyframe, the shared selector
    keeps 4, those are re-executed in MuJoCo with the same noise streams and trained on their real rewards; rank
    agreement = ``verify/rank_spearman``;
+3b. ``verified-ranker``: ``world_model_verified_ranker.yaml`` — the same with the sibling ranker's scores (trained on
+   sibling sets, ``bench/robotics_wm_probe.py``); rank agreement = the in-training probe's ``probe/spearman_within``
+   on held-out keyframes;
 4. ``short-horizon``: ``world_model_short_horizon.yaml`` — imagined branches of 3 chunks from real states, their
    return the critic's value (critic trained on real returns); rank agreement = ``short/rank_spearman``.
 
@@ -44,6 +47,8 @@ VARIANTS = {  # name -> (recipe, label, the metric of imagined-vs-real rank agre
     "sim": ("metaworld_grpo_door.yaml", "sim GRPO (metaworld_grpo_door.yaml)", None),
     "imagined": ("world_model_grpo.yaml", "imagined GRPO (world_model_grpo.yaml)", "audit/rank_spearman"),
     "verified": ("world_model_verified.yaml", "verified two-stage (world_model_verified.yaml)", "verify/rank_spearman"),
+    "verified-ranker": ("world_model_verified_ranker.yaml",
+                        "verified two-stage, sibling-ranker scores (world_model_verified_ranker.yaml)", "probe/spearman_within"),
     "short": ("world_model_short_horizon.yaml", "short-horizon + critic (world_model_short_horizon.yaml)",
               "short/rank_spearman"),
 }
@@ -126,7 +131,7 @@ def row(variant: str, seed: int, hist: list[dict], wall: float, sim_final: float
         r["fraction_of_sim_steps"] = reach / sim_steps if (reach is not None and sim_steps) else None
     if metric is not None:
         r["rank_spearman"] = _nanmean([h.get(metric) for h in its])
-    if variant == "verified":
+    if variant.startswith("verified"):
         r["kept_agreement"] = _nanmean([h.get("verify/kept_agreement") for h in its])
         r["hallucinated_success_rate"] = _nanmean([h.get("verify/hallucinated_success_rate") for h in its])
         r["mixed_groups_real"] = _nanmean([h.get("verify/mixed_groups_real") for h in its])
