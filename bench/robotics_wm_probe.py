@@ -31,12 +31,13 @@ ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "bench" / "robotics_wm_probe.md"
 CONFIG = ROOT / "configs" / "robotics" / "world_model_verified.yaml"
 TRAIN_KEYS = 400
-HELDOUT_KEYS = 64
+HELDOUT_KEYS = 128
 CANDIDATES = 16
 SPLIT_STATE = 28  # keyframes of training reset states < 28 train the rankers; >= 28 are held out
 PART = 8  # keyframes per saved part (a killed run resumes at the next part)
 K = 4
-QUICK = {"train": 2, "heldout": 2, "candidates": 4, "part": 2, "ranker_steps": 5}
+QUICK = {"train": 2, "heldout": 2, "candidates": 4, "part": 2, "ranker_steps": 5, "sibling_wm_keys": 2,
+         "sibling_wm_steps": 2}
 
 
 def _setup(log):
@@ -114,6 +115,7 @@ RANKERS = {  # row name -> (RankerConfig overrides, fit_ranker overrides); every
     "sibling ranker, first chunk only": ({"first_chunks": 1}, {}),
 }
 RANKER_SEEDS = (0, 1, 2)
+ENSEMBLE = list(RANKERS)[:4]  # the rankers that read the imagined trajectory in full (not actions / first chunk only)
 
 
 def truncated_score(sets, threshold: float, uncertainty_threshold: float = 1.0) -> np.ndarray:
@@ -160,6 +162,9 @@ def analyse(sets: dict, s: dict, log=print) -> list[dict]:
             probe_row("imagined success (0/1)", heldout.imagined_success.astype(float), heldout)]
     g, n = heldout.score.shape
     variants = list(RANKERS.items()) + [("ceiling: sibling ranker on the REAL re-executed trajectories", ({}, {"real": True}))]
+    if s.get("only"):
+        variants = [(name, v) for name, v in variants if name in s["only"]]
+    scores: dict[str, list[np.ndarray]] = {}
     for name, (cfg_over, fit_over) in variants:
         per_seed = []
         for seed in s["ranker_seeds"]:
@@ -174,6 +179,7 @@ def analyse(sets: dict, s: dict, log=print) -> list[dict]:
             t0 = time.perf_counter()
             sc = rank_scores(model, heldout, real=fit_over.get("real", False))
             per_seed.append((probe_row(name, sc, heldout), fit_s, g * n / max(time.perf_counter() - t0, 1e-9)))
+            scores.setdefault(name, []).append(sc)
         keys = [k for k, v in per_seed[0][0].items() if isinstance(v, float)]
         row = {"variant": name, "seeds": len(per_seed)}
         for k in keys:
@@ -185,6 +191,12 @@ def analyse(sets: dict, s: dict, log=print) -> list[dict]:
         row["fit_s"] = round(float(np.mean([p[1] for p in per_seed])), 1)
         row["ranker_candidates_per_s"] = round(float(np.mean([p[2] for p in per_seed])))
         rows.append(row)
+    # the ensemble: every imagined-input ranker of ENSEMBLE and seed, scores standardised per keyframe and averaged
+    z = lambda x: (x - x.mean(1, keepdims=True)) / (x.std(1, keepdims=True) + 1e-9)  # noqa: E731
+    members = [z(x) for name in ENSEMBLE if name in scores for x in scores[name]]
+    if sum(name in scores for name in ENSEMBLE) > 1:
+        rows.append(probe_row(f"ensemble of the {len(members)} rankers of {len(ENSEMBLE)} rows above (scores "
+                              f"standardised per keyframe)", np.mean(members, 0), heldout, {"seeds": len(members)}))
         log(f"bench robotics-wm-probe: {name}: within-keyframe spearman {row['spearman_within_success']:.3f} "
             f"({row['spearman_within_success_range']}), top-{K} precision {row['top_k_precision']:.3f} "
             f"vs base {row['base_rate']:.3f}")
@@ -203,6 +215,17 @@ def run(out_dir: Path = Path("runs/bench-robotics-wm-probe"), quick: bool = Fals
     sets = collect(out, s, log)
     collect_s = time.perf_counter() - t0
     rows = analyse(sets, s, log)
+    if s.get("sibling_wm", True):
+        from robotics.world_model.reward import SuccessModel
+
+        again = sibling_world_model(out, sets, s, log)
+        thr = SuccessModel.load(out / "sibling-wm").cfg.threshold
+        n_sib = min(s.get("sibling_wm_keys", SIBLING_WM_KEYS), len(sets["train"].keys))
+        label = f"[world model + success model fine-tuned on the siblings of {n_sib} keyframes] "
+        rows.append(probe_row(label + "success model: best imagined P(success), truncated at disagreement x1",
+                              truncated_score(again["heldout"], thr), again["heldout"]))
+        sub = analyse(again, {**s, "only": [RANKER_RECIPE]}, log)
+        rows += [{**r, "variant": label + r["variant"]} for r in sub if not r["variant"].startswith(("success", "imagined"))]
     tr, ho = sets["train"], sets["heldout"]
     from robotics.world_model.probe import ranking_metrics
 
@@ -220,6 +243,73 @@ def run(out_dir: Path = Path("runs/bench-robotics-wm-probe"), quick: bool = Fals
              f"success, k={K}; rankers: mean over seeds {list(s['ranker_seeds'])}, each {s['ranker_steps']} steps "
              f"with its step chosen on the last 20% of the TRAINING keyframes.")
     return write_results(out, "robotics-wm-probe", rows, notes, doc_path=None if quick else DOC)
+
+
+SIBLING_WM_KEYS = 96  # training keyframes whose re-executed siblings fine-tune the world model
+SIBLING_WM_STEPS = 600
+
+
+def sibling_world_model(out: Path, sets: dict, s: dict, log=print) -> dict:
+    """The direction "train the world model on sibling sets": the real re-executions of the first
+    ``SIBLING_WM_KEYS`` training keyframes' candidates (reproduced exactly from their noise streams, now with their
+    frames) join the world model's real data (weighted as co-evolution weighs recent data), the world model and its
+    success model are fine-tuned on them, and every candidate of both halves is imagined again with the same streams
+    in the new model (the real outcomes do not change). Returns the re-imagined sets."""
+    import dataclasses
+
+    import torch
+
+    from robotics.episodes import run_episodes
+    from robotics.world_model.data import RecordingEnv
+    from robotics.world_model.env import WorldModelEnv
+    from robotics.world_model.probe import SiblingSets, imagine_candidates
+    from robotics.world_model.reward import fit_success_model
+    from robotics.world_model.train import calibrate_uncertainty, fit_world_model
+    from robotics.world_model.verified import RestoredEnv
+
+    paths = {n: out / f"{n}-sibling-wm.npz" for n in sets}
+    if all(p.is_file() for p in paths.values()):
+        return {n: SiblingSets.load(p) for n, p in paths.items()}
+    dom = _setup(log)
+    st = dom.rollouts
+    w = dom.cfg.rollout.world_model
+    train = sets["train"]
+    n_keys = min(s.get("sibling_wm_keys", SIBLING_WM_KEYS), len(train.keys))
+    eps = []
+    t0 = time.perf_counter()
+    for p0 in range(0, n_keys, 4):  # the real re-executions again, recorded with their frames
+        ks = [int(k) for k in train.keys[p0:p0 + 4]]
+        cand = [k for k in ks for _ in range(train.shape[1])]
+        rec = RecordingEnv(RestoredEnv(dom.venv, st.keyframes))
+        real = run_episodes(dom.policy, rec, cand, [st.task_of(k) for k in cand], dom.sampling, w.horizon,
+                            torch.Generator().manual_seed(0), noise_seeds=train.seeds[p0:p0 + 4].flatten().tolist())
+        assert np.array_equal(real.success_once, train.real_success[p0:p0 + 4].flatten()), "re-execution is exact"
+        eps += rec.episodes(source="verified")
+    log(f"bench robotics-wm-probe: {len(eps)} sibling episodes of {n_keys} keyframes re-recorded "
+        f"({time.perf_counter() - t0:.0f} s)")
+    wm, success = st.wm, st.success
+    mix = st.real_data + eps * max(0, w.recent_weight - 1) + eps
+    t0 = time.perf_counter()
+    fit_world_model(wm, mix, s.get("sibling_wm_steps", SIBLING_WM_STEPS), w.refit_batch, 3, w.refit_lr, seed=0)
+    wm.cfg.uncertainty_ref = calibrate_uncertainty(wm, eps)
+    st.success = fit_success_model(wm, mix, 300, seed=0, model=success)
+    log(f"bench robotics-wm-probe: world model fine-tuned on sibling sets ({time.perf_counter() - t0:.0f} s)")
+    imagine = WorldModelEnv(wm, st.keyframes, w.horizon, success=st.success, success_mode=dom.cfg.env.success_mode,
+                            uncertainty_threshold=0.0, pessimistic=w.pessimistic)
+    res = {}
+    for name, ss in sets.items():
+        parts = []
+        for p0 in range(0, len(ss.keys), 8):
+            sub = ss.subset(np.arange(p0, min(p0 + 8, len(ss.keys))))
+            im = imagine_candidates(dom.policy, imagine, [int(k) for k in sub.keys], torch.from_numpy(sub.seeds),
+                                    w.horizon, dom.sampling, torch.Generator().manual_seed(0), st.task_of)
+            parts.append(dataclasses.replace(sub, **im))
+        res[name] = SiblingSets.concat(parts)
+        res[name].save(paths[name])
+    wm.save(out / "sibling-wm")
+    st.success.save(out / "sibling-wm")
+    dom.close()
+    return res
 
 
 RANKER_RECIPE = "sibling ranker, all inputs, target return"  # the row --save-ranker trains (training sets only)
