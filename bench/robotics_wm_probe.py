@@ -191,15 +191,15 @@ def analyse(sets: dict, s: dict, log=print) -> list[dict]:
         row["fit_s"] = round(float(np.mean([p[1] for p in per_seed])), 1)
         row["ranker_candidates_per_s"] = round(float(np.mean([p[2] for p in per_seed])))
         rows.append(row)
+        log(f"bench robotics-wm-probe: {name}: within-keyframe spearman {row['spearman_within_success']:.3f} "
+            f"({row['spearman_within_success_range']}), top-{K} precision {row['top_k_precision']:.3f} "
+            f"vs base {row['base_rate']:.3f}")
     # the ensemble: every imagined-input ranker of ENSEMBLE and seed, scores standardised per keyframe and averaged
     z = lambda x: (x - x.mean(1, keepdims=True)) / (x.std(1, keepdims=True) + 1e-9)  # noqa: E731
     members = [z(x) for name in ENSEMBLE if name in scores for x in scores[name]]
     if sum(name in scores for name in ENSEMBLE) > 1:
         rows.append(probe_row(f"ensemble of the {len(members)} rankers of {len(ENSEMBLE)} rows above (scores "
                               f"standardised per keyframe)", np.mean(members, 0), heldout, {"seeds": len(members)}))
-        log(f"bench robotics-wm-probe: {name}: within-keyframe spearman {row['spearman_within_success']:.3f} "
-            f"({row['spearman_within_success_range']}), top-{K} precision {row['top_k_precision']:.3f} "
-            f"vs base {row['base_rate']:.3f}")
     return rows
 
 
