@@ -71,10 +71,12 @@ class VerifySettings:
     selector: str = field(default="max_variance", metadata={
         "help": "which k of the N candidates are re-executed (shared_rl.two_stage): max_variance (the k-subset of "
                 "largest score variance) | top_bottom (half the best, half the worst)"})
-    score: Literal["prob", "success", "ranker"] = field(default="prob", metadata={
+    score: Literal["prob", "success", "ranker", "oracle"] = field(default="prob", metadata={
         "help": "the imagined score the selector ranks: prob = the best imagined P(success) along the episode "
                 "(pessimistic over the ensemble when world_model.pessimistic) | success = the 0/1 imagined success | "
-                "ranker = the sibling ranker's score of the whole imagined trajectory (world_model/ranker.py)"})
+                "ranker = the sibling ranker's score of the whole imagined trajectory (world_model/ranker.py) | "
+                "oracle = the real return (success + 0.5 dense) of every candidate, all N re-executed in the simulator "
+                "and counted as real steps: the upper bound of any explorer's ranking (a measurement, not a saving)"})
     ranker: str = field(default="", metadata={
         "help": "score: ranker — the directory of the trained sibling ranker (ranker.json); '' = the world model's "
                 "checkpoint directory (python -m bench.robotics_wm_probe --save-ranker DIR makes one)"})

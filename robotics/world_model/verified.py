@@ -142,7 +142,7 @@ class VerifiedRollout(WorldModelRollout):
         and the ranker's features (``score: ranker``; None otherwise)."""
         v = self.cfg.rollout.verify
         if v.score != "ranker":
-            score, imag = imagined_scores(self.imagine.slots, v.score)
+            score, imag = imagined_scores(self.imagine.slots, "prob" if v.score == "oracle" else v.score)
             return score, imag, None
         t_max = -(-self.cfg.rollout.world_model.horizon // self.policy.cfg.chunk)
         feats = slot_features(self.imagine, keys, n, self.policy.cfg.chunk, t_max)
@@ -173,6 +173,13 @@ class VerifiedRollout(WorldModelRollout):
                                 self.sampling, w.horizon, generator, device=self.device,
                                 noise_seeds=seeds.flatten().tolist())
         score, imag_success, feats = self._scores(keys, N)
+        oracle_steps = 0
+        if v.score == "oracle":  # the explorer's upper bound: every candidate's real return (all N re-executed)
+            full = run_episodes(self.policy, RestoredEnv(self.venv, self.keyframes), cand_keys,
+                                [self.task_of(kk) for kk in cand_keys], self.sampling, w.horizon, generator,
+                                device=self.device, noise_seeds=seeds.flatten().tolist())
+            score = full.success_once.astype(np.float64) + 0.5 * full.dense.astype(np.float64)
+            oracle_steps = int(full.length.sum())
         imag_steps = int(imagined.length.sum())
         self.imagined_steps += imag_steps
         # 2. select k per keyframe with the shared selector
@@ -184,7 +191,8 @@ class VerifiedRollout(WorldModelRollout):
         rec = RecordingEnv(RestoredEnv(self.venv, self.keyframes), record_states=v.learn_from_verified)
         real = run_episodes(self.policy, rec, env_keys, [self.task_of(kk) for kk in env_keys], self.sampling,
                             w.horizon, generator, device=self.device, noise_seeds=kept_seeds.flatten().tolist())
-        real_steps = int(real.length.sum())
+        # (oracle: the k are replays of candidates already run and counted; the same streams give the same episodes)
+        real_steps = oracle_steps or int(real.length.sum())
         self.real_steps_verified += real_steps
         if v.learn_from_verified:
             eps = rec.episodes(source="verified")

@@ -230,3 +230,23 @@ def test_ranker_settings_errors(tiny_asset, tmp_path):
         load_train_config(_ranker_config(asset, root, probe_every=1))
     with pytest.raises(ConfigError, match="keyframe_states"):
         load_train_config(_ranker_config(asset, root, probe_every=1, probe_states=6))
+
+
+def test_the_oracle_explorer_keeps_the_candidates_of_the_best_real_spread(tiny_asset):
+    """score: oracle re-executes every candidate: the kept k are the max-variance subset of their REAL returns, and
+    every candidate's steps are counted (the kept ones' replays are not counted twice)."""
+    root, asset = tiny_asset
+    tr = Trainer(load_train_config(_ranker_config(asset, root, score="oracle")), None, log=lambda s: None)
+    dom, st = tr.domain, tr.domain.rollouts
+    keys = dom.train_keys()[:2]
+    ro = dom.rollout(keys, 3, torch.Generator().manual_seed(0), 0)
+    last = st.last
+    cand = [k for k in keys for _ in range(6)]
+    full = run_episodes(dom.policy, RestoredEnv(_point(), st.keyframes), cand, ["point-reach"] * 12, dom.sampling, 12,
+                        torch.Generator().manual_seed(3), noise_seeds=last["seeds"].flatten().tolist())
+    real_return = torch.from_numpy(full.success_once + 0.5 * full.dense).view(2, 6).double()
+    assert torch.allclose(last["score"], real_return)
+    import shared_rl.two_stage
+
+    assert torch.equal(last["keep"], shared_rl.two_stage.select_candidates(real_return, 3, "max_variance"))
+    assert ro.info["env/steps"] == int(full.length.sum())
