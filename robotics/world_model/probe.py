@@ -90,6 +90,15 @@ class SiblingSets:
         return cls(**{f.name: cat(f.name) for f in fields(cls)})
 
 
+def imagined_scores(slots, score: str) -> tuple[np.ndarray, np.ndarray]:
+    """Per imagined slot (``WorldModelEnv.slots``): the selector's score and the 0/1 imagined success. ``prob`` =
+    the best success probability over the trusted steps (a rollout truncated for uncertainty: all but its last)."""
+    probs = [s.trace["prob"][:-1] if s.truncated else s.trace["prob"] for s in slots]
+    best = np.array([max(p) if p else 0.0 for p in probs], np.float64)
+    success = np.array([float(s.success_once) for s in slots])
+    return (best if score == "prob" else success), success
+
+
 def _pad(seqs: list[list], t: int, shape: tuple, dtype) -> tuple[np.ndarray, np.ndarray]:
     out = np.zeros((len(seqs), t, *shape), dtype)
     valid = np.zeros((len(seqs), t), bool)
@@ -120,8 +129,6 @@ def imagine_candidates(policy, imagine, keys: list[int], seeds: torch.Tensor, ho
 def slot_features(imagine, keys: list[int], n: int, chunk: int, t_max: int) -> dict[str, np.ndarray]:
     """What the rankers read of the imagined episodes now in ``imagine``'s slots (``n`` per key of ``keys``, in
     order): ``[G, N, ...]`` arrays named as the ``SiblingSets`` fields."""
-    from .verified import imagined_scores
-
     wm, slots, g = imagine.wm, imagine.slots, len(keys)
     score, imag = imagined_scores(slots, "prob")
     dz = int(np.prod(wm.cfg.latent_shape))

@@ -47,7 +47,7 @@ from ..episodes import run_episodes
 from ..rollouts import flat_rollout
 from .data import RecordingEnv
 from .env import Keyframe
-from .probe import SiblingSets, ranking_metrics, slot_features
+from .probe import SiblingSets, imagined_scores, ranking_metrics, slot_features  # noqa: F401 (re-exported)
 from .ranker import SiblingRanker, fit_ranker, outcome, trajectories_from
 from .rollout import WorldModelRollout
 from .train import resolve
@@ -90,15 +90,6 @@ class RestoredEnv:
 
     def close(self) -> None:
         pass
-
-
-def imagined_scores(slots, score: str) -> tuple[np.ndarray, np.ndarray]:
-    """Per imagined slot (``WorldModelEnv.slots``): the selector's score and the 0/1 imagined success. ``prob`` =
-    the best success probability over the trusted steps (a rollout truncated for uncertainty: all but its last)."""
-    probs = [s.trace["prob"][:-1] if s.truncated else s.trace["prob"] for s in slots]
-    best = np.array([max(p) if p else 0.0 for p in probs], np.float64)
-    success = np.array([float(s.success_once) for s in slots])
-    return (best if score == "prob" else success), success
 
 
 class VerifiedRollout(WorldModelRollout):
