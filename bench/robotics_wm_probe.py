@@ -150,7 +150,7 @@ def probe_row(name: str, score: np.ndarray, heldout, extra: dict | None = None) 
 def analyse(sets: dict, s: dict, log=print) -> list[dict]:
     import torch
 
-    from robotics.world_model.ranker import RankerConfig, SiblingRanker, fit_ranker, rank_scores
+    from robotics.world_model.ranker import RankerConfig, fit_ranker, rank_scores, trajectories
     from robotics.world_model.reward import SuccessModel
 
     torch.set_num_threads(1)
@@ -169,7 +169,6 @@ def analyse(sets: dict, s: dict, log=print) -> list[dict]:
         per_seed = []
         for seed in s["ranker_seeds"]:
             t0 = time.perf_counter()
-            from robotics.world_model.ranker import trajectories
 
             tr = trajectories(train, real=fit_over.get("real", False))
             cfg = RankerConfig(latent_dim=tr.z.shape[-1], proprio_dim=tr.proprio.shape[-1],
