@@ -164,8 +164,11 @@ def equivalent_demos(curve: dict[int, float], success: float) -> float | None:
     return None
 
 
-def run(out_dir: Path, quick: bool = False, only: str = "", assemble: bool = False) -> dict:
-    """All rows (or ``only`` bc / rl); ``assemble``: run nothing, write the table of the rows finished so far."""
+def run(out_dir: Path, quick: bool = False, only: str = "", assemble: bool = False, ks: tuple[int, ...] = (),
+        seeds: tuple[int, ...] = (), variants: tuple[str, ...] = ()) -> dict:
+    """All rows (or ``only`` bc / rl); ``assemble``: run nothing, write the table of the rows finished so far.
+    ``ks`` / ``seeds`` / ``variants`` restrict the rows run (two processes on different rows share the machine's cores;
+    the table is assembled from every finished row either way)."""
     from shared_rl.bench import write_results
 
     out = Path(out_dir)
@@ -173,13 +176,19 @@ def run(out_dir: Path, quick: bool = False, only: str = "", assemble: bool = Fal
          "eval": EVAL_STATES, "bc_steps": BC_STEPS, "variants": RL_VARIANTS, "assemble": assemble}
     if quick:
         s.update(QUICK)
+    unknown = set(variants) - set(s["variants"])
+    if unknown:
+        raise ValueError(f"unknown variant(s) {sorted(unknown)}; choose from {sorted(s['variants'])}")
+
+    def chosen(k: int, seed: int, variant: str = "") -> bool:
+        return (not ks or k in ks) and (not seeds or seed in seeds) and (not variants or not variant or variant in variants)
     t0 = time.perf_counter()
     pool = out / "demos.npz" if assemble else demo_pool(out, max(s["ks"]), s["val"])
     rows, missing = [], []
     if only in ("", "bc"):
         for k in s["ks"]:
             for seed in s["bc_seeds"]:
-                row = bc_row(out, pool, k, seed, s)
+                row = bc_row(out, pool, k, seed, s if chosen(k, seed) else {**s, "assemble": True})
                 if row is None:
                     missing.append(f"BC K={k} seed {seed}")
                     continue
@@ -188,11 +197,11 @@ def run(out_dir: Path, quick: bool = False, only: str = "", assemble: bool = Fal
                       f"({(time.perf_counter() - t0) / 60:.0f} min so far)", flush=True)
     if only in ("", "rl"):
         for k in s["rl_ks"]:
-            if only == "rl":
+            if only == "rl" and chosen(k, 0) and any(chosen(k, sd, v) for v in s["variants"] for sd in s["rl_seeds"]):
                 bc_row(out, pool, k, 0, s)  # the clone RL starts from
             for variant, overrides in s["variants"].items():
                 for seed in s["rl_seeds"]:
-                    row = rl_row(out, k, seed, variant, overrides, s)
+                    row = rl_row(out, k, seed, variant, overrides, s if chosen(k, seed, variant) else {**s, "assemble": True})
                     if row is None:
                         missing.append(f"RL {variant} K={k} seed {seed}")
                         continue
@@ -213,7 +222,7 @@ def run(out_dir: Path, quick: bool = False, only: str = "", assemble: bool = Fal
              f"bc_equivalent_K reads RL's final success off the BC curve of seed means (linear in log K). Each row "
              f"its own process; a finished row is read back." + (" QUICK MODE: plumbing check only." if quick else "")
              + (f" Not run yet ({len(missing)} rows): {'; '.join(missing)}." if missing else ""))
-    return write_results(out, "robotics-demos", rows, notes, doc_path=None if quick or (only and not assemble) else DOC)
+    return write_results(out, "robotics-demos", rows, notes, doc_path=None if quick or ((only or ks or seeds or variants) and not assemble) else DOC)
 
 
 if __name__ == "__main__":
@@ -224,5 +233,9 @@ if __name__ == "__main__":
     p.add_argument("--quick", action="store_true")
     p.add_argument("--only", choices=["", "bc", "rl"], default="")
     p.add_argument("--assemble", action="store_true", help="run nothing: the table (and docs page) of the finished rows")
+    p.add_argument("--ks", type=int, nargs="*", default=[], help="run only these demo counts (the rest read back if finished)")
+    p.add_argument("--seeds", type=int, nargs="*", default=[], help="run only these seeds")
+    p.add_argument("--variants", nargs="*", default=[], help=f"run only these RL variants ({', '.join(RL_VARIANTS)})")
     a = p.parse_args()
-    print(json.dumps(run(Path(a.out), a.quick, a.only, a.assemble)["rows"], indent=1))
+    print(json.dumps(run(Path(a.out), a.quick, a.only, a.assemble, tuple(a.ks), tuple(a.seeds), tuple(a.variants))["rows"],
+                     indent=1))

@@ -1,5 +1,6 @@
 """grove bench robotics-demos: the demo-count read-off and the K-demo subsets (the rows themselves are processes)."""
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -50,3 +51,36 @@ def test_assemble_reads_finished_rows_only_and_names_the_missing(tmp_path, monke
     assert [(r["K"], r["seed"], r["success"]) for r in res["rows"]] == [(1, 0, 0.5)]
     assert "Not run yet" in res["notes"] and "BC K=40 seed 1" in res["notes"] and "RL grpo K=2 seed 0" in res["notes"]
     assert (tmp_path / "doc.md").is_file()
+
+
+def test_row_filters_run_only_the_chosen_rows(tmp_path, monkeypatch):
+    """--ks/--seeds: a second process can take other rows; the rows not chosen are read back or named as not run."""
+    import json
+
+    import bench.robotics_demos as bd
+
+    rng = np.random.default_rng(0)
+    eps = [Episode(task=t, instruction=t, images=rng.integers(0, 255, (3, 8, 8, 3), dtype=np.uint8),
+                   proprio=np.zeros((3, 4), np.float32), actions=np.zeros((3, 4), np.float32),
+                   success=np.array([False, False, True]), key=100 * i + j)
+           for i, t in enumerate(TASKS) for j in range(8)]
+    save_episodes(eps, tmp_path / "demos.npz")
+    started = []
+
+    def fake_grove(args, log_path):
+        run_dir = Path(args[args.index("--out") + 1])
+        started.append(run_dir.name)
+        (run_dir / "model").mkdir(parents=True)
+        (run_dir / "model" / "model.safetensors").write_bytes(b"x")
+        rec = {"eval/success": 0.4, "eval/success_se": 0.02, **{f"eval/success/{t}": 0.4 for t in TASKS}}
+        (run_dir / "metrics.jsonl").write_text(json.dumps(rec) + "\n")
+
+    monkeypatch.setattr(bd, "_grove", fake_grove)
+    monkeypatch.setattr(bd, "DOC", tmp_path / "doc.md")
+    res = bd.run(tmp_path, only="bc", ks=(2,), seeds=(1,))
+    assert started == ["bc-K2-s1"]
+    assert [(r["K"], r["seed"]) for r in res["rows"]] == [(2, 1)]
+    assert "BC K=1 seed 0" in res["notes"] and "BC K=2 seed 1" not in res["notes"]
+    assert not (tmp_path / "doc.md").exists()  # a part never writes the docs page; --assemble does
+    with pytest.raises(ValueError, match="unknown variant"):
+        bd.run(tmp_path, only="rl", variants=("ppo",))
