@@ -139,6 +139,8 @@ def probe_row(name: str, score: np.ndarray, heldout, extra: dict | None = None) 
     r = ranking_metrics(score, outcome(heldout, "return"), K)
     row = {"variant": name, "spearman_within_success": m["spearman_within"],
            "keyframes_defined": int(m["spearman_within_defined"]),
+           "spearman_within_of_max": m["spearman_within_of_max"],
+           "spearman_within_spread": m["spearman_within_spread"], "keyframes_spread": int(m["keyframes_spread"]),
            "spearman_within_return": r["spearman_within"],
            "top_k_precision": m["top_k_precision"], "base_rate": m["base_rate"], "top_k_lift": m["top_k_lift"],
            "mixed_selected": m["mixed_selected"], "mixed_random": m["mixed_random"],
@@ -187,6 +189,7 @@ def analyse(sets: dict, s: dict, log=print) -> list[dict]:
             if k == "spearman_within_success":
                 row["spearman_within_success_range"] = f"{np.nanmin(vals):.2f}..{np.nanmax(vals):.2f}"
         row["keyframes_defined"] = per_seed[0][0]["keyframes_defined"]
+        row["keyframes_spread"] = per_seed[0][0]["keyframes_spread"]
         row["fit_s"] = round(float(np.mean([p[1] for p in per_seed])), 1)
         row["ranker_candidates_per_s"] = round(float(np.mean([p[2] for p in per_seed])))
         rows.append(row)
@@ -214,17 +217,6 @@ def run(out_dir: Path = Path("runs/bench-robotics-wm-probe"), quick: bool = Fals
     sets = collect(out, s, log)
     collect_s = time.perf_counter() - t0
     rows = analyse(sets, s, log)
-    if s.get("sibling_wm", True):
-        from robotics.world_model.reward import SuccessModel
-
-        again = sibling_world_model(out, sets, s, log)
-        thr = SuccessModel.load(out / "sibling-wm").cfg.threshold
-        n_sib = min(s.get("sibling_wm_keys", SIBLING_WM_KEYS), len(sets["train"].keys))
-        label = f"[world model + success model fine-tuned on the siblings of {n_sib} keyframes] "
-        rows.append(probe_row(label + "success model: best imagined P(success), truncated at disagreement x1",
-                              truncated_score(again["heldout"], thr), again["heldout"]))
-        sub = analyse(again, {**s, "only": [RANKER_RECIPE]}, log)
-        rows += [{**r, "variant": label + r["variant"]} for r in sub if not r["variant"].startswith(("success", "imagined"))]
     tr, ho = sets["train"], sets["heldout"]
     from robotics.world_model.probe import ranking_metrics
 
@@ -241,7 +233,21 @@ def run(out_dir: Path = Path("runs/bench-robotics-wm-probe"), quick: bool = Fals
              f"consistent with the tied binary outcomes: {best:.3f}); top_k_precision / base_rate over keyframes with mixed real "
              f"success, k={K}; rankers: mean over seeds {list(s['ranker_seeds'])}, each {s['ranker_steps']} steps "
              f"with its step chosen on the last 20% of the TRAINING keyframes.")
-    return write_results(out, "robotics-wm-probe", rows, notes, doc_path=None if quick else DOC)
+    # written now and again after each further part: a killed run keeps the rows it measured
+    result = write_results(out, "robotics-wm-probe", rows, notes, doc_path=None if quick else DOC)
+    if s.get("sibling_wm", True):
+        from robotics.world_model.reward import SuccessModel
+
+        again = sibling_world_model(out, sets, s, log)
+        thr = SuccessModel.load(out / "sibling-wm").cfg.threshold
+        n_sib = min(s.get("sibling_wm_keys", SIBLING_WM_KEYS), len(sets["train"].keys))
+        label = f"[world model + success model fine-tuned on the siblings of {n_sib} keyframes] "
+        rows.append(probe_row(label + "success model: best imagined P(success), truncated at disagreement x1",
+                              truncated_score(again["heldout"], thr), again["heldout"]))
+        sub = analyse(again, {**s, "only": [RANKER_RECIPE]}, log)
+        rows += [{**r, "variant": label + r["variant"]} for r in sub if not r["variant"].startswith(("success", "imagined"))]
+        result = write_results(out, "robotics-wm-probe", rows, notes, doc_path=None if quick else DOC)
+    return result
 
 
 SIBLING_WM_KEYS = 96  # training keyframes whose re-executed siblings fine-tune the world model

@@ -194,6 +194,9 @@ def collect_sibling_sets(policy, imagine, restored, keys: list[int], candidates:
     return SiblingSets.concat(parts)
 
 
+SPREAD = (0.25, 0.75)  # the real success rates of the keyframes ``spearman_within_spread`` averages over
+
+
 def ranking_metrics(score, real, k: int = 4) -> dict[str, float]:
     """The probe: ``score`` and ``real`` outcomes ``[G, N]`` (see the module docstring). ``top_k_precision`` and
     ``base_rate`` are over the keyframes whose real outcomes vary (elsewhere every selection scores the same)."""
@@ -221,4 +224,13 @@ def ranking_metrics(score, real, k: int = 4) -> dict[str, float]:
         "mixed_selected": mixed(R.gather(1, keep)), "mixed_random": mixed(R[:, :k]), "real_mixed_all": mixed(R),
     }
     out["top_k_lift"] = out["top_k_precision"] - out["base_rate"]
+    # the share of the reachable order a scorer gets (1 = as good as any scorer can be on these keyframes)
+    out["spearman_within_of_max"] = out["spearman_within"] / out["spearman_within_max"]
+    # binary outcomes: the keyframes with a spread of SPREAD (4-12 successes of 16), where a group's advantages carry
+    # most signal and the reachable maximum is >= ~0.75 (near-all-or-nothing keyframes cap any scorer at ~0.4)
+    binary = bool(((R == 0) | (R == 1)).all())
+    p = R.mean(1).numpy()
+    spread = np.isfinite(within) & (p >= SPREAD[0]) & (p <= SPREAD[1])
+    out["spearman_within_spread"] = float(within[spread].mean()) if binary and spread.any() else float("nan")
+    out["keyframes_spread"] = float(spread.sum()) if binary else float("nan")
     return out

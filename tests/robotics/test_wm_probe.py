@@ -39,6 +39,17 @@ def test_ranking_metrics_by_hand():
     assert m["top_k_precision"] == pytest.approx(0.5) and m["base_rate"] == pytest.approx(3 / 8)
     assert m["top_k_lift"] == pytest.approx(0.125)
     assert m["mixed_random"] == pytest.approx(1 / 3)  # the first 2 candidates: only row 0's differ
+    assert m["spearman_within_of_max"] == pytest.approx(m["spearman_within"] / m["spearman_within_max"])
+
+
+def test_spearman_within_spread_keeps_keyframes_with_a_quarter_to_three_quarters_successes():
+    S = np.tile(np.arange(8.0, 0, -1), (2, 1))
+    R = np.array([[0.0, 0, 0, 0, 0, 0, 0, 1], [1, 1, 0, 1, 0, 1, 0, 0]])  # 1 of 8 (left out), 4 of 8 (kept)
+    m = ranking_metrics(S, R, k=2)
+    # row 1: centred ranks S (3.5 .. -3.5), R (+2 for a success, -2 for a failure): 20 / sqrt(42 * 32)
+    assert m["spearman_within_spread"] == pytest.approx(20 / math.sqrt(42 * 32))
+    assert m["keyframes_spread"] == 1 and m["spearman_within"] < m["spearman_within_spread"]
+    assert math.isnan(ranking_metrics(S, R * 0.5 + 0.1, k=2)["spearman_within_spread"]), "defined for 0/1 outcomes only"
 
 
 def test_pairwise_loss_by_hand():
