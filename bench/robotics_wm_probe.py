@@ -149,6 +149,31 @@ def probe_row(name: str, score: np.ndarray, heldout, extra: dict | None = None) 
     return row
 
 
+DEPTHS = ((0, 0), (2, 6), (8, 20))  # keyframe windows (chunk boundaries): the reset, early, late
+
+
+def depth_rows(heldout, scores: dict[str, list[np.ndarray]]) -> list[dict]:
+    """The probe per keyframe depth: with an 80-step horizon the outcome from the reset is nearly always a failure and
+    from a late keyframe nearly always decided, so where a scorer ranks depends on where the keyframes are."""
+    rows = []
+    for lo, hi in DEPTHS:
+        sel = np.where((heldout.chunk >= lo) & (heldout.chunk <= hi))[0]
+        if not len(sel):
+            continue
+        sub = heldout.subset(sel)
+        mixed = float((sub.real_success.max(1) != sub.real_success.min(1)).mean())
+        for name, per_seed in scores.items():
+            ms = [probe_row(name, sc[sel], sub) for sc in per_seed]
+            row = {"variant": f"keyframes at chunks {lo}-{hi}: {name}", "keyframes": len(sel), "real_mixed": mixed,
+                   "real_success": float(sub.real_success.mean())}
+            for k, v in ms[0].items():
+                if isinstance(v, float):
+                    row[k] = float(np.nanmean([m[k] for m in ms])) if any(np.isfinite(m[k]) for m in ms) else float("nan")
+            row["keyframes_defined"], row["keyframes_spread"] = ms[0]["keyframes_defined"], ms[0]["keyframes_spread"]
+            rows.append(row)
+    return rows
+
+
 def analyse(sets: dict, s: dict, log=print) -> list[dict]:
     import torch
 
@@ -196,6 +221,9 @@ def analyse(sets: dict, s: dict, log=print) -> list[dict]:
         log(f"bench robotics-wm-probe: {name}: within-keyframe spearman {row['spearman_within_success']:.3f} "
             f"({row['spearman_within_success_range']}), top-{K} precision {row['top_k_precision']:.3f} "
             f"vs base {row['base_rate']:.3f}")
+    if RANKER_RECIPE in scores:
+        rows += depth_rows(heldout, {RANKER_RECIPE: scores[RANKER_RECIPE],
+                                     "success model (the verified recipe)": [truncated_score(heldout, thr)]})
     # the ensemble: every imagined-input ranker of ENSEMBLE and seed, scores standardised per keyframe and averaged
     z = lambda x: (x - x.mean(1, keepdims=True)) / (x.std(1, keepdims=True) + 1e-9)  # noqa: E731
     members = [z(x) for name in ENSEMBLE if name in scores for x in scores[name]]
@@ -347,8 +375,17 @@ if __name__ == "__main__":
     p.add_argument("--quick", action="store_true")
     p.add_argument("--collect-only", action="store_true")
     p.add_argument("--save-ranker", metavar="DIR", help="train the recipe's ranker on the collected sets, save it in DIR")
+    p.add_argument("--by-depth", metavar="DIR", help="the probe per keyframe depth of the saved ranker in DIR on the "
+                                                     "collected held-out sets (seconds; no training)")
     a = p.parse_args()
-    if a.save_ranker:
+    if a.by_depth:
+        from robotics.world_model.probe import SiblingSets
+        from robotics.world_model.ranker import SiblingRanker, rank_scores
+
+        ho = SiblingSets.load(Path(a.out) / "heldout.npz")
+        for r in depth_rows(ho, {f"ranker of {a.by_depth}": [rank_scores(SiblingRanker.load(a.by_depth), ho)]}):
+            print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}))
+    elif a.save_ranker:
         save_ranker(Path(a.out), Path(a.save_ranker))
     elif a.collect_only:
         s = {"train": TRAIN_KEYS, "heldout": HELDOUT_KEYS, "candidates": CANDIDATES, "part": PART}

@@ -63,6 +63,20 @@ def test_pairwise_loss_by_hand():
     assert float(flat.detach()) == 0.0 and flat.requires_grad, "no pair: nothing to learn, still differentiable"
 
 
+def test_depth_rows_split_the_probe_by_keyframe_depth():
+    from bench.robotics_wm_probe import depth_rows
+
+    sets = _synthetic(6)
+    sets.chunk[:] = [0, 2, 4, 6, 8, 20]
+    good = sets.real_success.astype(float) + 0.1 * np.arange(8)  # ranks by the outcome: the best order there is
+    rows = depth_rows(sets, {"oracle-ish": [good]})
+    assert [(r["variant"].split(":")[0], r["keyframes"]) for r in rows] == [
+        ("keyframes at chunks 0-0", 1), ("keyframes at chunks 2-6", 3), ("keyframes at chunks 8-20", 2)]
+    early = sets.subset([1, 2, 3])
+    assert rows[1]["real_mixed"] == pytest.approx(np.mean(early.real_success.max(1) != early.real_success.min(1)))
+    assert rows[1]["spearman_within_of_max"] == pytest.approx(1.0)
+
+
 def _synthetic(g, n=8, t=5, seed=0):
     """Sibling sets whose real success is the sign of the first action of chunk 1; P(success) is noise."""
     rng = np.random.default_rng(seed)
