@@ -74,10 +74,11 @@ def demo_pool(out: Path, per_task: int, val: int) -> Path:
 
 
 def demo_subset(pool: Path, k: int, val: int, out: Path) -> Path:
-    """The first ``k`` training demos and the ``val`` validation demos (the pool's last) of each task."""
+    """The first ``k`` training demos and the ``val`` validation demos (the pool's last) of each task (``val`` 0: the
+    K demos alone, what RL's demo replay may use)."""
     from robotics.data import load_episodes, save_episodes
 
-    path = out / f"demos-K{k}.npz"
+    path = out / (f"demos-K{k}.npz" if val else f"demos-K{k}-only.npz")
     if path.is_file():
         return path
     eps = load_episodes(pool)
@@ -86,7 +87,7 @@ def demo_subset(pool: Path, k: int, val: int, out: Path) -> Path:
         mine = [e for e in eps if e.task == task]
         if len(mine) < k + val:
             raise ValueError(f"{pool}: {task} has {len(mine)} demos, K={k} + {val} validation needs more")
-        chosen += mine[:k] + mine[-val:]
+        chosen += mine[:k] + mine[len(mine) - val:]
     save_episodes(chosen, path)
     return path
 
@@ -130,7 +131,10 @@ def rl_row(out: Path, k: int, seed: int, variant: str, overrides: list[str], s: 
     if not (run_dir / "summary.txt").is_file():
         if s.get("assemble"):
             return None
-        extra = [f"robotics.replay.data={out / f'demos-K{k}.npz'}"] if any("replay" in o for o in overrides) else []
+        # the replay sees the K demos only: the validation demos chose BC's stopping step and are not RL's to imitate
+        pool = out / "demos.npz"
+        extra = ([f"robotics.replay.data={demo_subset(pool, k, 0, out)}"] if any("replay" in o for o in overrides)
+                 else [])
         quick = ["iterations=1", "rollout.groups_per_iteration=5", "rollout.group_size=2", "robotics.env.horizon=16",
                  "eval.every=1"] if s["quick"] else [f"eval.every={RL_EVAL_EVERY}"]
         # no evaluation at the start: the clone's own BC row evaluated it on the same states with the same per-episode

@@ -30,6 +30,8 @@ def test_demo_subset_takes_the_first_k_and_the_validation_demos_of_each_task(tmp
     sub = load_episodes(demo_subset(pool, 2, 1, tmp_path))
     assert [e.key % 100 for e in sub] == [0, 1, 5] * len(TASKS)
     assert [e.task for e in sub] == [t for t in TASKS for _ in range(3)]
+    only = load_episodes(demo_subset(pool, 2, 0, tmp_path))
+    assert [e.key % 100 for e in only] == [0, 1] * len(TASKS), "RL's replay file: the K demos, no validation demo"
     with pytest.raises(ValueError, match="K=6 \\+ 1 validation"):
         demo_subset(pool, 6, 1, tmp_path / "other")
 
