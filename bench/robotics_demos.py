@@ -40,6 +40,7 @@ KS = (1, 2, 5, 10, 20, 40)
 BC_SEEDS = (0, 1)
 RL_KS = (2, 5)
 RL_SEEDS = (0, 1, 2)
+EVAL_BATCH = 100  # envs held at once by an evaluation (the same episodes; 500 at once held ~7.7 GB in one process)
 RL_EVAL_EVERY = 50  # one evaluation, at the end (each 500-episode evaluation costs ~5 min of a ~20 min row)
 VAL_DEMOS = 5
 EVAL_STATES = 100
@@ -109,7 +110,7 @@ def bc_row(out: Path, pool: Path, k: int, seed: int, s: dict) -> dict | None:
         data = demo_subset(pool, k, s["val"], out)
         _grove(["train", BC_RECIPE, "--out", str(run_dir), f"data={data}", "export_dir=''", f"seed={seed}",
                 f"val_demos_per_task={s['val']}", f"train_steps={s['bc_steps']}", "val_every=250" if not s["quick"]
-                else "val_every=2", f"eval_states_per_task={s['eval']}", "gifs=false"], out / "logs" / f"bc-K{k}-s{seed}.log")
+                else "val_every=2", f"eval_states_per_task={s['eval']}", f"env.eval_batch={EVAL_BATCH}", "gifs=false"], out / "logs" / f"bc-K{k}-s{seed}.log")
     rec = _last_eval(run_dir)
     row = {"variant": f"BC, K={k}", "kind": "bc", "K": k, "seed": seed, "success": rec["eval/success"],
            "success_se": rec.get("eval/success_se", _se(rec, s["eval"])), "best_step": rec.get("bc/best_step")}
@@ -140,7 +141,7 @@ def rl_row(out: Path, k: int, seed: int, variant: str, overrides: list[str], s: 
         # no evaluation at the start: the clone's own BC row evaluated it on the same states with the same per-episode
         # ODE noise (identical per-task numbers), so the row reads its "before" from there and saves ~5 min
         _grove(["train", RL_RECIPE, "--out", str(run_dir), f"robotics.checkpoint={clone}", f"seed={seed}", "eval.at_start=false",
-                f"robotics.eval_states_per_task={s['eval']}", "robotics.gifs=false", *quick, *overrides, *extra],
+                f"robotics.eval_states_per_task={s['eval']}", f"robotics.env.eval_batch={EVAL_BATCH}", "robotics.gifs=false", *quick, *overrides, *extra],
                out / "logs" / f"rl-{variant}-K{k}-s{seed}.log")
     recs = read_metrics(run_dir / "metrics.jsonl")
     evals = [r for r in recs if "eval/success" in r]
