@@ -9,7 +9,8 @@ demonstrations, which are what costs on a real robot. This bench measures it on 
    ``BC_STEPS`` steps; never on the evaluation states), held-out success on ``EVAL_STATES`` states per task with
    binomial standard errors. The validation demos are the same for every K and not counted in it (BC's best chance).
 2. **RL from few demos**: ``configs/robotics/metaworld_mt5_rl.yaml`` (GRPO, per-task adapters) from the K-demo clones
-   at ``RL_KS``, in the variants of ``RL_VARIANTS`` (the recipe; + replay of the K demos); held-out success before ->
+   at ``RL_KS``, in the variants of ``RL_VARIANTS`` (the recipe; + replay of the K demos; PPO with a value head,
+   ``metaworld_mt5_ppo.yaml``, the same rollouts and budget); held-out success before ->
    after, env steps and wall time.
 3. **The table**: for each RL row, K' = the demo count at which the BC curve (log-K, linearly interpolated over the
    seed means) reaches RL's final success: "RL from K demos ≈ BC from K' demos".
@@ -45,12 +46,15 @@ RL_EVAL_EVERY = 50  # one evaluation, at the end (each 500-episode evaluation co
 VAL_DEMOS = 5
 EVAL_STATES = 100
 BC_STEPS = 6000
-RL_VARIANTS = {
-    "grpo": [],
-    "grpo+demo-replay": ["robotics.replay.coef=1.0"],  # the BC loss on the K demos beside the policy gradient (DAPG)
+PPO_RECIPE = "configs/robotics/metaworld_mt5_ppo.yaml"  # the same rollouts and budget with a value head (GAE)
+RL_VARIANTS = {  # name -> (recipe, overrides)
+    "grpo": (RL_RECIPE, []),
+    "grpo+demo-replay": (RL_RECIPE, ["robotics.replay.coef=1.0"]),  # the BC loss on the K demos beside the policy
+                                                                   # gradient (DAPG)
+    "ppo": (PPO_RECIPE, []),
 }
 QUICK = {"ks": (1, 2), "bc_seeds": (0,), "rl_ks": (1,), "rl_seeds": (0,), "val": 1, "eval": 2, "bc_steps": 6,
-         "variants": {"grpo": []}}
+         "variants": {"grpo": (RL_RECIPE, [])}}
 
 
 def _grove(args: list[str], log_path: Path) -> None:
@@ -124,11 +128,12 @@ def _se(rec: dict, n: int) -> float:
     return math.sqrt(sum(p * (1 - p) / n for p in ps)) / max(1, len(ps))
 
 
-def rl_row(out: Path, k: int, seed: int, variant: str, overrides: list[str], s: dict) -> dict | None:
+def rl_row(out: Path, k: int, seed: int, variant: str, recipe_overrides: tuple[str, list[str]], s: dict) -> dict | None:
     from shared_rl.metrics import read_metrics
 
     clone = out / f"bc-K{k}-s0" / "model"  # every RL seed starts from the seed-0 clone of K demos
     run_dir = out / f"rl-{variant}-K{k}-s{seed}"
+    recipe, overrides = recipe_overrides
     if not (run_dir / "summary.txt").is_file():
         if s.get("assemble"):
             return None
@@ -140,7 +145,7 @@ def rl_row(out: Path, k: int, seed: int, variant: str, overrides: list[str], s: 
                  "eval.every=1"] if s["quick"] else [f"eval.every={RL_EVAL_EVERY}"]
         # no evaluation at the start: the clone's own BC row evaluated it on the same states with the same per-episode
         # ODE noise (identical per-task numbers), so the row reads its "before" from there and saves ~5 min
-        _grove(["train", RL_RECIPE, "--out", str(run_dir), f"robotics.checkpoint={clone}", f"seed={seed}", "eval.at_start=false",
+        _grove(["train", recipe, "--out", str(run_dir), f"robotics.checkpoint={clone}", f"seed={seed}", "eval.at_start=false",
                 f"robotics.eval_states_per_task={s['eval']}", f"robotics.env.eval_batch={EVAL_BATCH}", "robotics.gifs=false", *quick, *overrides, *extra],
                out / "logs" / f"rl-{variant}-K{k}-s{seed}.log")
     recs = read_metrics(run_dir / "metrics.jsonl")
@@ -207,9 +212,9 @@ def run(out_dir: Path, quick: bool = False, only: str = "", assemble: bool = Fal
         for k in s["rl_ks"]:
             if only == "rl" and chosen(k, 0) and any(chosen(k, sd, v) for v in s["variants"] for sd in s["rl_seeds"]):
                 bc_row(out, pool, k, 0, s)  # the clone RL starts from
-            for variant, overrides in s["variants"].items():
+            for variant, recipe_overrides in s["variants"].items():
                 for seed in s["rl_seeds"]:
-                    row = rl_row(out, k, seed, variant, overrides, s if chosen(k, seed, variant) else {**s, "assemble": True})
+                    row = rl_row(out, k, seed, variant, recipe_overrides, s if chosen(k, seed, variant) else {**s, "assemble": True})
                     if row is None:
                         missing.append(f"RL {variant} K={k} seed {seed}")
                         continue
@@ -226,7 +231,7 @@ def run(out_dir: Path, quick: bool = False, only: str = "", assemble: bool = Fal
     notes = (f"Five Meta-World tasks, DART demos (noise 0.3, expert labels), the object-observing proprio. BC: "
              f"{s['bc_steps']} steps, the model of the lowest validation loss on {s['val']} held-out demos per task "
              f"(the same for every K, not counted in K); evaluation: ODE on {s['eval']} held-out states per task, "
-             f"standard errors binomial, stratified over tasks. RL: {RL_RECIPE} from the seed-0 clone of K demos "
+             f"standard errors binomial, stratified over tasks. RL: {RL_RECIPE} (ppo: {PPO_RECIPE}) from the seed-0 clone of K demos "
              f"(its 'before' is that clone's BC evaluation: the same states, the same per-episode noise), "
              f"{s['eval']} held-out states per task at the end; "
              f"bc_equivalent_K reads RL's final success off the BC curve of seed means (linear in log K). Each row "

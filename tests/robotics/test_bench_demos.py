@@ -85,4 +85,4 @@ def test_row_filters_run_only_the_chosen_rows(tmp_path, monkeypatch):
     assert "BC K=1 seed 0" in res["notes"] and "BC K=2 seed 1" not in res["notes"]
     assert not (tmp_path / "doc.md").exists()  # a part never writes the docs page; --assemble does
     with pytest.raises(ValueError, match="unknown variant"):
-        bd.run(tmp_path, only="rl", variants=("ppo",))
+        bd.run(tmp_path, only="rl", variants=("sac",))
