@@ -272,7 +272,7 @@ def run(out_dir: Path = Path("runs/bench-robotics-wm-probe"), quick: bool = Fals
         label = f"[world model + success model fine-tuned on the siblings of {n_sib} keyframes] "
         rows.append(probe_row(label + "success model: best imagined P(success), truncated at disagreement x1",
                               truncated_score(again["heldout"], thr), again["heldout"]))
-        sub = analyse(again, {**s, "only": [RANKER_RECIPE]}, log)
+        sub = analyse(again, {**s, "only": ENSEMBLE}, log)  # the full-input rankers and their ensemble
         rows += [{**r, "variant": label + r["variant"]} for r in sub if not r["variant"].startswith(("success", "imagined"))]
         result = write_results(out, "robotics-wm-probe", rows, notes, doc_path=None if quick else DOC)
     return result
@@ -361,7 +361,7 @@ def save_ranker(out_dir: Path, target_dir: Path, steps: int = 600, seed: int = 0
     cfg_over, fit_over = RANKERS[RANKER_RECIPE]
     tr = trajectories(train)
     cfg = RankerConfig(latent_dim=tr.z.shape[-1], proprio_dim=tr.proprio.shape[-1], action_dim=tr.actions.shape[-1],
-                       horizon_chunks=tr.z.shape[1], **cfg_over)
+                       horizon_chunks=tr.z.shape[1], trained_real_steps=int(train.real_steps.sum()), **cfg_over)
     fit_ranker(train, cfg, steps=steps, seed=seed, **fit_over).save(target_dir)
     log(f"bench robotics-wm-probe: {RANKER_RECIPE!r} trained on {len(train.keys)} keyframes -> {target_dir}")
     return Path(target_dir)

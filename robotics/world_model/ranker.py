@@ -47,6 +47,9 @@ class RankerConfig:
     latent_proj: int = field(default=32, metadata={"help": "the latent's learned projection size"})
     hidden: int = field(default=128, metadata={"help": "MLP width"})
     step_features: int = field(default=16, metadata={"help": "per-chunk features (concatenated over time)"})
+    trained_real_steps: int = field(default=0, metadata={
+        "help": "real env steps of the re-executed sibling sets the ranker was trained on: part of any explorer's "
+                "real-step budget that uses it, as the world model's own data is"})
 
     def check(self, where: str = "ranker") -> None:
         bad = sorted(set(self.inputs) - set(INPUTS))

@@ -143,7 +143,9 @@ class VerifiedRollout(WorldModelRollout):
 
     @property
     def real_env_steps(self) -> int:
-        return super().real_env_steps + self.real_steps_verified
+        # the ranker's training sibling sets were real re-executions too: counted like the world model's data
+        ranker_data = self.ranker.cfg.trained_real_steps if self.ranker is not None else 0
+        return super().real_env_steps + self.real_steps_verified + ranker_data
 
     def rollout(self, keys, group_size, generator, iteration):
         w, v = self.cfg.rollout.world_model, self.cfg.rollout.verify

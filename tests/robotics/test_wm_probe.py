@@ -204,7 +204,10 @@ def test_verified_rollout_selects_by_the_ranker_refits_it_and_probes_held_out_ke
     dom, st = tr.domain, tr.domain.rollouts
     sets = collect_sibling_sets(dom.policy, st.imagine, RestoredEnv(_point(), st.keyframes), dom.train_keys()[:6], 4,
                                 12, dom.sampling, torch.Generator().manual_seed(0), st.task_of)
-    fit_ranker(sets, target="return", steps=5, val_fraction=0.0).save(tmp_path / "ranker")
+    fit_ranker(sets, RankerConfig(latent_dim=sets.z.shape[-1], proprio_dim=sets.proprio.shape[-1],
+                                  action_dim=sets.actions.shape[-1], horizon_chunks=sets.z.shape[2],
+                                  trained_real_steps=int(sets.real_steps.sum())),
+               target="return", steps=5, val_fraction=0.0).save(tmp_path / "ranker")
     cfg = _ranker_config(asset, root, score="ranker", ranker=str(tmp_path / "ranker"), ranker_refit_steps=3,
                          probe_every=1, probe_keys=2, probe_states=2)
     cfg["robotics"]["rollout"]["world_model"].update(coevolve_every=1, coevolve_episodes=0, refit_steps=2,
@@ -232,6 +235,10 @@ def test_verified_rollout_selects_by_the_ranker_refits_it_and_probes_held_out_ke
     assert torch.allclose(st2.last["score"], expect)
     assert not torch.allclose(st2.last["score"], torch.from_numpy(
         np.array([s_.trace["prob"][-1] for s_ in st2.imagine.slots])).view(2, 6).double())
+    # the ranker's training sets were real steps: in the budget from the start, as the world model's data
+    ranker_data = int(sets.real_steps.sum())
+    assert ranker_data > 0 and st.ranker.cfg.trained_real_steps == ranker_data
+    assert st.real_env_steps == st.real_steps_initial + ranker_data
     # training: the probe's metrics every iteration, its steps apart from the budget; the ranker is refit
     steps0 = st.real_env_steps
     before = [p.detach().clone() for p in st.ranker.parameters()]
