@@ -174,6 +174,31 @@ def depth_rows(heldout, scores: dict[str, list[np.ndarray]]) -> list[dict]:
     return rows
 
 
+def depth_trained_row(train, heldout, lo: int, hi: int, s: dict) -> dict:
+    """The recipe's ranker trained on the training keyframes at chunks ``lo``-``hi`` only, probed on the held-out
+    ones there: what a ranker costs in real steps (its sets' re-executions) when only the informative depth is
+    collected."""
+    from robotics.world_model.ranker import RankerConfig, fit_ranker, rank_scores, trajectories
+
+    tr = train.subset(np.where((train.chunk >= lo) & (train.chunk <= hi))[0])
+    ho = heldout.subset(np.where((heldout.chunk >= lo) & (heldout.chunk <= hi))[0])
+    cfg_over, fit_over = RANKERS[RANKER_RECIPE]
+    t = trajectories(tr)
+    cfg = RankerConfig(latent_dim=t.z.shape[-1], proprio_dim=t.proprio.shape[-1], action_dim=t.actions.shape[-1],
+                       horizon_chunks=t.z.shape[1], **cfg_over)
+    per_seed = [probe_row("", rank_scores(fit_ranker(tr, cfg, steps=s["ranker_steps"], seed=seed, **fit_over), ho), ho)
+                for seed in s["ranker_seeds"]]
+    row = {"variant": f"keyframes at chunks {lo}-{hi}: {RANKER_RECIPE}, trained on the {len(tr.keys)} training "
+                      f"keyframes there only ({int(tr.real_steps.sum())} real env steps of sets)",
+           "keyframes": len(ho.keys), "seeds": len(per_seed)}
+    for k, v in per_seed[0].items():
+        if isinstance(v, float):
+            row[k] = float(np.nanmean([p[k] for p in per_seed]))
+    vals = [p["spearman_within_success"] for p in per_seed]
+    row["spearman_within_success_range"] = f"{np.nanmin(vals):.2f}..{np.nanmax(vals):.2f}"
+    return row
+
+
 def analyse(sets: dict, s: dict, log=print) -> list[dict]:
     import torch
 
@@ -224,6 +249,9 @@ def analyse(sets: dict, s: dict, log=print) -> list[dict]:
     if RANKER_RECIPE in scores:
         rows += depth_rows(heldout, {RANKER_RECIPE: scores[RANKER_RECIPE],
                                      "success model (the verified recipe)": [truncated_score(heldout, thr)]})
+        lo, hi = DEPTHS[1]
+        if ((train.chunk >= lo) & (train.chunk <= hi)).sum() >= 5 and ((heldout.chunk >= lo) & (heldout.chunk <= hi)).any():
+            rows.append(depth_trained_row(train, heldout, lo, hi, s))
     # the ensemble: every imagined-input ranker of ENSEMBLE and seed, scores standardised per keyframe and averaged
     z = lambda x: (x - x.mean(1, keepdims=True)) / (x.std(1, keepdims=True) + 1e-9)  # noqa: E731
     members = [z(x) for name in ENSEMBLE if name in scores for x in scores[name]]

@@ -75,6 +75,13 @@ def test_depth_rows_split_the_probe_by_keyframe_depth():
     early = sets.subset([1, 2, 3])
     assert rows[1]["real_mixed"] == pytest.approx(np.mean(early.real_success.max(1) != early.real_success.min(1)))
     assert rows[1]["spearman_within_of_max"] == pytest.approx(1.0)
+    from bench.robotics_wm_probe import depth_trained_row
+
+    train = _synthetic(12, seed=1)
+    train.chunk[:] = [2] * 8 + [10] * 4
+    row = depth_trained_row(train, sets, 2, 6, {"ranker_steps": 5, "ranker_seeds": (0,)})
+    assert row["keyframes"] == 3 and "trained on the 8 training keyframes" in row["variant"]
+    assert f"({int(train.real_steps[:8].sum())} real env steps of sets)" in row["variant"]
 
 
 def _synthetic(g, n=8, t=5, seed=0):
