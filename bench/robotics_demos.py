@@ -114,7 +114,8 @@ def bc_row(out: Path, pool: Path, k: int, seed: int, s: dict) -> dict | None:
         data = demo_subset(pool, k, s["val"], out)
         _grove(["train", BC_RECIPE, "--out", str(run_dir), f"data={data}", "export_dir=''", f"seed={seed}",
                 f"val_demos_per_task={s['val']}", f"train_steps={s['bc_steps']}", "val_every=250" if not s["quick"]
-                else "val_every=2", f"eval_states_per_task={s['eval']}", f"env.eval_batch={EVAL_BATCH}", "gifs=false"], out / "logs" / f"bc-K{k}-s{seed}.log")
+                else "val_every=2", f"eval_states_per_task={s['eval']}", f"env.eval_batch={EVAL_BATCH}", "gifs=false"],
+               out / "logs" / f"bc-K{k}-s{seed}.log")
     rec = _last_eval(run_dir)
     row = {"variant": f"BC, K={k}", "kind": "bc", "K": k, "seed": seed, "success": rec["eval/success"],
            "success_se": rec.get("eval/success_se", _se(rec, s["eval"])), "best_step": rec.get("bc/best_step")}
@@ -145,8 +146,9 @@ def rl_row(out: Path, k: int, seed: int, variant: str, recipe_overrides: tuple[s
                  "eval.every=1"] if s["quick"] else [f"eval.every={RL_EVAL_EVERY}"]
         # no evaluation at the start: the clone's own BC row evaluated it on the same states with the same per-episode
         # ODE noise (identical per-task numbers), so the row reads its "before" from there and saves ~5 min
-        _grove(["train", recipe, "--out", str(run_dir), f"robotics.checkpoint={clone}", f"seed={seed}", "eval.at_start=false",
-                f"robotics.eval_states_per_task={s['eval']}", f"robotics.env.eval_batch={EVAL_BATCH}", "robotics.gifs=false", *quick, *overrides, *extra],
+        _grove(["train", recipe, "--out", str(run_dir), f"robotics.checkpoint={clone}", f"seed={seed}",
+                "eval.at_start=false", f"robotics.eval_states_per_task={s['eval']}",
+                f"robotics.env.eval_batch={EVAL_BATCH}", "robotics.gifs=false", *quick, *overrides, *extra],
                out / "logs" / f"rl-{variant}-K{k}-s{seed}.log")
     recs = read_metrics(run_dir / "metrics.jsonl")
     evals = [r for r in recs if "eval/success" in r]
@@ -214,7 +216,8 @@ def run(out_dir: Path, quick: bool = False, only: str = "", assemble: bool = Fal
                 bc_row(out, pool, k, 0, s)  # the clone RL starts from
             for variant, recipe_overrides in s["variants"].items():
                 for seed in s["rl_seeds"]:
-                    row = rl_row(out, k, seed, variant, recipe_overrides, s if chosen(k, seed, variant) else {**s, "assemble": True})
+                    row = rl_row(out, k, seed, variant, recipe_overrides,
+                                 s if chosen(k, seed, variant) else {**s, "assemble": True})
                     if row is None:
                         missing.append(f"RL {variant} K={k} seed {seed}")
                         continue
@@ -237,7 +240,8 @@ def run(out_dir: Path, quick: bool = False, only: str = "", assemble: bool = Fal
              f"bc_equivalent_K reads RL's final success off the BC curve of seed means (linear in log K). Each row "
              f"its own process; a finished row is read back." + (" QUICK MODE: plumbing check only." if quick else "")
              + (f" Not run yet ({len(missing)} rows): {'; '.join(missing)}." if missing else ""))
-    return write_results(out, "robotics-demos", rows, notes, doc_path=None if quick or ((only or ks or seeds or variants) and not assemble) else DOC)
+    a_part = bool(only or ks or seeds or variants) and not assemble  # a part never writes the docs page
+    return write_results(out, "robotics-demos", rows, notes, doc_path=None if quick or a_part else DOC)
 
 
 if __name__ == "__main__":

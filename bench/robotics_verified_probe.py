@@ -37,7 +37,8 @@ def run(out_dir: Path, keys: int = 16, candidates: int = 16, k: int = 4, seed: i
     from shared_rl.two_stage import select_candidates, spearman
 
     from robotics.episodes import run_episodes
-    from robotics.world_model.verified import RestoredEnv, imagined_scores
+    from robotics.world_model.probe import imagined_scores
+    from robotics.world_model.verified import RestoredEnv
 
     torch.set_num_threads(1)
     cfg = load_yaml(ROOT / "configs" / "robotics" / "world_model_verified.yaml")

@@ -121,7 +121,7 @@ ENSEMBLE = list(RANKERS)[:4]  # the rankers that read the imagined trajectory in
 def truncated_score(sets, threshold: float, uncertainty_threshold: float = 1.0) -> np.ndarray:
     """The verified recipe's score from an untruncated imagination: the best P(success) over the steps before the
     first one whose disagreement exceeds ``uncertainty_threshold`` without an imagined success (that step excluded,
-    as ``verified.imagined_scores`` scores a truncated slot)."""
+    as ``probe.imagined_scores`` scores a truncated slot)."""
     prob = np.where(sets.valid, sets.prob, -np.inf)
     cut = sets.valid & (sets.uncertainty > uncertainty_threshold) & (sets.prob <= threshold)
     t = sets.valid.shape[-1]
@@ -208,8 +208,9 @@ def analyse(sets: dict, s: dict, log=print) -> list[dict]:
     torch.set_num_threads(1)
     train, heldout = sets["train"], sets["heldout"]
     thr = SuccessModel.load(ROOT / "assets" / "metaworld-wm-tiny").cfg.threshold
+    recipe_score = truncated_score(heldout, thr)
     rows = [probe_row("success model: best imagined P(success), truncated at disagreement x1 (the verified recipe)",
-                      truncated_score(heldout, thr), heldout),
+                      recipe_score, heldout),
             probe_row("success model: best imagined P(success), untruncated", heldout.score, heldout),
             probe_row("imagined success (0/1)", heldout.imagined_success.astype(float), heldout)]
     g, n = heldout.score.shape
@@ -248,7 +249,7 @@ def analyse(sets: dict, s: dict, log=print) -> list[dict]:
             f"vs base {row['base_rate']:.3f}")
     if RANKER_RECIPE in scores:
         rows += depth_rows(heldout, {RANKER_RECIPE: scores[RANKER_RECIPE],
-                                     "success model (the verified recipe)": [truncated_score(heldout, thr)]})
+                                     "success model (the verified recipe)": [recipe_score]})
         lo, hi = DEPTHS[1]
         if ((train.chunk >= lo) & (train.chunk <= hi)).sum() >= 5 and ((heldout.chunk >= lo) & (heldout.chunk <= hi)).any():
             rows.append(depth_trained_row(train, heldout, lo, hi, s))

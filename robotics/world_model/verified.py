@@ -47,7 +47,7 @@ from ..episodes import run_episodes
 from ..rollouts import flat_rollout
 from .data import RecordingEnv
 from .env import Keyframe
-from .probe import SiblingSets, imagined_scores, ranking_metrics, slot_features  # noqa: F401 (re-exported)
+from .probe import SiblingSets, imagined_scores, ranking_metrics, slot_features
 from .ranker import SiblingRanker, fit_ranker, outcome, trajectories_from
 from .rollout import WorldModelRollout
 from .train import resolve
