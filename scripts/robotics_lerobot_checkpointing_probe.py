@@ -57,9 +57,10 @@ def measure(path: Path, size: TinySmolVLA, checkpointing: bool, batch: int = 8) 
 def main() -> None:
     torch.set_num_threads(1)
     for name, size in SIZES.items():
-        path = Path(tempfile.mkdtemp()) / "policy"
-        build_tiny_smolvla(path, ENV, size, seed=0)
-        (m0, t0, n), (m1, t1, _) = measure(path, size, False), measure(path, size, True)
+        with tempfile.TemporaryDirectory() as tmp:  # the tiny policies are ~150 MB each: never leave them behind
+            path = Path(tmp) / "policy"
+            build_tiny_smolvla(path, ENV, size, seed=0)
+            (m0, t0, n), (m1, t1, _) = measure(path, size, False), measure(path, size, True)
         print(f"{name} ({n / 1e6:.2f}M parameters): kept for backward {m0:.2f} -> {m1:.2f} MiB ({m1 / m0:.2f}x), "
               f"step {t0 * 1e3:.0f} -> {t1 * 1e3:.0f} ms ({t1 / t0:.2f}x)")
 

@@ -79,7 +79,11 @@ def full_size_counts(family: str, rank: int, cameras: int = 1) -> dict:
 
 def tiny_step_bytes(family: str, checkpointing: bool, batch: int = 8) -> dict:
     """Bytes autograd keeps for one recomputation step at tiny size (prefix + one expert step, LoRA rank 8)."""
-    path = Path(tempfile.mkdtemp()) / "policy"
+    with tempfile.TemporaryDirectory() as tmp:  # the tiny policy is ~150 MB: never leave it behind
+        return _tiny_step_bytes(Path(tmp) / "policy", family, checkpointing, batch)
+
+
+def _tiny_step_bytes(path: Path, family: str, checkpointing: bool, batch: int) -> dict:
     t = TinyPi(family=family)
     build_tiny_pi(path, ENV, t, seed=0)
     s = from_dict(PolicySettings, {"type": "lerobot", "path": str(path), "lora": {"rank": 8},
