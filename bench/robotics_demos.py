@@ -9,9 +9,9 @@ demonstrations, which are what costs on a real robot. This bench measures it on 
    ``BC_STEPS`` steps; never on the evaluation states), held-out success on ``EVAL_STATES`` states per task with
    binomial standard errors. The validation demos are the same for every K and not counted in it (BC's best chance).
 2. **RL from few demos**: ``configs/robotics/metaworld_mt5_rl.yaml`` (GRPO, per-task adapters) from the K-demo clones
-   at ``RL_KS``, in the variants of ``RL_VARIANTS`` (the recipe; + replay of the K demos; PPO with a value head,
-   ``metaworld_mt5_ppo.yaml``, the same rollouts and budget); held-out success before ->
-   after, env steps and wall time.
+   at ``RL_KS``, in the variants of ``RL_VARIANTS`` (the recipe; + replay of the K demos; + KL to the clone; PPO
+   with a value head, ``metaworld_mt5_ppo.yaml``, the same rollouts and budget); held-out success before -> after,
+   env steps and wall time.
 3. **The table**: for each RL row, K' = the demo count at which the BC curve (log-K, linearly interpolated over the
    seed means) reaches RL's final success: "RL from K demos ≈ BC from K' demos".
 
@@ -52,6 +52,8 @@ RL_VARIANTS = {  # name -> (recipe, overrides)
     "grpo+demo-replay": (RL_RECIPE, ["robotics.replay.coef=1.0"]),  # the BC loss on the K demos beside the policy
                                                                    # gradient (DAPG)
     "ppo": (PPO_RECIPE, []),
+    "grpo+kl": (RL_RECIPE, ["loss.kl_coef=0.04"]),  # Flow-GRPO's mean KL to the clone (its beta 0.04): keeps the
+                                                    # tasks the reward does not favour near their start
 }
 QUICK = {"ks": (1, 2), "bc_seeds": (0,), "rl_ks": (1,), "rl_seeds": (0,), "val": 1, "eval": 2, "bc_steps": 6,
          "variants": {"grpo": (RL_RECIPE, [])}}

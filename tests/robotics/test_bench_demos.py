@@ -86,3 +86,20 @@ def test_row_filters_run_only_the_chosen_rows(tmp_path, monkeypatch):
     assert not (tmp_path / "doc.md").exists()  # a part never writes the docs page; --assemble does
     with pytest.raises(ValueError, match="unknown variant"):
         bd.run(tmp_path, only="rl", variants=("sac",))
+
+
+def test_every_rl_variant_is_a_valid_config_that_differs_from_the_recipe_where_it_says():
+    """A variant is a recipe plus overrides: a misspelt key must fail here, not 20 minutes into a row."""
+    from bench.robotics_demos import RL_VARIANTS
+    from shared_rl.config import apply_overrides, load_train_config, load_yaml
+
+    root = Path(__file__).resolve().parents[2]
+    kl = load_train_config(apply_overrides(load_yaml(root / RL_VARIANTS["grpo+kl"][0]), RL_VARIANTS["grpo+kl"][1]))
+    assert kl.loss.kl_coef == pytest.approx(0.04)
+    for name, (recipe, overrides) in RL_VARIANTS.items():
+        base = load_yaml(root / recipe)
+        replay = ["robotics.replay.data=demos-K2-only.npz"] if any("replay" in o for o in overrides) else []  # as rl_row
+        cfg = load_train_config(apply_overrides(base, overrides + replay))
+        assert cfg.domain == "robotics", name
+        if name == "grpo":
+            assert cfg.loss.kl_coef == 0.0 and cfg.domain_config.replay.coef == 0.0
