@@ -174,13 +174,15 @@ def depth_rows(heldout, scores: dict[str, list[np.ndarray]]) -> list[dict]:
     return rows
 
 
-def depth_trained_row(train, heldout, lo: int, hi: int, s: dict) -> dict:
-    """The recipe's ranker trained on the training keyframes at chunks ``lo``-``hi`` only, probed on the held-out
-    ones there: what a ranker costs in real steps (its sets' re-executions) when only the informative depth is
-    collected."""
+def depth_trained_row(train, heldout, lo: int, hi: int, s: dict, candidates: int = 0) -> dict:
+    """The recipe's ranker trained on the training keyframes at chunks ``lo``-``hi`` only (with ``candidates`` > 0:
+    only the first that many candidates of each), probed on the held-out ones there with all their candidates: what a
+    ranker costs in real steps (its sets' re-executions) when only the informative depth is collected."""
     from robotics.world_model.ranker import RankerConfig, fit_ranker, rank_scores, trajectories
 
     tr = train.subset(np.where((train.chunk >= lo) & (train.chunk <= hi))[0])
+    if candidates:
+        tr = tr.first_candidates(candidates)
     ho = heldout.subset(np.where((heldout.chunk >= lo) & (heldout.chunk <= hi))[0])
     cfg_over, fit_over = RANKERS[RANKER_RECIPE]
     t = trajectories(tr)
@@ -189,14 +191,29 @@ def depth_trained_row(train, heldout, lo: int, hi: int, s: dict) -> dict:
     per_seed = [probe_row("", rank_scores(fit_ranker(tr, cfg, steps=s["ranker_steps"], seed=seed, **fit_over), ho), ho)
                 for seed in s["ranker_seeds"]]
     row = {"variant": f"keyframes at chunks {lo}-{hi}: {RANKER_RECIPE}, trained on the {len(tr.keys)} training "
-                      f"keyframes there only ({int(tr.real_steps.sum())} real env steps of sets)",
-           "keyframes": len(ho.keys), "seeds": len(per_seed)}
+                      f"keyframes there only x {tr.shape[1]} candidates ({int(tr.real_steps.sum())} real env steps "
+                      f"of sets)",
+           "keyframes": len(ho.keys), "seeds": len(per_seed), "train_candidates": tr.shape[1],
+           "train_real_steps": int(tr.real_steps.sum())}
     for k, v in per_seed[0].items():
         if isinstance(v, float):
             row[k] = float(np.nanmean([p[k] for p in per_seed]))
     vals = [p["spearman_within_success"] for p in per_seed]
     row["spearman_within_success_range"] = f"{np.nanmin(vals):.2f}..{np.nanmax(vals):.2f}"
     return row
+
+
+SET_SIZES = (4, 8, 16)  # candidates per training keyframe: 4 is what the explorer re-executes of each keyframe
+
+
+def candidate_rows(train, heldout, s: dict) -> list[dict]:
+    """Cheaper sibling sets: the recipe's ranker trained at the informative depth (``DEPTHS[1]``) on ``SET_SIZES``
+    candidates per keyframe. A set of 4 costs what the explorer's own verified groups cost (nothing beyond its run),
+    so this row says whether a ranker could be learned from the explorer's re-executions alone."""
+    lo, hi = DEPTHS[1]
+    n = train.shape[1]
+    return [depth_trained_row(train, heldout, lo, hi, s, candidates=c if c < n else 0)
+            for c in s.get("set_sizes", SET_SIZES) if c <= n]
 
 
 def analyse(sets: dict, s: dict, log=print) -> list[dict]:
@@ -252,7 +269,7 @@ def analyse(sets: dict, s: dict, log=print) -> list[dict]:
                                      "success model (the verified recipe)": [recipe_score]})
         lo, hi = DEPTHS[1]
         if ((train.chunk >= lo) & (train.chunk <= hi)).sum() >= 5 and ((heldout.chunk >= lo) & (heldout.chunk <= hi)).any():
-            rows.append(depth_trained_row(train, heldout, lo, hi, s))
+            rows += candidate_rows(train, heldout, s)
     # the ensemble: every imagined-input ranker of ENSEMBLE and seed, scores standardised per keyframe and averaged
     z = lambda x: (x - x.mean(1, keepdims=True)) / (x.std(1, keepdims=True) + 1e-9)  # noqa: E731
     members = [z(x) for name in ENSEMBLE if name in scores for x in scores[name]]
@@ -404,6 +421,9 @@ if __name__ == "__main__":
     p.add_argument("--quick", action="store_true")
     p.add_argument("--collect-only", action="store_true")
     p.add_argument("--save-ranker", metavar="DIR", help="train the recipe's ranker on the collected sets, save it in DIR")
+    p.add_argument("--by-set-size", action="store_true", help="rankers trained at the informative depth on 4, 8 and "
+                                                                  "16 candidates per keyframe, from the collected sets "
+                                                                  "(minutes; rows printed and saved to set_sizes.json)")
     p.add_argument("--by-depth", metavar="DIR", help="the probe per keyframe depth of the saved ranker in DIR on the "
                                                      "collected held-out sets (seconds; no training)")
     a = p.parse_args()
@@ -414,6 +434,20 @@ if __name__ == "__main__":
         ho = SiblingSets.load(Path(a.out) / "heldout.npz")
         for r in depth_rows(ho, {f"ranker of {a.by_depth}": [rank_scores(SiblingRanker.load(a.by_depth), ho)]}):
             print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}))
+    elif a.by_set_size:
+        import torch
+
+        from robotics.world_model.probe import SiblingSets
+
+        torch.set_num_threads(1)
+        out = Path(a.out)
+        rows = candidate_rows(SiblingSets.load(out / "train.npz"), SiblingSets.load(out / "heldout.npz"),
+                              {"ranker_steps": 600, "ranker_seeds": RANKER_SEEDS})
+        for r in rows:
+            print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}))
+        tmp = out / "set_sizes.json.tmp"
+        tmp.write_text(json.dumps(rows, indent=1))
+        tmp.replace(out / "set_sizes.json")
     elif a.save_ranker:
         save_ranker(Path(a.out), Path(a.save_ranker))
     elif a.collect_only:

@@ -61,6 +61,16 @@ class SiblingSets:
         return SiblingSets(**{f.name: (None if getattr(self, f.name) is None else getattr(self, f.name)[rows])
                               for f in fields(self)})
 
+    def first_candidates(self, n: int) -> "SiblingSets":
+        """The first ``n`` candidates of every keyframe (their noise streams are independent, so the first ``n`` are a
+        random ``n``): what a sibling set of ``n`` re-executions costs and teaches."""
+        g, total = self.shape
+        if not 1 <= n <= total:
+            raise ValueError(f"first_candidates({n}): the sets hold {total} candidates per keyframe")
+        per_keyframe = {"keys", "episode_keys", "chunk", "start_z", "start_proprio"}
+        return SiblingSets(**{f.name: (getattr(self, f.name) if f.name in per_keyframe or getattr(self, f.name) is None
+                                       else getattr(self, f.name)[:, :n]) for f in fields(self)})
+
     def save(self, path: str | Path) -> Path:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -82,6 +82,17 @@ def test_depth_rows_split_the_probe_by_keyframe_depth():
     row = depth_trained_row(train, sets, 2, 6, {"ranker_steps": 5, "ranker_seeds": (0,)})
     assert row["keyframes"] == 3 and "trained on the 8 training keyframes" in row["variant"]
     assert f"({int(train.real_steps[:8].sum())} real env steps of sets)" in row["variant"]
+    from bench.robotics_wm_probe import candidate_rows
+
+    small = train.first_candidates(3)
+    assert small.shape == (12, 3) and small.z.shape == (12, 3, 5, 6) and small.start_z.shape == (12, 6)
+    assert np.array_equal(small.real_success, train.real_success[:, :3]) and np.array_equal(small.keys, train.keys)
+    with pytest.raises(ValueError, match="hold 8 candidates"):
+        train.first_candidates(9)
+    rows = candidate_rows(train, sets, {"ranker_steps": 5, "ranker_seeds": (0,), "set_sizes": (4, 8, 16)})
+    assert [(r["train_candidates"], r["train_real_steps"]) for r in rows] == [(4, 8 * 4 * 20), (8, 8 * 8 * 20)], \
+        "16 is more than the sets hold: skipped; each set size costs its own re-executions"
+    assert rows[0]["keyframes"] == 3, "probed on the held-out keyframes there with all their candidates"
 
 
 def _synthetic(g, n=8, t=5, seed=0):
