@@ -80,6 +80,11 @@ class VerifySettings:
     ranker: str = field(default="", metadata={
         "help": "score: ranker — the directory of the trained sibling ranker (ranker.json); '' = the world model's "
                 "checkpoint directory (python -m bench.robotics_wm_probe --save-ranker DIR makes one)"})
+    ranker_from: Literal["checkpoint", "own_groups"] = field(default="checkpoint", metadata={
+        "help": "score: ranker — checkpoint = the trained ranker of verify.ranker (its sibling sets' real steps count "
+                "in the budget) | own_groups = no pre-collected sets: a ranker learned from this run's own "
+                "re-executed groups (costing nothing beyond the run), fitted on all of them at each co-evolution "
+                "round; until its first fit the selector ranks by the imagined P(success)"})
     ranker_refit_steps: int = field(default=0, metadata={
         "help": "score: ranker — at each co-evolution round, fine-tune the ranker this many steps on the groups "
                 "re-executed since the last round (the policy's own siblings and their real outcomes; 0 = never)"})
@@ -102,6 +107,9 @@ class VerifySettings:
             raise ConfigError(f"{where}.selector {self.selector!r} is unknown; choose one of {sorted(SELECTORS)}")
         if min(self.ranker_refit_steps, self.probe_every, self.probe_states) < 0 or self.probe_keys < 1:
             raise ConfigError(f"{where}: ranker_refit_steps, probe_every and probe_states must be >= 0, probe_keys >= 1")
+        if self.ranker_from == "own_groups" and (self.score != "ranker" or self.ranker_refit_steps < 1):
+            raise ConfigError(f"{where}.ranker_from: own_groups learns the ranker of score: ranker at each co-evolution "
+                              f"round; set {where}.score: ranker and {where}.ranker_refit_steps >= 1")
         if self.probe_every and not self.probe_states:
             raise ConfigError(f"{where}.probe_every needs probe_states > 0 (held-out keyframes to probe on)")
 

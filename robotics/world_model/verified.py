@@ -105,7 +105,8 @@ class VerifiedRollout(WorldModelRollout):
         self.last: dict = {}  # the last call's seeds, scores, kept indices (tests and analysis read them)
         v = cfg.rollout.verify
         self.ranker = None
-        if v.score == "ranker":
+        self._ranker_history: list[SiblingSets] = []  # ranker_from own_groups: every re-executed group of the run
+        if v.score == "ranker" and v.ranker_from == "checkpoint":
             where = resolve(v.ranker or cfg.rollout.world_model.checkpoint)
             try:
                 self.ranker = SiblingRanker.load(where)
@@ -137,8 +138,11 @@ class VerifiedRollout(WorldModelRollout):
             return score, imag, None
         t_max = -(-self.cfg.rollout.world_model.horizon // self.policy.cfg.chunk)
         feats = slot_features(self.imagine, keys, n, self.policy.cfg.chunk, t_max)
-        with torch.no_grad():
-            score = self.ranker(trajectories_from(feats)).double().numpy()
+        if self.ranker is None:  # own_groups before its first fit: the imagined P(success), as score: prob
+            score = feats["score"].reshape(-1).astype(np.float64)
+        else:
+            with torch.no_grad():
+                score = self.ranker(trajectories_from(feats)).double().numpy()
         return score, feats["imagined_success"].reshape(-1).astype(np.float64), feats
 
     @property
@@ -212,14 +216,17 @@ class VerifiedRollout(WorldModelRollout):
         out = super().coevolve(generator, log)
         pending, self._ranker_pending = self._ranker_pending, []
         v = self.cfg.rollout.verify
-        if self.ranker is not None and v.ranker_refit_steps and pending:
+        if v.ranker_from == "own_groups":  # all the run's groups so far, the ranker fitted anew on them each round
+            self._ranker_history += pending
+            pending = list(self._ranker_history)
+        if (self.ranker is not None or v.ranker_from == "own_groups") and v.ranker_refit_steps and pending:
             sets = SiblingSets.concat(pending)
             y = outcome(sets)
             if (y.max(1) > y.min(1)).any():  # some group's real outcomes differ: an order to learn
                 seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator))
                 with torch.enable_grad():  # refits run inside the trainer's no-grad rollout
                     self.ranker = fit_ranker(sets, steps=v.ranker_refit_steps, val_fraction=0.0, seed=seed,
-                                             model=self.ranker.train())
+                                             model=None if v.ranker_from == "own_groups" else self.ranker.train())
                 out["coevolve/ranker_groups"] = float(len(sets.keys))
         return out
 

@@ -271,6 +271,35 @@ def test_verified_rollout_selects_by_the_ranker_refits_it_and_probes_held_out_ke
     assert (tmp_path / "final" / "world_model" / "ranker.json").is_file()
 
 
+def test_a_ranker_learned_from_the_runs_own_groups_costs_no_real_step_beyond_the_run(tiny_asset, tmp_path):
+    """ranker_from: own_groups — no ranker file; the selector ranks by imagined P(success) until the first
+    co-evolution round, which fits a ranker on every group re-executed so far (and the next round on all of them
+    again); nothing is added to the real-step budget but the run's own episodes."""
+    root, asset = tiny_asset
+    cfg = _ranker_config(asset, root, score="ranker", ranker_from="own_groups", ranker_refit_steps=3)
+    cfg["robotics"]["rollout"]["world_model"].update(coevolve_every=1, coevolve_episodes=0, refit_steps=2,
+                                                     refit_success_steps=2)
+    cfg["iterations"] = 3
+    tr = Trainer(load_train_config(cfg), None, log=lambda s: None)
+    st = tr.domain.rollouts
+    assert st.ranker is None and st.real_env_steps == st.real_steps_initial
+    keys = tr.domain.train_keys()[:2]
+    st.rollout(keys, 3, torch.Generator().manual_seed(0), 0)
+    prob = torch.from_numpy(np.array([max(s_.trace["prob"]) for s_ in st.imagine.slots])).view(2, 6).double()
+    assert torch.allclose(st.last["score"], prob), "before the first fit: the imagined P(success)"
+    st._ranker_pending.clear()
+    steps0 = st.real_env_steps
+    hist = tr.fit()
+    fits = [h["coevolve/ranker_groups"] for h in hist if "coevolve/ranker_groups" in h]
+    assert fits and fits == sorted(fits) and len(set(fits)) == len(fits), "each fit sees every group so far"
+    assert st.ranker is not None and st.ranker.cfg.trained_real_steps == 0
+    assert st.real_env_steps == steps0 + sum(h["env/steps"] for h in hist if "env/steps" in h)
+    with pytest.raises(ConfigError, match="own_groups"):
+        load_train_config(_ranker_config(asset, root, score="prob", ranker_from="own_groups", ranker_refit_steps=3))
+    with pytest.raises(ConfigError, match="ranker_refit_steps >= 1"):
+        load_train_config(_ranker_config(asset, root, score="ranker", ranker_from="own_groups"))
+
+
 def test_ranker_settings_errors(tiny_asset, tmp_path):
     root, asset = tiny_asset
     with pytest.raises(ConfigError, match="ranker.json"):
