@@ -54,6 +54,9 @@ RL_VARIANTS = {  # name -> (recipe, overrides)
     "ppo": (PPO_RECIPE, []),
     "grpo+kl": (RL_RECIPE, ["loss.kl_coef=0.04"]),  # Flow-GRPO's mean KL to the clone (its beta 0.04): keeps the
                                                     # tasks the reward does not favour near their start
+    # per-task early stopping on validation reset states (never rollout or held-out states), as BC's stop is chosen
+    # on validation demos: each task ends with its adapter from the evaluation (every 10 iterations) it scored best
+    "grpo+keep-best": (RL_RECIPE, ["robotics.adapters.keep_best=true", "eval.every=10"]),
 }
 QUICK = {"ks": (1, 2), "bc_seeds": (0,), "rl_ks": (1,), "rl_seeds": (0,), "val": 1, "eval": 2, "bc_steps": 6,
          "variants": {"grpo": (RL_RECIPE, [])}}
@@ -157,7 +160,8 @@ def rl_row(out: Path, k: int, seed: int, variant: str, recipe_overrides: tuple[s
     first, last = _last_eval(clone.parent), evals[-1]
     row = {"variant": f"RL {variant}, K={k}", "kind": "rl", "K": k, "seed": seed,
            "success_before": first["eval/success"], "success": last["eval/success"],
-           "env_steps": int(sum(r.get("env/steps", 0) for r in recs)),
+           # + keep-best's validation episodes: real env steps too (BC's validation costs demos, counted apart)
+           "env_steps": int(sum(r.get("env/steps", 0) + r.get("select/env_steps", 0) for r in recs)),
            "wall_min": round(sum(r.get("time/iteration", 0) + r.get("time/eval", 0) for r in recs) / 60, 1),
            "worst_task_change": min(last[f"eval/success/{t}"] - first[f"eval/success/{t}"] for t in TASKS
                                     if f"eval/success/{t}" in last)}
