@@ -13,9 +13,9 @@ Rows (``variant``), each per seed and as a mean over its seeds:
 3. ``verified two-stage``: ``world_model_verified.yaml`` — 16 imagined candidates per keyframe, the shared selector
    keeps 4, those are re-executed in MuJoCo with the same noise streams and trained on their real rewards; rank
    agreement = ``verify/rank_spearman``;
-3b. ``verified-ranker``: ``world_model_verified_ranker.yaml`` — the same with the sibling ranker's scores (trained on
-   sibling sets, ``bench/robotics_wm_probe.py``); rank agreement = the in-training probe's ``probe/spearman_within``
-   on held-out keyframes;
+3b. ``verified-ranker``: ``world_model_verified_ranker.yaml`` — the same with a sibling ranker's scores (learned
+   from the run's own re-executed groups; or trained on sibling sets, ``bench/robotics_wm_probe.py``); rank
+   agreement = the in-training probe's ``probe/spearman_within`` on held-out keyframes;
 4. ``short-horizon``: ``world_model_short_horizon.yaml`` — imagined branches of 3 chunks from real states, their
    return the critic's value (critic trained on real returns); rank agreement = ``short/rank_spearman``.
 
