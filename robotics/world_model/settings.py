@@ -87,7 +87,8 @@ class VerifySettings:
                 "round; until its first fit the selector ranks by the imagined P(success)"})
     ranker_refit_steps: int = field(default=0, metadata={
         "help": "score: ranker — at each co-evolution round, fine-tune the ranker this many steps on the groups "
-                "re-executed since the last round (the policy's own siblings and their real outcomes; 0 = never)"})
+                "re-executed since the last round (the policy's own siblings and their real outcomes; 0 = never); "
+                "with ranker_from: own_groups, fit a new ranker this many steps on every group of the run so far"})
     probe_every: int = field(default=0, metadata={
         "help": "every n iterations re-execute ALL candidates of probe_keys held-out keyframes: probe/spearman_within, "
                 "probe/top_k_precision against the real outcomes (a measurement: its env steps are counted apart, "
