@@ -12,6 +12,8 @@ real outcomes do. This bench measures it (``robotics.world_model.probe``) and wh
    probed on the held-out ones: within-keyframe Spearman against the real success and against the real return
    (success + 0.5 x best shaped reward), top-k precision against the base rate, mixed kept groups, scorer steps/s.
    The ceiling row scores the *real* re-executed trajectories (what a perfect world model could give a ranker).
+   Per keyframe depth (``DEPTHS``), and at the informative depth a ranker trained on ``SET_SIZES`` candidates per
+   keyframe (what cheaper sibling sets cost and teach; ``--by-set-size`` runs only these from the collected sets).
 
 ``python -m bench.robotics_wm_probe --out runs/bench-robotics-wm-probe`` (``--quick``: 2 + 2 keyframes x 4
 candidates, plumbing only). Results in docs/bench/robotics_wm_probe.md.
