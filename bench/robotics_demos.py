@@ -57,6 +57,14 @@ RL_VARIANTS = {  # name -> (recipe, overrides)
     # per-task early stopping on validation reset states (never rollout or held-out states), as BC's stop is chosen
     # on validation demos: each task ends with its adapter from the evaluation (every 10 iterations) it scored best
     "grpo+keep-best": (RL_RECIPE, ["robotics.adapters.keep_best=true", "eval.every=10"]),
+    "grpo+rloo": (RL_RECIPE, ["advantage.estimator=rloo"]),  # RIPT-VLA's leave-one-out baseline, no std division
+    # SimpleVLA-RL's dynamic sampling (DAPO): a group whose episodes all succeed or all fail is dropped and another
+    # reset state drawn in its place (up to 2 refill rounds); the recipe keeps such groups for their dense reward
+    "grpo+dynamic": (RL_RECIPE, ["selection.filter=band", "selection.band=[0.1,0.9]", "selection.max_refill_rounds=2"]),
+    # full fine-tuning (SimpleVLA-RL) instead of per-task LoRA (RIPT-VLA): no adapters, every weight trained. Step size
+    # 1e-5 (SimpleVLA-RL's is 5e-6): at the recipe's 3e-4 one iteration clipped 30% of the ratios (3e-5: 4%, 1e-5:
+    # 0.3%, the zero-initialised adapters at 3e-4: 0%; the recipe's first iterations clip ~0.1-0.2%)
+    "grpo+full": (RL_RECIPE, ["robotics.adapters.rank=0", "robotics.train_encoder=true", "optim.lr=1e-5"]),
 }
 QUICK = {"ks": (1, 2), "bc_seeds": (0,), "rl_ks": (1,), "rl_seeds": (0,), "val": 1, "eval": 2, "bc_steps": 6,
          "variants": {"grpo": (RL_RECIPE, [])}}
