@@ -57,6 +57,8 @@ RL_VARIANTS = {  # name -> (recipe, overrides)
     # per-task early stopping on validation reset states (never rollout or held-out states), as BC's stop is chosen
     # on validation demos: each task ends with its adapter from the evaluation (every 10 iterations) it scored best
     "grpo+keep-best": (RL_RECIPE, ["robotics.adapters.keep_best=true", "eval.every=10"]),
+    # a step size decaying to 0 by the last iteration: the training curves give part of reach's climb back late
+    "grpo+cosine": (RL_RECIPE, ["optim.schedule=cosine"]),
     "grpo+rloo": (RL_RECIPE, ["advantage.estimator=rloo"]),  # RIPT-VLA's leave-one-out baseline, no std division
     # SimpleVLA-RL's dynamic sampling (DAPO): a group whose episodes all succeed or all fail is dropped and another
     # reset state drawn in its place (up to 2 refill rounds); the recipe keeps such groups for their dense reward
