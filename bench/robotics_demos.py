@@ -240,13 +240,16 @@ def run(out_dir: Path, quick: bool = False, only: str = "", assemble: bool = Fal
                     rows.append(row)
                     print(f"bench robotics-demos: RL {variant} K={k} seed {seed}: {rows[-1]['success_before']:.3f} -> "
                           f"{rows[-1]['success']:.3f}", flush=True)
-    curve_rows = [r for r in rows if r["kind"] == "bc"]
-    curve = {k: float(np.mean([r["success"] for r in curve_rows if r["K"] == k])) for k in {r["K"] for r in curve_rows}}
+    curve, task_curves = bc_curves(rows)
     for r in rows:
         if r["kind"] == "rl" and curve:
             kp = equivalent_demos(curve, r["success"])
             r["bc_equivalent_K"] = round(kp, 1) if kp is not None else "above the BC curve"
             r["demo_multiplier"] = round(kp / r["K"], 1) if kp is not None else None
+            for t in TASKS:  # per task: "before -> after (K' on that task's own BC curve)"
+                if t in r and t in task_curves and "(" not in str(r[t]):
+                    kt = equivalent_demos(task_curves[t], float(str(r[t]).split("->")[1]))
+                    r[t] = f"{r[t]} (K' {kt:.1f})" if kt is not None else f"{r[t]} (K' > {max(task_curves[t])})"
     notes = (f"Five Meta-World tasks, DART demos (noise 0.3, expert labels), the object-observing proprio. BC: "
              f"{s['bc_steps']} steps, the model of the lowest validation loss on {s['val']} held-out demos per task "
              f"(the same for every K, not counted in K); evaluation: ODE on {s['eval']} held-out states per task, "
@@ -257,7 +260,92 @@ def run(out_dir: Path, quick: bool = False, only: str = "", assemble: bool = Fal
              f"its own process; a finished row is read back." + (" QUICK MODE: plumbing check only." if quick else "")
              + (f" Not run yet ({len(missing)} rows): {'; '.join(missing)}." if missing else ""))
     a_part = bool(only or ks or seeds or variants) and not assemble  # a part never writes the docs page
+    if curve:
+        plot_curve(rows, out / "robotics_demos.png")
+        if not (quick or a_part):
+            plot_curve(rows, DOC.with_suffix(".png"))  # docs/bench/robotics_demos.png beside the table
     return write_results(out, "robotics-demos", rows, notes, doc_path=None if quick or a_part else DOC)
+
+
+def bc_curves(rows: list[dict]) -> tuple[dict[int, float], dict[str, dict[int, float]]]:
+    """The BC curve (mean success over seeds at each K) on the five-task mean and per task."""
+    bc = [r for r in rows if r["kind"] == "bc"]
+    ks = sorted({r["K"] for r in bc})
+    curve = {k: float(np.mean([r["success"] for r in bc if r["K"] == k])) for k in ks}
+    per_task = {t: {k: float(np.mean([r[t] for r in bc if r["K"] == k])) for k in ks}
+                for t in TASKS if bc and all(isinstance(r.get(t), (int, float)) for r in bc)}
+    return curve, per_task
+
+
+def plot_curve(rows: list[dict], path: Path) -> Path:
+    """The picture of the table: BC's success against demos per task (each seed and their mean, log K) with every
+    RL row at its K and an arrow to the K' it is worth on the curve; right, the same per task for GRPO."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    curve, per_task = bc_curves(rows)
+    ks = sorted(curve)
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 5))
+    bc = [r for r in rows if r["kind"] == "bc"]
+    ax.plot(ks, [curve[k] for k in ks], "k-o", lw=2, label="BC (mean over seeds)")
+    ax.plot([r["K"] for r in bc], [r["success"] for r in bc], "k.", alpha=0.4, label="BC, each seed")
+    rl = [r for r in rows if r["kind"] == "rl"]
+    variants = list(dict.fromkeys(r["variant"].split(",")[0].removeprefix("RL ") for r in rl))
+    colours = plt.get_cmap("tab10")
+    for i, v in enumerate(variants):
+        mine = [r for r in rl if r["variant"].startswith(f"RL {v},")]
+        offset = 1 + 0.04 * (i - len(variants) / 2)  # side by side at the same K on the log axis
+        ax.plot([r["K"] * offset for r in mine], [r["success"] for r in mine], "o", color=colours(i % 10), ms=5,
+                label=f"RL {v}")
+        for r in mine:
+            kp = r.get("bc_equivalent_K")
+            if isinstance(kp, (int, float)):
+                ax.plot([r["K"] * offset, kp], [r["success"]] * 2, ":", color=colours(i % 10), lw=0.8)
+    for k in sorted({r["K"] for r in rl}):  # where the target sits: BC at 4K
+        if 4 * k <= ks[-1]:
+            target = equivalent_success(curve, 4 * k)
+            ax.plot([4 * k], [target], "r*", ms=12, label="target: BC at 4K" if k == min(r["K"] for r in rl) else None)
+    ax.set_xscale("log")
+    ax.set_xticks(ks, [str(k) for k in ks])
+    ax.set_xlabel("demonstrations per task (K)")
+    ax.set_ylabel("held-out success, five-task mean")
+    ax.set_title("RL from K demos against BC fitted at every K")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="lower right")
+    for j, t in enumerate(per_task):
+        c = colours(j)
+        bx.plot(ks, [per_task[t][k] for k in ks], "-o", color=c, ms=3, label=t.removesuffix("-v3"))
+        for k in sorted({r["K"] for r in rl}):
+            after = [float(str(r[t]).split("->")[1].split("(")[0]) for r in rl
+                     if r["variant"] == f"RL grpo, K={k}" and t in r]
+            if after:
+                bx.plot([k * 1.06], [np.mean(after)], "^", color=c, ms=8)
+    bx.set_xscale("log")
+    bx.set_xticks(ks, [str(k) for k in ks])
+    bx.set_xlabel("demonstrations per task (K)")
+    bx.set_ylabel("held-out success")
+    bx.set_title("per task: BC curves (lines), GRPO from K demos (triangles, seed mean)")
+    bx.grid(alpha=0.3)
+    bx.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def equivalent_success(curve: dict[int, float], k: float) -> float:
+    """BC's success at ``k`` demos per task on the curve (linear in log K between measured points; clamped)."""
+    ks = sorted(curve)
+    if k <= ks[0]:
+        return curve[ks[0]]
+    for a, b in zip(ks, ks[1:]):
+        if a <= k <= b:
+            t = (math.log(k) - math.log(a)) / (math.log(b) - math.log(a))
+            return curve[a] + t * (curve[b] - curve[a])
+    return curve[ks[-1]]
 
 
 if __name__ == "__main__":

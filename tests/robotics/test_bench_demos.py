@@ -5,7 +5,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench.robotics_demos import TASKS, demo_subset, equivalent_demos
+from bench.robotics_demos import TASKS, demo_subset, equivalent_demos, equivalent_success
 from robotics.data import Episode, load_episodes, save_episodes
 
 
@@ -18,6 +18,48 @@ def test_equivalent_demos_reads_the_bc_curve_linearly_in_log_k():
     assert equivalent_demos(curve, 0.9) is None  # above BC at every measured K
     # a dip in the curve: the first K whose success reaches it
     assert equivalent_demos({1: 0.2, 2: 0.5, 5: 0.4, 10: 0.8}, 0.45) == pytest.approx(2 ** (0.25 / 0.3))
+
+
+def test_equivalent_success_is_the_inverse_read_off():
+    curve = {1: 0.2, 2: 0.4, 5: 0.6, 10: 0.8}
+    assert equivalent_success(curve, math.sqrt(10)) == pytest.approx(0.5)
+    assert equivalent_success(curve, 8) == pytest.approx(0.6 + 0.2 * math.log(8 / 5) / math.log(2))
+    assert equivalent_success(curve, 0.5) == 0.2 and equivalent_success(curve, 40) == 0.8  # clamped to the curve
+
+
+def test_assembled_table_reads_each_task_off_its_own_bc_curve_and_draws_the_picture(tmp_path, monkeypatch):
+    """Per task "before -> after (K' on that task's BC curve)", the mean's K' and K'/K, and the picture beside the
+    docs page; hand-computed from a two-point curve."""
+    import json
+
+    import bench.robotics_demos as bd
+
+    def finished(run_dir, rec):
+        (run_dir / "model").mkdir(parents=True)
+        (run_dir / "model" / "model.safetensors").write_bytes(b"x")
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rec))
+
+    # BC (seed 0 only): reach and push score 0.2 at K = 2 and 0.6 at K = 5; the other three 0.5 and 1.0
+    for k, p, q in ((2, 0.2, 0.5), (5, 0.6, 1.0)):
+        per_task = {t: p if t in ("reach-v3", "push-v3") else q for t in TASKS}
+        finished(tmp_path / f"bc-K{k}-s0", [{"eval/success": np.mean(list(per_task.values())),
+                                              **{f"eval/success/{t}": v for t, v in per_task.items()}}])
+    after = {t: 0.4 for t in TASKS}
+    after["push-v3"] = 0.1
+    finished(tmp_path / "rl-grpo-K2-s0", [{"step": 1, "env/steps": 10, "eval/success": 0.4,
+                                           **{f"eval/success/{t}": v for t, v in after.items()}}])
+    (tmp_path / "rl-grpo-K2-s0" / "summary.txt").write_text("done")  # a finished RL row has its summary
+    monkeypatch.setattr(bd, "DOC", tmp_path / "doc.md")
+    monkeypatch.setattr(bd, "KS", (2, 5))
+    res = bd.run(tmp_path, assemble=True)
+    rl = next(r for r in res["rows"] if r["kind"] == "rl")
+    kp = math.exp(math.log(2) + (0.4 - 0.38) / (0.84 - 0.38) * math.log(5 / 2))  # the mean curve: 0.38 -> 0.84
+    assert rl["bc_equivalent_K"] == pytest.approx(round(kp, 1))
+    assert rl["demo_multiplier"] == pytest.approx(round(kp / 2, 1))
+    assert rl["reach-v3"] == f"0.20 -> 0.40 (K' {math.sqrt(10):.1f})"  # halfway from 0.2 to 0.6 in log K
+    assert rl["push-v3"] == "0.20 -> 0.10 (K' 2.0)"  # below its curve: the smallest K
+    assert rl["door-open-v3"] == "0.50 -> 0.40 (K' 2.0)"
+    assert (tmp_path / "doc.png").stat().st_size > 10_000 and (tmp_path / "robotics_demos.png").is_file()
 
 
 def test_demo_subset_takes_the_first_k_and_the_validation_demos_of_each_task(tmp_path):
