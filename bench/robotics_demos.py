@@ -10,10 +10,13 @@ demonstrations, which are what costs on a real robot. This bench measures it on 
    binomial standard errors. The validation demos are the same for every K and not counted in it (BC's best chance).
 2. **RL from few demos**: ``configs/robotics/metaworld_mt5_rl.yaml`` (GRPO, per-task adapters) from the K-demo clones
    at ``RL_KS``, in the variants of ``RL_VARIANTS`` (the recipe; + replay of the K demos; + KL to the clone; + per-task
-   keep-best on validation states; PPO with a value head, ``metaworld_mt5_ppo.yaml``, the same rollouts and budget);
-   held-out success before -> after, env steps and wall time.
+   keep-best on validation states; RLOO advantages; dynamic sampling; full fine-tuning instead of per-task LoRA; a
+   cosine step size; PPO with a value head, ``metaworld_mt5_ppo.yaml``, the same rollouts and budget); held-out
+   success before -> after, env steps and wall time. The recipe's init-state curriculum is its history sampler (a reset
+   state whose group all succeeded or all failed sits out 4 iterations) with need-weighted task groups.
 3. **The table**: for each RL row, K' = the demo count at which the BC curve (log-K, linearly interpolated over the
-   seed means) reaches RL's final success: "RL from K demos ≈ BC from K' demos".
+   seed means) reaches RL's final success: "RL from K demos ≈ BC from K' demos", on the five-task mean and per task
+   (each task's success read off its own BC curve); the picture (``plot_curve``) beside the table.
 
 Every row is its own ``grove train`` process writing its own run directory under the output directory; a finished row
 is read back, not re-run, so the bench resumes across sittings (run it again with the same ``--out``) and
