@@ -60,6 +60,9 @@ RL_VARIANTS = {  # name -> (recipe, overrides)
     # per-task early stopping on validation reset states (never rollout or held-out states), as BC's stop is chosen
     # on validation demos: each task ends with its adapter from the evaluation (every 10 iterations) it scored best
     "grpo+keep-best": (RL_RECIPE, ["robotics.adapters.keep_best=true", "eval.every=10"]),
+    # twice the budget with the validation stop: keep-best chose reach's last adapter (iteration 50) in seed 0, so
+    # reach was still climbing; the stop guards the tasks that fall on the way
+    "grpo+keep-best+100it": (RL_RECIPE, ["iterations=100", "robotics.adapters.keep_best=true", "eval.every=10"]),
     # a step size decaying to 0 by the last iteration: the training curves give part of reach's climb back late
     "grpo+cosine": (RL_RECIPE, ["optim.schedule=cosine"]),
     "grpo+rloo": (RL_RECIPE, ["advantage.estimator=rloo"]),  # RIPT-VLA's leave-one-out baseline, no std division

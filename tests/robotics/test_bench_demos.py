@@ -147,6 +147,8 @@ def test_every_rl_variant_is_a_valid_config_that_differs_from_the_recipe_where_i
             assert cfg.loss.kl_coef == 0.0 and cfg.domain_config.replay.coef == 0.0
             assert cfg.advantage.estimator.name == "grpo" and cfg.selection.max_refill_rounds == 0
             assert cfg.domain_config.adapters.rank > 0 and not cfg.domain_config.train_encoder
+        if name == "grpo+keep-best+100it":
+            assert cfg.iterations == 100 and cfg.domain_config.adapters.keep_best
         if name == "grpo+cosine":
             assert cfg.optim.schedule == "cosine"
         if name == "grpo+rloo":
