@@ -254,7 +254,7 @@ def run(out_dir: Path, quick: bool = False, only: str = "", assemble: bool = Fal
             r["demo_multiplier"] = round(kp / r["K"], 1) if kp is not None else None
             for t in TASKS:  # per task: "before -> after (K' on that task's own BC curve)"
                 if t in r and t in task_curves and "(" not in str(r[t]):
-                    kt = equivalent_demos(task_curves[t], float(str(r[t]).split("->")[1]))
+                    kt = equivalent_demos(task_curves[t], _after(r[t]))
                     r[t] = f"{r[t]} (K' {kt:.1f})" if kt is not None else f"{r[t]} (K' > {max(task_curves[t])})"
     notes = (f"Five Meta-World tasks, DART demos (noise 0.3, expert labels), the object-observing proprio. BC: "
              f"{s['bc_steps']} steps, the model of the lowest validation loss on {s['val']} held-out demos per task "
@@ -313,33 +313,35 @@ def plot_curve(rows: list[dict], path: Path) -> Path:
         if 4 * k <= ks[-1]:
             target = equivalent_success(curve, 4 * k)
             ax.plot([4 * k], [target], "r*", ms=12, label="target: BC at 4K" if k == min(r["K"] for r in rl) else None)
-    ax.set_xscale("log")
-    ax.set_xticks(ks, [str(k) for k in ks])
-    ax.set_xlabel("demonstrations per task (K)")
-    ax.set_ylabel("held-out success, five-task mean")
-    ax.set_title("RL from K demos against BC fitted at every K")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="lower right")
+    _log_k_axes(ax, ks, "held-out success, five-task mean", "RL from K demos against BC fitted at every K")
     for j, t in enumerate(per_task):
         c = colours(j)
         bx.plot(ks, [per_task[t][k] for k in ks], "-o", color=c, ms=3, label=t.removesuffix("-v3"))
         for k in sorted({r["K"] for r in rl}):
-            after = [float(str(r[t]).split("->")[1].split("(")[0]) for r in rl
-                     if r["variant"] == f"RL grpo, K={k}" and t in r]
+            after = [_after(r[t]) for r in rl if r["variant"] == f"RL grpo, K={k}" and t in r]
             if after:
                 bx.plot([k * 1.06], [np.mean(after)], "^", color=c, ms=8)
-    bx.set_xscale("log")
-    bx.set_xticks(ks, [str(k) for k in ks])
-    bx.set_xlabel("demonstrations per task (K)")
-    bx.set_ylabel("held-out success")
-    bx.set_title("per task: BC curves (lines), GRPO from K demos (triangles, seed mean)")
-    bx.grid(alpha=0.3)
-    bx.legend(fontsize=7, loc="lower right")
+    _log_k_axes(bx, ks, "held-out success", "per task: BC curves (lines), GRPO from K demos (triangles, seed mean)")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _log_k_axes(ax, ks: list[int], ylabel: str, title: str) -> None:
+    ax.set_xscale("log")
+    ax.set_xticks(ks, [str(k) for k in ks])
+    ax.set_xlabel("demonstrations per task (K)")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="lower right")
+
+
+def _after(cell: str) -> float:
+    """The final success of a per-task cell "before -> after" or "before -> after (K' ...)"."""
+    return float(str(cell).split("->")[1].split("(")[0])
 
 
 def equivalent_success(curve: dict[int, float], k: float) -> float:
