@@ -299,23 +299,27 @@ def plot_curve(rows: list[dict], path: Path) -> Path:
     ax.plot([r["K"] for r in bc], [r["success"] for r in bc], "k.", alpha=0.4, label="BC, each seed")
     rl = [r for r in rows if r["kind"] == "rl"]
     variants = list(dict.fromkeys(r["variant"].split(",")[0].removeprefix("RL ") for r in rl))
-    colours = plt.get_cmap("tab10")
+    tab10 = plt.get_cmap("tab10")
+    colours = [tab10(i) for i in range(10) if i != 7]  # no grey: BC's seeds are grey
     for i, v in enumerate(variants):
         mine = [r for r in rl if r["variant"].startswith(f"RL {v},")]
-        offset = 1 + 0.04 * (i - len(variants) / 2)  # side by side at the same K on the log axis
-        ax.plot([r["K"] * offset for r in mine], [r["success"] for r in mine], "o", color=colours(i % 10), ms=5,
-                label=f"RL {v}")
-        for r in mine:
+        c = colours[i % len(colours)]
+        xs = []
+        for r in mine:  # the variants measured at a K side by side around it (log axis)
+            here = [w for w in variants if any(q["K"] == r["K"] and q["variant"].startswith(f"RL {w},") for q in rl)]
+            xs.append(r["K"] * (1 + 0.025 * (here.index(v) - (len(here) - 1) / 2)))
+        ax.plot(xs, [r["success"] for r in mine], "o", color=c, ms=5, label=f"RL {v}")
+        for x, r in zip(xs, mine):
             kp = r.get("bc_equivalent_K")
             if isinstance(kp, (int, float)):
-                ax.plot([r["K"] * offset, kp], [r["success"]] * 2, ":", color=colours(i % 10), lw=0.8)
+                ax.plot([x, kp], [r["success"]] * 2, ":", color=c, lw=0.8)
     for k in sorted({r["K"] for r in rl}):  # where the target sits: BC at 4K
         if 4 * k <= ks[-1]:
             target = equivalent_success(curve, 4 * k)
             ax.plot([4 * k], [target], "r*", ms=12, label="target: BC at 4K" if k == min(r["K"] for r in rl) else None)
     _log_k_axes(ax, ks, "held-out success, five-task mean", "RL from K demos against BC fitted at every K")
     for j, t in enumerate(per_task):
-        c = colours(j)
+        c = colours[j]
         bx.plot(ks, [per_task[t][k] for k in ks], "-o", color=c, ms=3, label=t.removesuffix("-v3"))
         for k in sorted({r["K"] for r in rl}):
             after = [_after(r[t]) for r in rl if r["variant"] == f"RL grpo, K={k}" and t in r]
