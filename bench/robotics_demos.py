@@ -285,7 +285,7 @@ def bc_curves(rows: list[dict]) -> tuple[dict[int, float], dict[str, dict[int, f
 
 def plot_curve(rows: list[dict], path: Path) -> Path:
     """The picture of the table: BC's success against demos per task (each seed and their mean, log K) with every
-    RL row at its K and an arrow to the K' it is worth on the curve; right, the same per task for GRPO."""
+    RL row at its K and a dotted line to the K' it is worth on the curve; right, the same per task for GRPO."""
     import matplotlib
 
     matplotlib.use("Agg")
