@@ -73,6 +73,14 @@ class RoboticsConfig(DomainConfig):
         "help": "also log eval/success_se and eval/success_se/<task>: the binomial standard error sqrt(p(1-p)/n) "
                 "of each held-out success (the overall one stratified over tasks); with 100 states per task a "
                 "success near 0.8 has se 0.04"})
+    eval_seed: int = field(default=0, metadata={
+        "help": "start-noise seed of the evaluation ODE: episode (state, draw j) starts from noise seeded by "
+                "(eval_seed + j, the state's key), so every evaluation of a run meets the same start noise and "
+                "before -> after is paired (eval/success_delta); another seed measures how far the start noise "
+                "alone moves the score"})
+    eval_noise_draws: int = field(default=1, metadata={
+        "help": "start-noise draws per held-out state (seeds eval_seed .. eval_seed + n - 1); > 1 also logs "
+                "eval/success_draw_sd, the spread of a one-draw score over draws"})
     eval_split: Literal["eval", "train"] = field(default="eval", metadata={
         "help": "eval = the held-out reset states; train = the first eval_states_per_task of the training states "
                 "RL draws (grove eval RUN robotics.eval_split=train: the policy's generalisation gap)"})
@@ -104,6 +112,11 @@ class RoboticsConfig(DomainConfig):
         if self.train_states_per_task < 1 or self.eval_states_per_task < 1:
             raise ConfigError(f"{where}: train_states_per_task and eval_states_per_task must be >= 1")
         self.env.check_eval_states(self.eval_states_per_task, where)
+        if self.eval_noise_draws < 1:
+            raise ConfigError(f"{where}.eval_noise_draws must be >= 1 (start-noise draws per held-out state), got "
+                              f"{self.eval_noise_draws}")
+        if not 0 <= self.eval_seed <= 2 ** 32 - 1 - self.eval_noise_draws:
+            raise ConfigError(f"{where}.eval_seed must be in [0, 2^32 - eval_noise_draws), got {self.eval_seed}")
         if self.noise_level <= 0 and self.head_mode in ("flow_sde", "sde_one_step"):
             raise ConfigError(f"{where}.noise_level must be > 0 for {self.head_mode} (0 is the deterministic ODE)")
         if self.init_noise < 0 or self.eval_init_noise < 0:

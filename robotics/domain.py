@@ -29,6 +29,7 @@ config asks for and forwards every hook to each of them.
 from __future__ import annotations
 
 import copy
+import json
 import math
 from pathlib import Path
 
@@ -38,6 +39,7 @@ from shared_rl.config import ConfigError
 from shared_rl.domain import DomainBase, RunContext, StepLogProbs
 from shared_rl.flow_kernels import sde_mean_kl
 from shared_rl.rollout import Rollout
+from shared_rl.rundir import atomic_write_text
 from shared_rl.selection import UniformSampler
 
 from .adapters import AdapterSteps, KeepBestAdapters, add_adapters
@@ -46,7 +48,7 @@ from .critic import Critic, vector
 from .envs.metaworld_env import decode_key, instruction_for
 from .envs.vector import make_vector_env
 from .episodes import SamplingSettings
-from .evaluation import eval_keys, evaluate_policy
+from .evaluation import EvalOutcomes, eval_keys, evaluate_policy, paired_delta
 from .held import episode_rewards, held_policy, score_episodes
 from .parts import Part
 from .policies.lerobot.load import load_lerobot_policy
@@ -170,6 +172,8 @@ class RoboticsDomain(DomainBase):
                           if cfg.adapters.keep_best else None)
         # where episodes come from: the simulator (flat or tree groups) or the world model (robotics.rollout.name)
         self.rollouts = rollout_class(cfg.rollout.name)(cfg, ctx, self.policy, self.venv, self.sampling)
+        # the held-out evaluation before training: every later one is compared with it episode by episode
+        self.eval_baseline: EvalOutcomes | None = None
         # every hook goes to each part in this order (the state dict's too)
         self.parts: list[Part] = [p for p in (self.critic, self.keep_best, self.replay, self.adapter_steps,
                                               self.rollouts) if p is not None]
@@ -317,25 +321,50 @@ class RoboticsDomain(DomainBase):
             part.load_state_dict(state)
 
     def extra_state(self) -> dict:
-        return {k: v for part in self.parts for k, v in part.extra_state().items()}
+        out = {k: v for part in self.parts for k, v in part.extra_state().items()}
+        out["eval_baseline"] = None if self.eval_baseline is None else self.eval_baseline.to_json()
+        return out
 
     def load_extra_state(self, state: dict) -> None:
         for part in self.parts:
             part.load_extra_state(state)
+        base = state.get("eval_baseline")
+        self.eval_baseline = None if base is None else EvalOutcomes.from_json(base)
 
     def before_final_evaluation(self, iteration: int) -> dict[str, float]:
         return {k: v for part in self.parts for k, v in part.before_final_evaluation(iteration).items()}
 
     def evaluate(self, iteration: int) -> dict[str, float]:
+        """The held-out evaluation: ``eval/success`` (+ per task, standard errors, the draws' spread); the first one
+        of a run (iteration 0, ``eval.at_start``) is the baseline every later one is paired with
+        (``eval/success_delta`` ± ``eval/success_delta_se``, ``evaluation.paired_delta``). Each evaluation's episodes
+        are written to ``RUN/eval_episodes/itNNNN.json`` (``EvalOutcomes``: pair runs with each other later)."""
+        cfg = self.cfg
         out = {k: v for part in self.parts for k, v in part.evaluate(iteration).items()}
-        gif_dir = self.ctx.run_dir / "gifs" if (self.cfg.gifs and self.ctx.run_dir is not None) else None
-        out.update(self._evaluate(self.cfg.eval_states_per_task, self.cfg.eval_split, 0, gif_dir, f"it{iteration:04d}-"))
+        gif_dir = self.ctx.run_dir / "gifs" if (cfg.gifs and self.ctx.run_dir is not None) else None
+        sink: list[EvalOutcomes] = []
+        out.update(evaluate_policy(self.policy, cfg.env, cfg.eval_states_per_task, self.venv, gif_dir,
+                                   f"it{iteration:04d}-", seed=cfg.eval_seed, init_noise=cfg.eval_init_noise,
+                                   split=cfg.eval_split, standard_errors=cfg.eval_standard_error, log=self.ctx.log,
+                                   noise_draws=cfg.eval_noise_draws, outcomes=sink))
+        if not sink:  # an evaluation that kept no episodes (a stand-in in the tests): nothing to pair
+            return out
+        outcomes = sink[0]
+        if iteration == 0 and self.eval_baseline is None:
+            self.eval_baseline = outcomes
+        elif self.eval_baseline is not None:
+            out.update(paired_delta(self.eval_baseline, outcomes))
+        if self.ctx.run_dir is not None:
+            folder = self.ctx.run_dir / "eval_episodes"
+            folder.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(folder / f"it{iteration:04d}.json", json.dumps(outcomes.to_json()) + "\n")
         return out
 
     def _evaluate(self, per_task: int, split: str, first_index: int = 0, gif_dir: Path | None = None,
                   tag: str = "") -> dict[str, float]:
-        """ODE (arg-max) success of the live policy on ``per_task`` states per task of ``split`` from ``first_index``."""
-        return evaluate_policy(self.policy, self.cfg.env, per_task, self.venv, gif_dir, tag=tag,
+        """ODE (arg-max) success of the live policy on ``per_task`` states per task of ``split`` from ``first_index``
+        (one start-noise draw, ``robotics.eval_seed``): the validation of ``robotics.adapters.keep_best``."""
+        return evaluate_policy(self.policy, self.cfg.env, per_task, self.venv, gif_dir, tag=tag, seed=self.cfg.eval_seed,
                                init_noise=self.cfg.eval_init_noise, split=split, first_index=first_index,
                                standard_errors=self.cfg.eval_standard_error, log=self.ctx.log)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Sequence
 
 import numpy as np
 import torch
@@ -143,14 +143,15 @@ def run_episodes(
     generator: torch.Generator | None = None,
     record_frames: bool = False,
     device: torch.device | str = "cpu",
-    episode_noise_seed: int | None = None,
+    episode_noise_seed: int | Sequence[int] | None = None,
     noise_seeds: list[int] | None = None,
     on_chunk=None,
 ) -> EpisodeBatch:
     """Run one episode per key (``tasks[i]`` is the task of ``keys[i]``) to the end; batched over envs.
 
     ``episode_noise_seed``: the flow chain's start noise of episode i comes from its own generator, seeded by
-    (``episode_noise_seed``, ``keys[i]``), instead of one stream shared by the batch. With the shared stream an
+    (``episode_noise_seed``, ``keys[i]``) (or, given one seed per key, (``episode_noise_seed[i]``, ``keys[i]``): several
+    start-noise draws of one state in one batch), instead of one stream shared by the batch. With the shared stream an
     episode's draws shift whenever any other episode ends earlier or later, so one task's evaluation moved when
     only another task's policy changed; per episode, an ODE evaluation of a key is a function of the weights its
     task uses, its key and the seed alone. (Evaluation: one episode per key; SDE draws stay on ``generator``.)
@@ -171,8 +172,12 @@ def run_episodes(
     d = policy.flow.action_dim if cfg.head == "flow" else cfg.chunk * cfg.action_dim
     starts = None
     if episode_noise_seed is not None and cfg.head == "flow":
+        seeds = ([int(episode_noise_seed)] * b if isinstance(episode_noise_seed, (int, np.integer))
+                 else [int(x) for x in episode_noise_seed])
+        if len(seeds) != b:
+            raise ValueError("run_episodes: episode_noise_seed is one seed or one per key")
         starts = torch.stack([torch.randn(n_chunks, d, generator=torch.Generator().manual_seed(
-            int(np.random.SeedSequence([episode_noise_seed, int(key)]).generate_state(1)[0]))) for key in keys])
+            int(np.random.SeedSequence([s, int(key)]).generate_state(1)[0]))) for s, key in zip(seeds, keys)])
     obs = venv.reset(keys)
     img, pro = obs["image"], obs["proprio"]
     h_, w_, c_ = img.shape[1:]
@@ -225,34 +230,6 @@ def run_episodes(
         logp=logp, chunk_valid=valid, success_once=np.asarray(success_once, bool), success_end=np.asarray(success_end, bool),
         dense=(dense_max / 10.0).astype(np.float32), length=length, nfe=nfe, frames=frames,
     )
-
-
-def standard_error(successes: np.ndarray) -> float:
-    """The binomial standard error sqrt(p(1-p)/n) of a success rate over ``n`` independent episodes."""
-    n = len(successes)
-    p = float(np.mean(successes)) if n else float("nan")
-    return float(np.sqrt(p * (1 - p) / n)) if n else float("nan")
-
-
-def success_by_task(batch: EpisodeBatch, mode: str = "once", standard_errors: bool = False) -> dict[str, float]:
-    """``eval/success`` and ``eval/success/<task>`` (the mean over the batch's episodes); with ``standard_errors``
-    also ``eval/success_se`` and ``eval/success_se/<task>`` (binomial: a task at p over n states has
-    sqrt(p(1-p)/n); the overall rate is a mean over tasks with fixed state counts (stratified), so its standard
-    error is sqrt(sum_t (n_t/N)^2 · se_t^2), not the pooled binomial's)."""
-    succ = batch.success_once if mode == "once" else batch.success_end
-    out = {"eval/success": float(np.mean(succ))}
-    var = 0.0
-    for task in sorted(set(batch.tasks)):
-        sel = np.array([t == task for t in batch.tasks])
-        out[f"eval/success/{task}"] = float(np.mean(succ[sel]))
-        if standard_errors:
-            se = standard_error(succ[sel])
-            out[f"eval/success_se/{task}"] = se
-            var += (sel.sum() / len(succ)) ** 2 * se ** 2
-    if standard_errors:
-        out["eval/success_se"] = float(np.sqrt(var))
-    out["eval/episode_length"] = float(np.mean(batch.length))
-    return out
 
 
 def write_gif(frames: list[np.ndarray], path, scale: int = 2, fps: float = 10.0) -> None:

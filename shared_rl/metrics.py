@@ -273,7 +273,7 @@ def _layout(records: list[dict[str, Any]]) -> tuple[list[tuple[str, list[str]]],
 
 def _se_key(key: str) -> str:
     """Where a standard error of ``key`` is recorded: ``eval/success`` -> ``eval/success_se``, ``eval/success/push``
-    -> ``eval/success_se/push`` (``robotics.episodes.success_by_task``)."""
+    -> ``eval/success_se/push`` (``robotics.evaluation.outcome_metrics``)."""
     head, _, rest = key.partition("/")
     name, _, tail = rest.partition("/")
     return f"{head}/{name}_se" + (f"/{tail}" if tail else "")

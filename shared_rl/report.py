@@ -65,6 +65,26 @@ def eval_changes(records: list[dict[str, Any]]) -> list[tuple[str, Any, Any, int
             if k.startswith("eval/") and _num(last[k])]
 
 
+def _is_paired_key(key: str) -> bool:
+    head = key.split("/")[1] if key.count("/") else key
+    return head.endswith(("_delta", "_delta_se")) or head.startswith("paired_")
+
+
+def paired_change(record: dict[str, Any], key: str) -> tuple[float, float, bool] | None:
+    """(delta, standard error, inside ±2 se) of metric ``key`` (``eval/success/<task>``) when ``record`` holds its
+    paired change (``eval/success_delta/<task>`` and ``eval/success_delta_se/<task>``, the robotics domain's paired
+    evaluation), else None."""
+    parts = key.split("/")
+    if len(parts) < 2 or parts[0] != "eval" or _is_paired_key(key):
+        return None
+    rest = "/".join(parts[2:])
+    tail = f"/{rest}" if rest else ""
+    d, se = record.get(f"eval/{parts[1]}_delta{tail}"), record.get(f"eval/{parts[1]}_delta_se{tail}")
+    if not (_num(d) and _num(se)):
+        return None
+    return float(d), float(se), abs(d) <= 2 * se
+
+
 def _table(rows: list[list[str]], head: list[str]) -> str:
     out = ["<table>"] + (["<tr>" + "".join(f"<th>{h}</th>" for h in head) + "</tr>"] if any(head) else [])
     out += ["<tr>" + "".join(rows_) + "</tr>" for rows_ in rows]
@@ -144,17 +164,32 @@ def write_report(run_dir: Path, records: list[dict[str, Any]], title: str, facts
     changes = eval_changes(records)
     if changes:
         single = changes[0][3] == changes[0][4]
+        last = records[-1] if records else {}
+        paired = {k: paired_change(last, k) for k, *_ in changes}
+        any_paired = any(v is not None for v in paired.values())
         parts.append("<h2>Held-out evaluation</h2>")
+        if any_paired:
+            parts.append("<div class='sub'>paired: the same states and start noise before and after, the mean "
+                         "per-episode change ± its standard error; inside ±2 standard errors the evaluation cannot "
+                         "tell it from no change</div>")
         rows = []
         for k, a, b, s0, s1 in changes:
+            if any_paired and _is_paired_key(k):
+                continue  # shown in its metric's row
             if single or not _num(a):
                 rows.append([f"<td>{html.escape(k)}</td>", f"<td class='num'>{_fmt(b)}</td>"])
                 continue
             cls = "up" if b > a else "down" if b < a else ""
-            rows.append([f"<td>{html.escape(k)}</td>", f"<td class='num'>{_fmt(a)}</td>",
-                         f"<td class='num'>{_fmt(b)}</td>", f"<td class='num {cls}'>{b - a:+.4g}</td>"])
+            row = [f"<td>{html.escape(k)}</td>", f"<td class='num'>{_fmt(a)}</td>",
+                   f"<td class='num'>{_fmt(b)}</td>", f"<td class='num {cls}'>{b - a:+.4g}</td>"]
+            if any_paired:
+                pc = paired[k]
+                row.append("<td></td>" if pc is None else
+                           f"<td class='num'>{pc[0]:+.3f} ± {pc[1]:.3f}{' (inside the band)' if pc[2] else ''}</td>")
+            rows.append(row)
         head = ["metric", f"iteration {changes[0][4]}"] if single else \
-            ["metric", f"iteration {changes[0][3]}", f"iteration {changes[0][4]}", "change"]
+            ["metric", f"iteration {changes[0][3]}", f"iteration {changes[0][4]}", "change"] + \
+            (["paired change ± se"] if any_paired else [])
         parts.append(_table(rows, head))
     shown = [p for p in PICTURES if (run_dir / p).is_file()]
     if shown:

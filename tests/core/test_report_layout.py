@@ -13,3 +13,16 @@ def test_pictures_are_captioned_and_metrics_sit_in_columns(tmp_path):
     last = page[page.index("Last training iteration"):]
     assert last.count("<table>") == METRIC_COLUMNS and "class='cols'" in last  # 14 metrics in 3 tables
     assert "m/00" in last and "m/11" in last and "reward/mean" in last
+
+
+def test_a_paired_change_sits_beside_its_metric_with_its_band(tmp_path):
+    records = [{"step": 0, "eval/success": 0.5, "eval/success/a": 0.4},
+               {"step": 4, "eval/success": 0.62, "eval/success/a": 0.44, "eval/success_delta": 0.12,
+                "eval/success_delta_se": 0.03, "eval/success_delta/a": 0.04, "eval/success_delta_se/a": 0.05,
+                "eval/paired_gained": 9.0, "eval/paired_lost": 3.0}]
+    page = write_report(tmp_path, records, "grove run: t").read_text()
+    held = page[page.index("Held-out evaluation"):]
+    assert "paired change ± se" in held
+    assert "+0.120 ± 0.030</td>" in held, "0.12 is four standard errors: outside the band"
+    assert "+0.040 ± 0.050 (inside the band)" in held
+    assert "eval/success_delta" not in held and "paired_gained" not in held, "the paired keys sit in their rows"

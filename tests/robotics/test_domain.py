@@ -80,7 +80,7 @@ def test_eval_split_train_evaluates_the_states_rl_draws(monkeypatch):
 
     monkeypatch.setattr(domain_module, "evaluate_policy", spy)
     out = dom.evaluate(0)
-    assert seen == ["train"] and 0.0 <= out["eval/success"] <= 1.0
+    assert seen == ["train"] and dom.eval_baseline.keys == dom.train_keys()[:3] and 0.0 <= out["eval/success"] <= 1.0
     held_out = _domain("flow_sde")  # the default split stays held out
     assert not set(held_out.eval_keys()) & set(dom.train_keys())
     held_out.close()

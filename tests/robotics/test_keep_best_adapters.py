@@ -30,7 +30,7 @@ def test_each_task_ends_with_its_best_scoring_adapter(monkeypatch):
     calls = []
 
     def fake_evaluate(policy, env_cfg, per_task, venv=None, gif_dir=None, tag="", seed=0, init_noise=1.0,
-                      split="eval", first_index=0, standard_errors=False, log=None):
+                      split="eval", first_index=0, standard_errors=False, log=None, **_):
         it = int(policy.adapters.up[0, 0, 0].item())  # the test writes the iteration into every adapter weight
         calls.append((split, first_index, per_task, it))
         reach, door = scripted[it] if split == "train" else (it / 100, it / 100)
@@ -110,7 +110,7 @@ def test_the_final_evaluation_is_the_kept_iterations_and_a_resume_selects_the_sa
     val_script = [0.75, 0.0, 0.75, 0.0, 0.25]
 
     def hashed_evaluation(policy, env_cfg, per_task, venv=None, gif_dir=None, tag="", seed=0, init_noise=1.0,
-                          split="eval", first_index=0, standard_errors=False, log=None):
+                          split="eval", first_index=0, standard_errors=False, log=None, **_):
         a = policy.adapters
         digest = hashlib.sha256(a.up.detach().numpy().tobytes() + a.down.detach().numpy().tobytes()).digest()
         i = seen.setdefault(digest, len(seen))
