@@ -81,6 +81,11 @@ class RoboticsConfig(DomainConfig):
     eval_noise_draws: int = field(default=1, metadata={
         "help": "start-noise draws per held-out state (seeds eval_seed .. eval_seed + n - 1); > 1 also logs "
                 "eval/success_draw_sd, the spread of a one-draw score over draws"})
+    eval_baseline: str = field(default="", metadata={
+        "help": "an earlier evaluation of the starting policy (RUN/eval_episodes/it0000.json, or the file `grove "
+                "bench robotics-libero-rl` writes for a clone) to pair every evaluation of this run with, instead "
+                "of evaluating at start (eval.at_start: false saves that evaluation; the file must hold the same "
+                "episodes and the same starting weights, checked when the run is built)"})
     eval_split: Literal["eval", "train"] = field(default="eval", metadata={
         "help": "eval = the held-out reset states; train = the first eval_states_per_task of the training states "
                 "RL draws (grove eval RUN robotics.eval_split=train: the policy's generalisation gap)"})

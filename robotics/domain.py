@@ -48,7 +48,7 @@ from .critic import Critic, vector
 from .envs.metaworld_env import decode_key, instruction_for
 from .envs.vector import make_vector_env
 from .episodes import SamplingSettings
-from .evaluation import EvalOutcomes, eval_keys, evaluate_policy, paired_delta
+from .evaluation import EvalOutcomes, eval_keys, eval_settings, evaluate_policy, paired_delta, policy_digest
 from .held import episode_rewards, held_policy, score_episodes
 from .parts import Part
 from .policies.lerobot.load import load_lerobot_policy
@@ -173,10 +173,36 @@ class RoboticsDomain(DomainBase):
         # where episodes come from: the simulator (flat or tree groups) or the world model (robotics.rollout.name)
         self.rollouts = rollout_class(cfg.rollout.name)(cfg, ctx, self.policy, self.venv, self.sampling)
         # the held-out evaluation before training: every later one is compared with it episode by episode
-        self.eval_baseline: EvalOutcomes | None = None
+        self.start_digest = policy_digest(self.policy) if cfg.policy.type == "tiny_vla" else ""
+        self.eval_baseline: EvalOutcomes | None = self._saved_baseline() if cfg.eval_baseline else None
         # every hook goes to each part in this order (the state dict's too)
         self.parts: list[Part] = [p for p in (self.critic, self.keep_best, self.replay, self.adapter_steps,
                                               self.rollouts) if p is not None]
+
+    def _saved_baseline(self) -> EvalOutcomes:
+        """``robotics.eval_baseline``: the file's episodes, when they are this run's evaluation of this start."""
+        cfg = self.cfg
+        path = resolve(cfg.eval_baseline)
+        where = f"robotics.eval_baseline {cfg.eval_baseline}"
+        try:
+            base = EvalOutcomes.from_json(json.loads(path.read_text()))
+        except FileNotFoundError:
+            raise ConfigError(f"{where}: no such file (an evaluation's RUN/eval_episodes/itNNNN.json)") from None
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ConfigError(f"{where}: not an evaluation's episodes file ({type(e).__name__}: {e})") from None
+        if not self.start_digest:
+            raise ConfigError(f"{where}: a saved baseline pairs with the tiny VLA only; set eval.at_start: true")
+        want = eval_settings(cfg.env, cfg.eval_states_per_task, cfg.eval_split, 0, cfg.eval_seed,
+                             cfg.eval_noise_draws, cfg.eval_init_noise)
+        diff = sorted(k for k in set(want) | set(base.settings) if want.get(k) != base.settings.get(k))
+        if diff:
+            k = diff[0]
+            raise ConfigError(f"{where} holds other episodes: its {k} is {base.settings.get(k)!r}, this run's "
+                              f"{want.get(k)!r}")
+        if base.policy != self.start_digest:
+            raise ConfigError(f"{where} evaluated other weights than this run starts from ({cfg.checkpoint}); "
+                              f"evaluate this start (eval.at_start: true) or name its own file")
+        return base
 
     def _make_replay(self) -> DemoReplay | SuccessReplay | None:
         cfg, ctx = self.cfg, self.ctx
@@ -350,6 +376,8 @@ class RoboticsDomain(DomainBase):
         if not sink:  # an evaluation that kept no episodes (a stand-in in the tests): nothing to pair
             return out
         outcomes = sink[0]
+        if self.start_digest:  # which weights these episodes are of (a later run may pair with this file)
+            outcomes.policy = policy_digest(self.policy)
         if iteration == 0 and self.eval_baseline is None:
             self.eval_baseline = outcomes
         elif self.eval_baseline is not None:

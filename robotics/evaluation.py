@@ -50,16 +50,18 @@ class EvalOutcomes:
     success: np.ndarray  # [N] bool
     length: np.ndarray  # [N] int, env steps
     settings: dict[str, Any]
+    policy: str = ""  # what was evaluated, when known: the sha256 of the starting checkpoint's weights
 
     def to_json(self) -> dict[str, Any]:
         return {"tasks": list(self.tasks), "keys": [int(k) for k in self.keys], "draws": [int(d) for d in self.draws],
                 "success": [bool(x) for x in self.success], "length": [int(x) for x in self.length],
-                "settings": dict(self.settings)}
+                "settings": dict(self.settings), "policy": self.policy}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "EvalOutcomes":
         return cls(list(d["tasks"]), [int(k) for k in d["keys"]], [int(x) for x in d["draws"]],
-                   np.asarray(d["success"], bool), np.asarray(d["length"], np.int64), dict(d["settings"]))
+                   np.asarray(d["success"], bool), np.asarray(d["length"], np.int64), dict(d["settings"]),
+                   str(d.get("policy", "")))
 
     def pairs_with(self, other: "EvalOutcomes") -> bool:
         return (self.settings == other.settings and self.keys == other.keys and self.draws == other.draws
@@ -215,10 +217,36 @@ def evaluate_episodes(policy: TinyVLA, env_cfg: EnvConfig, per_task: int, venv=N
     succ = batch.success_once if env_cfg.success_mode == "once" else batch.success_end
     # back in the episodes' natural order (draw, task, state), whatever order the slices ran them in
     back = np.argsort(np.asarray(run_order))
-    settings = {"split": split, "first_index": first_index, "per_task": per_task, "seed": seed,
-                "noise_draws": noise_draws, "init_noise": init_noise, "success_mode": env_cfg.success_mode,
-                "tasks": list(env_cfg.tasks), "horizon": env_cfg.horizon}
+    settings = eval_settings(env_cfg, per_task, split, first_index, seed, noise_draws, init_noise)
     return EvalOutcomes(tasks, keys, draws, np.asarray(succ, bool)[back], np.asarray(batch.length)[back], settings)
+
+
+def eval_settings(env_cfg: EnvConfig, per_task: int, split: str = "eval", first_index: int = 0, seed: int = 0,
+                  noise_draws: int = 1, init_noise: float = 1.0) -> dict[str, Any]:
+    """What makes two evaluations the same episodes (``EvalOutcomes.settings``): the states, the start noise, the
+    env's episode rules and observation."""
+    return {"split": split, "first_index": first_index, "per_task": per_task, "seed": seed,
+            "noise_draws": noise_draws, "init_noise": float(init_noise), "success_mode": env_cfg.success_mode,
+            "tasks": list(env_cfg.tasks), "horizon": env_cfg.horizon, "env": env_cfg.kind,
+            "cameras": list(env_cfg.cameras), "image_size": env_cfg.image_size, "render_tuned": env_cfg.render_tuned}
+
+
+def policy_digest(policy: TinyVLA) -> str:
+    """The sha256 of the weights that decide the policy's actions: every tensor of its state dict, except task
+    adapters whose up-projections are all zero (freshly added, they change no output), so a clone and the same clone
+    with an RL run's fresh adapters have one digest (``robotics.eval_baseline`` checks it)."""
+    import hashlib
+
+    state = policy.state_dict()
+    fresh = policy.adapters is not None and not bool(policy.adapters.up.detach().any())
+    h = hashlib.sha256()
+    for name in sorted(state):
+        if fresh and name.startswith("adapters."):
+            continue
+        t = state[name].detach().cpu().contiguous()
+        h.update(name.encode() + str(t.dtype).encode() + str(tuple(t.shape)).encode())
+        h.update(t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
 
 
 def evaluate_policy(policy: TinyVLA, env_cfg: EnvConfig, per_task: int, venv=None, gif_dir: Path | None = None,

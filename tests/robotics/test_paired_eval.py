@@ -96,3 +96,33 @@ def test_a_run_logs_the_paired_change_and_a_resume_keeps_its_baseline(tmp_path):
     assert main(["train", "--resume", str(run)]) == 0
     got = {k: v for k, v in _records(run)[-1].items() if k.startswith("eval/")}
     assert got == want and "eval/success_delta" in got
+
+
+def test_a_saved_baseline_pairs_a_run_that_skips_its_first_evaluation(tmp_path):
+    """robotics.eval_baseline: a run started from the same weights pairs with an earlier run's iteration-0 episodes
+    (eval.at_start: false saves that evaluation); the same deltas as evaluating at start; a file of other episodes
+    or other weights is one line and exit 2."""
+    from shared_rl.config import ConfigError, load_train_config
+    from shared_rl.trainer import Trainer
+
+    # a clone on disk: the tiny VLA saved by a first run, so both runs start from the same checkpoint
+    seed_run = tmp_path / "seed"
+    assert main(["train", str(_config(tmp_path, eval_noise_draws=1)), "--out", str(seed_run), "iterations=1"]) == 0
+    clone = seed_run / "final"
+    assert (clone / "model.safetensors").is_file() or any(clone.iterdir())
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert main(["train", str(_config(tmp_path, checkpoint=str(clone))), "--out", str(a)]) == 0
+    base = a / "eval_episodes" / "it0000.json"
+    assert main(["train", str(_config(tmp_path, checkpoint=str(clone), eval_baseline=str(base))), "--out", str(b),
+                 "eval.at_start=false"]) == 0
+    ra, rb = _records(a), _records(b)
+    assert "eval/success" not in rb[0] or rb[0]["step"] != 0
+    keys = ("eval/success", "eval/success_delta", "eval/success_delta_se")
+    assert [{k: r[k] for k in keys} for r in ra if "eval/success_delta" in r] == \
+        [{k: r[k] for k in keys} for r in rb if "eval/success" in r]
+    # other episodes (another seed) and other weights are refused before anything runs
+    for extra, match in (({"eval_seed": 1}, "its seed is 0, this run's 1"), ({}, "evaluated other weights")):
+        data = yaml.safe_load(_config(tmp_path, checkpoint=str(clone) if extra else "", eval_baseline=str(base),
+                                      **extra).read_text())
+        with pytest.raises(ConfigError, match=match):
+            Trainer(load_train_config(data), tmp_path / "x", log=lambda s: None)
