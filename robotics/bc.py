@@ -24,12 +24,13 @@ import numpy as np
 import torch
 
 from shared_rl.errors import ConfigError
+from shared_rl.rundir import atomic_write_text
 
 from .collect import collect_demos
 from .data import Episode, load_episodes, save_episodes
 from .datasets import ChunkDataset
 from .envs.vector import EnvConfig, make_vector_env
-from .evaluation import evaluate_policy
+from .evaluation import evaluate_policy, policy_digest
 from .policies.vla import TinyVLA, VLAConfig
 
 
@@ -327,8 +328,15 @@ def train(c: BCConfig, episodes: list[Episode], venv, run_dir: Path, log=print) 
 def evaluate(c: BCConfig, trained: Trained, venv, run_dir: Path) -> dict[str, float]:
     """The final held-out evaluation (GIFs in ``run_dir/gifs``), appended to the history and ``metrics.jsonl``."""
     te = time.perf_counter()
+    sink: list = []
     result = evaluate_policy(trained.policy, c.env, c.eval_states_per_task, venv,
-                             gif_dir=run_dir / "gifs" if c.gifs else None, tag="bc-", standard_errors=True)
+                             gif_dir=run_dir / "gifs" if c.gifs else None, tag="bc-", standard_errors=True,
+                             outcomes=sink)
+    # the episodes, with the digest of the weights they are of: an RL run from this clone pairs with them
+    # (robotics.eval_baseline=RUN/eval_episodes/final.json) instead of evaluating its start again
+    sink[0].policy = policy_digest(trained.policy)
+    (run_dir / "eval_episodes").mkdir(parents=True, exist_ok=True)
+    atomic_write_text(run_dir / "eval_episodes" / "final.json", json.dumps(sink[0].to_json()) + "\n")
     result["time/eval"] = time.perf_counter() - te
     result["time/train"] = trained.seconds
     result["train_steps"] = trained.step
@@ -341,13 +349,16 @@ def evaluate(c: BCConfig, trained: Trained, venv, run_dir: Path) -> dict[str, fl
 
 
 def export(c: BCConfig, run_dir: Path, result: dict[str, float], log=print) -> None:
-    """Copy the model to ``export_dir`` (when set) with its evaluation in ``eval.json``."""
+    """Copy the model to ``export_dir`` (when set) with its evaluation in ``eval.json`` and its held-out episodes in
+    ``eval_episodes.json`` (``robotics.eval_baseline`` of an RL run from it)."""
     if not c.export_dir:
         return
     dst = Path(c.export_dir)
     dst.mkdir(parents=True, exist_ok=True)
     for f in ("model.safetensors", "config.json"):
         shutil.copy2(run_dir / "model" / f, dst / f)
+    if (run_dir / "eval_episodes" / "final.json").is_file():  # robotics.eval_baseline of an RL run from the export
+        shutil.copy2(run_dir / "eval_episodes" / "final.json", dst / "eval_episodes.json")
     (dst / "eval.json").write_text(json.dumps({k: round(v, 4) for k, v in result.items()}, indent=1))
     log(f"bc: exported the model to {dst}")
 

@@ -91,6 +91,13 @@ def test_noisy_expert_demos_and_bc_entry_point(tmp_path):
     assert losses[-1] < losses[0], "BC loss must go down"
     assert (tmp_path / "asset" / "model.safetensors").is_file() and (tmp_path / "asset" / "config.json").is_file()
     assert list((tmp_path / "run" / "gifs").glob("*.gif"))
+    # the held-out episodes travel with the clone, tagged with its weights: an RL run from it pairs with them
+    from robotics.evaluation import EvalOutcomes, policy_digest
+    from robotics.policies.vla import TinyVLA
+
+    base = EvalOutcomes.from_json(json.loads((tmp_path / "asset" / "eval_episodes.json").read_text()))
+    assert base.success.mean() == out["eval/success"] and len(base.success) == 2
+    assert base.policy == policy_digest(TinyVLA.load_pretrained(tmp_path / "asset"))
 
 
 def test_per_task_demo_counts_override_the_default():
