@@ -40,7 +40,7 @@ test: setup
 # every registered benchmark (grove list names them; tests/core/test_docs_match.py keeps this list complete): the
 # gpu ones write a page saying they were not run on a machine without CUDA (gpu) or run their CPU rehearsal
 # (gpu-two-stage)
-BENCHMARKS := scale llm robotics-sim robotics-libero robotics-demos robotics-world-model robotics-wm-probe visgen-trees visgen-rewards visgen-methods \
+BENCHMARKS := scale llm robotics-sim robotics-libero robotics-libero-rl robotics-demos robotics-world-model robotics-wm-probe visgen-trees visgen-rewards visgen-methods \
 	visgen-two-stage visgen-video gpu gpu-two-stage
 
 bench: setup

@@ -25,7 +25,7 @@ from robotics.envs.libero_tasks import language
 
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--suite", default="libero_spatial", choices=["libero_spatial", "libero_object"])
+    ap.add_argument("--suite", default="libero_spatial", choices=["libero_spatial", "libero_object", "libero_goal"])
     ap.add_argument("--tasks", type=int, nargs="+", default=list(range(10)))
     ap.add_argument("--states", type=int, default=50, help="fixed init states per task (of 50)")
     ap.add_argument("--first-state", type=int, default=0, help="start at this init state index")

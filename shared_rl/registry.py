@@ -42,6 +42,7 @@ BENCHMARKS: dict[str, str] = {
     "llm": "bench.llm_vs_trl:run",
     "robotics-sim": "bench.robotics_sim:run",
     "robotics-libero": "bench.robotics_libero:run",
+    "robotics-libero-rl": "bench.robotics_libero_rl:run",
     "robotics-demos": "bench.robotics_demos:run",
     "robotics-world-model": "bench.robotics_world_model:run",
     "robotics-wm-probe": "bench.robotics_wm_probe:run",

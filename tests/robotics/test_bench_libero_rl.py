@@ -1,0 +1,62 @@
+"""grove bench robotics-libero-rl: how a row is read back (the rows themselves are LIBERO processes)."""
+import json
+
+import numpy as np
+import pytest
+
+import bench.robotics_libero_rl as bl
+
+
+def test_the_verdict_is_two_paired_standard_errors():
+    assert bl.verdict(0.15, 0.05) == "gain" and bl.verdict(-0.15, 0.05) == "loss"
+    assert bl.verdict(0.09, 0.05) == "inside the band" and bl.verdict(-0.1, 0.05) == "inside the band"
+    assert bl.verdict(0.0, 0.0) == "no change"
+
+
+def _finished_rl(out, variant, seed, before, after_success, delta, se):
+    clone = bl.clone_dir(out, bl.RL_K)
+    clone.mkdir(parents=True, exist_ok=True)
+    (clone / "eval_episodes.json").write_text(json.dumps({"success": before}))
+    run = out / f"rl-{variant}-K{bl.RL_K}-s{seed}"
+    run.mkdir(parents=True)
+    (run / "summary.txt").write_text("done\n")
+    recs = [{"step": 1, "env/steps": 1000, "time/iteration": 60.0},
+            {"step": 2, "env/steps": 1500, "time/iteration": 60.0, "time/eval": 120.0, "eval/success": after_success,
+             "eval/success_delta": delta, "eval/success_delta_se": se,
+             "eval/success/libero_spatial/0": 0.6, "eval/success_delta/libero_spatial/0": 0.2,
+             "eval/success_delta_se/libero_spatial/0": 0.07}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+
+
+def test_an_rl_row_reads_the_paired_change_and_its_cost(tmp_path):
+    _finished_rl(tmp_path, "grove", 0, [True, False, False, True], 0.75, 0.25, 0.1)
+    row = bl.rl_row(tmp_path, bl.RL_K, 0, "grove", [], {"assemble": True})
+    assert row["success_before"] == 0.5 and row["success"] == 0.75
+    assert (row["paired_delta"], row["paired_se"], row["verdict"]) == (0.25, 0.1, "gain")
+    assert row["env_steps"] == 2500 and row["wall_min"] == 4.0
+    assert row["libero_spatial/0"] == "0.40 -> 0.60 (+0.20 ± 0.07)"
+    assert bl.rl_row(tmp_path, bl.RL_K, 1, "grove", [], {"assemble": True}) is None, "not run: nothing to read"
+
+
+def test_rl_from_few_demos_is_compared_with_bc_from_twenty():
+    rows = [{"kind": "bc", "K": 20, "success": 0.6}, {"kind": "rl", "variant": "RL grove from K=5", "success": 0.7},
+            {"kind": "rl", "variant": "RL grove from K=5", "success": 0.4}]
+    assert bl.compare_with_bc(rows) == ["RL grove from K=5: 0.550 over 2 seed(s) < BC from K=20 (0.600)"]
+    assert bl.compare_with_bc(rows[1:]) == [], "no BC K=20 row yet: no comparison"
+
+
+def test_the_variants_are_valid_configs_with_their_settings():
+    """Each variant is the recipe + overrides that parse, and each says what it claims (broken once: fails)."""
+    import yaml
+
+    from shared_rl.config import apply_overrides, load_train_config
+
+    base = yaml.safe_load((bl.ROOT / bl.RL_RECIPE).read_text())
+    cfgs = {v: load_train_config(apply_overrides(json.loads(json.dumps(base)), o)) for v, o in bl.RL_VARIANTS.items()}
+    g, sv, ript, pirl = (cfgs[v] for v in ("grove", "simplevla", "ript-loop", "pirl"))
+    assert g.rollout.groups_per_iteration * g.rollout.group_size == 64 and g.domain_config.adapters.steps == "by_episodes"
+    assert sv.selection.filter == "band" and list(sv.selection.band) == [0.1, 0.9] and sv.selection.max_refill_rounds == 4
+    assert ript.advantage.estimator.name == "rloo" and ript.loss.clip_low == ript.loss.clip_high == 0.1
+    assert ript.optim.inner_epochs == 8 and ript.optim.lr == pytest.approx(5e-5)
+    assert pirl.domain_config.noise_level == 0.5 and pirl.domain_config.head_mode == "sde_one_step"
+    assert g.domain_config.env.tasks == bl.TASKS
