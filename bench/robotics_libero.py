@@ -6,7 +6,9 @@ Rows, side by side in one run (task libero_spatial/0 unless said):
    (what LeRobot's LIBERO env renders: 4x multisampling, shadows, reflections) vs grove's tuned scene (all off), in
    frames/s, and the tuned frame's pixel difference to the standard one (mean |Δ| in grey levels, share of equal
    pixels) over the fixed init states;
-2. env steps/s: physics only; the naive loop (one env, both cameras rendered at 128 after every step, as LeRobot's
+2. where an env step's time goes: physics, the rest of robosuite's step (the OSC controller at every substep), the
+   two-camera render once per chunk, the tiny VLA's chunk plan (ms per env step and share);
+   env steps/s: physics only; the naive loop (one env, both cameras rendered at 128 after every step, as LeRobot's
    env does); grove's batched env (B envs in lock-step, rendering once per 4-action chunk, tuned, 64x64) in-process
    and over 2 worker processes; resident memory per env;
 3. the scripted expert's success per task (libero_spatial and libero_object, on the benchmark's fixed init states,
@@ -93,6 +95,60 @@ def _sequential_rate(steps: int) -> tuple[float, float]:
     return physics, naive
 
 
+def _stage_rows(steps: int, batch: int = 8) -> list[dict]:
+    """Where an env step's time goes (one env, in-process): MuJoCo's physics (the control period's substeps of
+    ``mj_step``), the rest of robosuite's step (the OSC controller run at every substep, observables, the BDDL
+    success check), rendering both cameras at 64x64 once per 4-step chunk (tuned scene), and the tiny VLA planning a
+    chunk for ``batch`` envs at once (encoder + 5 ODE steps), each as ms per env step and its share."""
+    import mujoco
+    import torch
+
+    from robotics.envs.libero_env import LiberoRenderer, LiberoTaskEnv
+    from robotics.envs.metaworld_env import instruction_for, make_key
+    from robotics.policies.vla import TinyVLA, VLAConfig, libero_vocab
+
+    rng = np.random.default_rng(0)
+    env = LiberoTaskEnv(TASK)
+    env.reset(make_key(0, "train", 0))
+    t = time.perf_counter()
+    for _ in range(steps):
+        env.step(rng.uniform(-1, 1, 7))
+    step_s = (time.perf_counter() - t) / steps
+    substeps = int(round(env.problem.control_timestep / env.problem.model_timestep))
+    t = time.perf_counter()
+    for _ in range(steps):
+        for _ in range(substeps):
+            mujoco.mj_step(env.model, env.data)
+    physics_s = (time.perf_counter() - t) / steps
+    r = LiberoRenderer(env.model, 64, ["image", "image2"], tuned=True)
+    r.render(env.data)
+    n = max(3, steps // 10)
+    t = time.perf_counter()
+    for _ in range(n):
+        r.render(env.data)
+    render_s = (time.perf_counter() - t) / n / 4  # once per 4-step chunk
+    r.close()
+    vla = TinyVLA(VLAConfig(image_channels=6, proprio_dim=8, action_dim=7, vocab=libero_vocab(VLAConfig().vocab))).eval()
+    img = torch.zeros(batch, 64, 64, 6, dtype=torch.uint8)
+    pro = torch.zeros(batch, 8)
+    ids = vla.text.token_ids([instruction_for(TASK)] * batch)
+    with torch.no_grad():
+        vla.flow.sample(vla.encode(img, pro, ids), "ode", torch.Generator().manual_seed(0))  # warm-up
+        t = time.perf_counter()
+        for _ in range(n):
+            vla.flow.sample(vla.encode(img, pro, ids), "ode", torch.Generator().manual_seed(0))
+    policy_s = (time.perf_counter() - t) / n / 4 / batch  # one plan per chunk, per env
+    stages = {"physics (mj_step x substeps)": physics_s, "robosuite step besides physics (OSC controller, ...)":
+              max(step_s - physics_s, 0.0), "render 2 cameras 64x64 tuned, per chunk": render_s,
+              f"policy: tiny VLA plans a chunk, batch {batch}": policy_s}
+    total = sum(stages.values())
+    verts = int(sum(env.model.mesh_vertnum))
+    return [{"variant": f"stage: {k}", "ms_per_env_step": 1000 * v, "share": v / total,
+             **({"note": f"{substeps} substeps"} if k.startswith("physics") else {}),
+             **({"note": f"{verts:,} mesh vertices drawn per camera"} if k.startswith("render") else {})}
+            for k, v in stages.items()]
+
+
 def _batched_rate(workers: int, batch: int, chunks: int) -> tuple[float, float]:
     """(env steps/s, GB resident per env in the process that holds them) for the batched env, tuned, 64x64."""
     from robotics.envs.metaworld_env import make_key
@@ -170,6 +226,7 @@ def run(out_dir: Path, quick: bool = False, expert_states: int = 10) -> dict:
 
     torch.set_num_threads(1)
     rows = _render_rows(frames=5 if quick else 40, states=2 if quick else 10)
+    rows += _stage_rows(10 if quick else 200)
     physics, naive = _sequential_rate(20 if quick else 300)
     rows.append({"variant": "physics only, 1 env (no rendering)", "env_steps_per_s": physics})
     rows.append({"variant": "naive loop: 1 env, 2 cameras 128x128 standard, render every step",

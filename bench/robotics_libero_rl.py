@@ -219,7 +219,7 @@ def verdict(delta: float, se: float) -> str:
 def rl_row(out: Path, k: int, seed: int, variant: str, overrides: list[str], s: dict) -> dict | None:
     clone = clone_dir(out, k)
     run_dir = out / f"rl-{variant}-K{k}-s{seed}"
-    if not (run_dir / "summary.txt").is_file():
+    if not (run_dir / "final").is_dir():  # a run's last act renames final/ into place
         if s.get("assemble") or not (clone / "eval_episodes.json").is_file():
             return None
         log = out / "logs" / f"rl-{variant}-K{k}-s{seed}.log"
@@ -235,7 +235,9 @@ def rl_row(out: Path, k: int, seed: int, variant: str, overrides: list[str], s: 
     last = [r for r in recs if "eval/success" in r][-1]
     base = json.loads((clone / "eval_episodes.json").read_text())
     before = float(np.mean(base["success"]))
-    delta, se = last.get("eval/success_delta", float("nan")), last.get("eval/success_delta_se", float("nan"))
+    # a standard error over one state per task is undefined (NaN, written as null)
+    delta, se = (float("nan") if last.get(k) is None else float(last[k])
+                 for k in ("eval/success_delta", "eval/success_delta_se"))
     row = {"variant": f"RL {variant} from K={k}", "kind": "rl", "K": k, "seed": seed, "success_before": before,
            "success": last["eval/success"], "paired_delta": delta, "paired_se": se, "verdict": verdict(delta, se),
            "env_steps": int(sum(r.get("env/steps", 0) for r in recs)),
@@ -243,6 +245,7 @@ def rl_row(out: Path, k: int, seed: int, variant: str, overrides: list[str], s: 
     for t in TASKS:
         d, e = last.get(f"eval/success_delta/{t}"), last.get(f"eval/success_delta_se/{t}")
         if d is not None:
+            e = float("nan") if e is None else e
             row[t] = f"{last[f'eval/success/{t}'] - d:.2f} -> {last[f'eval/success/{t}']:.2f} ({d:+.2f} ± {e:.2f})"
     return row
 
@@ -264,8 +267,10 @@ def compare_with_bc(rows: list[dict]) -> list[str]:
 
 
 def run(out_dir: Path, quick: bool = False, only: str = "", assemble: bool = False, seeds: tuple[int, ...] = (),
-        variants: tuple[str, ...] = ()) -> dict:
-    """Every row (or ``only`` demos / bc / noise / rl); ``assemble``: run nothing, table the finished rows."""
+        variants: tuple[str, ...] = (), ks: tuple[int, ...] = ()) -> dict:
+    """Every row (or ``only`` demos / bc / noise / rl); ``assemble``: run nothing, table the finished rows; ``seeds``
+    / ``variants`` restrict the RL rows and ``ks`` the BC rows run (two processes on different rows share the
+    machine; the table is assembled from every finished row either way)."""
     from shared_rl.bench import write_results
 
     out = Path(out_dir)
@@ -283,10 +288,11 @@ def run(out_dir: Path, quick: bool = False, only: str = "", assemble: bool = Fal
         return s if only in ("", name) else {**s, "assemble": True}
 
     for k in s["ks"]:
-        need = only not in ("", "demos", "bc") and not (only == "rl" and k == s["rl_k"])
+        need = (only not in ("", "demos", "bc") or (ks and k not in ks)) and not (only == "rl" and k == s["rl_k"])
         files = demo_files(out, 1 if quick else pool_size(k), {**s, "assemble": assemble or need})
         for seed in s["bc_seeds"]:
-            row = bc_row(out, files, k, seed, part("bc") if not (only == "rl" and k == s["rl_k"]) else s)
+            bc_s = part("bc") if not (ks and k not in ks) else {**s, "assemble": True}
+            row = bc_row(out, files, k, seed, s if (only == "rl" and k == s["rl_k"]) else bc_s)
             (rows.append(row) if row else missing.append(f"BC K={k} seed {seed}"))
     rows += noise_rows(out, s["rl_k"], part("noise"))
     for variant, overrides in s["variants"].items():
@@ -312,7 +318,7 @@ def run(out_dir: Path, quick: bool = False, only: str = "", assemble: bool = Fal
              + (" " + " ".join(verdicts) if verdicts else "")
              + (" QUICK MODE: plumbing check only." if quick else "")
              + (f" Not run yet ({len(missing)} rows): {'; '.join(missing)}." if missing else ""))
-    a_part = bool(only or seeds or variants) and not assemble
+    a_part = bool(only or seeds or variants or ks) and not assemble
     return write_results(out, "robotics-libero-rl", rows, notes, doc_path=None if quick or a_part else DOC)
 
 
@@ -326,6 +332,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--assemble", action="store_true")
     p.add_argument("--seeds", type=int, nargs="*", default=())
     p.add_argument("--variants", nargs="*", default=())
+    p.add_argument("--ks", type=int, nargs="*", default=(), help="the BC rows to run (demos per task)")
     p.add_argument("--evaluate-clone", default="", help="(a row's process) evaluate this clone and exit")
     p.add_argument("--eval-seed", type=int, default=0)
     p.add_argument("--states", type=int, default=50)
@@ -334,7 +341,7 @@ def main(argv: list[str] | None = None) -> None:
     if a.evaluate_clone:
         evaluate_clone(Path(a.evaluate_clone), a.eval_seed, Path(a.out), a.states, a.horizon)
         return
-    res = run(Path(a.out), a.quick, a.only, a.assemble, tuple(a.seeds), tuple(a.variants))
+    res = run(Path(a.out), a.quick, a.only, a.assemble, tuple(a.seeds), tuple(a.variants), tuple(a.ks))
     print(json.dumps(res["rows"], indent=1))
 
 

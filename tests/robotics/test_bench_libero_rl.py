@@ -19,7 +19,7 @@ def _finished_rl(out, variant, seed, before, after_success, delta, se):
     (clone / "eval_episodes.json").write_text(json.dumps({"success": before}))
     run = out / f"rl-{variant}-K{bl.RL_K}-s{seed}"
     run.mkdir(parents=True)
-    (run / "summary.txt").write_text("done\n")
+    (run / "final").mkdir()
     recs = [{"step": 1, "env/steps": 1000, "time/iteration": 60.0},
             {"step": 2, "env/steps": 1500, "time/iteration": 60.0, "time/eval": 120.0, "eval/success": after_success,
              "eval/success_delta": delta, "eval/success_delta_se": se,
