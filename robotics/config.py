@@ -4,6 +4,7 @@ fields."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 from shared_rl.domain import DomainConfig
@@ -19,6 +20,33 @@ from .policies.lerobot.settings import PolicySettings
 from .policies.vla import VLAConfig
 from .replay import ReplayConfig
 from .rollouts import RolloutSettings
+
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def resolve(path: str) -> Path:
+    """A path as given if it exists (or is absolute), else relative to the repository (the assets)."""
+    p = Path(path)
+    if p.exists() or p.is_absolute():
+        return p
+    return REPO_ROOT / p
+
+
+def missing_checkpoint_hint(path, env_kind: str) -> str:
+    """What to do about a tiny-VLA checkpoint directory that is not there: the command that makes one for this env
+    (LIBERO: ``libero_bc.yaml``, with ``export_dir`` set to the missing path), or the nearest existing name."""
+    from shared_rl.registry import did_you_mean
+
+    path = Path(path)
+    parent = path.parent
+    names = sorted(p.name for p in parent.iterdir() if (p / "model.safetensors").is_file()) if parent.is_dir() else []
+    near = did_you_mean(path.name, names) if names else ""
+    recipe = "libero_bc.yaml" if env_kind == "libero" else "metaworld_bc.yaml"
+    if near:
+        return f"not a VLA directory (no model.safetensors + config.json){near}"
+    return (f"not a VLA directory (no model.safetensors + config.json); make it with `grove train "
+            f"configs/robotics/{recipe} export_dir={path}` or set robotics.checkpoint to '' for a fresh model")
 
 
 def _moved(new: str) -> str:
@@ -175,6 +203,17 @@ class RoboticsConfig(DomainConfig):
                 raise ConfigError(f"{where}.{what} {lerobot}: not supported (it reads the tiny VLA's features); "
                                   f"RL trains LoRA ({where}.policy.lora.rank) or what the policy's config leaves "
                                   f"trainable")
+
+    def preflight(self, train_cfg) -> None:
+        """The files this section names, before any model loads (``--dry-run`` runs it too): the tiny VLA's
+        checkpoint directory, with the command that makes it for this env, and ``eval_baseline``."""
+        if self.policy.type == "tiny_vla" and self.checkpoint:
+            path = resolve(self.checkpoint)
+            if not (path / "model.safetensors").is_file() or not (path / "config.json").is_file():
+                raise ConfigError(f"robotics.checkpoint {self.checkpoint}: {missing_checkpoint_hint(path, self.env.kind)}")
+        if self.eval_baseline and not resolve(self.eval_baseline).is_file():
+            raise ConfigError(f"robotics.eval_baseline {self.eval_baseline}: no such file (a BC clone's "
+                              f"eval_episodes.json or a run's eval_episodes/it0000.json)")
 
     def check_with(self, train_cfg) -> None:
         self.rollout.check_with(train_cfg)

@@ -43,7 +43,7 @@ from shared_rl.rundir import atomic_write_text
 from shared_rl.selection import UniformSampler
 
 from .adapters import AdapterSteps, KeepBestAdapters, add_adapters
-from .config import RoboticsConfig
+from .config import RoboticsConfig, missing_checkpoint_hint, resolve
 from .critic import Critic, vector
 from .envs.metaworld_env import decode_key, instruction_for
 from .envs.vector import make_vector_env
@@ -63,14 +63,6 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 ENCODER_MODULES = ("cnn", "image_proj", "text", "proprio")
 
 
-def resolve(path: str) -> Path:
-    """A path as given if it exists (or is absolute), else relative to the repository (the assets)."""
-    p = Path(path)
-    if p.exists() or p.is_absolute():
-        return p
-    return REPO_ROOT / p
-
-
 def load_policy(cfg: RoboticsConfig, seed: int, objects: dict | None = None) -> TinyVLA:
     """The checkpoint's VLA, or a fresh ``cfg.model`` sized for the env (seeded), checked against the env; with
     ``robotics.policy.type: lerobot`` the LeRobot policy at ``robotics.policy.path`` behind the same interface
@@ -88,9 +80,9 @@ def load_policy(cfg: RoboticsConfig, seed: int, objects: dict | None = None) -> 
     elif cfg.checkpoint:
         try:
             policy = TinyVLA.load_pretrained(resolve(cfg.checkpoint))
-        except FileNotFoundError as e:
-            raise ConfigError(f"robotics.checkpoint: {e}; make it with `grove train configs/robotics/metaworld_bc.yaml` "
-                              f"or set robotics.checkpoint to '' for a fresh model") from None
+        except FileNotFoundError:
+            raise ConfigError(f"robotics.checkpoint {cfg.checkpoint}: "
+                              f"{missing_checkpoint_hint(resolve(cfg.checkpoint), cfg.env.kind)}") from None
     else:
         mc = copy.deepcopy(cfg.model)
         mc.image_channels, mc.proprio_dim, mc.image_size = cfg.env.image_channels, cfg.env.proprio_dim, cfg.env.image_size

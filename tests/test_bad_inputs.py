@@ -196,6 +196,14 @@ CASES = {
     # robotics
     "robotics unknown task": (_robotics(env={"tasks": ["reach-v9"]}), "reach-v9"),
     "robotics missing checkpoint": (_robotics(checkpoint="no/such/vla"), "no/such/vla"),
+    "robotics checkpoint with a typo": (_robotics(checkpoint="assets/metaworld-vla-tiy"),
+                                        "(did you mean 'metaworld-vla-tiny'?)"),
+    "robotics missing LIBERO clone": (_robotics(checkpoint="TMP/libero/vla-tiny-bc5",
+                                                env={"kind": "libero", "tasks": ["libero_spatial/0"],
+                                                     "cameras": ["image", "image2"], "horizon": 280}),
+                                      "make it with `grove train configs/robotics/libero_bc.yaml export_dir="),
+    "robotics missing eval baseline": (_robotics(eval_baseline="TMP/none/eval_episodes.json"),
+                                       "robotics.eval_baseline TMP/none/eval_episodes.json: no such file"),
     "robotics image size mismatch": (_robotics(env={"image_size": 48}), "env gives"),
     "robotics action dim mismatch": (_robotics(checkpoint="", model={"action_dim": 3}), "action_dim"),
     "robotics unknown head mode": (_robotics(head_mode="gaussian"), "head_mode"),
@@ -222,7 +230,14 @@ def test_domain_bad_input(tmp, capsys, monkeypatch, name):
         pytest.importorskip("mujoco")
     cfg = tmp / "bad.yaml"
     cfg.write_text(yaml.safe_dump(data).replace("TMP/", f"{tmp}/"))
+    expect = expect.replace("TMP/", f"{tmp}/")
     assert_one_line_error(["train", str(cfg), "--out", str(tmp / "run")], expect, tmp, capsys)
+    if name in DOMAIN_DRY_RUN_TOO:  # what a real run refuses before loading, --dry-run refuses the same way
+        assert_one_line_error(["train", str(cfg), "--dry-run"], expect, tmp, capsys)
+
+
+DOMAIN_DRY_RUN_TOO = ("robotics missing checkpoint", "robotics checkpoint with a typo", "robotics missing LIBERO clone",
+                      "robotics missing eval baseline")
 
 
 # ------------------------------------------------------------------------------------- the trainer's config
