@@ -5,8 +5,10 @@ Meta-World demos, written as a LeRobot policy directory that a tiny GRPO recipe 
     grove train configs/robotics/lerobot_smolvla_tiny_grpo.yaml  # GRPO with LoRA, held-out success before/after
     python scripts/robotics_lerobot_tiny.py --family pi05        # -> runs/lerobot/pi05-tiny
     grove train configs/robotics/pi05_tiny_grpo.yaml
-    python scripts/robotics_lerobot_tiny.py --env libero         # -> runs/lerobot/smolvla-tiny-libero (LIBERO demos,
-    grove train configs/robotics/libero_smolvla_tiny_grpo.yaml   #    the same ones configs/robotics/libero_bc.yaml uses)
+    python scripts/robotics_lerobot_tiny.py --env libero --demos runs/bench-libero-rl/demos/K5-of-20.npz
+    grove train configs/robotics/libero_smolvla_tiny_grpo.yaml   # LIBERO: the four tasks and 5 demos per task of the
+                                                                 # tiny VLA's RL rows (grove bench robotics-libero-rl);
+                                                                 # without --demos, collects --demos-per-task of each
 
 The policy is LeRobot's own class (``SmolVLAPolicy`` on a 2-layer SmolVLM built from config, its config and tokenizer
 in ``OUT/vlm``; or ``PI0Policy`` / ``PI05Policy`` at the sizes of ``tiny_pi.TinyPi``, a word-level tokenizer in
@@ -35,8 +37,14 @@ from robotics.policies.lerobot.tiny import TinySmolVLA, build_tiny_smolvla, demo
 from robotics.policies.lerobot.tiny_pi import TinyPi, build_tiny_pi
 
 TASKS = ["door-open-v3", "button-press-topdown-v3"]
-LIBERO_TASKS = ["libero_spatial/0", "libero_object/0"]
-LIBERO_DEMOS = "runs/libero-demos/spatial0_object0_dart40.npz"  # configs/robotics/libero_bc.yaml's demos
+LIBERO_TASKS = ["libero_spatial/0", "libero_object/0", "libero_goal/1", "libero_goal/6"]  # libero_bc.yaml's four
+
+
+def libero_demo_file(tasks: list[str], per_task: int) -> str:
+    """Where LIBERO demos are collected when --demos is not given: named by what the file holds (its tasks and demos
+    per task), so a recipe never reads a file of another size under its own name."""
+    slug = "_".join(t.replace("libero_", "").replace("/", "") for t in tasks)
+    return f"runs/libero-demos/{slug}_dart{per_task}.npz"
 
 
 def main(argv=None) -> dict:
@@ -54,7 +62,7 @@ def main(argv=None) -> dict:
     p.add_argument("--steps", type=int, default=4000)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--lr", type=float, default=3e-4)
-    p.add_argument("--eval-states", type=int, default=20, help="held-out reset states per task")
+    p.add_argument("--eval-states", type=int, default=20, help="held-out reset states per task (LIBERO: of 50)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
     a = p.parse_args(argv)
@@ -62,11 +70,12 @@ def main(argv=None) -> dict:
     libero = a.env == "libero"
     if libero:
         env = EnvConfig(kind="libero", tasks=list(a.tasks or LIBERO_TASKS), horizon=280, cameras=["image", "image2"],
-                        eval_batch=10)  # ~0.35 GB an env
+                        eval_batch=16, num_workers=2)  # ~0.35 GB an env
         env.check()
     else:
         env = EnvConfig(tasks=list(a.tasks or TASKS), horizon=150)
-    demos = Path(a.demos or (LIBERO_DEMOS if libero else "runs/robotics-demos/lerobot_tiny_demos.npz"))
+    demos = Path(a.demos or (libero_demo_file(env.tasks, a.demos_per_task) if libero
+                             else "runs/robotics-demos/lerobot_tiny_demos.npz"))
     if demos.is_file():
         episodes = [e for e in load_episodes(demos) if e.task in env.tasks]
     elif libero:  # as configs/robotics/libero_bc.yaml collects them: DART labels, noise 0.2

@@ -306,6 +306,7 @@ def test_a_missing_asset_is_one_line_and_exit_2(monkeypatch, tmp_path, capsys):
                           "libero_grpo.yaml").read_text())
     cfg["robotics"]["checkpoint"] = ""
     cfg["robotics"]["model"] = {"action_dim": 7}  # a fresh tiny VLA sized for LIBERO's actions
+    cfg["robotics"]["env"]["num_workers"] = 0  # the patched env class lives in this process
     path = tmp_path / "cfg.yaml"
     path.write_text(yaml.safe_dump(cfg))
     code = main(["train", str(path), "--out", str(tmp_path / "run"), "iterations=1"])
