@@ -268,9 +268,14 @@ def test_config_errors_are_one_line(tiny_dir, tmp_path):
     (pi0 / "config.json").write_text(json.dumps({"type": "pi0"}))
     with pytest.raises(ConfigError, match="declares no image feature"):  # π0 loads now; its features are checked
         _load(pi0)
-    with pytest.raises(ConfigError, match="does not exist .a local path, not a hub id.; the CPU recipes' tiny "
-                                          "policies are made by `python scripts/robotics_lerobot_tiny.py`"):
+    with pytest.raises(ConfigError, match="does not exist .a local path, not a hub id.; make this recipe's tiny "
+                                          "policy with `python scripts/robotics_lerobot_tiny.py --out "):
         _load(tmp_path / "missing")
+    from robotics.policies.lerobot.load import make_tiny_command
+
+    assert make_tiny_command("runs/lerobot/pi05-tiny-libero", "libero") == \
+        "python scripts/robotics_lerobot_tiny.py --env libero --family pi05 --out runs/lerobot/pi05-tiny-libero"
+    assert make_tiny_command("runs/lerobot/smolvla-tiny") == "python scripts/robotics_lerobot_tiny.py --out runs/lerobot/smolvla-tiny"
     with pytest.raises(ConfigError, match="neither a LeRobot policy directory nor a hub id in the local cache"):
         _load("no-such-org/no-such-policy")
 

@@ -14,13 +14,22 @@ from .settings import PolicySettings
 PROCESSOR_FILES = ("policy_preprocessor.json", "policy_postprocessor.json")
 
 
-def _read_config(path: str) -> dict:
+def make_tiny_command(path: str, env_kind: str = "metaworld") -> str:
+    """The command that makes a tiny LeRobot policy at ``path`` for this env (the family read off the name)."""
+    name = Path(path).name
+    family = "pi05" if "pi05" in name else "pi0" if "pi0" in name else ""
+    args = [f"--env {env_kind}"] if env_kind == "libero" else []
+    args += [f"--family {family}"] if family else []
+    return " ".join(["python scripts/robotics_lerobot_tiny.py", *args, f"--out {path}"])
+
+
+def _read_config(path: str, env_kind: str = "metaworld") -> dict:
     """The policy's ``config.json`` (a local directory, or a hub id resolved in the local cache only)."""
     p = Path(path)
     if not p.is_dir() and local_path_meant(path):
-        raise ConfigError(f"robotics.policy.path: {path} does not exist (a local path, not a hub id); the CPU recipes' "
-                          f"tiny policies are made by `python scripts/robotics_lerobot_tiny.py` (--family pi05 for "
-                          f"π0.5), your own by LeRobot's `lerobot-train`")
+        raise ConfigError(f"robotics.policy.path: {path} does not exist (a local path, not a hub id); make this "
+                          f"recipe's tiny policy with `{make_tiny_command(path, env_kind)}`, your own with LeRobot's "
+                          f"`lerobot-train`")
     if p.is_dir():
         if not (p / "config.json").is_file():
             raise ConfigError(f"robotics.policy.path: {p} has no config.json; it must be a LeRobot policy directory "
@@ -95,7 +104,7 @@ def load_lerobot_policy(settings: PolicySettings, env_cfg, path: str, seed: int,
                         noise_head: bool = False):
     """The LeRobot policy at ``path`` (``settings.path`` resolved by the caller) as a :class:`LeRobotVLA`; with
     ``noise_head`` the learned std of ``flow_noise`` (``settings.noise``)."""
-    config = _read_config(path)
+    config = _read_config(path, env_cfg.kind)
     family = config.get("type")
     if family not in FAMILIES:
         raise ConfigError(f"robotics.policy.path: {path} holds a LeRobot {family!r} policy; grove drives "
