@@ -183,6 +183,18 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     return value
 
 
+# TRL ``GRPOConfig`` field names a TRL user types at the top of a config -> grove's key for the same setting
+TRL_KEYS = {
+    "learning_rate": "optim.lr", "num_generations": "rollout.group_size", "max_steps": "iterations",
+    "num_iterations": "optim.inner_epochs", "beta": "loss.kl_coef", "epsilon": "loss.clip_low",
+    "epsilon_high": "loss.clip_high", "max_grad_norm": "optim.grad_clip", "max_completion_length": "llm.max_new_tokens",
+    "temperature": "llm.temperature", "weight_decay": "optim.weight_decay", "output_dir": "--out DIR",
+    "per_device_train_batch_size": "rollout.groups_per_iteration x rollout.group_size (prompts x completions)",
+    "scale_rewards": "advantage.estimator (grpo / dr_grpo / batch_std)", "loss_type": "loss.aggregation",
+    "lr_scheduler_type": "optim.schedule", "warmup_ratio": "optim.warmup_steps",
+}
+
+
 def from_dict(cls: type, data: dict | None, where: str = "") -> Any:
     """Build dataclass ``cls`` from ``data``, checking keys and types; nested dataclasses recurse."""
     data = {} if data is None else data
@@ -197,6 +209,9 @@ def from_dict(cls: type, data: dict | None, where: str = "") -> Any:
             moved = getattr(cls, "moved_keys", {}).get(key)  # a class may say what replaced a key of earlier configs
             if moved:
                 raise ConfigError(f"config key {path!r} was replaced: {moved}")
+            if not where and key in TRL_KEYS and cls.__name__ == "TrainConfig":
+                raise ConfigError(f"unknown config key {path!r}: that is TRL's GRPOConfig name; grove's is "
+                                  f"{TRL_KEYS[key]}")
             close = difflib.get_close_matches(str(key), list(fields), n=1)
             hint = f"; did you mean {close[0]!r}?" if close else f"; known keys: {', '.join(sorted(fields))}"
             raise ConfigError(f"unknown config key {path!r}{hint}")

@@ -254,6 +254,8 @@ TRAINER_CASES = {
     "beta of one": (_toy(**{"optim.betas": [0.9, 1.0]}), "betas must be two numbers in [0, 1)"),
     "zero nonfinite budget": (_toy(max_nonfinite_steps=0), "max_nonfinite_steps must be > 0"),
     "unknown device": (_toy(device="tpu"), "device 'tpu' is not a device grove runs on"),
+    "a TRL key": (_toy(learning_rate=1e-4), "'learning_rate': that is TRL's GRPOConfig name; grove's is optim.lr"),
+    "another TRL key": (_toy(num_generations=8), "grove's is rollout.group_size"),
     "gpu index out of range": (_toy(device="cuda:99"), "device 'cuda:99' is not available"),
     "unknown advantage weight": (_toy(**{"advantage.weights": {"corect": 1.0}}), "did you mean 'correct'?"),
     "unknown band reward": (_toy(**{"selection.band_reward": "succes"}), "selection.band_reward 'succes'"),
