@@ -58,6 +58,9 @@ RL_VARIANTS = {  # name -> overrides of RL_RECIPE (grove's defaults; each line s
 QUICK = {"ks": (1,), "rl_k": 1, "bc_seeds": (0,), "rl_seeds": (0,), "noise_seeds": (1,), "variants": {"grove": []},
          "eval": 1, "bc_steps": 4}
 DEMO_NOISE = 0.2
+# env worker processes of a row: 0 = its envs in the row's own process (~0.3 GB an env there, ~0.5 in a worker), so
+# two rows run side by side on two cores within the machine's memory (an RL row holds 32 envs: 8 per task)
+ROW_ENV_WORKERS = 0
 
 
 def _run(args: list[str], log_path: Path, module: str = "shared_rl.cli") -> None:
@@ -135,7 +138,7 @@ def bc_row(out: Path, files: dict[str, Path], k: int, seed: int, s: dict) -> dic
 
             shutil.rmtree(run_dir)
         _run(["train", BC_RECIPE, "--out", str(run_dir), f"data={data}", f"export_dir={clone}", f"seed={seed}",
-              f"eval_states_per_task={s['eval']}", "gifs=false", *quick], out / "logs" / f"bc-K{k}-s{seed}.log")
+              f"eval_states_per_task={s['eval']}", "gifs=false", f"env.num_workers={ROW_ENV_WORKERS}", *quick], out / "logs" / f"bc-K{k}-s{seed}.log")
     rec = [r for r in _records(run_dir) if "eval/success" in r][-1]
     row = {"variant": f"BC, K={k}", "kind": "bc", "K": k, "seed": seed, "success": rec["eval/success"],
            "success_se": rec.get("eval/success_se"), "bc_min": round(rec.get("time/train", 0) / 60, 1)}
@@ -160,6 +163,7 @@ def evaluate_clone(clone: Path, seed: int, out_file: Path, per_task: int, horizo
     torch.set_num_threads(1)
     cfg = load_train_config(yaml.safe_load((ROOT / RL_RECIPE).read_text())).domain_config
     env = cfg.env
+    env.num_workers = ROW_ENV_WORKERS
     if horizon:
         env.horizon = horizon
     policy = TinyVLA.load_pretrained(clone)
@@ -230,7 +234,8 @@ def rl_row(out: Path, k: int, seed: int, variant: str, overrides: list[str], s: 
                      "robotics.env.horizon=16"] if s["quick"] else []
             _run(["train", RL_RECIPE, "--out", str(run_dir), f"robotics.checkpoint={clone}", f"seed={seed}",
                   f"robotics.eval_baseline={clone / 'eval_episodes.json'}", "eval.at_start=false",
-                  f"robotics.eval_states_per_task={s['eval']}", *quick, *overrides], log)
+                  f"robotics.eval_states_per_task={s['eval']}", f"robotics.env.num_workers={ROW_ENV_WORKERS}", *quick,
+                  *overrides], log)
     recs = _records(run_dir)
     last = [r for r in recs if "eval/success" in r][-1]
     base = json.loads((clone / "eval_episodes.json").read_text())
