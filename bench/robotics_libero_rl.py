@@ -146,7 +146,8 @@ def bc_row(out: Path, files: dict[str, Path], k: int, seed: int, s: dict) -> dic
     return row
 
 
-def evaluate_clone(clone: Path, seed: int, out_file: Path, per_task: int, horizon: int = 0) -> None:
+def evaluate_clone(clone: Path, seed: int, out_file: Path, per_task: int, horizon: int = 0,
+                   env_workers: int = ROW_ENV_WORKERS) -> None:
     """The clone's held-out evaluation under start-noise seed ``seed`` (the RL recipe's env), its episodes to
     ``out_file`` (``python -m bench.robotics_libero_rl --evaluate-clone``: one process per seed)."""
     import torch
@@ -163,7 +164,7 @@ def evaluate_clone(clone: Path, seed: int, out_file: Path, per_task: int, horizo
     torch.set_num_threads(1)
     cfg = load_train_config(yaml.safe_load((ROOT / RL_RECIPE).read_text())).domain_config
     env = cfg.env
-    env.num_workers = ROW_ENV_WORKERS
+    env.num_workers = env_workers
     if horizon:
         env.horizon = horizon
     policy = TinyVLA.load_pretrained(clone)
@@ -190,7 +191,7 @@ def noise_rows(out: Path, k: int, s: dict) -> list[dict]:
         f = out / f"noise-K{k}" / f"seed{seed}.json"
         if not f.is_file() and not s.get("assemble"):
             _run(["--evaluate-clone", str(clone), "--eval-seed", str(seed), "--out", str(f), "--states",
-                  str(s["eval"]), *(["--horizon", "16"] if s["quick"] else [])],
+                  str(s["eval"]), "--env-workers", str(s["env_workers"]), *(["--horizon", "16"] if s["quick"] else [])],
                  out / "logs" / f"noise-K{k}-seed{seed}.log", module="bench.robotics_libero_rl")
         if f.is_file():
             files[seed] = f
@@ -359,7 +360,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--horizon", type=int, default=0)
     a = p.parse_args(argv)
     if a.evaluate_clone:
-        evaluate_clone(Path(a.evaluate_clone), a.eval_seed, Path(a.out), a.states, a.horizon)
+        evaluate_clone(Path(a.evaluate_clone), a.eval_seed, Path(a.out), a.states, a.horizon,
+                       a.env_workers if a.env_workers >= 0 else ROW_ENV_WORKERS)
         return
     res = run(Path(a.out), a.quick, a.only, a.assemble, tuple(a.seeds), tuple(a.variants), tuple(a.ks), a.iterations,
               a.env_workers)
