@@ -126,3 +126,24 @@ def test_a_saved_baseline_pairs_a_run_that_skips_its_first_evaluation(tmp_path):
                                       **extra).read_text())
         with pytest.raises(ConfigError, match=match):
             Trainer(load_train_config(data), tmp_path / "x", log=lambda s: None)
+
+
+def test_the_committed_libero_clone_carries_its_own_held_out_episodes():
+    """assets/libero-vla-tiny-bc5: the eval_baseline of configs/robotics/libero_grpo.yaml is this clone's evaluation
+    (its weights' digest) on the recipe's own episodes (the 50 fixed states of its four tasks, seed 0)."""
+    from pathlib import Path
+
+    from shared_rl.config import load_train_config
+
+    from robotics.evaluation import eval_settings, policy_digest
+    from robotics.policies.vla import TinyVLA
+
+    root = Path(__file__).resolve().parents[2]
+    asset = root / "assets" / "libero-vla-tiny-bc5"
+    base = EvalOutcomes.from_json(json.loads((asset / "eval_episodes.json").read_text()))
+    assert base.policy == policy_digest(TinyVLA.load_pretrained(asset))
+    cfg = load_train_config(yaml.safe_load((root / "configs/robotics/libero_grpo.yaml").read_text())).domain_config
+    assert cfg.eval_baseline.endswith("libero-vla-tiny-bc5/eval_episodes.json")
+    assert base.settings == eval_settings(cfg.env, cfg.eval_states_per_task, cfg.eval_split, 0, cfg.eval_seed,
+                                          cfg.eval_noise_draws, cfg.eval_init_noise)
+    assert len(base.success) == 200 and abs(base.success.mean() - 0.62) < 1e-9
