@@ -17,9 +17,11 @@ class LLMLoraSettings:
     """LoRA adapter settings (Hu et al., "LoRA: Low-Rank Adaptation of Large Language Models"): the ``llm.lora``
     section. ``LLM``-prefixed because the image domain has LoRA settings of its own; one name, one meaning."""
 
+    moved_keys = {"r": "use llm.lora.rank (the name every other LoRA section uses)"}
+
     enabled: bool = field(default=False, metadata={"help": "train a peft LoRA adapter instead of all weights"})
-    r: int = field(default=8, metadata={"help": "adapter rank"})
-    alpha: int = field(default=16, metadata={"help": "LoRA alpha (the update is scaled by alpha / r)"})
+    rank: int = field(default=8, metadata={"help": "adapter rank (peft's r)"})
+    alpha: int = field(default=16, metadata={"help": "LoRA alpha (the update is scaled by alpha / rank)"})
     dropout: float = field(default=0.0, metadata={"help": "dropout on the adapter input"})
     target_modules: list[str] = field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
@@ -116,7 +118,7 @@ def prepare_causal_lm(model: torch.nn.Module, device: torch.device | str = "cpu"
         if not targets:
             raise ValueError(f"lora.target_modules {lora.target_modules} match no module of {path}; "
                              f"available leaf names include {sorted(available)[:20]}")
-        cfg = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets,
+        cfg = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets,
                          task_type="CAUSAL_LM")
         model = get_peft_model(model, cfg)
     return model

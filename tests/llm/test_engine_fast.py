@@ -183,7 +183,7 @@ def make_domain(model_dir: Path, **overrides) -> LLMDomain:
 def test_engine_selected_by_config_and_ratio_still_exactly_one(tiny_dir):
     assert isinstance(make_domain(tiny_dir).engine, TorchRolloutEngine)          # the default is unchanged
     assert isinstance(make_domain(tiny_dir, engine="auto").engine, FastLlamaEngine)
-    dom = make_domain(tiny_dir, engine="fast", lora=LLMLoraSettings(enabled=True, r=4, alpha=8))
+    dom = make_domain(tiny_dir, engine="fast", lora=LLMLoraSettings(enabled=True, rank=4, alpha=8))
     assert isinstance(dom.engine, FastLlamaEngine)
     ro = dom.rollout([0, 1, 2], 4, torch.Generator().manual_seed(0), 0)
     out = dom.log_probs(ro, torch.arange(len(ro)), need_kl=False)

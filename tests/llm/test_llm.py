@@ -106,7 +106,7 @@ def test_temperature_scaling_of_log_probs(tiny_dir):
 
 
 def test_lora_reference_is_adapter_disabled(tiny_dir):
-    dom = make_domain(tiny_dir, lora=LLMLoraSettings(enabled=True, r=4, alpha=8, target_modules=["q_proj", "v_proj"]))
+    dom = make_domain(tiny_dir, lora=LLMLoraSettings(enabled=True, rank=4, alpha=8, target_modules=["q_proj", "v_proj"]))
     names = [n for n, p in dom.model.named_parameters() if p.requires_grad]
     assert names and all("lora_" in n for n in names)
     ro = dom.rollout([0, 1], 2, torch.Generator().manual_seed(0), 0)

@@ -77,7 +77,7 @@ def test_shared_prompt_forward_matches_one_pass(tiny_dir, variant):
     if variant == "tree":
         kwargs["tree"] = LLMTreeSettings(enabled=True, branching=[2, 2], segment_tokens=2)
     if variant == "lora_kl":
-        kwargs["lora"] = LLMLoraSettings(enabled=True, r=4, alpha=8)
+        kwargs["lora"] = LLMLoraSettings(enabled=True, rank=4, alpha=8)
     dom = make_domain(tiny_dir, **kwargs)
     if variant == "lora_kl":   # move the adapter off zero so the policy differs from the reference
         with torch.no_grad():
