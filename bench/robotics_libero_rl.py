@@ -54,6 +54,10 @@ RL_VARIANTS = {  # name -> overrides of RL_RECIPE (grove's defaults; each line s
                   "optim.inner_epochs=8"],
     # RLinf's piRL (flow-SDE): Flow-GRPO noise 0.5 on one random denoising step per chunk, group 8
     "pirl": ["robotics.noise_level=0.5"],
+    # anchors to the clone: Flow-GRPO's KL of the SDE step means (its beta 0.04), or the BC loss on the K demos beside
+    # the policy gradient (DAPG; the demos file is filled in by rl_row)
+    "grove+kl": ["loss.kl_coef=0.04"],
+    "grove+replay": ["robotics.replay.coef=1.0", "robotics.replay.data={demos}"],
 }
 QUICK = {"ks": (1,), "rl_k": 1, "bc_seeds": (0,), "rl_seeds": (0,), "noise_seeds": (1,), "variants": {"grove": []},
          "eval": 1, "bc_steps": 4}
@@ -246,6 +250,9 @@ def rl_row(out: Path, k: int, seed: int, variant: str, overrides: list[str], s: 
         else:
             quick = ["iterations=1", "rollout.groups_per_iteration=2", "rollout.group_size=2",
                      "robotics.env.horizon=16"] if s["quick"] else []
+            if any("{demos}" in o for o in overrides):  # the K demos the clone was made from
+                demos = demo_subset(demo_files(out, 1 if s["quick"] else pool_size(k), s), k, out)
+                overrides = [o.replace("{demos}", str(demos)) for o in overrides]
             _run(["train", RL_RECIPE, "--out", str(run_dir), f"robotics.checkpoint={clone}", f"seed={seed}",
                   f"robotics.eval_baseline={clone / 'eval_episodes.json'}", "eval.at_start=false",
                   f"robotics.eval_states_per_task={s['eval']}",

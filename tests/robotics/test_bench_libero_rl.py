@@ -52,7 +52,8 @@ def test_the_variants_are_valid_configs_with_their_settings():
     from shared_rl.config import apply_overrides, load_train_config
 
     base = yaml.safe_load((bl.ROOT / bl.RL_RECIPE).read_text())
-    cfgs = {v: load_train_config(apply_overrides(json.loads(json.dumps(base)), o)) for v, o in bl.RL_VARIANTS.items()}
+    cfgs = {v: load_train_config(apply_overrides(json.loads(json.dumps(base)), [x.replace("{demos}", "d.npz") for x in o]))
+            for v, o in bl.RL_VARIANTS.items()}
     g, sv, ript, pirl = (cfgs[v] for v in ("grove", "simplevla", "ript-loop", "pirl"))
     assert g.rollout.groups_per_iteration * g.rollout.group_size == 64 and g.domain_config.adapters.steps == "by_episodes"
     assert sv.selection.filter == "band" and list(sv.selection.band) == [0.1, 0.9] and sv.selection.max_refill_rounds == 4
@@ -60,3 +61,6 @@ def test_the_variants_are_valid_configs_with_their_settings():
     assert ript.optim.inner_epochs == 8 and ript.optim.lr == pytest.approx(5e-5)
     assert pirl.domain_config.noise_level == 0.5 and pirl.domain_config.head_mode == "sde_one_step"
     assert g.domain_config.env.tasks == bl.TASKS
+    assert cfgs["grove+kl"].loss.kl_coef == 0.04 and g.loss.kl_coef == 0
+    replay = cfgs["grove+replay"].domain_config.replay
+    assert replay.coef == 1.0 and replay.data == "d.npz" and g.domain_config.replay.coef == 0
