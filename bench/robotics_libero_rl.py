@@ -211,13 +211,16 @@ def noise_rows(out: Path, k: int, s: dict) -> list[dict]:
                  out / "logs" / f"noise-K{k}-seed{seed}.log", module="bench.robotics_libero_rl")
         if f.is_file():
             files[seed] = f
-    rows, scores = [], {}
+    rows, scores, first = [], {}, None
     for seed, f in files.items():
         o = EvalOutcomes.from_json(json.loads(f.read_text()))
+        first = first or o
         m = outcome_metrics(o, standard_errors=True)
         scores[seed] = m
         row = {"variant": f"BC K={k} clone, start-noise seed {seed}", "kind": "noise", "K": k, "seed": seed,
-               "success": m["eval/success"], "success_se": m["eval/success_se"]}
+               "success": m["eval/success"], "success_se": m["eval/success_se"],
+               # the same weights and states, other start noise: how many episodes change their outcome
+               "episodes_flipped_vs_seed_0": int((o.success != first.success).sum()) if o.keys == first.keys else None}
         row.update({t: f"{m[f'eval/success/{t}']:.2f}" for t in TASKS if f"eval/success/{t}" in m})
         rows.append(row)
     if len(scores) > 1:
