@@ -463,9 +463,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--horizon", type=int, default=0)
     a = p.parse_args(argv)
     if a.null_of:
-        run = Path(a.null_of)
-        evaluate_null(run / "final", rl_clone(run.parent, RL_K), a.eval_seed,
-                      run.parent / f"null-{run.name}" / f"seed{a.eval_seed}.json", a.states, a.horizon,
+        rl_dir = Path(a.null_of)
+        evaluate_null(rl_dir / "final", rl_clone(rl_dir.parent, RL_K), a.eval_seed,
+                      rl_dir.parent / f"null-{rl_dir.name}" / f"seed{a.eval_seed}.json", a.states, a.horizon,
                       a.env_workers if a.env_workers >= 0 else ROW_ENV_WORKERS)
         return
     if a.evaluate_clone:
