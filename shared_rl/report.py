@@ -65,6 +65,10 @@ def eval_changes(records: list[dict[str, Any]]) -> list[tuple[str, Any, Any, int
             if k.startswith("eval/") and _num(last[k])]
 
 
+def _paired_cell(pc: tuple[float, float, bool] | None) -> str:
+    return "<td></td>" if pc is None else f"<td class='num'>{pc[0]:+.3f} ± {pc[1]:.3f}{' (inside the band)' if pc[2] else ''}</td>"
+
+
 def _is_paired_key(key: str) -> bool:
     head = key.split("/")[1] if key.count("/") else key
     return head.endswith(("_delta", "_delta_se")) or head.startswith("paired_")
@@ -177,17 +181,18 @@ def write_report(run_dir: Path, records: list[dict[str, Any]], title: str, facts
             if any_paired and _is_paired_key(k):
                 continue  # shown in its metric's row
             if single or not _num(a):
-                rows.append([f"<td>{html.escape(k)}</td>", f"<td class='num'>{_fmt(b)}</td>"])
+                row = [f"<td>{html.escape(k)}</td>", f"<td class='num'>{_fmt(b)}</td>"]
+                if single and any_paired:  # before = a saved baseline (robotics.eval_baseline): only the change shows
+                    row.append(_paired_cell(paired[k]))
+                rows.append(row)
                 continue
             cls = "up" if b > a else "down" if b < a else ""
             row = [f"<td>{html.escape(k)}</td>", f"<td class='num'>{_fmt(a)}</td>",
                    f"<td class='num'>{_fmt(b)}</td>", f"<td class='num {cls}'>{b - a:+.4g}</td>"]
             if any_paired:
-                pc = paired[k]
-                row.append("<td></td>" if pc is None else
-                           f"<td class='num'>{pc[0]:+.3f} ± {pc[1]:.3f}{' (inside the band)' if pc[2] else ''}</td>")
+                row.append(_paired_cell(paired[k]))
             rows.append(row)
-        head = ["metric", f"iteration {changes[0][4]}"] if single else \
+        head = ["metric", f"iteration {changes[0][4]}"] + (["paired change ± se"] if any_paired else []) if single else \
             ["metric", f"iteration {changes[0][3]}", f"iteration {changes[0][4]}", "change"] + \
             (["paired change ± se"] if any_paired else [])
         parts.append(_table(rows, head))

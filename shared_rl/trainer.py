@@ -666,7 +666,18 @@ class Trainer:
         evals = [r for r in records if any(k.startswith("eval/") for k in r)]
         trained = [r for r in records if any(k.startswith("reward/") for k in r)]
         prefix, what = "eval/", "summary"
-        if len(evals) < 2 and len(trained) >= 2:  # no held-out evaluation: the training rewards, said as such
+        from .report import paired_change
+
+        last = evals[-1] if evals else {}
+        paired = {k: pc for k in sorted(last) if (pc := paired_change(last, k)) is not None}
+        if len(evals) == 1 and paired:  # one evaluation paired with a saved baseline: its changes are the summary
+            lines = [f"{k}: {last[k]:.4g} (paired change {d:+.4g} ± {se:.3g}{', inside the band' if inside else ''})"
+                     for k, (d, se, inside) in paired.items()]
+            summary = f"summary, paired with the saved baseline (step {last['step']})\n  " + "\n  ".join(lines)
+            atomic_write_text(self.run_dir / "summary.txt", summary + "\n")
+            self.log(summary)
+            evals = []  # written
+        if len(evals) < 2 and len(trained) >= 2 and not paired:  # no held-out evaluation: the training rewards
             evals, prefix, what = trained, "reward/", "summary of the training rewards (no held-out evaluation)"
         if len(evals) >= 2:
             first, last = evals[0], evals[-1]

@@ -26,3 +26,11 @@ def test_a_paired_change_sits_beside_its_metric_with_its_band(tmp_path):
     assert "+0.120 ± 0.030</td>" in held, "0.12 is four standard errors: outside the band"
     assert "+0.040 ± 0.050 (inside the band)" in held
     assert "eval/success_delta" not in held and "paired_gained" not in held, "the paired keys sit in their rows"
+
+
+def test_a_run_paired_with_a_saved_baseline_shows_its_change(tmp_path):
+    """One evaluation (the before is a saved file, robotics.eval_baseline): the paired change still shows."""
+    records = [{"step": 6, "eval/success": 0.635, "eval/success_delta": 0.015, "eval/success_delta_se": 0.032}]
+    held = write_report(tmp_path, records, "grove run: t").read_text()
+    held = held[held.index("Held-out evaluation"):]
+    assert "paired change ± se" in held and "+0.015 ± 0.032 (inside the band)" in held
