@@ -670,10 +670,11 @@ class Trainer:
 
         last = evals[-1] if evals else {}
         paired = {k: pc for k in sorted(last) if (pc := paired_change(last, k)) is not None}
-        if len(evals) == 1 and paired:  # one evaluation paired with a saved baseline: its changes are the summary
+        if paired:  # the last evaluation read episode by episode against the baseline (the run's first or a saved one)
             lines = [f"{k}: {last[k]:.4g} (paired change {d:+.4g} ± {se:.3g}{', inside the band' if inside else ''})"
                      for k, (d, se, inside) in paired.items()]
-            summary = f"summary, paired with the saved baseline (step {last['step']})\n  " + "\n  ".join(lines)
+            summary = (f"summary at step {last['step']}, paired with the baseline evaluation (the run's first, or "
+                       f"its saved one)\n  " + "\n  ".join(lines))
             atomic_write_text(self.run_dir / "summary.txt", summary + "\n")
             self.log(summary)
             evals = []  # written

@@ -117,8 +117,9 @@ def test_a_saved_baseline_pairs_a_run_that_skips_its_first_evaluation(tmp_path):
                  "eval.at_start=false"]) == 0
     ra, rb = _records(a), _records(b)
     assert "eval/success" not in rb[0] or rb[0]["step"] != 0
-    summary = (b / "summary.txt").read_text()  # one evaluation: its paired change is the summary, not the rewards'
-    assert summary.startswith("summary, paired with the saved baseline") and "eval/success: " in summary
+    summary = (b / "summary.txt").read_text()  # the paired change is the summary (not the rewards', not step 2 -> 4)
+    assert summary.startswith("summary at step 4, paired with the baseline") and "eval/success: " in summary
+    assert "(paired change " in summary
     keys = ("eval/success", "eval/success_delta", "eval/success_delta_se")
     assert [{k: r[k] for k in keys} for r in ra if "eval/success_delta" in r] == \
         [{k: r[k] for k in keys} for r in rb if "eval/success" in r]
