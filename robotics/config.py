@@ -207,7 +207,10 @@ class RoboticsConfig(DomainConfig):
     def preflight(self, train_cfg) -> None:
         """The files this section names, before any model loads (``--dry-run`` runs it too): the tiny VLA's
         checkpoint directory, with the command that makes it for this env, and ``eval_baseline``."""
-        if self.policy.type == "tiny_vla" and self.checkpoint:
+        from .held import HELD_PREFIX
+
+        # a checkpoint path under held/ only labels a policy the caller holds (robotics.api): nothing to read
+        if self.policy.type == "tiny_vla" and self.checkpoint and not self.checkpoint.startswith(HELD_PREFIX):
             path = resolve(self.checkpoint)
             if not (path / "model.safetensors").is_file() or not (path / "config.json").is_file():
                 raise ConfigError(f"robotics.checkpoint {self.checkpoint}: {missing_checkpoint_hint(path, self.env.kind)}")

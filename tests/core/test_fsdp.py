@@ -45,7 +45,7 @@ VARIANTS = {
                  "rollout": {"groups_per_iteration": 3, "group_size": 2, "groups_per_call": 1},
                  "optim": {"lr": 1e-3, "minibatches_per_epoch": 2, "micro_batch_size": 2},
                  "loss": {"kl_coef": 0.1},
-                 "llm": {"max_new_tokens": 3, "num_threads": 1, "lora": {"enabled": True, "r": 2, "alpha": 4},
+                 "llm": {"max_new_tokens": 3, "num_threads": 1, "lora": {"enabled": True, "rank": 2, "alpha": 4},
                          "rewards": [{"name": "tests.core.test_fsdp:even_token_fraction"}],
                          "behaviour_logprobs": "deferred",
                          "eval": {"num_prompts": 3, "batch_size": 3, "sampled": False}}},
