@@ -202,6 +202,7 @@ def test_sighup_checkpoints_and_exits_like_sigterm(tmp_path, monkeypatch, capsys
     from shared_rl import registry
 
     monkeypatch.setitem(registry.DOMAINS, "hangup_toy", f"{__name__}:HangupToy")
+    before = signal.getsignal(signal.SIGHUP)  # SIG_DFL, or SIG_IGN under nohup
     data = {**GOOD, "domain": "hangup_toy", "iterations": 6, "checkpoint": {"every": 0}, "hangup_toy": GOOD["toy"]}
     data.pop("toy")
     cfg = tmp_path / "c.yaml"
@@ -212,7 +213,7 @@ def test_sighup_checkpoints_and_exits_like_sigterm(tmp_path, monkeypatch, capsys
     assert "SIGHUP: finishing this iteration, then checkpointing" in err
     assert f"SIGHUP: checkpoint saved at iteration 2; resume with: grove train --resume {run}" in err
     assert [p.name for p in (run / "checkpoints").iterdir()] == ["step_000002"]
-    assert signal.getsignal(signal.SIGHUP) is signal.SIG_DFL  # the handler is the run's only
+    assert signal.getsignal(signal.SIGHUP) is before  # the run's handler is its own: the caller's is back
 
 
 def test_sighup_points_a_vanished_terminal_at_dev_null():
