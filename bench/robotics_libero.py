@@ -70,6 +70,14 @@ def _render_rows(frames: int, states: int) -> list[dict]:
     return rows
 
 
+def _seconds_per_step(env, rng, steps: int) -> float:
+    """Wall seconds of one ``env.step`` with uniform random actions, over ``steps`` steps."""
+    t = time.perf_counter()
+    for _ in range(steps):
+        env.step(rng.uniform(-1, 1, 7))
+    return (time.perf_counter() - t) / steps
+
+
 def _sequential_rate(steps: int) -> tuple[float, float]:
     """(steps/s without rendering, steps/s rendering both cameras at 128 after every step, standard scene)."""
     from robotics.envs.libero_env import LiberoRenderer, LiberoTaskEnv
@@ -78,10 +86,7 @@ def _sequential_rate(steps: int) -> tuple[float, float]:
     rng = np.random.default_rng(0)
     env = LiberoTaskEnv(TASK)
     env.reset(make_key(0, "train", 0))
-    t = time.perf_counter()
-    for _ in range(steps):
-        env.step(rng.uniform(-1, 1, 7))
-    physics = steps / (time.perf_counter() - t)
+    physics = 1.0 / _seconds_per_step(env, rng, steps)
     r = LiberoRenderer(env.model, 128, ["image", "image2"], tuned=False)
     env.reset(make_key(0, "train", 0))
     r.render(env.data)
@@ -110,10 +115,7 @@ def _stage_rows(steps: int, batch: int = 8) -> list[dict]:
     rng = np.random.default_rng(0)
     env = LiberoTaskEnv(TASK)
     env.reset(make_key(0, "train", 0))
-    t = time.perf_counter()
-    for _ in range(steps):
-        env.step(rng.uniform(-1, 1, 7))
-    step_s = (time.perf_counter() - t) / steps
+    step_s = _seconds_per_step(env, rng, steps)
     substeps = int(round(env.problem.control_timestep / env.problem.model_timestep))
     t = time.perf_counter()
     for _ in range(steps):

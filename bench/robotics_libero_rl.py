@@ -178,7 +178,6 @@ def evaluate_clone(clone: Path, seed: int, out_file: Path, per_task: int, horizo
     from robotics.evaluation import evaluate_episodes, policy_digest
     from robotics.policies.vla import TinyVLA
     from shared_rl.config import load_train_config
-    from shared_rl.metrics import Progress  # noqa: F401  (the progress lines of evaluate_episodes)
     from shared_rl.rundir import atomic_write_text
 
     import yaml

@@ -59,7 +59,6 @@ from .rollouts import rollout_class
 SHORT_HORIZON_PREFIX = "short_horizon."  # the short-horizon strategy's critic (world_model/short_horizon.py; loaded
 # on demand, so its prefix is named here rather than imported)
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 ENCODER_MODULES = ("cnn", "image_proj", "text", "proprio")
 
 

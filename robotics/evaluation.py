@@ -50,7 +50,7 @@ class EvalOutcomes:
     success: np.ndarray  # [N] bool
     length: np.ndarray  # [N] int, env steps
     settings: dict[str, Any]
-    policy: str = ""  # what was evaluated, when known: the sha256 of the starting checkpoint's weights
+    policy: str = ""  # the weights these episodes are of, when known (policy_digest)
 
     def to_json(self) -> dict[str, Any]:
         return {"tasks": list(self.tasks), "keys": [int(k) for k in self.keys], "draws": [int(d) for d in self.draws],
