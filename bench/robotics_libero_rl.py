@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -308,6 +309,19 @@ def null_rows(out: Path, rl_rows: list[dict], s: dict) -> list[dict]:
     return rows
 
 
+def shorter_row(out: Path, name: str, its: int) -> Path | None:
+    """The finished row of the same variant, K and seed at the longest budget below ``its`` (``...-itM``, M < its)
+    whose checkpoint at its last iteration is kept, or None."""
+    stem = name.rsplit("-it", 1)[0]
+    best = None
+    for d in out.glob(f"{stem}-it*"):
+        m = d.name[len(stem) + 3:]
+        if m.isdigit() and int(m) < its and (d / "final").is_dir() \
+                and (d / "checkpoints" / f"step_{int(m):06d}").is_dir() and (best is None or int(m) > best[0]):
+            best = (int(m), d)
+    return best[1] if best else None
+
+
 def verdict(delta: float, se: float) -> str:
     """How a paired change reads: beyond 2 standard errors a gain or a loss, else inside the band."""
     if not np.isfinite(se) or se == 0:
@@ -323,7 +337,13 @@ def rl_row(out: Path, k: int, seed: int, variant: str, overrides: list[str], s: 
         if s.get("assemble") or not (clone / "eval_episodes.json").is_file():
             return None
         log = out / "logs" / f"{run_dir.name}.log"
-        if (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir()):
+        shorter = shorter_row(out, run_dir.name, its) if its else None
+        if shorter is not None and not run_dir.exists():
+            # a longer budget of a finished row: its copy goes on from the last checkpoint (the step size is
+            # constant and each iteration draws from (seed, iteration), so this is the uninterrupted longer run)
+            shutil.copytree(shorter, run_dir, ignore=shutil.ignore_patterns("final", "*.lock"))
+            _run(["train", "--resume", str(run_dir), f"iterations={its}"], log)
+        elif (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir()):
             _run(["train", "--resume", str(run_dir)], log)  # an interrupted row goes on from its newest checkpoint
         else:
             quick = ["iterations=1", "rollout.groups_per_iteration=2", "rollout.group_size=2",

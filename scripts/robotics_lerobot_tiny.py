@@ -56,7 +56,8 @@ def main(argv=None) -> dict:
     p.add_argument("--train-embeddings", action="store_true", help="π: also train the token embedding tables")
     p.add_argument("--demos", default=None,
                    help="grove episodes .npz; collected (noisy expert demos) when missing (default: "
-                        "runs/robotics-demos/lerobot_tiny_demos.npz; LIBERO: " + LIBERO_DEMOS + ")")
+                        "runs/robotics-demos/lerobot_tiny_demos.npz; LIBERO: "
+                        + libero_demo_file(LIBERO_TASKS, 20).replace("20.npz", "N.npz") + ", N = --demos-per-task)")
     p.add_argument("--tasks", nargs="+", default=None, help=f"default {TASKS}; LIBERO {LIBERO_TASKS}")
     p.add_argument("--demos-per-task", type=int, default=20)
     p.add_argument("--steps", type=int, default=4000)

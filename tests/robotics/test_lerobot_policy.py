@@ -439,3 +439,20 @@ def test_cpu_recipe_bc_then_grpo_on_metaworld(tmp_path):
     assert before == bc["eval/success"], "iteration 0 evaluates the BC policy on the same held-out states"
     assert after >= before - 0.05, (before, after)
     assert (tmp_path / "run" / "final" / "policy_preprocessor.json").is_file()
+
+
+def test_tiny_lerobot_script_help_names_both_demo_defaults(capsys):
+    """The script's argument parser builds (its help names the Meta-World and the LIBERO default demo files; a help
+    text that referred to a removed name once made every invocation a NameError)."""
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("lerobot_tiny", root / "scripts" / "robotics_lerobot_tiny.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    with pytest.raises(SystemExit) as stop:
+        script.main(["--help"])
+    assert stop.value.code == 0
+    text = "".join(capsys.readouterr().out.split())  # argparse wraps long paths at hyphens
+    assert "lerobot_tiny_demos.npz" in text and "runs/libero-demos/spatial0_object0_goal1_goal6_dartN.npz" in text
