@@ -85,3 +85,23 @@ def test_the_null_control_keeps_each_adapters_size_and_loses_its_direction():
         assert float(after[t].norm()) == pytest.approx(float(before[t].norm()), rel=1e-5)
     assert not torch.allclose(after[0], before[0]) and float(after[2].abs().max()) == 0, "a zero adapter stays zero"
     assert torch.equal(policy.adapters.down, down)
+
+
+def test_a_longer_budget_goes_on_from_the_longest_finished_shorter_row(tmp_path):
+    """rl-V-K5-s0-it12 extends the finished row with the most iterations below 12 whose last checkpoint is kept;
+    an unfinished row, a longer one, or one without its last checkpoint is not a start."""
+    def row(its, final=True, last_checkpoint=True):
+        d = tmp_path / f"rl-grove-K5-s0-it{its}"
+        (d / "checkpoints" / f"step_{its - (0 if last_checkpoint else 1):06d}").mkdir(parents=True)
+        if final:
+            (d / "final").mkdir()
+        return d
+
+    assert bl.shorter_row(tmp_path, "rl-grove-K5-s0-it12", 12) is None
+    four = row(4)
+    row(8, final=False)
+    row(6, last_checkpoint=False)
+    row(16)
+    (tmp_path / "rl-grove-K5-s1-it9").mkdir()
+    assert bl.shorter_row(tmp_path, "rl-grove-K5-s0-it12", 12) == four
+    assert bl.shorter_row(tmp_path, "rl-grove-K5-s0-it4", 4) is None
