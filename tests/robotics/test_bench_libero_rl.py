@@ -105,3 +105,21 @@ def test_a_longer_budget_goes_on_from_the_longest_finished_shorter_row(tmp_path)
     (tmp_path / "rl-grove-K5-s1-it9").mkdir()
     assert bl.shorter_row(tmp_path, "rl-grove-K5-s0-it12", 12) == four
     assert bl.shorter_row(tmp_path, "rl-grove-K5-s0-it4", 4) is None
+
+
+def test_the_smolvla_row_pairs_with_its_own_first_evaluation(tmp_path):
+    """before = the run's iteration-0 evaluation of the SmolVLA clone, after = its last; the paired change and the
+    cost are the run's own."""
+    run = tmp_path / f"rl-smolvla-{bl.SMOLVLA_VARIANT}-K5-s0-it4"
+    (run / "final").mkdir(parents=True)
+    recs = [{"step": 0, "eval/success": 0.25, "eval/success/libero_spatial/0": 0.1, "time/eval": 300.0},
+            {"step": 1, "env/steps": 9000, "time/iteration": 240.0},
+            {"step": 4, "env/steps": 8000, "time/iteration": 240.0, "time/eval": 300.0, "eval/success": 0.4,
+             "eval/success_delta": 0.15, "eval/success_delta_se": 0.05, "eval/success/libero_spatial/0": 0.3,
+             "eval/success_delta/libero_spatial/0": 0.2, "eval/success_delta_se/libero_spatial/0": 0.08}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    row = bl.smolvla_row(tmp_path, 5, 0, 4, {"assemble": True, "quick": False})
+    assert (row["success_before"], row["success"], row["paired_delta"], row["verdict"]) == (0.25, 0.4, 0.15, "gain")
+    assert row["env_steps"] == 17000 and row["wall_min"] == 18.0 and row["iterations"] == 4
+    assert row["libero_spatial/0"] == "0.10 -> 0.30 (+0.20 ± 0.08)"
+    assert bl.smolvla_row(tmp_path, 5, 0, 8, {"assemble": True, "quick": False}) is None
