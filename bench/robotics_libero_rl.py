@@ -56,6 +56,10 @@ RL_VARIANTS = {  # name -> overrides of RL_RECIPE (grove's defaults; each line s
     # (its 20; 8 here), LoRA step size 5e-5, dynamic rollout sampling (the history sampler, as grove's)
     "ript-loop": ["advantage.estimator=rloo", "loss.clip_low=0.1", "loss.clip_high=0.1", "optim.lr=5e-5",
                   "optim.inner_epochs=8"],
+    # LOOP with a 4x step: its 16 steps of 5e-5 an iteration left approx_kl ~1e-4 and the clip all but idle
+    # (clip_frac <= 0.1 %), so the trust region, not the step size, is left to bound each update
+    "ript-loop+lr2e-4": ["advantage.estimator=rloo", "loss.clip_low=0.1", "loss.clip_high=0.1", "optim.lr=2e-4",
+                         "optim.inner_epochs=8"],
     # RLinf's piRL (flow-SDE): Flow-GRPO noise 0.5 on one random denoising step per chunk, group 8
     "pirl": ["robotics.noise_level=0.5"],
     # a larger step: the first LIBERO runs' 3e-4 x 4 steps an iteration, now on 64 episodes an update with
