@@ -88,6 +88,22 @@ class LLMConfig(DomainConfig):
         default="auto", metadata={"help": "use the chat template: auto (if the tokenizer has one) | always | never"})
     max_new_tokens: int = field(default=8, metadata={"help": "completion length cap in tokens"})
     temperature: float = field(default=1.0, metadata={"help": "sampling temperature of the rollouts"})
+    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling: keep the most likely tokens up to this "
+                                                        "probability mass; 1 = off (sampling.py)"})
+    top_k: int = field(default=0, metadata={"help": "sample among the k most likely tokens; 0 = off"})
+    min_p: float = field(default=0.0, metadata={"help": "drop tokens below min_p x the top token's probability; 0 = off"})
+    repetition_penalty: float = field(default=1.0, metadata={
+        "help": "divide (multiply, if negative) the logits of tokens already in the row by this; 1 = off"})
+    none_rewards: Literal["missing", "zero_unless_all"] = field(default="missing", metadata={
+        "help": "a reward function's None: missing = the sample's reward is missing (NaN: masked and counted) | "
+                "zero_unless_all = TRL's: that term counts 0 when another function scored the sample, missing only "
+                "when every function returned None"})
+    mask_truncated: bool = field(default=False, metadata={
+        "help": "completions cut by max_new_tokens (no EOS) get no loss (TRL's mask_truncated_completions); they still "
+                "count in their group's advantages"})
+    kl_ratio_correction: Literal["off", "token", "sequence"] = field(default="off", metadata={
+        "help": "multiply the k3 KL of each token by the importance ratio (with its gradient), per token or per "
+                "sequence (TRL's use_bias_correction_kl); off = the trainer's loss.kl_estimator"})
     rewards: list[LLMRewardSpec] = field(default_factory=lambda: [LLMRewardSpec("numeric_match", 1.0)], metadata={
         "help": "reward terms: [{name, weight, args, label}] (names: built-in or module:function)"})
     reward_guard: RewardGuardConfig = field(default_factory=RewardGuardConfig)  # retries / time-out / NaN or fatal
@@ -124,11 +140,21 @@ class LLMConfig(DomainConfig):
                               f"got {self.dataset.source!r}")
         if self.engine not in ("torch", "fast", "auto") and ":" not in self.engine:
             raise ConfigError(f"{where}.engine must be torch, fast, auto or 'module:Class'; got {self.engine!r}")
+        self.sampling_filters().check(where)
+        if self.kl_ratio_correction != "off" and self.behaviour_logprobs == "deferred":
+            raise ConfigError(f"{where}.kl_ratio_correction needs the behaviour log-probs at rollout time; set "
+                              f"{where}.behaviour_logprobs: recompute")
         if self.logprob_batch_size < 1 or self.engine_batch_rows < 1:
             raise ConfigError(f"{where}.logprob_batch_size and engine_batch_rows must be >= 1")
         if self.share_prompt_forward and self.gradient_checkpointing:
             raise ConfigError(f"{where}.share_prompt_forward needs the model's KV cache, which gradient checkpointing "
                               f"turns off; set one of {where}.share_prompt_forward / gradient_checkpointing to false")
+
+    def sampling_filters(self):
+        """The engines' token filters (``sampling.SamplingFilters``) from top_p / top_k / min_p / repetition_penalty."""
+        from .sampling import SamplingFilters
+
+        return SamplingFilters(self.top_p, self.top_k, self.min_p, self.repetition_penalty)
 
     def reward_names(self, cfg: Any) -> list[str]:
         """The reward labels a rollout emits (the core checks ``advantage.weights`` / ``selection.band_reward``)."""
@@ -264,21 +290,32 @@ class LLMDomain(DomainBase):
                 f"{len(self.task.train)} train / {len(self.task.eval)} eval prompts")
 
     def _make_engine(self) -> RolloutEngine:
+        filters = self.cfg.sampling_filters()
         if self.cfg.engine in ("fast", "auto"):
             from .fast_llama import FastLlamaEngine, unsupported_reason
 
             reason = unsupported_reason(self.model)
             if reason is None:
-                return FastLlamaEngine(self.model, self.tokenizer.pad_token_id, self.eos_ids, self.cfg.engine_batch_rows)
+                engine = FastLlamaEngine(self.model, self.tokenizer.pad_token_id, self.eos_ids,
+                                         self.cfg.engine_batch_rows)
+                engine.sampling = filters
+                return engine
             if self.cfg.engine == "fast":
                 raise ConfigError(f"llm.engine: fast cannot run {self.cfg.model}: {reason}; use engine: torch (or auto)")
             self.ctx.log(f"llm: engine auto -> torch ({reason})")
         if self.cfg.engine in ("torch", "auto"):
-            return TorchRolloutEngine(self.model, self.tokenizer.pad_token_id, self.eos_ids, self.cfg.engine_batch_rows)
+            return TorchRolloutEngine(self.model, self.tokenizer.pad_token_id, self.eos_ids, self.cfg.engine_batch_rows,
+                                      filters)
         from ..registry import import_object
 
         cls = import_object(self.cfg.engine, "llm.engine")
-        return cls(model=self.model, tokenizer=self.tokenizer, config=self.cfg)
+        engine = cls(model=self.model, tokenizer=self.tokenizer, config=self.cfg)
+        if filters.active and not hasattr(engine, "sampling"):  # its own sampler would not apply them: say so
+            raise ConfigError(f"llm.engine {self.cfg.engine} has no 'sampling' attribute, so llm.top_p / top_k / "
+                              f"min_p / repetition_penalty cannot reach it; use engine torch or fast, or drop them")
+        if hasattr(engine, "sampling"):
+            engine.sampling = filters
+        return engine
 
     # ---- prompts and rewards ---------------------------------------------------------------------------------
     def _examples(self, split: str) -> list[dict[str, Any]]:
@@ -291,8 +328,11 @@ class LLMDomain(DomainBase):
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def score(self, examples: list[dict[str, Any]], completion_ids: list[list[int]], truncated: list[bool],
-              iteration: int, info: dict[str, float] | None = None) -> dict[str, torch.Tensor]:
-        """Rewards of completions, TRL-style: one call per reward function over the whole batch."""
+              iteration: int, info: dict[str, float] | None = None, on_scores=None) -> dict[str, torch.Tensor]:
+        """Rewards of completions, TRL-style: one call per reward function over the whole batch. ``on_scores``
+        (optional) receives the raw values per label, the truncation flags and the completion ids (``shared_rl.llm.api`` logs TRL's
+        metrics from them); the ``trainer_state`` the functions see is ``ctx.objects['trainer_state']`` when the
+        caller holds one (the TRL-shaped trainer's ``state``), else the iteration."""
         texts = [self._decode(c) for c in completion_ids]
         prompts = [ex["prompt"] for ex in examples]
         conversational = bool(prompts) and isinstance(prompts[0], list)
@@ -303,12 +343,19 @@ class LLMDomain(DomainBase):
         def log_metric(name: str, value: float) -> None:
             info[name] = float(value)
 
-        extras = {"trainer_state": SimpleNamespace(global_step=iteration, epoch=0.0),
+        state = self.ctx.objects.get("trainer_state") or SimpleNamespace(global_step=iteration, epoch=0.0)
+        extras = {"trainer_state": state,
                   "log_metric": log_metric, "log_extra": lambda *a, **k: None,
                   "max_completion_length": self.cfg.max_new_tokens, "truncated": truncated}
         out = {}
         for label, call in self._guarded_calls.items():
             out[label] = call(prompts, completions, completion_ids, columns, extras)[label]
+        if on_scores is not None:  # the raw values (None as NaN), before none_rewards combines them
+            on_scores(out, truncated, completion_ids)
+        if self.cfg.none_rewards == "zero_unless_all" and len(out) > 1:
+            # TRL sums the functions with nansum: a None term is 0 unless no function scored the sample
+            scored = torch.stack([torch.isfinite(r) for r in out.values()]).any(0)
+            out = {k: torch.where(scored & ~torch.isfinite(r), torch.zeros_like(r), r) for k, r in out.items()}
         return out
 
     # ---- log-probs -------------------------------------------------------------------------------------------
@@ -368,14 +415,30 @@ class LLMDomain(DomainBase):
         width = self.cfg.max_new_tokens
         ref = None
         nfe = len(idx)
+        kl = None
+        logp = _pad_steps(logp.float(), width)
         if need_kl:
             module, context = reference_context(self.model, self.reference)
             with torch.no_grad(), context:
                 ref, _ = self._token_logp(module, p["prompt_ids"], p["completion_ids"], p["layout"])
             ref = _pad_steps(ref.float(), width)
             nfe += len(idx)
-        return StepLogProbs(logp=_pad_steps(logp.float(), width), ref_logp=ref,
+            if self.cfg.kl_ratio_correction != "off":
+                kl = self._ratio_corrected_k3(logp, ref, rollout.logp_old[idx].to(logp), rollout.mask[idx].to(logp))
+        return StepLogProbs(logp=logp, ref_logp=ref, kl=kl,
                             entropy=_pad_steps(ent.float(), width) if ent is not None else None, nfe=nfe)
+
+    def _ratio_corrected_k3(self, logp: torch.Tensor, ref: torch.Tensor, logp_old: torch.Tensor,
+                            mask: torch.Tensor) -> torch.Tensor:
+        """TRL's KL term with ``use_bias_correction_kl``: k3 = exp(ref − logp) − (ref − logp) − 1 per token (Schulman's
+        estimator), times the importance ratio exp(logp − logp_old) of the token (``token``) or of the sequence's mean
+        log-ratio (``sequence``), the ratio keeping its gradient. The samples come from the behaviour policy, so the
+        ratio makes the estimate one of KL(current || reference)."""
+        k3 = torch.exp(ref - logp) - (ref - logp) - 1.0
+        log_ratio = (logp - logp_old) * mask
+        if self.cfg.kl_ratio_correction == "sequence":
+            log_ratio = (log_ratio.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)).expand_as(logp)
+        return k3 * torch.exp(log_ratio) * mask
 
     # ---- rollouts --------------------------------------------------------------------------------------------
     def train_keys(self) -> list[int]:
@@ -396,11 +459,14 @@ class LLMDomain(DomainBase):
         info: dict[str, float] = {}
         t0 = time.perf_counter()
         rewards = self.score([self.task.train[keys[i]] for i in gen.prompt_index], gen.completion_ids, truncated,
-                             iteration, info)
+                             iteration, info, self.ctx.objects.get("on_train_scores"))
         info["time/reward"] = time.perf_counter() - t0
         mask = torch.zeros((n, self.cfg.max_new_tokens), dtype=torch.bool)
         for i, c in enumerate(gen.completion_ids):
             mask[i, :len(c)] = True
+        trained_mask = mask
+        if self.cfg.mask_truncated:  # no loss on (and no normaliser count for) completions cut by the length cap
+            trained_mask = mask & ~torch.tensor(truncated, dtype=torch.bool)[:, None]
         if self.cfg.behaviour_logprobs == "engine":
             logp_old = self._engine_logp([(0, lp) for lp in gen.sample_logprobs])
         elif self.cfg.behaviour_logprobs == "deferred":
@@ -410,10 +476,10 @@ class LLMDomain(DomainBase):
         info.update({"completion/tokens": float(mask.sum()), "completion/count": float(n),
                      "completion/truncated": float(sum(truncated))})
         return Rollout(keys=list(keys), group_ids=torch.tensor(gen.prompt_index, dtype=torch.long), rewards=rewards,
-                       logp_old=logp_old, mask=mask,
+                       logp_old=logp_old, mask=trained_mask,
                        payload={"prompt_ids": prompt_rows, "completion_ids": completion_rows, "layout": layout},
                        nfe=gen.nfe + (n if self.cfg.behaviour_logprobs == "recompute" else 0), info=info,
-                       logp_deferred=mask.clone() if self.cfg.behaviour_logprobs == "deferred" else None)
+                       logp_deferred=trained_mask.clone() if self.cfg.behaviour_logprobs == "deferred" else None)
 
     def _tree_rollout(self, keys, prompts, generator, iteration) -> Rollout:
         c = self.cfg

@@ -14,6 +14,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from .sampling import SamplingFilters, filtered_scores, mark_seen, seen_tokens
+
 
 @dataclass
 class Generation:
@@ -68,11 +70,12 @@ class TorchRolloutEngine:
     """
 
     def __init__(self, model: torch.nn.Module, pad_token_id: int, eos_token_ids: list[int] | int,
-                 max_batch_rows: int = 256):
+                 max_batch_rows: int = 256, sampling: SamplingFilters | None = None):
         self.model = model
         self.pad_token_id = pad_token_id
         self.eos_token_ids = [eos_token_ids] if isinstance(eos_token_ids, int) else list(eos_token_ids)
         self.max_batch_rows = max_batch_rows
+        self.sampling = sampling or SamplingFilters()  # top-k / top-p / min-p / repetition penalty (sampling.py)
 
     def sync_weights(self) -> None:
         return None
@@ -126,6 +129,9 @@ class TorchRolloutEngine:
                             logits_to_keep=1)
         out.nfe += b
         next_pos = positions[:, -1] + 1
+        filters = self.sampling
+        seen = seen_tokens(ids, mask, result.logits.shape[-1]) if filters.penalises_repeats else None
+        all_rows = torch.arange(b, device=device)
         for t in range(max_new_tokens):
             logits = result.logits[:, -1].float()
             if temperature > 0:
@@ -137,11 +143,16 @@ class TorchRolloutEngine:
                 branch_here = (~done) & (entropy > stop_entropy)
                 stopped |= branch_here
                 done |= branch_here
+            # the filters pick the token; logp_all (temperature only) stays the density the loss trains on
+            scores = filtered_scores(logits, temperature, filters, seen) if filters.active else None
             if temperature > 0:
-                sample = torch.multinomial(logp_all.exp(), 1, generator=gen).squeeze(1)
+                probs = logp_all.exp() if scores is None else scores.softmax(-1)
+                sample = torch.multinomial(probs, 1, generator=gen).squeeze(1)
             else:
-                sample = logits.argmax(-1)
+                sample = (logits if scores is None else scores).argmax(-1)
             active = ~done
+            if seen is not None:
+                mark_seen(seen, all_rows, sample, active)
             tok = torch.where(active, sample, torch.full_like(sample, self.pad_token_id))
             tokens.append(tok)
             valid.append(active)

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from .engine import Generation, _left_pad
+from .sampling import SamplingFilters, filtered_scores, mark_seen, seen_tokens
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 # rope variants whose cos/sin depend on the position only (dynamic NTK and longrope change with the length)
@@ -128,6 +129,7 @@ class FastLlamaEngine:
         self.pad_token_id = pad_token_id
         self.eos_token_ids = [eos_token_ids] if isinstance(eos_token_ids, int) else list(eos_token_ids)
         self.max_batch_rows = max_batch_rows
+        self.sampling = SamplingFilters()  # top-k / top-p / min-p / repetition penalty (sampling.py); set by the domain
         self.compact_below = compact_below   # compact the decode batch when active rows < this fraction of it
         # "static": every row stays in the batch to the end (no compaction, no per-step host reads but the stop
         # check); "compact": the earlier loop (ended rows leave the batch; kept for the side-by-side bench)
@@ -350,6 +352,9 @@ class FastLlamaEngine:
         lengths = torch.zeros(b, dtype=torch.long, device=device)
         cur = torch.arange(b, device=device)          # chunk rows in the decode batch
         cur_done = torch.zeros(b, dtype=torch.bool, device=device)  # ... and which of them have ended
+        filters = self.sampling
+        seen = seen_tokens(*_left_pad(rows, self.pad_token_id, device), logits.shape[-1]) \
+            if filters.penalises_repeats else None
         for t in range(max_new_tokens):
             logp_all = torch.log_softmax(logits / temperature if temperature > 0 else logits, -1)
             if stop_entropy is not None and t >= min_tokens:
@@ -357,8 +362,13 @@ class FastLlamaEngine:
                 branch_here = (~cur_done) & (entropy > stop_entropy)
                 stopped[cur] |= branch_here
                 cur_done = cur_done | branch_here
+            # the filters pick the token; logp_all (temperature only) stays the density the loss trains on
+            scores = None
+            if filters.active:
+                scores = filtered_scores(logits, temperature, filters,
+                                         seen.index_select(0, cur) if seen is not None else None)
             if temperature > 0:
-                probs = logp_all.exp()
+                probs = logp_all.exp() if scores is None else scores.softmax(-1)
                 if len(cur) < b:
                     # draw over the reference's full [rows, vocab] shape: a row's noise does not depend on the
                     # other rows' values, so every row gets the reference's token
@@ -367,8 +377,10 @@ class FastLlamaEngine:
                 else:
                     sample = torch.multinomial(probs, 1, generator=gen).squeeze(1)
             else:
-                sample = logits.argmax(-1)
+                sample = (logits if scores is None else scores).argmax(-1)
             active = ~cur_done
+            if seen is not None:
+                mark_seen(seen, cur, sample, active)
             tok = torch.where(active, sample, self.pad_token_id)
             tokens[cur, t] = tok
             logps[cur, t] = logp_all.gather(1, sample[:, None]).squeeze(1)
@@ -455,6 +467,10 @@ class FastLlamaEngine:
         # per step only what the next step needs; tokens, log-probs, lengths, EOS flags and the forward count are
         # assembled once after the loop from the per-step tensors (each a fresh tensor, never written in place)
         step_tokens, step_logps, step_done = [], [], []
+        filters = self.sampling
+        seen = seen_tokens(*_left_pad(rows, self.pad_token_id, device), logits.shape[-1]) \
+            if filters.penalises_repeats else None
+        all_rows = torch.arange(b, device=device)
         for t in range(max_new_tokens):
             logp_all = torch.log_softmax(logits / temperature if scaled else logits, -1)
             if stop_entropy is not None and t >= min_tokens:
@@ -462,10 +478,13 @@ class FastLlamaEngine:
                 branch_here = (~done) & (entropy > stop_entropy)
                 stopped = stopped | branch_here
                 done = done | branch_here
+            scores = filtered_scores(logits, temperature, filters, seen) if filters.active else None
             if temperature > 0:
-                sample = _draw_one(logp_all.exp(), gen)                               # [b, 1]
+                sample = _draw_one(logp_all.exp() if scores is None else scores.softmax(-1), gen)   # [b, 1]
             else:
-                sample = logits.argmax(-1, keepdim=True)
+                sample = (logits if scores is None else scores).argmax(-1, keepdim=True)
+            if seen is not None:
+                mark_seen(seen, all_rows, sample.view(b), ~done)
             tok = sample.view(b).masked_fill(done, self.pad_token_id)
             step_tokens.append(tok)
             step_logps.append(logp_all.gather(1, sample))

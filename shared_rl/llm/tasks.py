@@ -46,6 +46,8 @@ class DatasetSettings:
     prompt_template: str = field(default="{prompt}", metadata={
         "help": "str.format template for string prompts ({prompt} and any column)"})
     system_prompt: str | None = field(default=None, metadata={"help": "system message when a chat template is used"})
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict, metadata={
+        "help": "extra keyword arguments of the tokenizer's apply_chat_template (e.g. enable_thinking: false)"})
     eval_fraction: float = field(default=0.05, metadata={"help": "rows held out for evaluation without an eval split"})
     num_train: int = field(default=20000, metadata={"help": "training examples at most; 0 = all"})
     num_eval: int = field(default=500, metadata={"help": "evaluation examples at most; 0 = all"})
@@ -218,7 +220,8 @@ def load_task(s: DatasetSettings) -> TaskData:
     return TaskData(train, evaluation)
 
 
-def format_prompt(tokenizer, prompt: Any, system_prompt: str | None = None, use_chat_template: str = "auto") -> list[int]:
+def format_prompt(tokenizer, prompt: Any, system_prompt: str | None = None, use_chat_template: str = "auto",
+                  chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
     """Token ids of a prompt: through the tokenizer's chat template when it has one (``auto``) or ``always``,
     else the raw string with the tokenizer's own special tokens (BOS from the post-processor)."""
     has_template = bool(getattr(tokenizer, "chat_template", None))
@@ -231,7 +234,8 @@ def format_prompt(tokenizer, prompt: Any, system_prompt: str | None = None, use_
         messages = list(prompt) if conversational else [{"role": "user", "content": prompt}]
         if system_prompt and messages[0].get("role") != "system":
             messages = [{"role": "system", "content": system_prompt}] + messages
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                             **(chat_template_kwargs or {}))
         return tokenizer(text, add_special_tokens=False).input_ids
     return tokenizer(prompt).input_ids
 
@@ -255,7 +259,8 @@ def prompt_token_ids(task: TaskData, tokenizer, settings: DatasetSettings, chat_
     ids, cut = {}, 0
     for split, rows in (("train", task.train), ("eval", task.eval)):
         for i, row in enumerate(rows):
-            tokens = format_prompt(tokenizer, row["prompt"], settings.system_prompt, chat_template)
+            tokens = format_prompt(tokenizer, row["prompt"], settings.system_prompt, chat_template,
+                                   settings.chat_template_kwargs)
             if limit is not None and len(tokens) > limit:
                 if settings.long_prompts == "error":
                     raise ConfigError(f"llm.dataset: {split} row {i}'s prompt is {len(tokens):,} tokens, more than "
