@@ -60,6 +60,11 @@ RL_VARIANTS = {  # name -> overrides of RL_RECIPE (grove's defaults; each line s
     # (clip_frac <= 0.1 %), so the trust region, not the step size, is left to bound each update
     "ript-loop+lr2e-4": ["advantage.estimator=rloo", "loss.clip_low=0.1", "loss.clip_high=0.1", "optim.lr=2e-4",
                          "optim.inner_epochs=8"],
+    # the same + self-imitation of the run's own successes (SIL, Oh et al. 2018; filtered BC as iRe-VLA / ReST): the
+    # BC loss on every executed chunk of the successful rollouts of all iterations so far, at every optimizer step
+    "ript-loop+lr2e-4+sil": ["advantage.estimator=rloo", "loss.clip_low=0.1", "loss.clip_high=0.1", "optim.lr=2e-4",
+                             "optim.inner_epochs=8", "robotics.replay.coef=1.0", "robotics.replay.source=successes",
+                             "robotics.replay.success_window=100"],
     # RLinf's piRL (flow-SDE): Flow-GRPO noise 0.5 on one random denoising step per chunk, group 8
     "pirl": ["robotics.noise_level=0.5"],
     # a larger step: the first LIBERO runs' 3e-4 x 4 steps an iteration, now on 64 episodes an update with
