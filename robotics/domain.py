@@ -58,6 +58,7 @@ from .rollouts import rollout_class
 
 SHORT_HORIZON_PREFIX = "short_horizon."  # the short-horizon strategy's critic (world_model/short_horizon.py; loaded
 # on demand, so its prefix is named here rather than imported)
+WORLD_MODEL_PREFIX = "wm_rollout."  # the world-model strategies' learned state (world_model/rollout.py, likewise)
 
 ENCODER_MODULES = ("cnn", "image_proj", "text", "proprio")
 
@@ -332,7 +333,7 @@ class RoboticsDomain(DomainBase):
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         # every part's prefix, built or not: a checkpoint of a run with a part this config leaves out still loads
         parts = (Critic.state_prefix, KeepBestAdapters.state_prefix, SuccessReplay.state_prefix,
-                 SHORT_HORIZON_PREFIX)
+                 SHORT_HORIZON_PREFIX, WORLD_MODEL_PREFIX)
         self.policy.load_state_dict({k: v for k, v in state.items() if not k.startswith(parts)})
         for part in self.parts:
             part.load_state_dict(state)

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from .errors import ConfigError
 from .rundir import check_run_dir
 
 
@@ -217,15 +218,44 @@ def save_run(ckpt_root: Path, iteration: int, domain, optim, sampler, dist, fsdp
                            keep_last)
 
 
-def restore_run(ckpt_root: Path, domain, optim, sampler, fsdp, log=print) -> tuple[Path, int] | None:
+def missing_state(domain, sampler, model_state: dict[str, torch.Tensor], state: dict[str, Any]) -> list[str]:
+    """What the domain and the key sampler save now but the checkpoint lacks (one entry per tensor group or extra-
+    state key): a checkpoint written before a part learned to save its state. Read from the live objects' own
+    ``state_dict`` / ``extra_state``, so a part that starts saving something is checked without being named here."""
+    groups: dict[str, int] = {}
+    for k in domain.state_dict():
+        if k not in model_state:
+            head = k.split(".")[0] + (".*" if "." in k else "")
+            groups[head] = groups.get(head, 0) + 1
+    out = [f"tensors {head} ({n})" for head, n in groups.items()]
+    saved = state.get("domain", {})
+    out += [f"domain state {k!r}" for k in domain.extra_state() if k not in saved]
+    out += [f"sampler state {k!r}" for k in sampler.state_dict() if k not in state.get("sampler", {})]
+    return out
+
+
+def restore_run(ckpt_root: Path, domain, optim, sampler, fsdp, log=print,
+                allow_inexact: bool | None = None) -> tuple[Path, int, list[str]] | None:
     """Restore the newest valid checkpoint under ``ckpt_root`` into the domain, optimiser, sampler and the RNGs;
-    returns (its path, its iteration), or None when there is none."""
+    returns (its path, its iteration, what it lacked), or None when there is none. A checkpoint that lacks some
+    part's state (``missing_state``) would not resume exactly: with ``allow_inexact`` False that is a ConfigError
+    (one line, nothing loaded), True a warning; None (``grove eval``: only the weights matter) checks nothing."""
     found = load_latest_checkpoint(ckpt_root, log)
     if found is None:
         return None
     path, model_state, opt_state, state = found
     ema_prefix = "_ema/"  # optim.WeightEMA.PREFIX
     ema_state = {k: model_state.pop(k) for k in [k for k in model_state if k.startswith(ema_prefix)]}
+    missing = missing_state(domain, sampler, model_state, state) if allow_inexact is not None else []
+    if missing:
+        what = f"checkpoint {path} lacks the state of {', '.join(missing[:6])}" + (
+            f" and {len(missing) - 6} more" if len(missing) > 6 else "") + \
+            " (written before those parts saved it): a resume from it would not be exact"
+        if not allow_inexact:
+            raise ConfigError(f"{what}; nothing was changed. Pass resume.allow_inexact=true to continue anyway (the "
+                              f"gap is recorded in metrics.jsonl)")
+        warnings.warn(what)
+        log(f"WARNING: {what}; continuing (resume.allow_inexact)")
     if fsdp is not None:  # full tensors -> this rank's shards, laid out like the live parameters
         from .distributed import shard_like, shard_optimizer_state
 
@@ -238,4 +268,4 @@ def restore_run(ckpt_root: Path, domain, optim, sampler, fsdp, log=print) -> tup
     sampler.load_state_dict(state["sampler"])
     domain.load_extra_state(state.get("domain", {}))
     set_rng_state(state["rng"])
-    return path, int(state["iteration"])
+    return path, int(state["iteration"]), missing

@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 from .config import apply_overrides, describe, dump_train_config, load_train_config, load_yaml, to_dict
-from .errors import ConfigError, NonFiniteError, ResourceError, RunDirectoryBusy, RunDirectoryLost
+from .errors import ConfigError, NonFiniteError, ResourceError, RunDirectoryBusy, RunDirectoryLost, WorkerDied
 from .rundir import RunLock, atomic_write_text, holder, is_empty_run_dir
 
 # This module imports no torch and no domain at import time: `grove list`, `grove --version`, `grove config show`
@@ -348,6 +348,8 @@ def _fit(trainer, run: _RunDir) -> int:
         else:
             _log(f"grove: interrupted; the newest checkpoint is kept: resume with: grove train --resume {run.path}")
         return EXIT_INTERRUPTED
+    except WorkerDied as e:  # the checkpoint from before this iteration is on disk: say how to continue
+        raise WorkerDied(f"{e}; the newest checkpoint is kept: resume with: grove train --resume {run.path}") from None
     except OSError as e:
         if run.lock is not None and not run.lock.alive():  # deleted between the check and a write: the same stop
             raise RunDirectoryLost(f"the run directory {str(run.path)!r} was deleted, moved or replaced while the "
@@ -444,9 +446,12 @@ def _run_config(run_dir: Path, flag: str, overrides: list[str]):
 
 def _restore(trainer, checkpoints: Path, flag: str) -> None:
     """Load the newest checkpoint into ``trainer``; one that does not fit the config (an override changed the
-    model) is a ConfigError naming the checkpoint, before anything is written."""
+    model), or lacks a part's state when training continues (``--resume``), is a ConfigError naming the
+    checkpoint, before anything is written."""
     try:
-        ok = trainer.resume(checkpoints)
+        ok = trainer.resume(checkpoints, exact=flag == "--resume")
+    except ConfigError:  # already one line (a checkpoint without some part's state)
+        raise
     except (ValueError, KeyError, RuntimeError) as e:  # load_state_dict of a checkpoint: shapes or names differ
         raise ConfigError(f"{flag}: checkpoint in {checkpoints} does not fit this config ({' '.join(str(e).split())[:300]}); "
                           f"drop the overrides that change the model") from None
@@ -504,7 +509,7 @@ def cmd_resume(args) -> int:
                          f"{' '.join(args.overrides)}")
             text = "\n".join(notes) + "\n" + yaml.safe_dump(dump_train_config(cfg), sort_keys=False)
             _write_run_file(run_path / "config.yaml", text, flag="run directory")
-            trainer.resume_note = {"resume/overrides": " ".join(args.overrides)}
+            trainer.resume_note["resume/overrides"] = " ".join(args.overrides)
         return _fit(trainer, run)
     finally:
         run.release()
@@ -812,7 +817,7 @@ def _main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"grove: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
-    except (ResourceError, NonFiniteError, RunDirectoryLost, *_loaded_failures()) as e:
+    except (ResourceError, NonFiniteError, RunDirectoryLost, WorkerDied, *_loaded_failures()) as e:
         print(f"grove: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

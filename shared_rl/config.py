@@ -525,6 +525,13 @@ class CheckpointConfig:
 
 
 @dataclass
+class ResumeConfig:
+    allow_inexact: bool = field(default=False, metadata={
+        "help": "resume from a checkpoint that lacks some part's state (an older checkpoint): warn, record the gap in "
+                "metrics.jsonl (resume/inexact) and continue, instead of refusing with exit 2"})
+
+
+@dataclass
 class EvalConfig:
     every: int = field(default=0, metadata={"help": "iterations between evaluations; 0 = at the start and end only"})
     at_start: bool = field(default=True, metadata={"help": "evaluate once before the first update"})
@@ -587,6 +594,8 @@ class TrainConfig:
     selection: SelectionConfig = field(default_factory=SelectionConfig, metadata={
         "help": "group filters and key samplers"})
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig, metadata={"help": "checkpoint cadence"})
+    resume: ResumeConfig = field(default_factory=ResumeConfig, metadata={
+        "help": "what --resume accepts"})
     eval: EvalConfig = field(default_factory=EvalConfig, metadata={"help": "evaluation cadence"})
     logging: LoggingConfig = field(default_factory=LoggingConfig, metadata={"help": "progress bar and loggers"})
     distributed: DistributedConfig = field(default_factory=DistributedConfig, metadata={

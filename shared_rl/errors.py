@@ -25,3 +25,9 @@ class RunDirectoryBusy(ConfigError):
 class RunDirectoryLost(RuntimeError):
     """The run directory was deleted, moved or replaced while the run was writing it: the run stops (exit code 1)
     instead of recreating it elsewhere or half-empty."""
+
+
+class WorkerDied(RuntimeError):
+    """A helper process the run depends on (an env worker, a reward or world-model server) died or was killed: the
+    run stops (exit code 1) with one line naming the worker, what it was doing and the signal, never a traceback
+    from a closed pipe; the run directory keeps its newest checkpoint, so ``--resume`` continues it."""

@@ -427,14 +427,19 @@ class Trainer:
         return save_run(self.run_dir / "checkpoints", iteration, self.domain, self.optim, self.sampler, self.dist,
                         self.fsdp, self.cfg.checkpoint.keep_last)
 
-    def resume(self, checkpoints: Path | None = None) -> bool:
+    def resume(self, checkpoints: Path | None = None, exact: bool = True) -> bool:
         """Restore the newest valid checkpoint of ``checkpoints`` (default ``run_dir/checkpoints``; ``grove eval``
-        reads another run's); False when there is none."""
+        reads another run's, ``exact=False``: only its weights matter); False when there is none. To continue
+        training (``exact``), a checkpoint that lacks some part's state is refused (ConfigError) unless
+        ``resume.allow_inexact``, which notes the gap in the next metrics record (``resume/inexact``)."""
         root = Path(checkpoints) if checkpoints else (self.run_dir / "checkpoints" if self.run_dir else None)
-        found = restore_run(root, self.domain, self.optim, self.sampler, self.fsdp, self.log) if root else None
+        allow = self.cfg.resume.allow_inexact if exact else None
+        found = restore_run(root, self.domain, self.optim, self.sampler, self.fsdp, self.log, allow) if root else None
         if found is None:
             return False
-        self.restored_from, self.start_iteration = found
+        self.restored_from, self.start_iteration, missing = found
+        if missing:
+            self.resume_note["resume/inexact"] = "lacked the state of " + ", ".join(missing)
         if checkpoints is None:
             self.log(f"resumed from {self.restored_from} at iteration {self.start_iteration}")
         return True

@@ -15,10 +15,13 @@ horizon, as success can be lost again).
 from __future__ import annotations
 
 import multiprocessing as mp
+import signal
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 import numpy as np
+
+from shared_rl.errors import WorkerDied
 
 from .metaworld_env import (
     EnvState,
@@ -305,17 +308,42 @@ class SubprocMetaWorld:
             self._conns.append(parent)
             self._procs.append(proc)
         self._slices: list[tuple[int, int]] = []
+        self._keys: list[int] = []  # the episodes of the last reset (a dead worker's message names their tasks)
 
     def _call(self, per_worker: list[tuple[int, str, tuple]]) -> list:
         for w, cmd, args in per_worker:
-            self._conns[w].send((cmd, args))
+            try:
+                self._conns[w].send((cmd, args))
+            except (BrokenPipeError, ConnectionResetError, EOFError, OSError):
+                raise self._died(w, cmd) from None
         out = []
         for w, cmd, _ in per_worker:
-            status, value = self._conns[w].recv()
+            try:
+                status, value = self._conns[w].recv()
+            except (EOFError, ConnectionResetError, OSError):  # the worker is gone (killed, OOM-killed, crashed)
+                raise self._died(w, cmd) from None
             if status != "ok":
                 raise RuntimeError(f"Meta-World worker {w} failed in {cmd}: {value}")
             out.append(value)
         return out
+
+    def _died(self, w: int, cmd: str) -> WorkerDied:
+        """The one-line stop for a worker whose pipe closed: which worker, its tasks, how it ended."""
+        proc = self._procs[w]
+        proc.join(timeout=10)  # its pipe closed because it exited: reap it to read how (bounded, never a hang)
+        code = proc.exitcode
+        if code is None:
+            how = "its pipe closed while the process still runs"
+        elif code < 0:
+            name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else f"signal {-code}"
+            how = f"killed by {name}" + (" (the kernel's out-of-memory killer sends it when memory runs out)"
+                                         if -code == signal.SIGKILL else "")
+        else:
+            how = f"exited with code {code}"
+        a, b = self._slices[w] if w < len(self._slices) else (0, 0)
+        tasks = sorted({self.cfg.tasks[decode_key(k)[0]] for k in self._keys[a:b]}) or ["none yet"]
+        kind = "LIBERO" if self.cfg.kind == "libero" else "Meta-World"
+        return WorkerDied(f"{kind} env worker {w} (pid {proc.pid}, task {', '.join(tasks)}) died during {cmd}: {how}")
 
     def _split(self, n: int) -> list[tuple[int, int]]:
         w = min(len(self._conns), n)
@@ -324,6 +352,7 @@ class SubprocMetaWorld:
 
     def reset(self, keys: list[int]) -> dict[str, np.ndarray]:
         self._slices = self._split(len(keys))
+        self._keys = list(keys)
         parts = self._call([(w, "reset", (list(keys[a:b]),)) for w, (a, b) in enumerate(self._slices)])
         return {k: np.concatenate([p[k] for p in parts], 0) for k in parts[0]}
 

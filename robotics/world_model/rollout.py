@@ -32,18 +32,21 @@ import numpy as np
 import torch
 
 from shared_rl.errors import ConfigError
+from shared_rl.packing import pack, unpack
 
 from ..branching import run_branching_episodes, tree_rollout
-from ..envs.metaworld_env import decode_key, make_key
+from ..envs.metaworld_env import EnvState, decode_key, make_key
+from ..envs.point import PointState
 from ..episodes import run_episodes
 from ..rollouts import RolloutStrategy, flat_rollout
 from .audit import audit, replay
-from .data import load_chunk_episodes
-from .env import WorldModelEnv, sample_keyframes
-from .model import WorldModel
-from .reward import ReferenceSimilarity, SuccessModel, calibrate_threshold, fit_success_model
+from .data import ChunkEpisode, load_chunk_episodes
+from .env import Keyframe, WorldModelEnv, sample_keyframes
+from .model import WorldModel, WorldModelConfig
+from .reward import ReferenceSimilarity, SuccessModel, SuccessModelConfig, calibrate_threshold, fit_success_model
 from .train import calibrate_uncertainty, collect_policy_episodes, fit_world_model, resolve
 
+WM_STATE_PREFIX = "wm_rollout."  # the world-model strategies' packed learned state (robotics.domain names it too)
 KEYFRAME_ID_BASE = 300_000  # keyframe keys: make_key(task, "train", 300000 + n), apart from reset states and demos
 
 
@@ -94,6 +97,9 @@ class WorldModelRollout(RolloutStrategy):
                                      success_mode=cfg.env.success_mode, uncertainty_threshold=w.uncertainty_threshold,
                                      pessimistic=w.pessimistic)
         self.last_audit: dict = {}
+        # what the run started from (rebuilt identically by every construction): the checkpoint stores only the rest
+        self._initial_episodes = len(self.real_data)
+        self._initial_keyframes = set(self.keyframes)
 
     # -- keyframes
     def _keyframes(self, episodes, first_id: int):
@@ -268,6 +274,52 @@ class WorldModelRollout(RolloutStrategy):
     def evaluate(self, iteration: int) -> dict[str, float]:
         """The domain evaluates in the physics simulator, on held-out reset states; this adds the real-step budget."""
         return {"eval/real_env_steps": float(self.real_env_steps)}
+
+    # -- exact resume: everything co-evolution, audits and refits change, in the checkpoint's tensors
+    state_prefix = WM_STATE_PREFIX
+    STATE_CLASSES = {c.__name__: c for c in (ChunkEpisode, Keyframe, EnvState, PointState, WorldModelConfig,
+                                             SuccessModelConfig)}
+
+    def learned_state(self) -> dict:
+        """What this strategy learned since it was built: the real episodes it added (co-evolution, audits learned
+        from, re-executions), those not yet refit on, the keyframes they added, the refit world model and success
+        model (their weights, calibration and optimizer) and the audit's RNG. The starting data and keyframes are
+        rebuilt from the asset by the constructor, so only the additions are stored."""
+        position = {id(e): i for i, e in enumerate(self.real_data)}
+        out = {"real_data": self.real_data[self._initial_episodes:], "pending": [position[id(e)] for e in self._pending],
+               "keyframes": {k: kf for k, kf in self.keyframes.items() if k not in self._initial_keyframes},
+               "audit_rng": self._audit_rng, "coevolved_at": self._coevolved_at,
+               "model_steps": self.imagine.model_steps}
+        if self.cfg.rollout.world_model.coevolve_every:  # the models change only at co-evolution rounds
+            out |= {"wm": self.wm.state_dict(), "wm_cfg": self.wm.cfg, "success": self.success.state_dict(),
+                    "success_cfg": self.success.cfg,
+                    "wm_opt": self._wm_opt.state_dict() if self._wm_opt is not None else None}
+        return out
+
+    def load_learned_state(self, s: dict) -> None:
+        self.real_data = self.real_data[:self._initial_episodes] + list(s["real_data"])
+        self._pending = [self.real_data[i] for i in s["pending"]]
+        self.keyframes.update(s["keyframes"])
+        self.imagine.keyframes = self.keyframes
+        self._audit_rng, self._coevolved_at = s["audit_rng"], int(s["coevolved_at"])
+        self.imagine.model_steps = int(s["model_steps"])
+        if "wm" in s:
+            self.wm.load_state_dict(s["wm"])
+            vars(self.wm.cfg).update(vars(s["wm_cfg"]))
+            self.success.load_state_dict(s["success"])
+            vars(self.success.cfg).update(vars(s["success_cfg"]))
+            self.imagine.success = self.success
+            if s["wm_opt"] is not None:
+                self._wm_opt = torch.optim.Adam(self.wm.parameters(), lr=self.cfg.rollout.world_model.refit_lr)
+                self._wm_opt.load_state_dict(s["wm_opt"])
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {f"{WM_STATE_PREFIX}learned": pack(self.learned_state(), self.STATE_CLASSES)}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        packed = state.get(f"{WM_STATE_PREFIX}learned")
+        if packed is not None:  # an older checkpoint without it: ``missing_state`` reports the gap at resume
+            self.load_learned_state(unpack(packed, self.STATE_CLASSES))
 
     def extra_state(self) -> dict:
         return {"real_steps_coevolve": self.real_steps_coevolve, "real_steps_replay": self.real_steps_replay,

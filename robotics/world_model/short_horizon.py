@@ -70,6 +70,7 @@ class ShortHorizonRollout(WorldModelRollout):
         self._text = {t: policy.text.token_ids([instruction_for(t)])[0] for t in cfg.env.tasks}
         self._buf = {"frames": [], "proprio": [], "task": [], "chunk": [], "target": []}
         self._add_returns([e for e in self.real_data if e.source == "policy"])
+        self._initial_returns = {k: len(v) for k, v in self._buf.items()}  # rebuilt by construction; not stored
         self.imagined_steps = 0
 
     # -- the critic's data: real boundaries and their Monte-Carlo returns
@@ -224,14 +225,28 @@ class ShortHorizonRollout(WorldModelRollout):
                 "short/audit_return_gap": float((imag - real_ret).mean()),
                 "audit/env_steps_total": float(self.audit_steps)}
 
+    def learned_state(self) -> dict:
+        """The world model's learned state plus the critic's: the real boundaries and returns it fits on (those
+        added since it was built) and its optimizer (its weights are tensors of their own, ``short_horizon.``)."""
+        return super().learned_state() | {
+            "returns": {k: v[self._initial_returns[k]:] for k, v in self._buf.items()},
+            "value_opt": self._value_opt.state_dict()}
+
+    def load_learned_state(self, s: dict) -> None:
+        super().load_learned_state(s)
+        self._buf = {k: v[:self._initial_returns[k]] + list(s["returns"][k]) for k, v in self._buf.items()}
+        self._value_opt.load_state_dict(s["value_opt"])
+
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return {f"{self.state_prefix}{k}": v.detach().clone() for k, v in self.value.state_dict().items()}
+        return super().state_dict() | {f"{self.state_prefix}{k}": v.detach().clone()
+                                       for k, v in self.value.state_dict().items()}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         n = len(self.state_prefix)
         own = {k[n:]: v for k, v in state.items() if k.startswith(self.state_prefix)}
         if own:
             self.value.load_state_dict(own)
+        super().load_state_dict(state)
 
     def extra_state(self) -> dict:
         return super().extra_state() | {"imagined_steps": self.imagined_steps}

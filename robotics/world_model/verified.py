@@ -48,7 +48,7 @@ from ..rollouts import flat_rollout
 from .data import RecordingEnv
 from .env import Keyframe
 from .probe import SiblingSets, imagined_scores, ranking_metrics, slot_features
-from .ranker import SiblingRanker, fit_ranker, outcome, trajectories_from
+from .ranker import RankerConfig, SiblingRanker, fit_ranker, outcome, trajectories_from
 from .rollout import WorldModelRollout
 from .train import resolve
 
@@ -275,6 +275,31 @@ class VerifiedRollout(WorldModelRollout):
                                                  if imagined_yes.any() else float("nan")),
             "verify/mixed_groups_real": float(mixed),
         }
+
+    STATE_CLASSES = WorldModelRollout.STATE_CLASSES | {c.__name__: c for c in (SiblingSets, RankerConfig)}
+
+    def learned_state(self) -> dict:
+        """The world model's learned state plus the ranker's: its re-executed sibling sets (all of them with
+        ``ranker_from: own_groups``, the ranker refit anew on them every round; those since the last refit), the
+        refit ranker itself (weights and config) and the probe's RNG."""
+        v = self.cfg.rollout.verify
+        out = super().learned_state() | {"ranker_history": self._ranker_history, "ranker_pending": self._ranker_pending,
+                                         "probe_gen": self._probe_gen}
+        if self.ranker is not None and (v.ranker_from == "own_groups" or v.ranker_refit_steps):  # it changes
+            out |= {"ranker": self.ranker.state_dict(), "ranker_cfg": self.ranker.cfg}
+        return out
+
+    def load_learned_state(self, s: dict) -> None:
+        super().load_learned_state(s)
+        self._ranker_history, self._ranker_pending = list(s["ranker_history"]), list(s["ranker_pending"])
+        self._probe_gen = s["probe_gen"]
+        if "ranker" in s:
+            if self.ranker is None:
+                self.ranker = SiblingRanker(s["ranker_cfg"])
+            else:
+                vars(self.ranker.cfg).update(vars(s["ranker_cfg"]))
+            self.ranker.load_state_dict(s["ranker"])
+            self.ranker.eval()
 
     def extra_state(self) -> dict:
         return super().extra_state() | {"real_steps_verified": self.real_steps_verified,

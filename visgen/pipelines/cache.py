@@ -12,8 +12,9 @@ HunyuanVideo 1.5), Mistral-Small-3.1-24B (FLUX.2-dev). :class:`PromptCache` keep
   fingerprint (ids, in-place version counters, devices, dtypes) changes — a ``load_state_dict`` or an optimizer step
   on a text encoder invalidates it.
 - **Exactness**: rows are re-assembled in the requested order and repeated ``num_images_per_prompt`` times like the
-  pipelines do; the result equals an uncached call (tests compare bit for bit). Missing prompts are encoded in one
-  batch, duplicates once.
+  pipelines do; the result equals an uncached call (tests compare bit for bit). Missing prompts are encoded one per
+  call (duplicates once), so a prompt's rows never depend on the prompts that came with it: a resumed run, whose
+  cache starts empty, gets the rows the uninterrupted run had.
 - **Memory**: rows are stored on ``device`` (default: the CPU when the pipeline runs on an accelerator, so the cache
   costs no accelerator memory; it moves a hit's rows back, a few MB even for Wan's 512x4096 UMT5 rows), at most
   ``max_prompts`` prompts, least recently used evicted first.
@@ -116,12 +117,18 @@ class PromptCache:
         self.misses += len(missing)
         self.hits += len(unique) - len(missing)
         if missing:
-            cond = adapter._encode_now(missing, 1, options)
+            # one prompt per encoder call: a batch's matmuls round in the last bit by batch size (CLIP on the CPU), so
+            # rows encoded together would depend on which prompts first came along — and a resumed run, whose cache
+            # starts empty, would meet them in other company than the uninterrupted run did (issue 65). Each prompt
+            # is encoded once per run, so the extra calls cost little.
+            conds = [adapter._encode_now([prompt], 1, options) for prompt in missing]
+            cond = conds[0]
             store = self._store_device(next(iter(cond.tensors.values())).device)
             self._meta[opt_key] = {"guidance_scale": cond.guidance_scale, "do_cfg": cond.do_cfg,
                                    "height": cond.height, "width": cond.width, "shared": cond.shared,
                                    "options": cond.options, "device": next(iter(cond.tensors.values())).device}
-            for prompt, row in zip(missing, adapter._split_rows(cond)):
+            for prompt, one in zip(missing, conds):
+                row = adapter._split_rows(one)[0]
                 row.tensors = {k: v.to(store) for k, v in row.tensors.items()}
                 self._rows[(prompt, opt_key)] = row
         for p in unique:
