@@ -76,8 +76,6 @@ def registered() -> set[tuple[str, str]]:
 
 
 EXCLUDED: dict[tuple[str, str], str] = {
-    ("domain", "llm"): "shared_rl/llm has its own resume test (tests/llm) and is being reworked; its engine keeps no "
-                       "cache across iterations",
     ("kl_estimator", "domain"): "stateless: the domain's own KL term, covered by every case with kl_coef > 0 "
                                 "(visgen flow_grpo)",
     ("robotics_part", "RolloutStrategy"): "the strategies' base class: each strategy has its own case",
@@ -224,8 +222,21 @@ def _robotics_cases(wm_asset: Path, policy: Path, demos: Path) -> dict[str, tupl
     return cases
 
 
+_LLM_BASE = {"rollout": {"groups_per_iteration": 2, "group_size": 2}, "eval": {"at_start": False, "every": 0},
+             "llm": {"dataset": {"num_train": 64, "num_eval": 8}, "eval": {"num_prompts": 4}}}
+
+
+def _llm_cases() -> dict[str, tuple[dict, set]]:
+    """The text domain, flat (its fast engine, deferred behaviour log-probs, a shared prompt forward) and tree."""
+    out = {}
+    for recipe, covers in (("arith_grpo", {("domain", "llm")}), ("arith_tree", {("domain", "llm")})):
+        cfg = merge(yaml.safe_load((ROOT / "configs/llm" / f"{recipe}.yaml").read_text()), _LLM_BASE)
+        out[f"llm-{recipe}"] = (cfg, covers | {("estimator", cfg["advantage"]["estimator"])})
+    return out
+
+
 def _all_cases(wm_asset=Path("WM"), policy=Path("VLA"), demos=Path("DEMOS")) -> dict[str, tuple[dict, set]]:
-    return _toy_cases() | _visgen_cases() | _robotics_cases(wm_asset, policy, demos)
+    return _toy_cases() | _visgen_cases() | _llm_cases() | _robotics_cases(wm_asset, policy, demos)
 
 
 def test_every_registered_part_is_covered():
