@@ -19,7 +19,9 @@
   or a path: a tiny-VLA checkpoint directory (``robotics.checkpoint``) or a LeRobot policy directory / cached hub id
   (``robotics.policy: {type: lerobot, path}``). An object is trained in place (``RunContext.objects``,
   ``robotics/held.py``); with ``robotics.policy.lora.rank`` a LeRobot policy gets peft's LoRA layers injected.
-- ``tasks``: Meta-World task names (``robotics.env.tasks``; default: the config's).
+- ``tasks``: the env's task names (``robotics.env.tasks``; default: the config's): Meta-World's (``reach-v3``), or
+  LIBERO's (``libero_spatial/0``) with a LIBERO config (``config="configs/robotics/libero_grpo.yaml"`` or
+  ``robotics.env.kind: libero`` in ``args``; ``grove list`` names both).
 - ``reward_funcs``: what the advantage is computed from: ``"success"`` and ``"dense"`` (the domain's own rewards:
   success 0/1, best shaped reward / 10) and callables ``f(episodes) -> [B]`` of a ``robotics.episodes.EpisodeBatch``
   (``tasks``, ``success_once``, ``success_end``, ``dense``, ``length``, ``images``, ``proprio``, ...; a tensor,
@@ -37,7 +39,7 @@ import json
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from shared_rl.api import load_config, merge
+from shared_rl.api import load_config, merge, removed_if_refused
 from shared_rl.config import ConfigError, apply_overrides, load_yaml
 from shared_rl.trainer import Trainer
 
@@ -131,7 +133,8 @@ class VLAGRPOTrainer:
         if tasks is not None:
             tasks = [tasks] if isinstance(tasks, str) else list(tasks)
             if not tasks:
-                raise ConfigError("tasks is empty: give Meta-World task names (e.g. ['reach-v3'])")
+                raise ConfigError("tasks is empty: give the env's task names (e.g. ['reach-v3'], or ['libero_spatial/0'] "
+                                  "with a LIBERO config)")
             robotics["env"] = {"tasks": tasks}
         base: dict[str, Any] = load_yaml(config) if config else {}
         if base.get("domain", "robotics") != "robotics":
@@ -153,7 +156,8 @@ class VLAGRPOTrainer:
             raise ConfigError("preprocessor / postprocessor go with a held LeRobot policy object; a policy path "
                               "brings its own processors")
         self._held = held
-        self.trainer = Trainer(self.config, self.run_dir, log=log, objects=objects)
+        with removed_if_refused(run_dir):  # a policy or env the domain refuses while building leaves no run_dir
+            self.trainer = Trainer(self.config, self.run_dir, log=log, objects=objects)
         self._iteration = 0
 
     @property

@@ -3,6 +3,7 @@ part of the domain (``critic``, ``replay``, ``adapters``, and the ``rollout`` st
 fields."""
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -47,6 +48,48 @@ def missing_checkpoint_hint(path, env_kind: str) -> str:
         return f"not a VLA directory (no model.safetensors + config.json){near}"
     return (f"not a VLA directory (no model.safetensors + config.json); make it with `grove train "
             f"configs/robotics/{recipe} export_dir={path}` or set robotics.checkpoint to '' for a fresh model")
+
+
+def _saved_vla_config(path: Path) -> VLAConfig | None:
+    """The tiny VLA's ``config.json`` as a ``VLAConfig``, or None when it does not read as one (a damaged file is
+    the loader's to name, in its own words)."""
+    import json
+
+    try:
+        return VLAConfig(**json.loads((path / "config.json").read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def check_policy_fits_env(m: VLAConfig, cfg: "RoboticsConfig") -> None:
+    """The tiny VLA's sizes (``m``: its ``config.json``, or ``robotics.model`` for a fresh one) against the env and
+    the head mode, and the Meta-World task names: what ``RoboticsConfig.preflight`` reads before any weights load
+    (``--dry-run`` included). ConfigError naming the setting to change."""
+    env = cfg.env
+    if (m.image_channels, m.proprio_dim, m.image_size) != (env.image_channels, env.proprio_dim, env.image_size):
+        raise ConfigError(
+            f"robotics: the policy expects {m.image_channels} image channels, proprio {m.proprio_dim}, size "
+            f"{m.image_size}; env gives {env.image_channels} (cameras {env.cameras}), "
+            f"{env.proprio_dim} (include_goal={env.include_goal}, include_object={env.include_object}), {env.image_size}"
+        )
+    if m.action_dim != env.action_dim:
+        what = "LIBERO takes 7 (OSC_POSE delta + gripper)" if env.kind == "libero" else \
+            "Meta-World and the point env take 4 (hand xyz + gripper)"
+        raise ConfigError(f"robotics: the policy's action_dim is {m.action_dim} but {what}; set "
+                          f"robotics.model.action_dim: {env.action_dim}")
+    if env.kind == "metaworld":
+        from .envs.metaworld_env import known_tasks
+
+        unknown = [t for t in env.tasks if t not in known_tasks()]
+        if unknown:
+            from shared_rl.registry import did_you_mean
+
+            raise ConfigError(f"robotics.env.tasks: unknown Meta-World task(s) {unknown}"
+                              f"{did_you_mean(unknown[0], known_tasks())}; v3 names look like "
+                              f"reach-v3, push-v3, door-open-v3 (50 in all, see metaworld.env_dict)")
+    if (m.head == "discrete") != (cfg.head_mode == "discrete"):
+        raise ConfigError(f"robotics.head_mode {cfg.head_mode!r} does not fit the checkpoint's {m.head!r} head; "
+                          f"use {'discrete' if m.head == 'discrete' else 'flow_sde, flow_noise or sde_one_step'}")
 
 
 def _moved(new: str) -> str:
@@ -206,7 +249,8 @@ class RoboticsConfig(DomainConfig):
 
     def preflight(self, train_cfg) -> None:
         """The files this section names, before any model loads (``--dry-run`` runs it too): the tiny VLA's
-        checkpoint directory, with the command that makes it for this env, and ``eval_baseline``."""
+        checkpoint directory, with the command that makes it for this env, a LeRobot policy's directory or cached
+        hub id (its config.json), and ``eval_baseline``."""
         from .held import HELD_PREFIX
 
         # a checkpoint path under held/ only labels a policy the caller holds (robotics.api): nothing to read
@@ -214,6 +258,19 @@ class RoboticsConfig(DomainConfig):
             path = resolve(self.checkpoint)
             if not (path / "model.safetensors").is_file() or not (path / "config.json").is_file():
                 raise ConfigError(f"robotics.checkpoint {self.checkpoint}: {missing_checkpoint_hint(path, self.env.kind)}")
+            saved = _saved_vla_config(path)
+            if saved is not None:
+                check_policy_fits_env(saved, self)
+        elif self.policy.type == "tiny_vla" and not self.checkpoint:  # a fresh VLA: sized for the env but action_dim
+            fresh = copy.deepcopy(self.model)
+            fresh.image_channels, fresh.proprio_dim = self.env.image_channels, self.env.proprio_dim
+            fresh.image_size = self.env.image_size
+            check_policy_fits_env(fresh, self)
+        if self.policy.type == "lerobot" and self.policy.path and not self.policy.path.startswith(HELD_PREFIX):
+            from .policies.lerobot.load import read_policy_config
+
+            path = resolve(self.policy.path)  # as the domain resolves it: a local folder, else a hub id in the cache
+            read_policy_config(str(path) if path.exists() else self.policy.path, self.env.kind)
         if self.eval_baseline and not resolve(self.eval_baseline).is_file():
             raise ConfigError(f"robotics.eval_baseline {self.eval_baseline}: no such file (a BC clone's "
                               f"eval_episodes.json or a run's eval_episodes/it0000.json)")

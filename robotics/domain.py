@@ -43,7 +43,7 @@ from shared_rl.rundir import atomic_write_text
 from shared_rl.selection import UniformSampler
 
 from .adapters import AdapterSteps, KeepBestAdapters, add_adapters
-from .config import RoboticsConfig, missing_checkpoint_hint, resolve
+from .config import RoboticsConfig, check_policy_fits_env, missing_checkpoint_hint, resolve
 from .critic import Critic, vector
 from .envs.metaworld_env import decode_key, instruction_for
 from .envs.vector import make_vector_env
@@ -90,31 +90,7 @@ def load_policy(cfg: RoboticsConfig, seed: int, objects: dict | None = None) -> 
             mc.vocab = libero_vocab(mc.vocab)
         torch.manual_seed(seed)
         policy = TinyVLA(mc)
-    m, env = policy.cfg, cfg.env
-    if (m.image_channels, m.proprio_dim, m.image_size) != (env.image_channels, env.proprio_dim, env.image_size):
-        raise ConfigError(
-            f"robotics: the policy expects {m.image_channels} image channels, proprio {m.proprio_dim}, size "
-            f"{m.image_size}; env gives {env.image_channels} (cameras {env.cameras}), "
-            f"{env.proprio_dim} (include_goal={env.include_goal}, include_object={env.include_object}), {env.image_size}"
-        )
-    if m.action_dim != env.action_dim:
-        what = "LIBERO takes 7 (OSC_POSE delta + gripper)" if env.kind == "libero" else \
-            "Meta-World and the point env take 4 (hand xyz + gripper)"
-        raise ConfigError(f"robotics: the policy's action_dim is {m.action_dim} but {what}; set "
-                          f"robotics.model.action_dim: {env.action_dim}")
-    if env.kind == "metaworld":
-        from .envs.metaworld_env import known_tasks
-
-        unknown = [t for t in env.tasks if t not in known_tasks()]
-        if unknown:
-            from shared_rl.registry import did_you_mean
-
-            raise ConfigError(f"robotics.env.tasks: unknown Meta-World task(s) {unknown}"
-                              f"{did_you_mean(unknown[0], known_tasks())}; v3 names look like "
-                              f"reach-v3, push-v3, door-open-v3 (50 in all, see metaworld.env_dict)")
-    if (m.head == "discrete") != (cfg.head_mode == "discrete"):
-        raise ConfigError(f"robotics.head_mode {cfg.head_mode!r} does not fit the checkpoint's {m.head!r} head; "
-                          f"use {'discrete' if m.head == 'discrete' else 'flow_sde, flow_noise or sde_one_step'}")
+    check_policy_fits_env(policy.cfg, cfg)  # what the preflight checked from config.json, for a held policy too
     return policy
 
 

@@ -12,8 +12,10 @@ train_dataset=..., args=...)``.
 """
 from __future__ import annotations
 
+import contextlib
+import shutil
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 from .config import TrainConfig, apply_overrides, load_train_config, load_yaml
 from .trainer import Trainer
@@ -25,6 +27,28 @@ def merge(base: dict, over: Mapping[str, Any]) -> dict:
     for k, v in over.items():
         out[k] = merge(out[k], v) if isinstance(v, Mapping) and isinstance(out.get(k), dict) else v
     return out
+
+
+@contextlib.contextmanager
+def removed_if_refused(folder: str | Path | None) -> Iterator[None]:
+    """Undo what the block created at ``folder`` when it raises: the API front doors write the rows or prompts they
+    were handed into ``RUN/<folder>`` before the config check reads them, and a refused config must leave the file
+    system as it was (as ``grove train`` does). Only folders that did not exist before the block are removed: the
+    outermost missing ancestor of ``folder`` (``RUN`` itself when it was new)."""
+    if folder is None:
+        yield
+        return
+    outer = None
+    for candidate in (Path(folder).absolute(), *Path(folder).absolute().parents):
+        if candidate.exists():
+            break
+        outer = candidate
+    try:
+        yield
+    except BaseException:
+        if outer is not None:
+            shutil.rmtree(outer, ignore_errors=True)
+        raise
 
 
 def load_config(config: str | Path | Mapping[str, Any] | TrainConfig,
@@ -48,7 +72,8 @@ def train(config: str | Path | Mapping[str, Any] | TrainConfig, overrides: Mappi
     """Validate ``config`` (+ ``overrides``), build the trainer (handing it ``objects``) and run every iteration;
     returns the ``Trainer`` (``.history`` the metric records, ``.domain`` the trained policy). With ``run_dir`` the
     run writes its metrics, checkpoints, plots and export there, as ``grove train --out`` does."""
-    trainer = Trainer(load_config(config, overrides), Path(run_dir) if run_dir else None, log=log,
-                      objects=dict(objects or {}))
+    with removed_if_refused(run_dir):  # a config or input refused while the trainer is built leaves no run_dir
+        trainer = Trainer(load_config(config, overrides), Path(run_dir) if run_dir else None, log=log,
+                          objects=dict(objects or {}))
     trainer.fit()
     return trainer

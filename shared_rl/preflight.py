@@ -6,6 +6,9 @@ held-out evaluation:
 
 - the device exists (``device: cuda`` without a GPU, ``cuda:3`` on a one-GPU machine, ``mps`` off Apple);
 - the optional loggers asked for are installed (``logging.wandb``, ``logging.tensorboard``);
+- the process layout: ``distributed.strategy`` against what the domain supports, rollout chunks against the
+  processes launched (``check_distributed``);
+- hub ids the domains name, against the local hub cache when the Hub cannot be reached (``check_hub_model``);
 - integers the libraries can hold (``check_numbers``: int64, 32-bit seeds, a bounded batch) and the files the
   config names, read defensively by their suffix (``check_named_files``: UTF-8 text, parquet/npz/safetensors marks);
 - the domain's own input checks: the domain config's optional hook ``preflight(train_cfg)`` reads its small
@@ -62,7 +65,51 @@ def preflight(cfg) -> None:
         _need_package("logging.wandb", "wandb", "pip install wandb")
     if cfg.logging.tensorboard:
         _need_package("logging.tensorboard", "tensorboard", "pip install tensorboard")
+    check_distributed(cfg)
     cfg.domain_config.preflight(cfg)
+
+
+def launched_processes() -> int:
+    """How many processes this run is one of: torch.distributed's world when it is initialised, else the
+    ``WORLD_SIZE`` that ``torchrun`` / ``accelerate launch`` give every worker (1 for a plain ``grove train``)."""
+    import os
+    import sys
+
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    try:
+        return max(1, int(os.environ.get("WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
+def check_distributed(cfg) -> None:
+    """The process layout against the config, before a worker loads a model: ``distributed.strategy: fsdp2`` on a
+    domain that lists no modules to shard (refused in every layout, so ``--dry-run`` before ``torchrun`` says it),
+    and with several processes, fewer rollout chunks than processes (some would sample nothing; under fsdp2 they
+    would also have no forward to pair with the others)."""
+    from .domain import DomainBase
+    from .registry import resolve_domain
+
+    strategy = cfg.distributed.strategy
+    if strategy == "fsdp2" and resolve_domain(cfg.domain).fsdp_modules is DomainBase.fsdp_modules:
+        raise ConfigError(f"distributed.strategy: fsdp2 is not supported by domain {cfg.domain!r} (it lists no "
+                          f"modules to shard); use distributed.strategy: replicate")
+    world = launched_processes()
+    if world < 2:
+        return
+    groups = cfg.rollout.groups_per_iteration
+    per_call = cfg.rollout.groups_per_call or -(-groups // world)
+    chunks = -(-groups // per_call)
+    if chunks < world:
+        fix = (f"raise rollout.groups_per_iteration to >= {world}" if groups < world else
+               f"set rollout.groups_per_call <= {groups // world}")
+        if strategy == "fsdp2":
+            raise ConfigError(f"distributed.strategy: fsdp2 needs a rollout chunk on each of the {world} processes, "
+                              f"but {groups} groups in calls of {per_call} make {chunks} chunks; {fix}")
+        raise ConfigError(f"{world} processes but {groups} groups in calls of {per_call} make {chunks} rollout "
+                          f"chunk(s): {world - chunks} process(es) would sample nothing; {fix}")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -304,3 +351,106 @@ def user_code_failure(exc: BaseException) -> str | None:
             return (f"importing {frame.filename} raised {type(exc).__name__}: {message} (its line {frame.lineno}); "
                     f"fix the module")
     return None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Hub ids. A model named "org/name" that is not in the local Hugging Face cache, on a machine that cannot reach the
+# Hub, used to be "valid" in --dry-run and then cost the real run a pipeline import and up to a minute of the hub
+# client's retries; it is answered here from the cache folder and one short connection attempt, importing nothing.
+
+HUB_ID = r"[A-Za-z0-9][\w.-]*/[\w.-]+"
+_PROBE_SECONDS = 2.0  # one connection attempt to the Hub; a machine without network answers "no" in well under that
+
+
+def hub_cache_dir():
+    """The Hugging Face hub cache folder, found as ``huggingface_hub`` finds it (``HF_HUB_CACHE``, ``HF_HOME``,
+    ``XDG_CACHE_HOME``) without importing it."""
+    import os
+    from pathlib import Path
+
+    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        if os.environ.get(var):
+            return Path(os.environ[var]).expanduser()
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "huggingface" / "hub"
+
+
+def cached_hub_ids(kind: str = "models") -> list[str]:
+    """The repo ids of ``kind`` (models, datasets) with at least one snapshot in the local hub cache."""
+    root, prefix = hub_cache_dir(), f"{kind}--"
+    try:
+        entries = sorted(root.iterdir()) if root.is_dir() else []
+    except OSError:
+        return []
+    ids = []
+    for entry in entries:
+        snapshots = entry / "snapshots"
+        if entry.name.startswith(prefix) and snapshots.is_dir() and any(snapshots.iterdir()):
+            ids.append(entry.name[len(prefix):].replace("--", "/", 1))
+    return ids
+
+
+def recipe_hub_ids() -> list[str]:
+    """The hub ids the shipped recipes name (``model:`` / ``path:`` lines under ``configs/``): the ids a typo is
+    most likely a typo of. Read as text, no YAML parse."""
+    import re
+    from pathlib import Path
+
+    pattern = re.compile(rf"^\s*(?:model|path):\s*['\"]?({HUB_ID})['\"]?\s*(?:#.*)?$", re.M)
+    root = Path(__file__).resolve().parents[1]
+    ids: set[str] = set()
+    for path in (root / "configs").rglob("*.yaml"):
+        try:
+            found = pattern.findall(path.read_text(errors="replace"))
+        except OSError:
+            continue
+        ids.update(m for m in found if not (root / m.split("/")[0]).is_dir())  # assets/x, runs/x: local paths
+    return sorted(ids)
+
+
+def hub_unreachable() -> str | None:
+    """Why the Hub cannot be reached from here (``HF_HUB_OFFLINE`` set, no name resolution, no connection within
+    ``_PROBE_SECONDS``), or None when a connection to it opens. Bounded: the attempt runs in a daemon thread."""
+    import os
+    import socket
+    import threading
+    from urllib.parse import urlparse
+
+    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        if os.environ.get(var, "").strip().upper() in ("1", "ON", "YES", "TRUE"):
+            return f"{var} is set"
+    url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    host, port = url.hostname or "huggingface.co", url.port or (80 if url.scheme == "http" else 443)
+    outcome: list[str | None] = []
+
+    def attempt() -> None:
+        try:
+            socket.create_connection((host, port), timeout=_PROBE_SECONDS).close()
+            outcome.append(None)
+        except OSError as e:
+            outcome.append(f"{host}: {e.strerror or type(e).__name__}")
+
+    probe = threading.Thread(target=attempt, daemon=True)
+    probe.start()
+    probe.join(_PROBE_SECONDS + 0.5)  # a name lookup that hangs takes no timeout of its own
+    return outcome[0] if outcome else f"{host}: no answer within {_PROBE_SECONDS:g} s"
+
+
+def check_hub_model(name: str, where: str, known: list[str] | tuple[str, ...] = (), kind: str = "models") -> None:
+    """ConfigError when hub id ``name`` (``org/name``) has no snapshot in the local cache and the Hub cannot be
+    reached: the line names the cache folder, why the Hub is out of reach, the nearest cached or ``known`` id
+    ("did you mean") and the command that downloads it. Cached ids, and any id while the Hub is reachable, pass
+    (the loader then reports what the Hub says)."""
+    from .registry import did_you_mean
+
+    cached = cached_hub_ids(kind)
+    if name in cached:
+        return
+    why = hub_unreachable()
+    if why is None:
+        return
+    near = did_you_mean(name, [i for i in (*cached, *known, *recipe_hub_ids()) if i != name])
+    raise ConfigError(f"{where} {name!r} is not in the local Hugging Face cache ({hub_cache_dir()}) and the Hub "
+                      f"cannot be reached ({why}){near}; download it once where there is network "
+                      f"(`hf download {name}`) or give a local directory")

@@ -11,6 +11,12 @@ arguments, reward/prompt fit, ``advantage.weights`` names) found before a model 
 deep, alias bombs or too large; numbers the libraries cannot hold (seeds, int64, batch sizes); files a config names
 that are not UTF-8 or not their format; user modules that do not import (missing, a syntax error, raising at import
 time); sizes that do not fit in memory; a run directory that is read-only at resume.
+
+Every config in the corpus (the trainer's and the domains') is given to both ``grove train --out DIR`` and
+``grove train --dry-run``: the two run one list of checks (``shared_rl.preflight``) before any weights load, so each
+must exit 2 with the very same line — except the few that only building the domain can find
+(``FOUND_ONLY_BY_BUILDING``, each with its reason). Hub ids are answered offline (``HF_HUB_OFFLINE=1``), from the
+local cache alone, so the corpus gives the same lines with network and without.
 """
 import hashlib
 import importlib.util
@@ -90,8 +96,9 @@ def tree_state(root: Path) -> dict[str, str]:
             for p in sorted(root.rglob("*"))}
 
 
-def assert_one_line_error(argv, expect, root: Path, capsys) -> None:
-    """``grove argv`` exits 2 with one ``grove: error:`` line containing ``expect`` and changes nothing in ``root``."""
+def assert_one_line_error(argv, expect, root: Path, capsys) -> str:
+    """``grove argv`` exits 2 with one ``grove: error:`` line containing ``expect`` and changes nothing in ``root``;
+    returns the line."""
     before = tree_state(root)
     capsys.readouterr()
     code = main(argv)
@@ -100,11 +107,14 @@ def assert_one_line_error(argv, expect, root: Path, capsys) -> None:
     assert code == 2, (code, err[-5:])
     assert len(err) == 1 and err[0].startswith("grove: error: ") and expect in err[0], err
     assert tree_state(root) == before
+    return err[0]
 
 
 @pytest.fixture
 def tmp(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # default run directories (runs/...) land here, where the snapshot sees them
+    # no Hub: a hub id is answered from the local cache alone, the same on a machine with network and without
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     return _files(tmp_path)
 
 
@@ -135,6 +145,15 @@ CASES = {
                                                 "unexpected keyword argument 'modle'"),
     "visgen reward argument value": (_visgen(rewards=[{"name": "shapes_soft", "kwargs": {"temperature": -1}}]),
                                      "temperature must be > 0"),
+    "visgen model path with a typo": (_visgen(model="assets/shapes-sd3-tny"),
+                                      "model path 'assets/shapes-sd3-tny' does not exist (did you mean "
+                                      "'assets/shapes-sd3-tiny'?)"),
+    "visgen hub id not in the cache, offline": (_visgen(model="stabilityai/stable-diffusion-3.5-mediun"),
+                                                "is not in the local Hugging Face cache"),
+    "visgen hub id typo, did you mean": (_visgen(model="stabilityai/stable-diffusion-3.5-mediun"),
+                                         "(did you mean 'stabilityai/stable-diffusion-3.5-medium'?)"),
+    "visgen fsdp2": ({**_visgen(), "distributed": {"strategy": "fsdp2"}},
+                     "distributed.strategy: fsdp2 is not supported by domain 'visgen'"),
     # llm
     "llm missing model": (_llm(model="no/such/model"), "no/such/model"),
     "llm unknown reward": (_llm(rewards=[{"name": "exact_matchh"}]), "exact_matchh"),
@@ -210,6 +229,16 @@ CASES = {
     "robotics bad horizon": (_robotics(env={"horizon": 0}), "horizon"),
     "robotics unknown advantage weight": ({**_robotics(), "advantage": {"weights": {"dense": 0.5}}},
                                           "'dense'"),
+    "robotics fsdp2": ({**_robotics(), "distributed": {"strategy": "fsdp2"}},
+                       "distributed.strategy: fsdp2 is not supported by domain 'robotics'"),
+    "robotics LeRobot policy hub id not cached": (_robotics(policy={"type": "lerobot", "path": "lerobot/pi05_libero"},
+                                                            head_mode="sde_one_step"),
+                                                  "'lerobot/pi05_libero' is neither a LeRobot policy directory nor a "
+                                                  "hub id in the local cache"),
+    "robotics LeRobot policy path missing": (_robotics(policy={"type": "lerobot", "path": "TMP/lerobot/smolvla-tiny"},
+                                                       head_mode="sde_one_step"),
+                                             "does not exist (a local path, not a hub id); make this recipe's tiny "
+                                             "policy with `python scripts/robotics_lerobot_tiny.py"),
     # supervised entry points
     "pretrain without domain": ({"kind": "supervised"}, "domain"),
     "pretrain unknown domain": ({"kind": "supervised", "domain": "audio"}, "audio"),
@@ -231,13 +260,19 @@ def test_domain_bad_input(tmp, capsys, monkeypatch, name):
     cfg = tmp / "bad.yaml"
     cfg.write_text(yaml.safe_dump(data).replace("TMP/", f"{tmp}/"))
     expect = expect.replace("TMP/", f"{tmp}/")
-    assert_one_line_error(["train", str(cfg), "--out", str(tmp / "run")], expect, tmp, capsys)
-    if name in DOMAIN_DRY_RUN_TOO:  # what a real run refuses before loading, --dry-run refuses the same way
-        assert_one_line_error(["train", str(cfg), "--dry-run"], expect, tmp, capsys)
+    line = assert_one_line_error(["train", str(cfg), "--out", str(tmp / "run")], expect, tmp, capsys)
+    if data.get("kind") != "supervised" and name not in FOUND_ONLY_BY_BUILDING:
+        # one list of checks (shared_rl.preflight) runs in both: --dry-run refuses it with the very same line
+        assert assert_one_line_error(["train", str(cfg), "--dry-run"], expect, tmp, capsys) == line
 
 
-DOMAIN_DRY_RUN_TOO = ("robotics missing checkpoint", "robotics checkpoint with a typo", "robotics missing LIBERO clone",
-                      "robotics missing eval baseline")
+# What only building the domain can find, so --dry-run (which builds nothing) says "valid": each with why.
+FOUND_ONLY_BY_BUILDING = {
+    # the engine class is imported when the llm domain is built; the llm domain's preflight does not import it
+    "llm engine that does not import": "shared_rl/llm/domain.py",
+    "llm engine named like a path": "shared_rl/llm/domain.py",
+    "a domain size beyond memory": "the allocation itself is the check",
+}
 
 
 # ------------------------------------------------------------------------------------- the trainer's config
@@ -266,8 +301,6 @@ TRAINER_CASES = {
     "a terabyte batch": (_toy(**{"rollout.group_size": 2**31}), "sequences per iteration; at most 16,777,216"),
     "a domain size beyond memory": (_toy(**{"toy.num_contexts": 10**14}), "asks for more memory than this machine"),
 }
-DRY_RUN_TOO = ("unknown device", "unknown advantage weight", "seed beyond numpy", "integer beyond int64",
-               "a terabyte batch")
 if not HAS_CUDA:
     TRAINER_CASES["cuda without a gpu"] = (_toy(device="cuda"), "torch sees no CUDA GPU")
 if importlib.util.find_spec("wandb") is None:
@@ -279,9 +312,9 @@ def test_trainer_config_bad_input(tmp, capsys, name):
     data, expect = TRAINER_CASES[name]
     cfg = tmp / "bad.yaml"
     cfg.write_text(data if isinstance(data, str) else yaml.safe_dump(data))
-    assert_one_line_error(["train", str(cfg), "--out", str(tmp / "run")], expect, tmp, capsys)
-    if name in DRY_RUN_TOO:  # --dry-run finds the same, also writing nothing
-        assert_one_line_error(["train", str(cfg), "--dry-run"], expect, tmp, capsys)
+    line = assert_one_line_error(["train", str(cfg), "--out", str(tmp / "run")], expect, tmp, capsys)
+    if name not in FOUND_ONLY_BY_BUILDING:  # --dry-run finds the same, in the same line, also writing nothing
+        assert assert_one_line_error(["train", str(cfg), "--dry-run"], expect, tmp, capsys) == line
 
 
 # ------------------------------------------------------------------------------------- command lines
@@ -347,6 +380,13 @@ COMMAND_LINES = {
                                    "already exists"),
     "from-lerobot output not npz": (["robotics", "from-lerobot", "TMP/not_a_dataset", "TMP/out.txt"],
                                     "must end in .npz"),
+    "from-lerobot --out exists": (["robotics", "from-lerobot", "TMP/not_a_dataset", "--out", "TMP/garbage.npz"],
+                                  "already exists"),
+    "from-lerobot without output": (["robotics", "from-lerobot", "TMP/not_a_dataset"],
+                                    "the output is required: grove robotics from-lerobot INPUT OUT (or --out OUT)"),
+    "from-lerobot output twice": (["robotics", "from-lerobot", "TMP/not_a_dataset", "TMP/a.npz", "--out", "TMP/b.npz"],
+                                  "the output is given twice"),
+    "to-lerobot --out exists": (["robotics", "to-lerobot", "TMP/garbage.npz", "--out", "TMP/not_a_dataset"], "exists"),
 }
 
 
@@ -407,6 +447,22 @@ def test_config_file_read_defensively(tmp, capsys, name):
     for argv in (["train", str(cfg), "--out", str(tmp / "run")], ["train", str(cfg), "--dry-run"],
                  ["config", "show", str(cfg)]):
         assert_one_line_error(argv, expect, tmp, capsys)
+
+
+@pytest.mark.parametrize("strategy", ["replicate", "fsdp2"])
+def test_fewer_rollout_chunks_than_processes_is_refused_before_a_worker_loads(tmp, capsys, monkeypatch, strategy):
+    """Under ``torchrun`` / ``accelerate launch`` (WORLD_SIZE set in every worker): 2 groups in one call on 2
+    processes would leave one sampling nothing. Both modes refuse it in one line, before the process group starts."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    cfg = tmp / "bad.yaml"
+    cfg.write_text(yaml.safe_dump(_toy(**{"rollout.groups_per_iteration": 2, "rollout.groups_per_call": 2,
+                                          "distributed.strategy": strategy})))
+    expect = ("fsdp2 needs a rollout chunk on each of the 2 processes, but 2 groups in calls of 2 make 1 chunks"
+              if strategy == "fsdp2" else
+              "2 processes but 2 groups in calls of 2 make 1 rollout chunk(s): 1 process(es) would sample nothing")
+    expect += "; set rollout.groups_per_call <= 1"
+    line = assert_one_line_error(["train", str(cfg), "--out", str(tmp / "run")], expect, tmp, capsys)
+    assert assert_one_line_error(["train", str(cfg), "--dry-run"], expect, tmp, capsys) == line
 
 
 def test_an_override_nested_too_deep_is_refused(tmp, capsys):

@@ -29,9 +29,11 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
-from shared_rl.api import load_config, merge
+from shared_rl.api import load_config, merge, removed_if_refused
 from shared_rl.config import ConfigError, apply_overrides
 from shared_rl.trainer import Trainer
+
+from .preflight import HELD_PREFIX
 
 _registered: dict[str, Callable] = {}
 _counter = itertools.count()
@@ -106,23 +108,24 @@ class FlowGRPOTrainer:
             section["model"] = str(pipeline)
         else:  # an object: handed to the domain (RunContext.objects); the name only labels it
             held["pipeline"] = pipeline
-            section["model"] = f"held/{type(pipeline).__name__}"
+            section["model"] = f"{HELD_PREFIX}{type(pipeline).__name__}"
         self._tmp = None
         if run_dir:
             folder = Path(run_dir) / "prompts"
         else:
             self._tmp = tempfile.TemporaryDirectory(prefix="grove-visgen-")
             folder = Path(self._tmp.name)
-        section["train_prompts"] = _write_prompts(prompts, folder / "train.jsonl", "prompts")
-        if eval_prompts is not None:
-            section["eval_prompts"] = _write_prompts(eval_prompts, folder / "eval.jsonl", "eval_prompts")
-        base: dict[str, Any] = {"domain": "visgen", "visgen": section}
-        if advantage_weights and any(w != 1.0 for w in advantage_weights.values()):
-            base["advantage"] = {"weights": advantage_weights}
-        data = merge(base, args) if isinstance(args, Mapping) else apply_overrides(base, list(args))
-        self.config = load_config(data)
-        self.run_dir = Path(run_dir) if run_dir else None
-        self.trainer = Trainer(self.config, self.run_dir, log=log, objects=held)
+        with removed_if_refused(folder if run_dir else None):  # a refused config leaves no RUN/prompts behind
+            section["train_prompts"] = _write_prompts(prompts, folder / "train.jsonl", "prompts")
+            if eval_prompts is not None:
+                section["eval_prompts"] = _write_prompts(eval_prompts, folder / "eval.jsonl", "eval_prompts")
+            base: dict[str, Any] = {"domain": "visgen", "visgen": section}
+            if advantage_weights and any(w != 1.0 for w in advantage_weights.values()):
+                base["advantage"] = {"weights": advantage_weights}
+            data = merge(base, args) if isinstance(args, Mapping) else apply_overrides(base, list(args))
+            self.config = load_config(data)
+            self.run_dir = Path(run_dir) if run_dir else None
+            self.trainer = Trainer(self.config, self.run_dir, log=log, objects=held)
 
     @property
     def pipeline(self):

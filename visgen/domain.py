@@ -358,8 +358,16 @@ def resolve_model_location(model: str) -> tuple[str, bool]:
     local_like = (not hub_like or p.is_absolute() or model.startswith((".", "~"))
                   or any((b / p.parts[0]).is_dir() for b in bases))
     if local_like:
-        hint = SHAPES_ASSET_HINT if "shapes-sd3-tiny" in model else "give a diffusers pipeline directory or a hub id"
-        raise ConfigError(f"model path {model!r} does not exist (looked in {', '.join(str(b) for b in bases)}); {hint}")
+        from shared_rl.registry import did_you_mean
+
+        # the pipelines next to where the path points (assets/shapes-sd3-tny -> assets/shapes-sd3-tiny)
+        parents = [b / p.parent for b in ([Path("/")] if p.is_absolute() else bases) if (b / p.parent).is_dir()]
+        siblings = sorted({str(p.parent / c.name) for d in parents for c in d.iterdir()
+                           if (c / "model_index.json").is_file()})
+        near = did_you_mean(model, siblings)
+        hint = SHAPES_ASSET_HINT if "shapes-sd3-tiny" in model and not near else "give a diffusers pipeline directory or a hub id"
+        raise ConfigError(f"model path {model!r} does not exist{near} (looked in {', '.join(str(b) for b in bases)}); "
+                          f"{hint}")
     return model, False
 
 

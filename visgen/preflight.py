@@ -7,9 +7,9 @@ surface only after both. Everything here reads small files and builds no model:
 - ``reward_names``: the outputs the configured rewards emit (``shapes`` emits ``shapes`` and ``shapes_strict``;
   a reward whose factory takes a ``name`` emits that, by default its registry name), or None when some reward's
   outputs cannot be known before it runs (a remote scorer): then the first rollout checks the names;
-- ``preflight``: the model location exists (local paths), the prompt files read, ``train_subset`` indexes them,
-  each reward's keyword arguments fit its factory (the cheap analytic rewards are built), and every prompt is one
-  the shapes-family rewards can score.
+- ``preflight``: the model location exists (local paths; a hub id in the local cache or the Hub reachable), the
+  prompt files read, ``train_subset`` indexes them, each reward's keyword arguments fit its factory (the cheap
+  analytic rewards are built), and every prompt is one the shapes-family rewards can score.
 
 ``visgen.domain``'s config hooks call these with the domain module's own loaders (``read_prompt_file``,
 ``resolve_model_location``, the reward-module import), so the checks read exactly what the domain will load, and
@@ -24,6 +24,7 @@ import typing
 
 from shared_rl.errors import ConfigError
 
+HELD_PREFIX = "held/"  # visgen.api's name for a pipeline the caller holds: it labels an object, nothing to look up
 # rewards whose factories build nothing heavy: built once here, so a bad argument value fails now
 CHEAP_REWARDS = ("shapes", "shapes_soft", "jpeg_compressibility", "jpeg_incompressibility")
 # rewards that score a prompt through the shapes-task grammar (or PromptSpec metadata)
@@ -129,6 +130,10 @@ def preflight(cfg, train_cfg, read_prompt_file, resolve_model_location, import_r
     location, local = resolve_model_location(cfg.model)
     if local:
         check_image_size(cfg, Path(location))
+    elif not cfg.model.startswith(HELD_PREFIX):  # a hub id: cached, or the Hub reachable (not the loader's retries)
+        from shared_rl.preflight import check_hub_model
+
+        check_hub_model(cfg.model, "visgen.model")
     import_rewards()
     for i, spec in enumerate(cfg.rewards):
         _check_reward_arguments(f"visgen.rewards[{i}]", spec.name, spec.kwargs)

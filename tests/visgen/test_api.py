@@ -53,3 +53,19 @@ def test_bad_inputs_are_one_line_errors(tiny_dir):
     with pytest.raises(ConfigError, match="weigh its outputs"):
         FlowGRPOTrainer(pipeline=str(tiny_dir), reward_funcs=["shapes", brightness], reward_weights=[0.5, 1.0],
                         prompts=PROMPTS, args=ARGS)
+
+
+def test_a_refused_config_leaves_nothing_behind(tiny_dir, tmp_path):
+    """The prompts are written into RUN/prompts before the config check reads them: a refusal removes what it made
+    (RUN itself when it was new) and keeps what was there before."""
+    bad = {**ARGS, "optim": {"lr": -1.0}}
+    with pytest.raises(ConfigError, match="optim.lr"):
+        FlowGRPOTrainer(pipeline=str(tiny_dir), reward_funcs=brightness, prompts=PROMPTS, args=bad,
+                        run_dir=tmp_path / "new" / "run", log=lambda *_: None)
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "notes.txt").write_text("mine\n")
+    with pytest.raises(ConfigError, match="optim.lr"):
+        FlowGRPOTrainer(pipeline=str(tiny_dir), reward_funcs=brightness, prompts=PROMPTS, args=bad,
+                        run_dir=tmp_path / "old", log=lambda *_: None)
+    assert sorted(p.name for p in (tmp_path / "old").iterdir()) == ["notes.txt"]

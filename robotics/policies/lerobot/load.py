@@ -23,8 +23,9 @@ def make_tiny_command(path: str, env_kind: str = "metaworld") -> str:
     return " ".join(["python scripts/robotics_lerobot_tiny.py", *args, f"--out {path}"])
 
 
-def _read_config(path: str, env_kind: str = "metaworld") -> dict:
-    """The policy's ``config.json`` (a local directory, or a hub id resolved in the local cache only)."""
+def read_policy_config(path: str, env_kind: str = "metaworld") -> dict:
+    """The policy's ``config.json`` (a local directory, or a hub id resolved in the local cache only); also what
+    ``RoboticsConfig.preflight`` reads, so ``--dry-run`` refuses a missing or uncached policy as the run does."""
     p = Path(path)
     if not p.is_dir() and local_path_meant(path):
         raise ConfigError(f"robotics.policy.path: {path} does not exist (a local path, not a hub id); make this "
@@ -104,7 +105,7 @@ def load_lerobot_policy(settings: PolicySettings, env_cfg, path: str, seed: int,
                         noise_head: bool = False):
     """The LeRobot policy at ``path`` (``settings.path`` resolved by the caller) as a :class:`LeRobotVLA`; with
     ``noise_head`` the learned std of ``flow_noise`` (``settings.noise``)."""
-    config = _read_config(path, env_cfg.kind)
+    config = read_policy_config(path, env_cfg.kind)
     family = config.get("type")
     if family not in FAMILIES:
         raise ConfigError(f"robotics.policy.path: {path} holds a LeRobot {family!r} policy; grove drives "
