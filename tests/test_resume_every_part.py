@@ -70,14 +70,15 @@ def registered() -> set[tuple[str, str]]:
     out |= {("filter", n) for n in typing.get_args(hints["filter"])}
     out |= {("visgen_method", n) for n in METHODS} | {("visgen_objective", n) for n in OBJECTIVES}
     out |= {("robotics_rollout", n) for n in ROLLOUTS} | {("robotics_part", n) for n in _part_classes()}
-    out.add(("robotics_balance", "need"))
-    out.add(("robotics_balance", "equal"))
+    from robotics.balance import BalanceConfig
+    from shared_rl.two_stage import SELECTORS
+
+    out |= {("robotics_balance", n) for n in typing.get_args(typing.get_type_hints(BalanceConfig)["by"])}
+    out |= {("two_stage_selector", n) for n in SELECTORS}  # the explorers' selectors (visgen two-stage, verified)
     return out
 
 
 EXCLUDED: dict[tuple[str, str], str] = {
-    ("kl_estimator", "domain"): "stateless: the domain's own KL term, covered by every case with kl_coef > 0 "
-                                "(visgen flow_grpo)",
     ("robotics_part", "RolloutStrategy"): "the strategies' base class: each strategy has its own case",
     ("policy_loss", "guard"): "GRPO-Guard reweights by the per-step transition std of flow domains; the toy has "
                               "none (it is stateless: a function of the batch)",
@@ -125,7 +126,11 @@ _VIS_BASE = {"eval": {"at_start": False, "every": 0}, "rollout": {"groups_per_it
 
 # method/objective -> (recipe, overrides): the shipped recipe shrunk to seconds
 VISGEN: dict[str, tuple[str, dict]] = {
-    "flow_grpo": ("shapes_grpo", {"loss": {"kl_coef": 0.01}, "visgen": {"ema": {"enabled": True}}}),
+    "flow_grpo": ("shapes_grpo", {"loss": {"kl_coef": 0.01, "kl_estimator": "domain"},
+                                  "visgen": {"ema": {"enabled": True}}}),
+    # Sol-RL: the explorer is re-synced from the live weights at every rollout (state: none of its own)
+    "two_stage": ("shapes_grpo", {"visgen": {"two_stage": {"enabled": True, "precision": "bf16", "candidates": 4,
+                                                           "selector": "top_bottom"}}}),
     "dance_grpo": ("shapes_dance", {}),
     "flow_grpo_fast": ("shapes_fast", {"visgen": {"method": {"range_end": 2, "max_window": 2}}}),
     "mix_grpo": ("shapes_mix", {"visgen": {"num_inference_steps": 6}}),
@@ -144,8 +149,6 @@ VISGEN: dict[str, tuple[str, dict]] = {
 
 
 def _visgen_cases() -> dict[str, tuple[dict, set]]:
-    from visgen.methods import METHODS  # noqa: F401
-
     cases = {}
     for name, (recipe, over) in VISGEN.items():
         cfg = merge(merge(yaml.safe_load((ROOT / "configs/visgen" / f"{recipe}.yaml").read_text()), _VIS_BASE), over)
@@ -156,6 +159,10 @@ def _visgen_cases() -> dict[str, tuple[dict, set]]:
         objective = (v.get("objective") or {}).get("name", "log_prob")
         covers = {("domain", "visgen"), ("visgen_objective", objective)}
         covers.add(("visgen_method", method or "ode"))
+        if v.get("two_stage", {}).get("enabled"):
+            covers.add(("two_stage_selector", v["two_stage"]["selector"]))
+        if (cfg.get("loss") or {}).get("kl_estimator") == "domain":
+            covers.add(("kl_estimator", "domain"))
         loss = (cfg.get("loss") or {}).get("policy_loss")
         if objective != "log_prob":
             covers.add(("policy_loss", objective))
@@ -170,11 +177,13 @@ TINY_MODEL = {"cnn_channels": [8, 8, 8, 8], "feature_dim": 32, "text_dim": 8, "h
 POINT = {"kind": "point", "tasks": ["point-reach"], "horizon": 12}
 
 
-def _robotics(**robotics) -> dict:
+def _robotics(policy: Path | None = None, **robotics) -> dict:
+    """A point-env run of a fresh tiny VLA, or of the saved one at ``policy`` (the world model's asset's)."""
+    start = {"checkpoint": str(policy)} if policy else {"checkpoint": "", "model": TINY_MODEL}
     return {"domain": "robotics", "seed": 0, "rollout": {"groups_per_iteration": 2, "group_size": 3},
             "optim": {"lr": 3e-2, "inner_epochs": 1, "minibatches_per_epoch": 1}, "eval": {"at_start": True},
-            "robotics": merge({"env": POINT, "checkpoint": "", "model": TINY_MODEL, "head_mode": "flow_sde",
-                               "train_states_per_task": 6, "eval_states_per_task": 2, "gifs": False}, robotics)}
+            "robotics": merge({"env": POINT, **start, "head_mode": "flow_sde", "train_states_per_task": 6,
+                               "eval_states_per_task": 2, "gifs": False}, robotics)}
 
 
 def _robotics_cases(wm_asset: Path, policy: Path, demos: Path) -> dict[str, tuple[dict, set]]:
@@ -198,8 +207,7 @@ def _robotics_cases(wm_asset: Path, policy: Path, demos: Path) -> dict[str, tupl
     }
     wm = {"checkpoint": str(wm_asset), "horizon": 12, "keyframe_states": 6, "keyframe_stride": 1,
           "coevolve_every": 1, "coevolve_episodes": 2, "refit_steps": 3, "refit_success_steps": 3}
-    base = lambda name, **w: _robotics(checkpoint=str(policy), model={}, rollout={"name": name,  # noqa: E731
-                                                                                  "world_model": {**wm, **w}})
+    base = lambda name, **w: _robotics(policy, rollout={"name": name, "world_model": {**wm, **w}})  # noqa: E731
     cases["robotics-world_model-audit"] = (
         base("world_model", audit_fraction=0.5, learn_from_audit=True),
         dom | part("WorldModelRollout") | {("robotics_rollout", "world_model")})
@@ -208,17 +216,14 @@ def _robotics_cases(wm_asset: Path, policy: Path, demos: Path) -> dict[str, tupl
                                                  "ranker_from": "own_groups", "ranker_refit_steps": 5,
                                                  "learn_from_verified": True, "probe_every": 1, "probe_keys": 1,
                                                  "probe_states": 2}
-    cases["robotics-verified-ranker"] = (verified, dom | part("VerifiedRollout") | {("robotics_rollout", "verified")})
+    cases["robotics-verified-ranker"] = (verified, dom | part("VerifiedRollout") | {("robotics_rollout", "verified"),
+                                                                                    ("two_stage_selector", "max_variance")})
     short = base("short_horizon", audit_fraction=0.0)
     short["advantage"] = {"estimator": "grpo", "weights": {"return": 1.0}}
     short["robotics"]["rollout"]["short_horizon"] = {"horizon": 8, "real_episodes": 2, "critic_steps": 5,
                                                      "audit_groups": 1}
     cases["robotics-short_horizon"] = (short, dom | part("ShortHorizonRollout")
                                        | {("robotics_rollout", "short_horizon")})
-    for cfg, _ in cases.values():
-        cfg["robotics"]["model"] = cfg["robotics"]["model"] or {}
-        if not cfg["robotics"]["model"]:
-            del cfg["robotics"]["model"]
     return cases
 
 
@@ -288,3 +293,37 @@ def test_resume_equals_uninterrupted(case, tmp_path, request):
     cfg, _ = cases[case]
     bad = resume_mismatches(copy.deepcopy(cfg), tmp_path)
     assert not bad, "\n".join(bad[:20])
+
+
+@pytest.mark.slow
+def test_a_sigkilled_explorer_run_resumes_to_the_uninterrupted_one(tmp_path, robotics_inputs):
+    """The real thing for the part with the most state: ``grove train`` of the verified-ranker case in a child
+    process, SIGKILLed once its second checkpoint is on disk (inside the third iteration), then ``--resume``: the
+    records equal the uninterrupted in-process run's (``slow``: two Python start-ups)."""
+    import json
+    import subprocess
+    import sys
+    import time
+
+    from tests.resume_harness import _config, _records
+
+    cfg, _ = _robotics_cases(*robotics_inputs)["robotics-verified-ranker"]
+    cfg = merge(cfg, {"iterations": 3, "checkpoint": {"every": 1, "keep_last": 4}, "logging": {"progress": False}})
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    run = tmp_path / "killed"
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    p = subprocess.Popen([sys.executable, "-m", "shared_rl", "train", str(path), "--out", str(run)], cwd=str(ROOT),
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+    t = time.monotonic()
+    while not (run / "checkpoints" / "step_000002").is_dir() and p.poll() is None and time.monotonic() - t < 600:
+        time.sleep(0.02)
+    p.kill()
+    p.communicate(timeout=60)
+    again = subprocess.run([sys.executable, "-m", "shared_rl", "train", "--resume", str(run)], cwd=str(ROOT),
+                           capture_output=True, env=env, timeout=600)
+    assert again.returncode == 0, again.stderr.decode()[-3000:]
+    from shared_rl.trainer import Trainer
+
+    Trainer(_config(cfg, 3), tmp_path / "full", log=lambda *_: None).fit()
+    assert _records(run) == _records(tmp_path / "full"), json.dumps(_records(run)[-1])[:2000]

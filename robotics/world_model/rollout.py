@@ -26,6 +26,7 @@ where episodes come from:
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -313,13 +314,19 @@ class WorldModelRollout(RolloutStrategy):
                 self._wm_opt = torch.optim.Adam(self.wm.parameters(), lr=self.cfg.rollout.world_model.refit_lr)
                 self._wm_opt.load_state_dict(s["wm_opt"])
 
+    def _classes(self) -> dict[str, type]:
+        """The dataclasses the packed state may hold; LIBERO's simulator state when its env module is loaded (a
+        LIBERO run loads it before any state exists; importing it otherwise would load the simulator for nothing)."""
+        libero = sys.modules.get("robotics.envs.libero_env")
+        return self.STATE_CLASSES | ({"LiberoState": libero.LiberoState} if libero is not None else {})
+
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return {f"{WM_STATE_PREFIX}learned": pack(self.learned_state(), self.STATE_CLASSES)}
+        return {f"{WM_STATE_PREFIX}learned": pack(self.learned_state(), self._classes())}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         packed = state.get(f"{WM_STATE_PREFIX}learned")
         if packed is not None:  # an older checkpoint without it: ``missing_state`` reports the gap at resume
-            self.load_learned_state(unpack(packed, self.STATE_CLASSES))
+            self.load_learned_state(unpack(packed, self._classes()))
 
     def extra_state(self) -> dict:
         return {"real_steps_coevolve": self.real_steps_coevolve, "real_steps_replay": self.real_steps_replay,
