@@ -33,10 +33,10 @@ What each argument becomes:
 from __future__ import annotations
 
 import asyncio
-import copy
 import inspect
 import itertools
 import json
+import logging
 import math
 import tempfile
 import time
@@ -51,6 +51,8 @@ from ..config import ConfigError, TrainConfig, apply_overrides
 from ..trainer import Trainer
 from .rewards import BUILTIN_REWARDS
 
+# warnings go to the logger TRL's GRPOTrainer uses, so a TRL user's log filters and handlers still see them
+trl_logger = logging.getLogger("trl.trainer.grpo_trainer")
 _registered: dict[str, Callable] = {}  # name in BUILTIN_REWARDS -> the caller's function it stands for
 _counter = itertools.count()
 
@@ -162,6 +164,11 @@ class _Recorder:
 
     def __call__(self, raw: dict[str, torch.Tensor], truncated: list[bool], completion_ids: list[list[int]]) -> None:
         self.calls.append(({k: v.clone() for k, v in raw.items()}, list(truncated), [len(c) for c in completion_ids]))
+        unscored = ~torch.stack([torch.isfinite(r) for r in raw.values()]).any(0)
+        if bool(unscored.any()):  # TRL's warning, word for word: that sample gets no update
+            trl_logger.warning(f"All reward functions returned None for the following kwargs: completion "
+                               f"{int(unscored.nonzero()[0])} of this batch. Please ensure that at least one reward "
+                               f"function returns a valid reward.")
 
     def drain(self) -> dict[str, float]:
         if not self.calls:
@@ -267,10 +274,10 @@ class GRPOTrainer:
             raise ConfigError("No reward source provided: give reward_funcs (functions, reward models or built-in "
                               "names)")
         funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
-        if trl_mode:
-            self.args = args
-        else:
-            self.args = None
+        self.args = args if trl_mode else None
+        if trl_mode and not hasattr(train_dataset, "__len__") and getattr(args, "accelerator_config", None) is not None:
+            # as TRL: a stream is read by each process itself, never dispatched (what args reports to callbacks)
+            args.accelerator_config.dispatch_batches = False
 
         from .model import resolve_model_path
 
@@ -284,6 +291,7 @@ class GRPOTrainer:
                 init_kwargs["trust_remote_code"] = True
             for note in t.notes:
                 log(f"grove: {note}")
+                trl_logger.warning(note)
             if run_dir is None:
                 run_dir = t.trainer["output_dir"]
         else:
@@ -402,6 +410,7 @@ class GRPOTrainer:
                                       logging_steps=self._t["logging_steps"])
             self.control = TrainerControl()
             held["trainer_state"] = self.state
+            held["log_extra"] = self._log_extra
             held["on_train_scores"] = self._recorder
         self.trainer = _HookedTrainer(self.config, self.run_dir, log=log, objects=held, on_iteration=self._on_iteration)
         self.aux_loss_enabled = False
@@ -421,6 +430,10 @@ class GRPOTrainer:
             per_gen = (args.generation_batch_size or args.per_device_train_batch_size * args.steps_per_generation)
             limit = max(1, per_gen // args.num_generations) * args.max_steps
         return _rows_of(train_dataset, "train_dataset", limit)
+
+    def _log_extra(self, column: str, values: list) -> None:
+        """TRL's ``log_extra``: a reward function adds a column to the completions table (``_logs['extra']``)."""
+        self._logs["extra"].setdefault(column, []).extend(list(values))
 
     def _tmpdir(self) -> str:
         self._tmp = tempfile.TemporaryDirectory(prefix="grove-llm-")

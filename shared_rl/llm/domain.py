@@ -331,8 +331,8 @@ class LLMDomain(DomainBase):
               iteration: int, info: dict[str, float] | None = None, on_scores=None) -> dict[str, torch.Tensor]:
         """Rewards of completions, TRL-style: one call per reward function over the whole batch. ``on_scores``
         (optional) receives the raw values per label, the truncation flags and the completion ids (``shared_rl.llm.api`` logs TRL's
-        metrics from them); the ``trainer_state`` the functions see is ``ctx.objects['trainer_state']`` when the
-        caller holds one (the TRL-shaped trainer's ``state``), else the iteration."""
+        metrics from them); the ``trainer_state`` and ``log_extra`` the functions see are ``ctx.objects``' when the
+        caller holds them (the TRL-shaped trainer's ``state`` and completions table), else the iteration and a no-op."""
         texts = [self._decode(c) for c in completion_ids]
         prompts = [ex["prompt"] for ex in examples]
         conversational = bool(prompts) and isinstance(prompts[0], list)
@@ -345,7 +345,7 @@ class LLMDomain(DomainBase):
 
         state = self.ctx.objects.get("trainer_state") or SimpleNamespace(global_step=iteration, epoch=0.0)
         extras = {"trainer_state": state,
-                  "log_metric": log_metric, "log_extra": lambda *a, **k: None,
+                  "log_metric": log_metric, "log_extra": self.ctx.objects.get("log_extra") or (lambda *a, **k: None),
                   "max_completion_length": self.cfg.max_new_tokens, "truncated": truncated}
         out = {}
         for label, call in self._guarded_calls.items():

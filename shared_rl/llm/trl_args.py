@@ -204,6 +204,10 @@ def translate(args, num_train_rows: int, has_peft: bool = False) -> Translation:
     if a.loss_type == "dr_grpo":
         loss["max_steps_norm"] = max_new
     if a.loss_type == "cispo":  # TRL caps the IS weight at epsilon_high (an absolute value), no lower cap
+        if eps_high <= 1.0:
+            _fail("epsilon_high", eps_high, "with loss_type='cispo' TRL caps the importance weight at this value; "
+                                            "grove's cispo caps it above 1 (1 + loss.clip_high): set epsilon_high > 1 "
+                                            "(ScaleRL's 5.0)")
         loss.update(policy_loss="cispo", clip_low=1.0, clip_high=eps_high - 1.0)
     elif a.loss_type == "sapo":
         loss["policy_loss"] = {"name": "sapo", "tau_pos": a.sapo_temperature_pos, "tau_neg": a.sapo_temperature_neg}
@@ -268,6 +272,9 @@ def translate(args, num_train_rows: int, has_peft: bool = False) -> Translation:
     if a.multi_objective_aggregation == "normalize_then_sum" and len(a.reward_weights or [0, 0]) > 1:
         notes.append("GRPOConfig.multi_objective_aggregation='normalize_then_sum': grove sums the per-reward group "
                      "z-scores without TRL's last division by the sum's batch std (one positive scale per batch)")
+    if a.importance_sampling_level == "sequence" and a.loss_type in ("bnpo", "dr_grpo", "dapo", "cispo"):
+        notes.append(f"GRPOConfig.importance_sampling_level='sequence' with loss_type={a.loss_type!r} weights each "
+                     f"sequence by its completion length (the token sum); GSPO's objective is loss_type='grpo'")
     if a.num_generations_eval not in (None, G):
         notes.append(f"GRPOConfig.num_generations_eval={a.num_generations_eval}: evaluation samples that many "
                      f"completions per prompt")

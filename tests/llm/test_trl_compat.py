@@ -122,8 +122,9 @@ def test_grpo_config_run_with_trl_surface(tmp_path):
     before = {n: p.clone() for n, p in model.named_parameters()}
     seen_state = []
 
-    def short(completions, trainer_state, **_):
+    def short(completions, trainer_state, log_extra, **_):
         seen_state.append(trainer_state.global_step)
+        log_extra("head", [c[:2] for c in completions])
         return [-len(c) / 4 for c in completions]
 
     async def digits(completions, **_):
@@ -150,6 +151,7 @@ def test_grpo_config_run_with_trl_surface(tmp_path):
     assert [e for e in cb.events if e[0] == "step"] == [("step", 1), ("step", 2), ("step", 3)]
     assert cb.events[-1] == ("end", 3) and sum(e[0] == "log" for e in cb.events) == 2
     assert seen_state == [0, 1, 2]  # reward functions see TRL's state (global_step before the update)
+    assert len(trainer._logs["extra"]["head"]) == 3 * 4  # log_extra: a column per completion, as TRL's table
     assert any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
     metrics = trainer.evaluate()
     assert {"eval_loss", "eval_reward", "eval_rewards/short/mean"} <= set(metrics)
@@ -222,3 +224,24 @@ def test_kl_ratio_correction_is_trls_formula():
     seq = LLMDomain._ratio_corrected_k3(dom, logp.detach(), ref, old, mask)
     ratio = math.exp(((-1.0 + 1.2) + 0.0) / 2)  # the mean log-ratio over the 2 real tokens
     assert torch.allclose(seq, (torch.exp(d) - d - 1) * ratio * mask)
+
+
+def test_sync_ref_model_mixes_by_hand_and_mappings_of_field_names(tmp_path):
+    """TRL's sync_ref_model: reference <- alpha * policy + (1 - alpha) * reference; a dict of GRPOConfig field names
+    is a GRPOConfig."""
+    from types import SimpleNamespace
+
+    from shared_rl.llm.trl_args import from_mapping
+
+    policy, ref = torch.nn.Linear(1, 1, bias=False), torch.nn.Linear(1, 1, bias=False)
+    with torch.no_grad():
+        policy.weight.fill_(1.0)
+        ref.weight.fill_(0.0)
+    fake = SimpleNamespace(trainer=SimpleNamespace(domain=SimpleNamespace(reference=ref)), model=policy)
+    GRPOTrainer._sync_reference(fake, 0.6)
+    GRPOTrainer._sync_reference(fake, 0.6)
+    assert ref.weight.item() == pytest.approx(0.6 + 0.4 * 0.6)  # 0 -> 0.6 -> 0.84
+    args = from_mapping({"num_generations": 4, "output_dir": str(tmp_path)})
+    assert type(args).__name__ == "GRPOConfig" and args.num_generations == 4
+    with pytest.raises(ConfigError, match=r"\['num_generation'\] are not GRPOConfig fields"):
+        from_mapping({"num_generation": 4})

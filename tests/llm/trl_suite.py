@@ -124,7 +124,10 @@ def main(argv=None) -> int:
     ap.add_argument("--rev", default="HEAD")
     ap.add_argument("-k", default="", help="extra pytest -k expression, and-ed with the deselection")
     ap.add_argument("--out", default="", help="folder for results.json (default: the temp folder)")
-    ap.add_argument("--timeout", type=int, default=300, help="seconds per test at most")
+    ap.add_argument("--timeout", type=int, default=900, help="seconds per test at most (pytest-timeout)")
+    ap.add_argument("--collect-only", action="store_true", help="list the selected test ids, in run order")
+    ap.add_argument("--ids", default="", help="file of test ids (one per line) to run, in that order, instead of "
+                                              "the -k selection (a long run resumed, or a priority order)")
     a = ap.parse_args(argv)
     root = Path(tempfile.mkdtemp(prefix=f"trl-suite-{a.impl}-"))
     tests = root / "tests"
@@ -149,8 +152,19 @@ def main(argv=None) -> int:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "TOKENIZERS_PARALLELISM": "false",
            "HF_DATASETS_CACHE": str(root / "_hf_datasets"), "WANDB_MODE": "disabled"}
-    cmd = [sys.executable, "-m", "pytest", "tests/test_grpo_trainer.py", "-q", "-p", "no:cacheprovider",
-           "-k", expr, f"--junitxml={report}", "-o", "addopts=", "--tb=line", "-rN"]
+    targets = ["tests/test_grpo_trainer.py", "-k", expr]
+    if a.ids:
+        targets = [f"tests/test_grpo_trainer.py::{line.strip()}" for line in Path(a.ids).read_text().splitlines()
+                   if line.strip()]
+    if a.collect_only:
+        listing = subprocess.run([sys.executable, "-m", "pytest", *targets, "--collect-only", "-q", "-p",
+                                  "no:cacheprovider", "-o", "addopts="], cwd=root, env=env, capture_output=True,
+                                 text=True).stdout
+        print("\n".join(x.split("::", 1)[1] for x in listing.splitlines() if "::" in x))
+        return 0
+    # -v: each test's outcome on its own line as it ends, so a run cut short still says what it measured
+    cmd = [sys.executable, "-m", "pytest", *targets, "-v", "-p", "no:cacheprovider", f"--junitxml={report}",
+           "-o", "addopts=", "--tb=line", "-rN", f"--timeout={a.timeout}"]
     print(f"trl_suite: {a.impl} in {root}", flush=True)
     rc = subprocess.run(cmd, cwd=root, env=env).returncode
     results = _read_junit(report)
