@@ -41,7 +41,7 @@ test: setup
 # gpu ones write a page saying they were not run on a machine without CUDA (gpu) or run their CPU rehearsal
 # (gpu-two-stage)
 BENCHMARKS := scale llm robotics-sim robotics-libero robotics-libero-rl robotics-demos robotics-world-model robotics-wm-probe visgen-trees visgen-rewards visgen-methods \
-	visgen-two-stage visgen-video gpu gpu-two-stage
+	visgen-two-stage visgen-video gpu gpu-two-stage cold-start
 
 bench: setup
 	@set -e; for b in $(BENCHMARKS); do echo "== grove bench $$b --quick"; \

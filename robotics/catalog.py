@@ -2,7 +2,8 @@
 
 Written as text: reading them from the config and the environments imports MuJoCo and Meta-World (seconds), and
 ``grove list`` should answer at once; ``tests/core/test_docs_match.py`` checks each list against its source
-(``RoboticsConfig.head_mode``, ``robotics.envs.vector.DEFAULT_TASKS``, ``metaworld_env.known_tasks()``).
+(``RoboticsConfig.head_mode``, ``robotics.envs.vector.DEFAULT_TASKS``, ``metaworld_env.known_tasks()``,
+``libero_tasks.SUITES``).
 """
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ METAWORLD_V3_TASKS = (
     "push-back-v3", "push-v3", "push-wall-v3", "reach-v3", "reach-wall-v3", "shelf-place-v3", "soccer-v3",
     "stick-pull-v3", "stick-push-v3", "sweep-into-v3", "sweep-v3", "window-close-v3", "window-open-v3")
 TOOLS = ("collect", "from-lerobot", "to-lerobot")
+# LIBERO's suites (``robotics.envs.libero_tasks.SUITES``) as grove names their tasks, SUITE/INDEX
+LIBERO_TASKS = ("libero_spatial/0..9", "libero_object/0..9", "libero_goal/0..9", "libero_10/0..9", "libero_90/0..89")
 
 
 def catalog() -> dict[str, list[str]]:
@@ -26,5 +29,7 @@ def catalog() -> dict[str, list[str]]:
         "exploration modes (robotics.head_mode)": list(HEAD_MODES),
         "default tasks (robotics.env.tasks; the BC asset's)": list(DEFAULT_TASKS),
         "all Meta-World v3 tasks (robotics.env.tasks)": list(METAWORLD_V3_TASKS),
+        "LIBERO tasks (robotics.env.tasks with robotics.env.kind: libero; SUITE/<LIBERO task name> also works)":
+            list(LIBERO_TASKS),
         "tools (grove robotics TOOL)": list(TOOLS),
     }

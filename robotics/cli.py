@@ -12,28 +12,47 @@ from shared_rl.cli import ArgumentParser, check_output_file
 from shared_rl.errors import ConfigError
 
 
+def _add_output(p: ArgumentParser, help_: str) -> None:
+    """The output as the last positional or, as ``collect`` spells it, ``--out``."""
+    p.add_argument("out", nargs="?", help=help_)
+    p.add_argument("--out", dest="out_option", metavar="OUT", help=f"the same as the positional OUT ({help_})")
+
+
+def _output(a, prog: str) -> str:
+    if a.out is not None and a.out_option is not None and a.out != a.out_option:
+        raise ConfigError(f"{prog}: the output is given twice ({a.out!r} and --out {a.out_option!r}); give one")
+    out = a.out if a.out is not None else a.out_option
+    if out is None:
+        raise ConfigError(f"{prog}: the output is required: {prog} INPUT OUT (or --out OUT)")
+    return out
+
+
 def _to_lerobot(argv: list[str]) -> int:
     from .data import check_new_dataset_dir, export_lerobot, lerobot_dataset_class, load_episodes
 
-    p = ArgumentParser(prog="grove robotics to-lerobot", description="export an episodes .npz as LeRobot v3.0")
+    prog = "grove robotics to-lerobot"
+    p = ArgumentParser(prog=prog, description="export an episodes .npz as LeRobot v3.0")
     p.add_argument("episodes", help="episodes .npz (from grove robotics collect)")
-    p.add_argument("out_dir", help="the new dataset directory (must not exist; LeRobot creates it)")
+    _add_output(p, "the new dataset directory (must not exist; LeRobot creates it)")
     p.add_argument("--repo-id", default="grove/metaworld")
     a = p.parse_args(argv)
-    check_new_dataset_dir(a.out_dir, "out_dir")
+    out_dir = _output(a, prog)
+    check_new_dataset_dir(out_dir, "out_dir")
     lerobot_dataset_class()  # installed? (before reading anything)
-    export_lerobot(load_episodes(a.episodes), a.out_dir, a.repo_id)
-    print(f"wrote {a.out_dir}")
+    export_lerobot(load_episodes(a.episodes), out_dir, a.repo_id)
+    print(f"wrote {out_dir}")
     return 0
 
 
 def _from_lerobot(argv: list[str]) -> int:
     from .data import import_lerobot, save_episodes
 
-    p = ArgumentParser(prog="grove robotics from-lerobot", description="import a LeRobot v3.0 dataset (image features)")
+    prog = "grove robotics from-lerobot"
+    p = ArgumentParser(prog=prog, description="import a LeRobot v3.0 dataset (image features)")
     p.add_argument("root", help="the LeRobot dataset directory (with meta/info.json)")
-    p.add_argument("out", help="the episodes .npz to write (must not exist)")
+    _add_output(p, "the episodes .npz to write (must not exist)")
     a = p.parse_args(argv)
+    a.out = _output(a, prog)
     check_output_file(a.out, "out", suffix=".npz")
     eps = import_lerobot(a.root)
     if not eps:

@@ -54,6 +54,7 @@ BENCHMARKS: dict[str, str] = {
     "gpu-two-stage": "bench.gpu_two_stage:run",
     "gpu": "bench.gpu:run",
     "scale": "bench.scale:run",
+    "cold-start": "bench.cold_start:run",
 }
 
 # ``grove NAME args...`` hands ``args`` to ``main(argv) -> exit code`` of the command group's module.

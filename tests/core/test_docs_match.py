@@ -228,7 +228,20 @@ def test_robotics_catalog_equals_its_sources(listed):
     assert list(cat.DEFAULT_TASKS) == list(DEFAULT_TASKS), "robotics/catalog.py DEFAULT_TASKS differs"
     assert sorted(cat.METAWORLD_V3_TASKS) == sorted(known_tasks()), "robotics/catalog.py METAWORLD_V3_TASKS differs"
     assert sorted(cat.TOOLS) == sorted(TOOLS), "robotics/catalog.py TOOLS differs from robotics.cli.TOOLS"
+    from robotics.envs.libero_tasks import SUITES
+
+    assert [t.split("/")[0] for t in cat.LIBERO_TASKS] == list(SUITES), "robotics/catalog.py LIBERO_TASKS differs"
+    assert row(listed, "robotics: LIBERO tasks") == list(cat.LIBERO_TASKS)
     assert row(listed, "robotics: exploration modes") == list(cat.HEAD_MODES)
     assert row(listed, "robotics: tools") == list(cat.TOOLS)
     assert not missing(cat.HEAD_MODES, page_words(*(DOCS / "methods").glob("*.md")))
     assert not missing(cat.TOOLS, page_words(ROOT / "README.md")), "robotics tools missing from README"
+
+
+def test_the_benchmark_counts_the_readme_quotes_are_the_registry_s():
+    """"all N that `grove list` names" and "one of the N below": N is the number of registered benchmarks (the
+    count went stale once, 11 against 14)."""
+    text = " ".join((ROOT / "README.md").read_text().split())
+    quoted = re.findall(r"all (\d+) that `grove list` names", text) + re.findall(r"one of the (\d+) below", text)
+    assert len(quoted) == 2, f"README's benchmark counts not found where expected: {quoted}"
+    assert {int(n) for n in quoted} == {len(registry.benchmark_names())}, (quoted, registry.benchmark_names())

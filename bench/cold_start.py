@@ -1,0 +1,73 @@
+"""`grove bench cold-start`: how long a new user waits for the answers that need no model — a typo'd path refused
+(exit 2), ``grove config show`` of each domain's recipe, ``grove list`` — each a fresh ``grove`` process, as typed.
+
+Every row runs its command ``REPEATS`` times (``--quick``: once) as a subprocess from the checkout and reports the
+median wall time (and the fastest), after checking the exit code and, for a refusal, that its one line names the
+typo. A cold start is mostly imports (torch, diffusers, the domain's package), so the numbers move with the machine's
+load and its page cache: the 1-minute load average before the rows is reported beside them, and ``grove --version``
+(the interpreter and grove's own CLI module, nothing else) is the floor every other row pays.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from shared_rl.bench import write_results
+from shared_rl.cli import REPO_ROOT
+
+DOC = REPO_ROOT / "docs" / "bench" / "cold_start.md"
+REPEATS = 3
+
+# (variant, argv after `grove`, exit code, text the last stderr line must hold, extra environment)
+ROWS = [
+    ("grove --version (the floor)", ["--version"], 0, "", {}),
+    ("grove list", ["list"], 0, "", {}),
+    ("config show toy", ["config", "show", "configs/toy.yaml"], 0, "", {}),
+    ("config show llm", ["config", "show", "configs/llm/arith_grpo.yaml"], 0, "", {}),
+    ("config show visgen", ["config", "show", "configs/visgen/shapes_grpo.yaml"], 0, "", {}),
+    ("config show robotics", ["config", "show", "configs/robotics/metaworld_grpo.yaml"], 0, "", {}),
+    ("typo'd llm model path (exit 2)",
+     ["train", "configs/llm/arith_grpo.yaml", "llm.model=assets/llm-arith-tiy", "--dry-run"], 2,
+     "did you mean 'assets/llm-arith-tiny'?", {}),
+    ("typo'd visgen model path (exit 2)",
+     ["train", "configs/visgen/shapes_grpo.yaml", "visgen.model=assets/shapes-sd3-tny", "--dry-run"], 2,
+     "did you mean 'assets/shapes-sd3-tiny'?", {}),
+    ("typo'd visgen hub id, offline (exit 2)",
+     ["train", "configs/visgen/sd35_pickscore.yaml", "device=cpu",
+      "visgen.model=stabilityai/stable-diffusion-3.5-mediun", "--dry-run"], 2,
+     "did you mean 'stabilityai/stable-diffusion-3.5-medium'?", {"HF_HUB_OFFLINE": "1"}),
+    ("typo'd robotics checkpoint (exit 2)",
+     ["train", "configs/robotics/metaworld_grpo.yaml", "robotics.checkpoint=assets/metaworld-vla-tiy", "--dry-run"],
+     2, "did you mean 'metaworld-vla-tiny'?", {}),
+]
+
+
+def _time_once(argv: list[str], code: int, expect: str, env: dict[str, str]) -> float:
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "shared_rl.cli", *argv], cwd=REPO_ROOT, capture_output=True,
+                          text=True, env={**os.environ, **env}, timeout=600)
+    wall = time.perf_counter() - start
+    last = (proc.stderr.strip().splitlines() or [""])[-1]
+    if proc.returncode != code or expect not in last:
+        raise RuntimeError(f"grove {' '.join(argv)}: exit {proc.returncode} (expected {code}); last line: {last!r}")
+    return wall
+
+
+def run(out_dir: Path, quick: bool = False, log=print) -> dict:
+    repeats = 1 if quick else REPEATS
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    rows = []
+    for variant, argv, code, expect, env in ROWS:
+        times = [_time_once(argv, code, expect, env) for _ in range(repeats)]
+        rows.append({"variant": variant, "median_s": statistics.median(times), "min_s": min(times),
+                     "runs": repeats, "command": "grove " + " ".join(argv)})
+        log(f"{variant}: median {rows[-1]['median_s']:.2f} s over {repeats}")
+    notes = (f"Each row: a fresh `python -m shared_rl.cli ...` subprocess from the checkout, {repeats} times; the "
+             f"median and the fastest wall time. 1-minute load average before the rows: {load:.2f} on "
+             f"{os.cpu_count()} cores. Reproduce: `grove bench cold-start` (this page), `--quick` for 1 run a row "
+             f"(no page).")
+    return write_results(out_dir, "cold-start", rows, notes, doc_path=None if quick else DOC)
