@@ -15,12 +15,16 @@ its newest checkpoint: the bench runs in pieces across sittings — run it again
 4. **RL** from the K=``RL_K`` clone (``RL_VARIANTS``: grove's recipe and the authors' recipes at the CPU's scale) in
    ``RL_SEEDS``: held-out success before -> after, the **paired** change (the same states and start noise:
    ``eval/success_delta`` ± its standard error, per task too), the verdict (a change within 2 standard errors is
-   "inside the band"), env steps and wall time; and "RL from K=5 >= BC from K=20?".
-5. **The control of an RL row** (``--null-of RUN_DIR``): that run's final policy with each task adapter's
+   "inside the band"), env steps and wall time; and "RL from K=5 >= BC from K=20?". ``--iterations N`` runs rows of
+   their own at N iterations; a finished row of the same variant and seed at fewer iterations is copied and goes on
+   from its last checkpoint (the uninterrupted longer run: a constant step size, randomness drawn per iteration).
+5. **The tiny SmolVLA row** (``--only smolvla``): LeRobot's SmolVLA cloned on the same K demos, then RL with
+   ``SMOLVLA_VARIANT`` over ``SMOLVLA_RECIPE``, paired with the run's own first evaluation.
+6. **The control of an RL row** (``--null-of RUN_DIR``): that run's final policy with each task adapter's
    up-projection replaced by a random one of the same norm, evaluated paired with the clone — what an update of RL's
    size does when it knows nothing of the reward.
 
-``--only demos|bc|noise|rl`` runs a part, ``--seeds`` / ``--variants`` restrict the RL rows, ``--assemble`` only
+``--only demos|bc|noise|rl|smolvla`` runs a part, ``--seeds`` / ``--variants`` restrict the RL rows, ``--assemble`` only
 writes the table of the rows finished so far. ``--quick``: one tiny row of each kind (plumbing only; its LIBERO envs
 still take seconds each to build). Results in docs/bench/libero_rl.md.
 """
