@@ -211,7 +211,7 @@ def _robotics_cases(wm_asset: Path, policy: Path, demos: Path) -> dict[str, tupl
     cases["robotics-world_model-audit"] = (
         base("world_model", audit_fraction=0.5, learn_from_audit=True),
         dom | part("WorldModelRollout") | {("robotics_rollout", "world_model")})
-    verified = base("verified", audit_fraction=0.0)
+    verified = base("verified", audit_fraction=0.0, refit_steps=0, refit_success_steps=0)  # as the ranker recipe
     verified["robotics"]["rollout"]["verify"] = {"candidates": 6, "selector": "max_variance", "score": "ranker",
                                                  "ranker_from": "own_groups", "ranker_refit_steps": 5,
                                                  "learn_from_verified": True, "probe_every": 1, "probe_keys": 1,
@@ -296,6 +296,7 @@ def test_resume_equals_uninterrupted(case, tmp_path, request):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # minutes alone; a loaded 2-core machine stretches them
 def test_a_sigkilled_explorer_run_resumes_to_the_uninterrupted_one(tmp_path, robotics_inputs):
     """The real thing for the part with the most state: ``grove train`` of the verified-ranker case in a child
     process, SIGKILLed once its second checkpoint is on disk (inside the third iteration), then ``--resume``: the

@@ -291,10 +291,16 @@ class WorldModelRollout(RolloutStrategy):
                "keyframes": {k: kf for k, kf in self.keyframes.items() if k not in self._initial_keyframes},
                "audit_rng": self._audit_rng, "coevolved_at": self._coevolved_at,
                "model_steps": self.imagine.model_steps}
-        if self.cfg.rollout.world_model.coevolve_every:  # the models change only at co-evolution rounds
-            out |= {"wm": self.wm.state_dict(), "wm_cfg": self.wm.cfg, "success": self.success.state_dict(),
-                    "success_cfg": self.success.cfg,
-                    "wm_opt": self._wm_opt.state_dict() if self._wm_opt is not None else None}
+        w = self.cfg.rollout.world_model
+        if w.coevolve_every:  # the models change only at co-evolution rounds: their calibration at every round, their
+            # weights only when refit (steps 0 leave them the asset's, which the constructor loads again: 1.7 MB less
+            # per checkpoint of the ranker recipe)
+            out |= {"wm_cfg": self.wm.cfg, "success_cfg": self.success.cfg}
+            if w.refit_steps:
+                out |= {"wm": self.wm.state_dict(),
+                        "wm_opt": self._wm_opt.state_dict() if self._wm_opt is not None else None}
+            if w.refit_success_steps:
+                out["success"] = self.success.state_dict()
         return out
 
     def load_learned_state(self, s: dict) -> None:
@@ -304,15 +310,17 @@ class WorldModelRollout(RolloutStrategy):
         self.imagine.keyframes = self.keyframes
         self._audit_rng, self._coevolved_at = s["audit_rng"], int(s["coevolved_at"])
         self.imagine.model_steps = int(s["model_steps"])
+        if "wm_cfg" in s:
+            vars(self.wm.cfg).update(vars(s["wm_cfg"]))
+            vars(self.success.cfg).update(vars(s["success_cfg"]))
         if "wm" in s:
             self.wm.load_state_dict(s["wm"])
-            vars(self.wm.cfg).update(vars(s["wm_cfg"]))
-            self.success.load_state_dict(s["success"])
-            vars(self.success.cfg).update(vars(s["success_cfg"]))
-            self.imagine.success = self.success
             if s["wm_opt"] is not None:
                 self._wm_opt = torch.optim.Adam(self.wm.parameters(), lr=self.cfg.rollout.world_model.refit_lr)
                 self._wm_opt.load_state_dict(s["wm_opt"])
+        if "success" in s:
+            self.success.load_state_dict(s["success"])
+        self.imagine.success = self.success
 
     def _classes(self) -> dict[str, type]:
         """The dataclasses the packed state may hold; LIBERO's simulator state when its env module is loaded (a

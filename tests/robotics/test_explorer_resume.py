@@ -31,6 +31,7 @@ def explorer_config(data: Path) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # minutes alone; a loaded 2-core machine stretches them
 def test_the_explorer_recipe_resumed_at_10_of_20_equals_the_uninterrupted_run(tmp_path):
     torch.set_num_threads(1)
     cfg = explorer_config(tmp_path / "wm_data.npz")
