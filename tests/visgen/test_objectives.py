@@ -80,8 +80,11 @@ def test_training_slots_and_micro_batches_give_the_same_update(tiny_dir, objecti
     assert metrics[0]["nfe/train"] == 8 * 2 * 2  # 8 images x 2 slots x (policy + old / EMA copy)
     # (AWM at ratio 1: -mean(A') ~ 0, so the loss values agree to float noise; the weights below carry the test)
     assert metrics[0]["loss/policy"] == pytest.approx(metrics[1]["loss/policy"], rel=1e-5, abs=1e-7)
+    # Adam's first step is ~lr * sign(g) = 1e-2 per weight, so a wrong micro-batch split moves weights by ~1e-2; an
+    # element whose gradient is ~0 divides float noise by its own tiny second moment (one such element of 64 moved
+    # 1.4e-6 once the prompts were encoded one per call), hence 1e-5
     for (k, a), b in zip(trainers[0].domain.state_dict().items(), trainers[1].domain.state_dict().values()):
-        assert torch.allclose(a, b, atol=1e-6), k
+        assert torch.allclose(a, b, atol=1e-5), k
     assert ro.objective.name == objective and metrics[0]["grad_norm"] > 0
 
 
