@@ -365,7 +365,7 @@ def resolve_model_location(model: str) -> tuple[str, bool]:
         siblings = sorted({str(p.parent / c.name) for d in parents for c in d.iterdir()
                            if (c / "model_index.json").is_file()})
         near = did_you_mean(model, siblings)
-        hint = SHAPES_ASSET_HINT if "shapes-sd3-tiny" in model and not near else "give a diffusers pipeline directory or a hub id"
+        hint = SHAPES_ASSET_HINT if "shapes-sd3-tiny" in model else "give a diffusers pipeline directory or a hub id"
         raise ConfigError(f"model path {model!r} does not exist{near} (looked in {', '.join(str(b) for b in bases)}); "
                           f"{hint}")
     return model, False
