@@ -28,12 +28,19 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
-from diffusers.utils.torch_utils import randn_tensor
 
 from shared_rl.flow_kernels import flow_step
 from shared_rl.tree import RolloutTree
 
 __all__ = ["StepSegment", "Level", "Forest", "Forwarder", "grow_forest", "forest_payload"]
+
+
+def stock_randn_tensor(*args, **kwargs) -> torch.Tensor:
+    """diffusers' ``randn_tensor`` (the noise the stock pipelines draw), imported on first use: diffusers' import
+    costs ~3 s that a config check does not need."""
+    from diffusers.utils.torch_utils import randn_tensor
+
+    return randn_tensor(*args, **kwargs)
 
 
 @dataclass
@@ -295,7 +302,7 @@ def grow_forest(
         for j in range(int(length.max())):
             noise = None
             if kernel != "ode":
-                noise = randn_tensor((C, *lat_shape), generator=generator, device=device, dtype=torch.float32)
+                noise = stock_randn_tensor((C, *lat_shape), generator=generator, device=device, dtype=torch.float32)
             rows = torch.nonzero(length > j).flatten()
             if j == 0:  # shared by siblings: one forward per parent
                 if d == 0 and first_velocity is not None:  # computed by the caller (E-GRPO's anchor pass)

@@ -49,10 +49,11 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, ContextManager, Literal, Optional
 
 import torch
-from diffusers.utils.torch_utils import randn_tensor
 
 from shared_rl.config import ConfigError, from_dict
 from shared_rl.domain import StepLogProbs
+
+from .engine import stock_randn_tensor
 
 __all__ = ["OBJECTIVES", "Objective", "LogProbObjective", "NFTObjective", "AWMObjective", "DGPOObjective",
            "OldPolicySchedule", "objective_from_config", "nft_branch_losses", "flow_matching_loss",
@@ -323,7 +324,7 @@ class Objective:
 
     def slot_noise(self, n: int, k: int, shape: tuple, device, generator, groups: torch.Tensor) -> torch.Tensor:
         """``[n, K, *latent]`` fresh noise of each slot (default: independent per row)."""
-        return randn_tensor((n, k, *shape), generator=generator, device=device, dtype=torch.float32)
+        return stock_randn_tensor((n, k, *shape), generator=generator, device=device, dtype=torch.float32)
 
     def training_slots(self, is_leaf: torch.Tensor, node_latent: torch.Tensor, num_columns: int,
                        sigmas: torch.Tensor, timesteps: torch.Tensor, generator,
@@ -570,7 +571,7 @@ class DGPOObjective(Objective):
         if not self.settings.shared_noise:
             return super().slot_noise(n, k, shape, device, generator, groups)
         uniq, inverse = torch.unique(groups, return_inverse=True)
-        per_group = randn_tensor((uniq.numel(), k, *shape), generator=generator, device=device, dtype=torch.float32)
+        per_group = stock_randn_tensor((uniq.numel(), k, *shape), generator=generator, device=device, dtype=torch.float32)
         return per_group[inverse.to(device)]
 
     def terms(self, adapter, payload, mask, cond, reference, old, need_kl=False):

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
+
+if TYPE_CHECKING:  # transformers is imported where a model is built: config checks stay free of its ~2 s import
+    from transformers import LlamaForCausalLM, PreTrainedTokenizerBase
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -39,6 +42,8 @@ def build_tiny_llama(
     seed: int = 0,
 ) -> LlamaForCausalLM:
     """A small ``LlamaForCausalLM`` whose special ids match ``tokenizer`` (bos/eos/pad), built offline."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
@@ -82,6 +87,8 @@ def resolve_model_path(path: str) -> str:
 
 
 def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
+    from transformers import AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(resolve_model_path(path))
     if tok.pad_token_id is None:
         # Some hub tokenizers have no pad token; EOS as pad is safe here because attention masks, not ids,
@@ -94,6 +101,8 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
 def load_causal_lm(path: str, dtype: str = "float32", device: torch.device | str = "cpu", lora: LLMLoraSettings | None = None,
                    gradient_checkpointing: bool = False) -> torch.nn.Module:
     """Load any ``AutoModelForCausalLM``; wrap it with a peft LoRA adapter when ``lora.enabled``."""
+    from transformers import AutoModelForCausalLM
+
     model = AutoModelForCausalLM.from_pretrained(resolve_model_path(path), dtype=DTYPES[dtype])
     return prepare_causal_lm(model, device, lora, gradient_checkpointing, path)
 

@@ -179,6 +179,25 @@ def test_list_and_the_cli_import_no_model_library():
     assert proc.stderr.strip().splitlines()[-1] == "(True, [])", proc.stderr[-2000:]
 
 
+@pytest.mark.parametrize("argv", [
+    ["config", "show", "configs/llm/arith_grpo.yaml"],
+    ["config", "show", "configs/visgen/shapes_grpo.yaml"],
+    ["train", "configs/llm/arith_grpo.yaml", "llm.model=assets/llm-arith-tiy", "--dry-run"],
+    ["train", "configs/visgen/shapes_grpo.yaml", "visgen.model=assets/shapes-sd3-tny", "--dry-run"],
+], ids=["show-llm", "show-visgen", "typo-llm", "typo-visgen"])
+def test_config_show_and_path_checks_import_no_model_library(argv):
+    """`grove config show` and a typo'd model path answer before transformers / diffusers are imported (their
+    import is seconds on 2 cores; docs/bench/cold_start.md times these commands)."""
+    code = ("import sys, io, contextlib; import shared_rl.cli as c; "
+            "out = io.StringIO(); contextlib.redirect_stdout(out).__enter__(); "
+            f"rc = c.main({argv!r}); "
+            "heavy = [m for m in ('diffusers', 'transformers') if m in sys.modules]; "
+            "sys.stderr.write(repr((rc, heavy)))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"})
+    expected_rc = 2 if "--dry-run" in argv else 0
+    assert proc.stderr.strip().splitlines()[-1] == repr((expected_rc, [])), proc.stderr[-2000:]
+
 def test_list_files_pretraining_configs_apart_from_recipes(capsys):
     assert main(["list"]) == 0
     out = capsys.readouterr().out
