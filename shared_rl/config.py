@@ -548,6 +548,12 @@ class LoggingConfig:
     wandb_project: str = field(default="grove", metadata={"help": "Weights & Biases project name"})
     step_clip_frac: bool = field(default=False, metadata={"help": "also log clip_frac/step<j>: the clipped fraction "
                                                                   "of each step column (GRPO-Guard's measurement)"})
+    grad_noise_scale: bool = field(default=False, metadata={
+        "help": "also log the gradient noise scale of the updates (McCandlish et al. 2018, 'An Empirical Model of "
+                "Large-Batch Training'): each optimizer step's minibatch is split into two halves, the gradient "
+                "snapshotted between them (no extra forward), and grad/noise_scale = tr(Σ)/|G|² is the number of "
+                "sequences per update at which its noise equals its signal; grad/half_cosine is the cosine of the "
+                "two halves' gradients (0: the update is noise). Replicate only (not fsdp2)"})
 
 
 @dataclass
@@ -678,6 +684,9 @@ def load_train_config(data: dict) -> TrainConfig:
     if kind == "step" and structure != "flat":
         raise ConfigError(f"advantage.estimator {est!r} needs flat rollouts (sequences of decisions); this config's "
                           f"{domain} rollouts are trees: use a tree estimator ({', '.join(estimator_names('tree'))})")
+    if cfg.logging.grad_noise_scale and cfg.distributed.strategy == "fsdp2":
+        raise ConfigError("logging.grad_noise_scale snapshots whole gradients, which distributed.strategy: fsdp2 "
+                          "keeps sharded; set logging.grad_noise_scale: false or use replicate")
     cfg.domain_config.check_with(cfg)
     _check_reward_names(cfg)
     return cfg

@@ -14,6 +14,7 @@ run replays exactly the iterations an uninterrupted run would (tested bitwise on
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import signal
 import time
@@ -50,6 +51,23 @@ def _add_step_stats(stats: StepStats, st: dict[str, torch.Tensor], mask: torch.T
         stats.max("ratio/max", float(st["ratio"][m].max()))
     if out.entropy is not None:
         stats.add("entropy", float(out.entropy.detach()[m].sum()), n_steps)
+
+
+def gradient_noise_stats(first: torch.Tensor, second: torch.Tensor, n_first: float, n_second: float) -> dict:
+    """The gradient noise scale's two estimates from one optimizer step (McCandlish et al. 2018, App. A).
+
+    ``first`` / ``second``: the two halves' contributions to the step's gradient (they sum to it), ``n_*`` their
+    sequences. With the loss a mean over the step's ``n = n_first + n_second`` sequences, each half's mean gradient is
+    ``G_h = (n / n_h) · g_h``. For independent halves ``E[G_1 · G_2] = |G|²`` and ``E|G_h|² = |G|² + tr(Σ) / n_h``
+    (Σ: the covariance of one sequence's gradient), so ``grad/signal_sq = G_1 · G_2`` and ``grad/noise_trace =
+    mean_h n_h (|G_h|² − G_1 · G_2)`` are unbiased; their ratio is the batch at which noise equals signal."""
+    if n_first < 1 or n_second < 1:
+        return {}
+    n = n_first + n_second
+    g1, g2 = first.double() * (n / n_first), second.double() * (n / n_second)
+    dot, s1, s2 = float(g1 @ g2), float(g1 @ g1), float(g2 @ g2)
+    return {"grad/signal_sq": dot, "grad/noise_trace": (n_first * (s1 - dot) + n_second * (s2 - dot)) / 2,
+            "grad/half_cosine": dot / math.sqrt(s1 * s2) if s1 * s2 > 0 else 0.0}
 
 
 class Trainer:
@@ -220,6 +238,8 @@ class Trainer:
 
         # 7. metrics (summed over ranks)
         metrics.update(reduce_stats(self.dist, stats))
+        if metrics.get("grad/signal_sq", 0.0) > 0:  # the ratio of the iteration's means (McCandlish et al.'s B_simple)
+            metrics["grad/noise_scale"] = metrics["grad/noise_trace"] / metrics["grad/signal_sq"]
         nfe = torch.tensor([float(nfe_train)])
         metrics.update({"nfe/train": float(self.dist.all_reduce_(nfe)), "time/train": time.perf_counter() - t1,
                         "lr": self.optim.lr()})
@@ -312,11 +332,20 @@ class Trainer:
         value_norm = self._value_norm(local_idx)
         self.optimizer.zero_grad(set_to_none=True)
         nfe = 0
-        splits = [(i, a) for i, a in zip(torch.split(local_idx, micro), torch.split(adv, micro)) if i.numel()]
+        # logging.grad_noise_scale: the micro-batches of the two halves of this share, the gradient snapshotted at
+        # the boundary (the sum of the halves is the step's gradient, so the update is the same)
+        noise = cfg.logging.grad_noise_scale
+        half = (local_idx.numel() + 1) // 2 if noise else local_idx.numel()
+        splits, boundary, first_half = [], 0, None
+        for part_idx, part_adv in ((local_idx[:half], adv[:half]), (local_idx[half:], adv[half:])):
+            splits += [(i, a) for i, a in zip(torch.split(part_idx, micro), torch.split(part_adv, micro)) if i.numel()]
+            boundary = boundary or len(splits)
         n_calls = len(splits)
         if self.fsdp is not None:
             n_calls = int(self.dist.all_reduce_(torch.tensor([len(splits)]), "max"))
         for call in range(n_calls):
+            if noise and call == boundary and first_half is None:
+                first_half = self._flat_grads()
             if call >= len(splits):
                 padding_forward(self.domain, rollout, need_kl)
                 self.padding_forwards += 1
@@ -348,6 +377,13 @@ class Trainer:
                     m = mask.bool()
                     for j in torch.nonzero(m.any(0)).flatten().tolist():
                         stats.add(f"clip_frac/step{j}", float(st["clipped"][m[:, j], j].sum()), float(m[:, j].sum()))
+        if noise:
+            first = first_half if first_half is not None else self._flat_grads()
+            total = self._flat_grads()
+            sizes = torch.tensor([float(half), float(local_idx.numel() - half)])
+            buf = self.dist.all_reduce_(torch.cat([first, total - first, sizes]))  # the global halves
+            for k, v in gradient_noise_stats(buf[:first.numel()], buf[first.numel():-2], *buf[-2:].tolist()).items():
+                stats.add(k, v, 1.0)
         # the micro-batch losses summed (over ranks too) are the minibatch loss: count one per optimizer step
         for k in PER_STEP_STATS:
             stats.add(k, 0.0, 1.0)
@@ -357,6 +393,11 @@ class Trainer:
             self._auxiliary_losses(stats)
         self.optim.step(stats)
         return nfe
+
+    def _flat_grads(self) -> torch.Tensor:
+        """This rank's gradients of the trained parameters as one float32 vector (missing ones as zeros)."""
+        return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1).float().cpu()
+                          for p in self.optim.params])
 
     def _value_loss(self, out: StepLogProbs, idx: torch.Tensor, value_norm: float, stats: StepStats) -> torch.Tensor:
         if out.values is None:

@@ -203,3 +203,49 @@ def test_backward_by_step_gives_the_same_update(aggregation):
 def test_backward_by_step_is_refused_where_it_cannot_hold():
     with pytest.raises(ConfigError, match="optim.backward_steps=1: loss.policy_loss 'gspo' needs all"):
         Trainer(toy_cfg(**{"optim.backward_steps": 1, "loss.policy_loss": "gspo"}), None, log=quiet)
+
+
+def test_gradient_noise_stats_hand_computed():
+    from shared_rl.trainer import gradient_noise_stats
+
+    # halves of 2 and 1 sequences of a 3-sequence mean loss: their contributions g1 = (1, 0), g2 = (0.5, 0.5), so the
+    # halves' mean gradients are G1 = 3/2 g1 = (1.5, 0), G2 = 3 g2 = (1.5, 1.5)
+    st = gradient_noise_stats(torch.tensor([1.0, 0.0]), torch.tensor([0.5, 0.5]), 2, 1)
+    dot = 1.5 * 1.5  # G1 . G2
+    assert st["grad/signal_sq"] == pytest.approx(dot)
+    assert st["grad/noise_trace"] == pytest.approx((2 * (2.25 - dot) + 1 * (4.5 - dot)) / 2)
+    assert st["grad/half_cosine"] == pytest.approx(dot / (1.5 * (4.5 ** 0.5)))
+    assert gradient_noise_stats(torch.ones(2), torch.ones(2), 3, 0) == {}
+
+
+def test_gradient_noise_scale_leaves_the_update_alone_and_is_logged():
+    states, metrics = [], []
+    for on in (False, True):
+        tr = Trainer(toy_cfg(**{"logging.grad_noise_scale": on, "iterations": 3}), None, log=quiet)
+        metrics.append([tr.iteration(it) for it in range(3)])
+        states.append(tr.domain.state_dict()["logits"])
+    assert torch.allclose(states[0], states[1], atol=1e-6)
+    assert "grad/noise_scale" not in metrics[0][0]
+    logged = [m for m in metrics[1] if "grad/signal_sq" in m]
+    assert len(logged) == 3 and all(-1 <= m["grad/half_cosine"] <= 1 for m in logged)
+    for m in logged:
+        if m["grad/signal_sq"] > 0:
+            assert m["grad/noise_scale"] == pytest.approx(m["grad/noise_trace"] / m["grad/signal_sq"])
+    with pytest.raises(ConfigError, match="grad_noise_scale"):
+        toy_cfg(**{"logging.grad_noise_scale": True, "distributed.strategy": "fsdp2"})
+
+
+def test_gradient_noise_scale_snapshots_the_first_half(monkeypatch):
+    """The first half's gradient is the gradient after exactly the first ceil(n/2) sequences' backward passes."""
+    import shared_rl.trainer as trainer_mod
+
+    tr = Trainer(toy_cfg(**{"logging.grad_noise_scale": True, "optim.micro_batch_size": 1,
+                            "optim.inner_epochs": 1, "optim.minibatches_per_epoch": 1}), None, log=quiet)
+    seen, calls = [], []
+    real_stats, real_log_probs = trainer_mod.gradient_noise_stats, tr.domain.log_probs
+    monkeypatch.setattr(trainer_mod, "gradient_noise_stats", lambda *a: seen.append(a) or real_stats(*a))
+    monkeypatch.setattr(tr.domain, "log_probs", lambda *a, **k: calls.append(tr._flat_grads()) or real_log_probs(*a, **k))
+    tr.iteration(0)
+    (first, second, n1, n2), = seen
+    assert n1 + n2 == len(calls) and n1 == (len(calls) + 1) // 2
+    assert torch.allclose(first, calls[int(n1)]) and not torch.allclose(first, torch.zeros_like(first))
