@@ -147,6 +147,7 @@ def collect_real_data(c: WorldModelTrainConfig, log=print) -> tuple[list[ChunkEp
             steps["demo_env_steps"] += int(sum(len(d) for d in demos))
             episodes += episodes_from_demos(demos, c.model.chunk)
             log(f"world model data: {len(demos)} demonstrations from {f}")
+            del demos  # the episodes are views of the file's whole image array; the chunk frames are copies
     elif c.collect.demos_per_task > 0 and c.env.kind == "metaworld":
         demos = collect_demos(c.env, c.collect.demos_per_task, c.collect.demo_noise, c.collect.seed,
                               only_successful=False, max_attempts_factor=1, log=log)

@@ -95,8 +95,9 @@ def test_training_on_a_libero_demo_file_writes_a_six_channel_asset(tmp_path):
 
 def test_demo_files_are_cut_into_chunks_of_the_policy_length():
     rng = np.random.default_rng(1)
-    eps = episodes_from_demos([_demo(rng, TASKS[0], 1, 23)], chunk=4)
-    # 23 steps: 5 chunks whose end frame (step 20) is stored; the last partial chunk and its success are dropped
+    eps = episodes_from_demos([_demo(rng, TASKS[0], 1, 24)], chunk=4)
+    # 24 steps: 5 chunks end at stored frames (step 20 the last); the 6th would end at step 24, after the last
+    # stored frame, so it and its success are dropped
     assert eps[0].frames.shape == (6, 64, 64, 6) and eps[0].actions.shape == (5, 4, 7) and not eps[0].succeeded
 
 
@@ -170,18 +171,18 @@ def test_keyframe_rollouts_count_steps_and_beat_nothing_for_a_still_scene():
     ep.frames[:] = ep.frames[:1]  # nothing moves: the copy baseline is exact
     ep.proprio[:] = ep.proprio[:1]
     short = _chunk_episode(rng, chunks=5)
-    short.executed[2] = 1  # the episode ended inside chunk 2 (as a real one can): no rollout runs past it
+    short.executed[1] = 1  # chunk 1 ran short of its 4 steps: its end frame is no chunk boundary to roll past
     r = keyframe_rollouts(wm, [ep, short], _ThresholdOnProprio(), depth=3, stride=4)
-    # ep: keyframes 0 and 4, steps 1..3 cover chunks {0,4}, {1,5}, {2}; short: keyframes 0, 4: {0,4}, {1}, {2}
-    assert r["keyframes"] == 4 and r["transitions_by_step"] == [4, 3, 2]
+    # ep: keyframes 0 and 4, steps 1..3 cover chunks {0,4}, {1,5}, {2}; short: keyframes 0, 4: {0,4}, {1}, {}
+    assert r["keyframes"] == 4 and r["transitions_by_step"] == [4, 3, 1]
     assert r["copy_mse"][0] > 0  # `short` moves
     r1 = keyframe_rollouts(wm, [ep], None, depth=3, stride=4)
     assert r1["copy_mse"] == [0.0, 0.0, 0.0] and r1["copy_proprio_rmse"] == [0.0, 0.0, 0.0]
     assert all(x > 0 for x in r1["image_mse"])  # an untrained decoder does not reproduce the frame
     # the imagined successes are scored against the real flags of the chunks they imagine (9 transitions)
-    # ep's chunk 5 and short's chunk 4 are the real successes among the 9 imagined transitions
+    # ep's chunk 5 and short's chunk 4 are the real successes among the 8 imagined transitions
     assert r["imagined_success"]["true_positive_count"] == 2.0
-    assert r["imagined_success"]["accuracy"] * 9 == pytest.approx(round(r["imagined_success"]["accuracy"] * 9))
+    assert r["imagined_success"]["accuracy"] * 8 == pytest.approx(round(r["imagined_success"]["accuracy"] * 8))
 
 
 def test_checkpoints_reload_to_identical_predictions(tmp_path):
