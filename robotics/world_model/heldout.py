@@ -92,18 +92,22 @@ def keyframe_rollouts(wm: WorldModel, episodes: list[ChunkEpisode], success: Suc
 
 
 @torch.no_grad()
-def success_report(wm: WorldModel, success: SuccessModel, episodes: list[ChunkEpisode]) -> dict:
-    """The success model on the real held-out boundaries: per boundary and per episode (see the module docstring)."""
+def success_report(wm: WorldModel, success: SuccessModel, episodes: list[ChunkEpisode],
+                   threshold: float | None = None) -> dict:
+    """The success model on the real held-out boundaries: per boundary and per episode (see the module docstring).
+    ``threshold``: the P(success) cut (default the model's own, which the training job chooses on the held-out
+    episodes themselves, so pass a fixed one, e.g. 0.5, for numbers nothing was tuned on)."""
+    thr = success.cfg.threshold if threshold is None else float(threshold)
     per_boundary_pred, per_boundary_true, ep_pred, ep_true = [], [], [], []
     for ep in episodes:
         if ep.num_chunks < 1:
             continue
         z = wm.encode(torch.from_numpy(ep.frames[1:]))
-        flags = (success.prob(z, torch.from_numpy(ep.proprio[1:])) > success.cfg.threshold).numpy()
+        flags = (success.prob(z, torch.from_numpy(ep.proprio[1:])) > thr).numpy()
         per_boundary_pred += flags.tolist()
         per_boundary_true += ep.success.tolist()
         ep_pred.append(bool(flags.any()))
         ep_true.append(ep.succeeded)
     return {"boundary": precision_recall(np.array(per_boundary_pred, bool), np.array(per_boundary_true, bool)),
             "episode": precision_recall(np.array(ep_pred, bool), np.array(ep_true, bool)),
-            "episodes": len(ep_true), "successful_episodes": int(sum(ep_true)), "threshold": success.cfg.threshold}
+            "episodes": len(ep_true), "successful_episodes": int(sum(ep_true)), "threshold": thr}

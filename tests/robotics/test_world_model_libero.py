@@ -162,6 +162,9 @@ def test_success_report_precision_recall_on_a_constructed_case():
     # boundaries: 12, real positives 2 (last chunk of episodes 1 and 3), called 2 (one right)
     assert r["boundary"]["precision"] == 0.5 and r["boundary"]["recall"] == 0.5
     assert r["boundary"]["accuracy"] == pytest.approx(10 / 12)
+    # a fixed cut above every probability calls nothing: recall 0, precision undefined
+    strict = success_report(wm, _ThresholdOnProprio(), eps, threshold=1.5)
+    assert strict["episode"]["recall"] == 0.0 and np.isnan(strict["episode"]["precision"]) and strict["threshold"] == 1.5
 
 
 def test_keyframe_rollouts_count_steps_and_beat_nothing_for_a_still_scene():
