@@ -69,6 +69,10 @@ RL_VARIANTS = {  # name -> overrides of RL_RECIPE (grove's defaults; each line s
     "ript-loop+lr2e-4+sil": ["advantage.estimator=rloo", "loss.clip_low=0.1", "loss.clip_high=0.1", "optim.lr=2e-4",
                              "optim.inner_epochs=8", "robotics.replay.coef=1.0", "robotics.replay.source=successes",
                              "robotics.replay.success_window=100"],
+    # LOOP with common random numbers in each group (DanceGRPO's shared initial noise per prompt): the members draw
+    # the same flow start noise at every chunk, so a group's outcomes differ only by the credited SDE step
+    "ript-loop+shared-start": ["advantage.estimator=rloo", "loss.clip_low=0.1", "loss.clip_high=0.1", "optim.lr=5e-5",
+                               "optim.inner_epochs=8", "robotics.group_start_noise=shared"],
     # RLinf's piRL (flow-SDE): Flow-GRPO noise 0.5 on one random denoising step per chunk, group 8
     "pirl": ["robotics.noise_level=0.5"],
     # a larger step: the first LIBERO runs' 3e-4 x 4 steps an iteration, now on 64 episodes an update with

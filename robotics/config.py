@@ -136,6 +136,10 @@ class RoboticsConfig(DomainConfig):
         default="sum", metadata={"help": "sum | mean of log-probs over the chunk's action dims"})
     init_noise: float = field(default=1.0, metadata={
         "help": "flow head, rollouts: std of the chain's start x(sigma=1); 0 = only the SDE steps explore"})
+    group_start_noise: Literal["independent", "shared"] = field(default="independent", metadata={
+        "help": "flow head, rollouts: independent = each episode draws its chains' start noise; shared = the members "
+                "of a group draw the same start noise at each chunk (DanceGRPO's shared initial noise per prompt), so "
+                "their outcomes differ only by the exploration noise whose log-prob the update credits"})
     eval_init_noise: float = field(default=1.0, metadata={
         "help": "flow head, evaluation ODE: std of the chain's start; 0 = deterministic"})
     train_states_per_task: int = field(default=50, metadata={"help": "training reset states per task (the keys)"})
@@ -195,6 +199,9 @@ class RoboticsConfig(DomainConfig):
             raise ConfigError(f"{where}.eval_seed must be in [0, 2^32 - eval_noise_draws), got {self.eval_seed}")
         if self.noise_level <= 0 and self.head_mode in ("flow_sde", "sde_one_step"):
             raise ConfigError(f"{where}.noise_level must be > 0 for {self.head_mode} (0 is the deterministic ODE)")
+        if self.group_start_noise == "shared" and self.head_mode == "discrete":
+            raise ConfigError(f"{where}.group_start_noise: shared is for a flow head's start noise; head_mode discrete "
+                              f"has none (set group_start_noise: independent)")
         if self.init_noise < 0 or self.eval_init_noise < 0:
             raise ConfigError(f"{where}: init_noise and eval_init_noise must be >= 0 (1 = standard normal start)")
         if self.temperature <= 0:

@@ -144,8 +144,12 @@ class FlatRollout(RolloutStrategy):
         env_keys = [k for k in keys for _ in range(group_size)]
         tasks = [self.task_of(k) for k in env_keys]
         self.policy.eval()
+        start_seeds = None
+        if self.cfg.group_start_noise == "shared":  # one start-noise stream per group (members share its key too)
+            start_seeds = [int(s) for s in torch.randint(0, 2 ** 62, (len(keys),), generator=generator)
+                           for _ in range(group_size)]
         batch = run_episodes(self.policy, self.venv, env_keys, tasks, self.sampling, self.cfg.env.horizon, generator,
-                             device=self.device)
+                             device=self.device, episode_noise_seed=start_seeds)
         return flat_rollout(batch, keys, group_size, self.cfg.env.tasks, self.cfg.env.success_mode,
                             self.cfg.dense_reward), batch
 

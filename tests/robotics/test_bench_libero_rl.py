@@ -59,6 +59,9 @@ def test_the_variants_are_valid_configs_with_their_settings():
     assert sv.selection.filter == "band" and list(sv.selection.band) == [0.1, 0.9] and sv.selection.max_refill_rounds == 4
     assert ript.advantage.estimator.name == "rloo" and ript.loss.clip_low == ript.loss.clip_high == 0.1
     assert ript.optim.inner_epochs == 8 and ript.optim.lr == pytest.approx(5e-5)
+    crn = cfgs["ript-loop+shared-start"]
+    assert crn.domain_config.group_start_noise == "shared" and ript.domain_config.group_start_noise == "independent"
+    assert crn.optim.lr == ript.optim.lr and crn.advantage.estimator.name == "rloo"
     assert pirl.domain_config.noise_level == 0.5 and pirl.domain_config.head_mode == "sde_one_step"
     assert g.domain_config.env.tasks == bl.TASKS
     assert cfgs["grove+kl"].loss.kl_coef == 0.04 and g.loss.kl_coef == 0

@@ -195,3 +195,21 @@ def test_every_rl_recipe_parses_as_one_robotics_domain():
         assert cfg.domain == "robotics", path.name
         names[path.name] = cfg.domain_config.rollout.name
     assert names["world_model_grpo.yaml"] == "world_model" and names["metaworld_mt5_rl.yaml"] == "flat"
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_group_start_noise_shared_within_a_group_only(shared):
+    dom = _domain("sde_one_step", group_start_noise="shared" if shared else "independent")
+    keys = dom.train_keys()[:2]
+    ro = dom.rollout(keys, 3, torch.Generator().manual_seed(0), 0)
+    start = ro.payload["chain"][:, 0, 0]  # the first chunk's chain start: the same state, so only the noise differs
+    same = [torch.equal(start[0], start[i]) for i in (1, 2)]
+    assert all(same) if shared else not any(same)
+    assert not torch.equal(start[0], start[3]), "another group draws other start noise"
+    end = ro.payload["chain"][:, 0, -1]
+    assert not torch.allclose(end[0], end[1]), "the members still explore (the SDE step)"
+
+
+def test_group_start_noise_needs_a_flow_head():
+    with pytest.raises(ConfigError, match="group_start_noise"):
+        _domain("discrete", group_start_noise="shared")
