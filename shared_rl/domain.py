@@ -77,6 +77,9 @@ class StepLogProbs:
     # [n, T] the old policy's log-probs computed in this call, when the domain keeps a lagging copy that moves within an
     # iteration (DGPO's EMA ``ema_ref``): the trainer's ratio uses it instead of the rollout's ``logp_old``
     logp_old: torch.Tensor | None = None
+    # [n, T] the KL between the policy's and the old policy's step Gaussians, ||mu - mu_old||^2 / (2 std^2), the old
+    # means frozen for the batch (Flow-DPPO's mask, loss.policy_loss flow_dppo); None when not computed
+    old_kl: torch.Tensor | None = None
 
 
 @dataclass

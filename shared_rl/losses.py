@@ -1,4 +1,4 @@
-"""Policy losses (a registry: clipped / GSPO / CISPO / SAPO, and the likelihood-free NFT / AWM / DGPO), aggregation modes
+"""Policy losses (a registry: clipped / GSPO / CISPO / SAPO / Flow-DPPO, and the likelihood-free NFT / AWM / DGPO / DPO), aggregation modes
 and KL estimators (a registry too).
 
 All losses take per-step tensors ``[n, T]`` with a step mask, so the same code trains denoising steps (visgen,
@@ -482,6 +482,111 @@ def dgpo_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tens
     weight = torch.sigmoid(sums / counts.clamp(min=1))[g].detach()
     loss = weight * adv * dsm_c
     return loss * m, {"ratio": ratio.detach(), "clipped": should_clip.to(dsm.dtype), "log_ratio": lr.detach()}
+
+
+@dataclass
+class DPOSettings:
+    beta: float = field(default=100.0, metadata={
+        "help": "Diffusion-DPO beta in -log sigmoid(-beta/2 [(err_w - err_ref_w) - (err_l - err_ref_l)]) (yifan123/"
+                "flow_grpo config/dpo.py train.beta: 100; verl-omni DPOLoss defaults to 2000, its Qwen-Image recipe 100)"})
+
+    def check(self, where: str) -> None:
+        if not self.beta > 0:
+            raise ConfigError(f"{where}.beta must be > 0, got {self.beta}")
+
+
+def dpo_pairs(advantages: torch.Tensor, group: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(chosen, rejected)`` row indices ``[P]``, one pair per group: the rows of the largest and the smallest
+    advantage (the first of ties, torch.argmax / argmin), as flow_grpo's ``PerPromptStatTracker`` type ``dpo`` picks
+    them from the rewards; a group whose advantages are all equal pairs its first two rows (the reference's
+    ``min_idx = 0, max_idx = 1``); a group of one row has no pair."""
+    chosen, rejected = [], []
+    for g in torch.unique(group).tolist():
+        rows = torch.nonzero(group == g).flatten()
+        if rows.numel() < 2:
+            continue
+        a = advantages[rows]
+        hi, lo = int(torch.argmax(a)), int(torch.argmin(a))
+        if hi == lo:  # every advantage equal: the reference trains its first two samples anyway
+            hi, lo = 1, 0
+        chosen.append(int(rows[hi]))
+        rejected.append(int(rows[lo]))
+    return torch.tensor(chosen, dtype=torch.long), torch.tensor(rejected, dtype=torch.long)
+
+
+@register_policy_loss("dpo", settings=DPOSettings)
+def dpo_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, cfg,
+             settings: DPOSettings, terms=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Online Diffusion-DPO (Wallace et al. 2024, as yifan123/flow_grpo ``scripts/train_sd3_dpo.py`` and verl-omni
+    ``DPOLoss``): per group (``terms.group``) the pair of its best and worst sample (``dpo_pairs`` on the
+    advantages), and per timestep slot the pair loss
+    ``L = −log σ(−β/2 · [(err_w − err_ref,w) − (err_l − err_ref,l)])`` with ``err = ‖v − (ε − x0)‖²`` under the
+    policy (``objective_pos``, with grad) and the reference (``objective_neg``); chosen and rejected share the slot's
+    noise and timestep (the domain draws them per group).
+
+    Layout: a pair's loss is written on both its rows scaled by G_g/2 (G_g the group's rows in the call), the other
+    rows get 0, so that ``token-mean`` and ``seq-mean-token-mean`` over a call of equal-sized groups give the mean
+    over pairs and slots, the reference's ``mean`` of each slot's pair losses averaged over its accumulated
+    timesteps. Needs every member of a group in the call (visgen refuses layouts that would split one).
+    ``clipped`` reports the pairs the implicit reward already orders (inside term > 0, the reference's implicit_acc)."""
+    err, ref = _domain_terms("dpo", terms, need_neg=True)
+    group = terms.group if terms.group is not None else torch.zeros(err.shape[0], dtype=torch.long)
+    group = group.to(err.device)
+    adv = advantages.to(err.dtype)
+    if adv.dim() != 1:
+        adv = adv[:, 0]
+    m = mask.to(err.dtype)
+    loss = torch.zeros_like(err)
+    acc = torch.zeros_like(err)
+    w, l = dpo_pairs(adv.detach().cpu(), group.cpu())
+    if w.numel():
+        w, l = w.to(err.device), l.to(err.device)
+        both = m[w] * m[l]  # a slot trains when both rows of the pair carry it (they share the slot's draw)
+        inside = -0.5 * settings.beta * ((err[w] - ref[w].detach()) - (err[l] - ref[l].detach()))
+        pair = -torch.nn.functional.logsigmoid(inside) * both
+        _, inv, counts = torch.unique(group, return_inverse=True, return_counts=True)
+        scale = (counts[inv].to(err.dtype) / 2.0)[:, None]
+        loss = loss.index_put((w,), pair * scale[w], accumulate=True).index_put((l,), pair * scale[l], accumulate=True)
+        hit = (inside.detach() > 0).to(err.dtype) * both
+        acc = acc.index_put((w,), hit, accumulate=True).index_put((l,), hit, accumulate=True)
+    stats = _no_ratio_stats(logp)
+    stats["clipped"] = acc.detach()
+    return loss * m, stats
+
+
+@dataclass
+class FlowDPPOSettings:
+    kl_threshold: float = field(default=1e-5, metadata={
+        "help": "tau: a step's term is dropped once the KL between the policy's and the old policy's step Gaussians, "
+                "mean(||mu - mu_old||^2 / (2 sigma_t^2)), reaches tau AND its ratio moved in the advantage's direction "
+                "(Tencent-Hunyuan/UniRL FlowDPPO kl_mask_threshold: 1e-5)"})
+
+    def check(self, where: str) -> None:
+        if not self.kl_threshold > 0:
+            raise ConfigError(f"{where}.kl_threshold must be > 0, got {self.kl_threshold}")
+
+
+@register_policy_loss("flow_dppo", settings=FlowDPPOSettings)
+def flow_dppo_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, cfg,
+                   settings: FlowDPPOSettings, terms=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Flow-DPPO (arXiv 2606.11025; Tencent-Hunyuan/UniRL ``unirl/algorithms/flowdppo.py``): Flow-GRPO's surrogate
+    with the ratio clip replaced by a KL mask. ρ = exp(logp − logp_old), KL_t = the domain's per-step KL between the
+    policy's and the old policy's step Gaussians (``terms.old_kl``, ‖μ − μ_old‖²/(2σ_t²) mean over latent elements;
+    the old means frozen for the batch). A step is dropped (loss 0, no gradient) when KL_t ≥ τ and (A > 0, ρ > 1)
+    or (A < 0, ρ < 1); otherwise L = −A·ρ, unclipped. At the first inner step ρ = 1 and KL = 0: nothing is dropped.
+    τ = setting ``kl_threshold``. ``clipped`` reports the dropped steps."""
+    if terms is None or getattr(terms, "old_kl", None) is None:
+        raise ConfigError("loss.policy_loss 'flow_dppo' needs the KL between the policy's and the old policy's step "
+                          "means (StepLogProbs.old_kl): visgen computes it with visgen.objective: {name: flow_dppo}")
+    m = mask.to(logp.dtype)
+    adv = _per_step(advantages, logp).detach()
+    lr = (logp - logp_old) * m
+    ratio = torch.exp(lr)
+    far = terms.old_kl.to(logp).detach() >= settings.kl_threshold
+    drop = far & (((ratio > 1.0) & (adv > 0)) | ((ratio < 1.0) & (adv < 0))) & m.bool()
+    # torch.where, not a product with the mask: an overflowing ratio times 0 would be nan
+    loss = torch.where(drop, torch.zeros_like(ratio), -adv * ratio)
+    return loss * m, {"ratio": ratio.detach(), "clipped": drop.to(logp.dtype).detach(), "log_ratio": lr.detach()}
 
 
 # ---------------------------------------------------------------------------------------------------------------

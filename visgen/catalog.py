@@ -10,7 +10,7 @@ from __future__ import annotations
 
 METHODS = ("branch_grpo", "branch_grpo_mix", "dance_grpo", "egrpo", "explicit", "flow_grpo", "flow_grpo_fast",
            "mix_grpo", "ode", "tree_grpo")
-OBJECTIVES = ("awm", "dgpo", "log_prob", "nft")
+OBJECTIVES = ("awm", "dgpo", "dpo", "flow_dppo", "log_prob", "nft")
 TASKS = ("file", "shapes", "video_shapes", "words")
 KERNELS = ("cps", "dance", "sde")
 PIPELINE_FAMILIES = ("flux", "flux2", "flux2_klein", "hunyuan_video15", "ltx2", "qwen_image", "sana", "sd3", "wan",

@@ -305,7 +305,8 @@ class VisgenConfig(DomainConfig):
         method.check(self.num_inference_steps, cfg.rollout.group_size, f"visgen.method[{method.name}]")
         objective = self.training_objective()
         implied, written = objective.loss_choice(), cfg.loss.policy_loss
-        if objective.likelihood_free and written is not None and written != implied:
+        brings_loss = objective.likelihood_free or objective.policy_loss is not None  # flow_dppo brings its own too
+        if brings_loss and written is not None and written != implied:
             raise ConfigError(f"loss.policy_loss {written.to_config()!r} contradicts visgen.objective "
                               f"{objective.name!r}, which trains with {implied.to_config()!r}; remove "
                               "loss.policy_loss (the objective brings its loss and its settings)")
@@ -314,6 +315,10 @@ class VisgenConfig(DomainConfig):
                                                            if c.likelihood_free}:
             raise ConfigError(f"loss.policy_loss {loss_name!r} needs visgen.objective: {{name: {loss_name}}} (which "
                               "brings the loss itself; remove loss.policy_loss)")
+        if loss_name != objective.policy_loss and loss_name in {c.policy_loss for c in OBJECTIVES.values()
+                                                                if not c.likelihood_free and c.policy_loss}:
+            raise ConfigError(f"loss.policy_loss {loss_name!r} needs visgen.objective: {{name: {loss_name}}} (which "
+                              "computes the step-mean KL to the old policy it masks with; remove loss.policy_loss)")
         if self.two_stage.enabled:
             from .lowprec import check_precision
 
@@ -327,6 +332,10 @@ class VisgenConfig(DomainConfig):
                               f"granularities {[1] + method.reward_granularities()} (the reference's "
                               "multi-granularity rewards): set advantage.multi_reward: normalize_then_sum, or "
                               "visgen.method.granularities: [1] for one granularity")
+        if objective.name == "dpo" and (cfg.optim.minibatches_per_epoch != 1 or cfg.optim.micro_batch_size != 0):
+            raise ConfigError("visgen.objective dpo pairs the best and the worst sample of each group, so one forward "
+                              "call must hold whole groups: set optim.minibatches_per_epoch: 1 and "
+                              "optim.micro_batch_size: 0 (optim.backward_steps may split the timesteps)")
         if objective.name == "dgpo" and (cfg.optim.minibatches_per_epoch != 1 or cfg.optim.micro_batch_size != 0):
             raise ConfigError("visgen.objective dgpo weighs each sample by its whole group's preference, so one "
                               "forward call must hold whole groups: set optim.minibatches_per_epoch: 1 and "

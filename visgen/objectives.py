@@ -28,6 +28,14 @@
   ``0..trunc_steps`` (shared by every sample), one noise per group and timestep (``shared_noise``); per sample the
   denoising loss ``dsm = ‖v_θ − (ε − x0)‖²`` and the reference's (the adapter off); the ``dgpo`` policy loss weights
   each sample's dsm by its group's preference σ(β/G Σ A_i (dsm_i − dsm_ref,i)).
+- ``dpo`` — online Diffusion-DPO (yifan123/flow_grpo ``scripts/train_sd3_dpo.py``, verl-omni ``DPOLoss``): the
+  live policy samples (SDE), per group its best and worst sample form the pair (the ``dpo`` loss picks them by
+  advantage), ``int(timestep_fraction · T)`` slots per sample, each with one noise and one logit-normal timestep per
+  group (chosen and rejected share both), velocity errors under the policy and the reference (the adapter off),
+  ``−log σ(−β/2·[(err_w − err_ref,w) − (err_l − err_ref,l)])``.
+- ``flow_dppo`` — Flow-DPPO (arXiv 2606.11025; Tencent-Hunyuan/UniRL ``flowdppo.py``): not likelihood-free; the
+  Flow-GRPO recompute plus the KL of each step's mean to the old policy's (the weights that sampled the batch,
+  frozen for it), which the ``flow_dppo`` loss masks with in place of the ratio clip.
 
 A likelihood-free objective is chosen once: it brings its policy loss (``VisgenConfig.policy_loss``, with its
 settings) and, unless ``visgen.method`` says otherwise, the deterministic ODE sampler (``default_method``; each
@@ -56,6 +64,7 @@ from shared_rl.domain import StepLogProbs
 from .engine import stock_randn_tensor
 
 __all__ = ["OBJECTIVES", "Objective", "LogProbObjective", "NFTObjective", "AWMObjective", "DGPOObjective",
+           "DPOObjective", "FlowDPPOObjective", "logit_normal_sigmas",
            "OldPolicySchedule", "objective_from_config", "nft_branch_losses", "flow_matching_loss",
            "awm_log_likelihood", "stratified_steps", "AWM_WEIGHTINGS"]
 
@@ -276,6 +285,68 @@ class DGPOSettings:
             raise ConfigError(f"{where}.old_decay_max must be in [0, 1) and old_decay_ramp >= 0")
 
 
+@dataclass
+class DPOSettings:
+    beta: float = field(default=100.0, metadata={
+        "help": "Diffusion-DPO beta (yifan123/flow_grpo config/dpo.py train.beta: 100; verl-omni DPOLoss: 2000, its "
+                "Qwen-Image recipe 100)"})
+    timestep_fraction: float = field(default=0.99, metadata={
+        "help": "timesteps trained per pair: int(fraction * num_inference_steps) (the reference's num_train_timesteps "
+                "from train.timestep_fraction 0.99: 9 of 10), each with fresh noise and a fresh logit-normal timestep"})
+    timesteps_per_sample: Optional[int] = field(default=None, metadata={
+        "help": "an explicit count instead of timestep_fraction (null: from the fraction)"})
+    logit_mean: float = field(default=0.0, metadata={"help": "logit-normal timestep density: mean (reference 0)"})
+    logit_std: float = field(default=1.0, metadata={"help": "logit-normal timestep density: std (reference 1)"})
+    timestep_shift: float = field(default=3.0, metadata={
+        "help": "the training scheduler's shift: sigma = shift*s / (1 + (shift - 1)*s) of the 1000-step grid the "
+                "logit-normal index picks (SD3.5's FlowMatchEulerDiscreteScheduler: 3)"})
+    num_train_timesteps: int = field(default=1000, metadata={
+        "help": "the training scheduler's steps: the index int(u * N) picks sigma of grid step (N - index) / N"})
+    train_cfg: bool = field(default=False, metadata={
+        "help": "train on CFG-combined velocities instead of the conditional branch alone (false: the reference's "
+                "plain transformer call, whatever CFG the rollout used)"})
+
+    def loss_settings(self):
+        from shared_rl.losses import DPOSettings as DPOLossSettings
+
+        return DPOLossSettings(self.beta)
+
+    def check(self, where: str) -> None:
+        self.loss_settings().check(where)
+        if not 0 < self.timestep_fraction <= 1:
+            raise ConfigError(f"{where}.timestep_fraction must be in (0, 1], got {self.timestep_fraction}")
+        if self.timesteps_per_sample is not None and self.timesteps_per_sample < 1:
+            raise ConfigError(f"{where}.timesteps_per_sample must be >= 1 or null, got {self.timesteps_per_sample}")
+        if not self.logit_std > 0 or not self.timestep_shift > 0 or self.num_train_timesteps < 1:
+            raise ConfigError(f"{where}.logit_std and timestep_shift must be > 0 and num_train_timesteps >= 1")
+
+
+@dataclass
+class FlowDPPOSettings:
+    kl_threshold: float = field(default=1e-5, metadata={
+        "help": "tau of the KL mask: a step's term is dropped once mean ||mu - mu_old||^2 / (2 sigma_t^2) >= tau and "
+                "its ratio moved in the advantage's direction (UniRL FlowDPPO kl_mask_threshold: 1e-5)"})
+
+    def loss_settings(self):
+        from shared_rl.losses import FlowDPPOSettings as FlowDPPOLossSettings
+
+        return FlowDPPOLossSettings(self.kl_threshold)
+
+    def check(self, where: str) -> None:
+        self.loss_settings().check(where)
+
+
+def logit_normal_sigmas(n: int, mean: float, std: float, shift: float, num_train_timesteps: int,
+                        generator: torch.Generator | None) -> torch.Tensor:
+    """``[n]`` noise levels as flow_grpo's DPO trainer draws them (diffusers ``compute_density_for_timestep_sampling``
+    ``logit_normal``): u = sigmoid(N(mean, std)), index = int(u·N), sigma of the shifted N-step training grid at that
+    index, s = (N − index)/N, sigma = shift·s / (1 + (shift − 1)·s)."""
+    u = torch.sigmoid(torch.randn(n, generator=generator) * std + mean)
+    index = (u * num_train_timesteps).long().clamp(max=num_train_timesteps - 1)
+    s = (num_train_timesteps - index).double() / num_train_timesteps
+    return (shift * s / (1 + (shift - 1) * s)).float()
+
+
 # ------------------------------------------------------------------------------------------------ registry
 class Objective:
     """A registered objective: its ``name``, settings and the policy losses it feeds."""
@@ -287,6 +358,10 @@ class Objective:
     default_method: ClassVar[dict[str, Any]] = {"name": "flow_grpo"}  # visgen.method when the config leaves it null
     # logp_old is the trainer's first forward before any update (Rollout.logp_deferred): AWM / DGPO ratios
     deferred_logp: ClassVar[bool] = False
+    # the recompute also returns the KL between the policy's and the old copy's step means (StepLogProbs.old_kl)
+    needs_old_means: ClassVar[bool] = False
+    # the policy loss needs every member of a group in one forward call (DGPO's group sums, DPO's pairs)
+    whole_groups: ClassVar[bool] = False
 
     def __init__(self, settings: Any) -> None:
         self.settings = settings
@@ -533,6 +608,7 @@ class DGPOObjective(Objective):
     name = "dgpo"
     settings_class = DGPOSettings
     likelihood_free = True
+    whole_groups = True
     policy_loss = "dgpo"
     default_method = {"name": "ode"}
 
@@ -612,6 +688,102 @@ class DGPOObjective(Objective):
                 nfe += per_forward * rows.numel()
         return StepLogProbs(logp=-dsm, kl=kl, nfe=nfe, objective_pos=dsm, objective_neg=ref_dsm,
                             logp_old=None if old_dsm is None else -old_dsm)
+
+
+@register_objective
+class DPOObjective(Objective):
+    """Online Diffusion-DPO (yifan123/flow_grpo ``train_sd3_dpo.py``, verl-omni ``DPOLoss``): the live policy
+    samples (verl-omni; flow_grpo samples with a lagging "ref" adapter refreshed every ``ref_update_step``), the
+    reference is the adapter off; per group its best and worst sample (the ``dpo`` loss picks them by advantage) at
+    ``K`` slots, each with one noise and one logit-normal timestep per group (so chosen and rejected share both)."""
+
+    name = "dpo"
+    settings_class = DPOSettings
+    likelihood_free = True
+    policy_loss = "dpo"
+    whole_groups = True
+    default_method = {"name": "flow_grpo"}  # the reference rolls out with its SDE sampler (pipeline_with_logprob)
+
+    def loss_choice(self):
+        from shared_rl.config import PolicyLossChoice
+
+        return PolicyLossChoice(self.policy_loss, self.settings.loss_settings())
+
+    def num_slots(self, num_steps: int) -> int:
+        s = self.settings
+        return s.timesteps_per_sample if s.timesteps_per_sample is not None else max(1, int(num_steps * s.timestep_fraction))
+
+    def check_steps(self, num_steps: int, where: str) -> None:
+        """Its timesteps come from the training scheduler's grid, not the rollout's: any count fits."""
+
+    def slot_noise(self, n, k, shape, device, generator, groups):
+        """One noise per group and slot: chosen and rejected share it (the reference's ``noise[:bsz]`` twice)."""
+        uniq, inverse = torch.unique(groups, return_inverse=True)
+        per_group = stock_randn_tensor((uniq.numel(), k, *shape), generator=generator, device=device, dtype=torch.float32)
+        return per_group[inverse.to(device)]
+
+    def training_slots(self, is_leaf, node_latent, num_columns, sigmas, timesteps, generator, groups=None):
+        """The base slots (mask, x0, per-group noise), their noise levels replaced by logit-normal draws, one per group
+        and slot; the model timestep is sigma times the grid's timestep scale (SD3: 1000)."""
+        mask, payload = super().training_slots(is_leaf, node_latent, num_columns, sigmas, timesteps, generator, groups)
+        n, K = payload["obj_sigma"].shape
+        groups = torch.zeros(n, dtype=torch.long) if groups is None else groups.cpu()
+        uniq, inverse = torch.unique(groups, return_inverse=True)
+        s = self.settings
+        per_group = logit_normal_sigmas(uniq.numel() * K, s.logit_mean, s.logit_std, s.timestep_shift,
+                                        s.num_train_timesteps, generator).reshape(uniq.numel(), K)
+        sig = per_group[inverse]
+        grid_sig, grid_t = sigmas.detach().float().cpu(), timesteps.detach().float().cpu()
+        scale = float(grid_t[0] / grid_sig[0])
+        payload["obj_sigma"], payload["obj_timestep"] = sig, sig * scale
+        return mask, payload
+
+    def terms(self, adapter, payload, mask, cond, reference, old, need_kl=False):
+        """Per trained slot the velocity error ‖v − (ε − x0)‖² under the policy (with grad, ``objective_pos``) and the
+        reference (the adapter off, ``objective_neg``); without ``train_cfg`` the conditional branch alone."""
+        if reference is None:
+            raise RuntimeError("the dpo objective needs the reference policy (the adapter switched off)")
+        if not self.settings.train_cfg and cond.do_cfg:
+            cond = dataclasses.replace(cond, do_cfg=False)
+        n, L = mask.shape
+        dev = payload["x0"].device
+        err, ref_err = torch.zeros(n, L, device=dev), torch.zeros(n, L, device=dev)
+        kl = torch.zeros(n, L, device=dev) if need_kl else None
+        per_forward, nfe = adapter.forwards_per_step(cond), 0
+        for k, rows, d, x0, eps, x_t, _sigma, t in self._live_slots(payload, mask):
+            c = cond[d]
+            v = adapter.velocity(x_t, t, c)
+            value, v_ref = _velocity_kl(adapter, x_t, t, c, v, reference)
+            cols = torch.full_like(d, k)
+            err = err.index_put((d, cols), flow_matching_loss(x0, eps, v))
+            ref_err = ref_err.index_put((d, cols), flow_matching_loss(x0, eps, v_ref))
+            if kl is not None:
+                kl = kl.index_put((d, cols), value)
+            nfe += 2 * per_forward * rows.numel()
+        return StepLogProbs(logp=torch.zeros(n, L, device=dev), kl=kl, nfe=nfe, objective_pos=err,
+                            objective_neg=ref_err)
+
+
+@register_objective
+class FlowDPPOObjective(Objective):
+    """Flow-DPPO (arXiv 2606.11025; Tencent-Hunyuan/UniRL ``flowdppo.py``): the Flow-GRPO recompute of the stored
+    SDE steps, plus the KL between the policy's and the old policy's step means for the ``flow_dppo`` loss's mask.
+    The old policy is a copy of the adapter set to the live weights once per iteration before its rollout (decay 0):
+    the weights that sampled the batch, frozen for its inner steps (the reference's ``prepare_segment`` replay at the
+    pre-update weights; its old log-probs are the rollout's, ``old_logp_source: rollout``)."""
+
+    name = "flow_dppo"
+    settings_class = FlowDPPOSettings
+    policy_loss = "flow_dppo"
+    needs_old_means = True
+
+    def loss_choice(self):
+        from shared_rl.config import PolicyLossChoice
+
+        return PolicyLossChoice(self.policy_loss, self.settings.loss_settings())
+
+    def old_policy(self) -> OldPolicySchedule:
+        return OldPolicySchedule(0.0, None, 0, "iteration")
 
 
 def objective_from_config(config: dict[str, Any] | str, where: str = "visgen.objective") -> Objective:

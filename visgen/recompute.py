@@ -39,6 +39,7 @@ class RecomputedEdges:
     entropy: torch.Tensor  # [n, L]
     nfe: int
     std: torch.Tensor | None = None  # [n, L] each recomputed step's transition std (0 elsewhere)
+    old_kl: torch.Tensor | None = None  # [n, L] ||mu - mu_old||^2 / (2 std^2) to the old copy's means (Flow-DPPO)
 
 
 def recompute_edges(
@@ -50,6 +51,7 @@ def recompute_edges(
     reduction: str = "mean",
     reference: Callable[[], ContextManager] | None = None,
     kl_type: str = "mean",
+    old: Callable[[], ContextManager] | None = None,
 ) -> RecomputedEdges:
     """Log-probs (with grad) of the stored executed steps ``steps[i, j]`` of edges ``i`` (rows of a forest payload).
 
@@ -58,7 +60,9 @@ def recompute_edges(
     scattered back. When a call holds every row of those rollout forwards, each forward sees exactly its rollout
     batch and the log-probs equal ``logp_old`` bit for bit. ``reference`` (a context-manager factory switching to
     the reference model) adds the Flow-GRPO KL: ``kl_type="mean"`` ``||mu - mu_ref||^2 / (2 std^2)`` or
-    ``"velocity"`` ``||v - v_ref||^2`` (mean over latent elements).
+    ``"velocity"`` ``||v - v_ref||^2`` (mean over latent elements). ``old`` (a context-manager factory swapping
+    the old policy's weights in) adds ``old_kl``, the same Gaussian-mean KL to the old copy's step means (Flow-DPPO's
+    mask; no grad), from one more forward per step under one weight swap.
     """
     if kl_type not in KL_TYPES:
         raise ValueError(f"kl_type must be one of {KL_TYPES}, got {kl_type!r}")
@@ -102,8 +106,15 @@ def recompute_edges(
                 v_ref, out_ref = run(*item)
                 refs.append((v_ref, out_ref.mean))
                 nfe += per_forward * item[2].numel()
+    olds = []
+    if old is not None:  # one weight swap for all of them: swapping between forwards that keep a graph would break it
+        with torch.no_grad(), old():
+            for item in work:
+                olds.append(run(*item)[1].mean)
+                nfe += per_forward * item[2].numel()
     logp = torch.zeros(n, L, device=device)
     kl = torch.zeros(n, L, device=device) if reference is not None else None
+    old_kl = torch.zeros(n, L, device=device) if old is not None else None
     entropy = torch.zeros(n, L, device=device)
     std = torch.zeros(n, L, device=device)
     for w, item in enumerate(work):
@@ -122,7 +133,9 @@ def recompute_edges(
             else:
                 value = ((v - v_ref.float()) ** 2).flatten(1).mean(1)
             kl = kl.index_put((d_m, col), value)
-    return RecomputedEdges(logp, kl, entropy, nfe, std)
+        if old_kl is not None:
+            old_kl[d_m, j] = sde_mean_kl(out.mean.detach(), olds[w], out.std, reduction="mean").float()
+    return RecomputedEdges(logp, kl, entropy, nfe, std, old_kl)
 
 
 def recompute_trajectory(pipe, traj, steps, reference: Callable[[], ContextManager] | None = None,

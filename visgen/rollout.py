@@ -236,10 +236,12 @@ class VisgenRollouts:
                                 logp_old=None if out.logp_old is None else out.logp_old.to(dev))  # DGPO's EMA
         rec = recompute_edges(self.adapter, p, trained, Conditioning(p["cond"], **self._cond_meta),
                               self.kernel.kernel, self.kernel.reduction,
-                              reference=self.reference if need_kl else None, kl_type=self.kl_type)
+                              reference=self.reference if need_kl else None, kl_type=self.kl_type,
+                              old=self.old if self.objective.needs_old_means else None)  # Flow-DPPO's mask
         dev = rollout.logp_old.device
         return StepLogProbs(logp=rec.logp.to(dev), kl=None if rec.kl is None else rec.kl.to(dev),
-                            entropy=rec.entropy.to(dev), nfe=rec.nfe, step_std=rec.std.to(dev))
+                            entropy=rec.entropy.to(dev), nfe=rec.nfe, step_std=rec.std.to(dev),
+                            old_kl=None if rec.old_kl is None else rec.old_kl.to(dev))
 
 
 # ---------------------------------------------------------------------------------------------- overlapped scoring
