@@ -13,7 +13,8 @@ real actions. Per model step k it reports
 
 ``success_report``: the success model on the held-out episodes' real (encoded) boundaries, per boundary and per
 episode (an episode predicted successful when any of its boundaries is; LIBERO's success is sparse, one boundary
-per successful episode, so the episode view is the one a reader compares to success rates).
+per successful episode, so the episode view is the one a reader compares to success rates; it covers the recorded
+policy episodes only, see ``success_report``).
 
 Counts travel with every rate (a precision over three predicted positives is not a number to trust), and rates
 without a denominator are NaN.
@@ -39,7 +40,7 @@ def keyframe_rollouts(wm: WorldModel, episodes: list[ChunkEpisode], success: Suc
     cams = max(1, wm.cfg.image_channels // 3)
     sums = {k: np.zeros(depth) for k in ("image_mse", "copy_mse", "proprio_rmse", "copy_proprio_rmse", "n")}
     cam_sums = np.zeros((depth, cams))
-    pred_flags: list[bool] = []
+    probs: list[float] = []
     true_flags: list[bool] = []
     keyframes = 0
     for ep in episodes:
@@ -73,8 +74,7 @@ def keyframe_rollouts(wm: WorldModel, episodes: list[ChunkEpisode], success: Suc
             sums["copy_proprio_rmse"][k] += float((proprio[s[rows]] - p_real).pow(2).mean(1).sqrt().sum())
             sums["n"][k] += len(rows)
             if success is not None:
-                prob = success.prob(pred.z[rows], pred.proprio[rows])
-                pred_flags += (prob > success.cfg.threshold).tolist()
+                probs += success.prob(pred.z[rows], pred.proprio[rows]).tolist()
                 true_flags += ep.success[cc[rows].numpy()].tolist()
             # a partial chunk (the episode ended inside it) ends the rollout: nothing real follows it
             alive = alive & torch.tensor([_full(ep, int(x)) for x in cc])
@@ -87,16 +87,23 @@ def keyframe_rollouts(wm: WorldModel, episodes: list[ChunkEpisode], success: Suc
     for k in ("image_mse", "copy_mse", "proprio_rmse", "copy_proprio_rmse"):
         out[k] = [v if sums["n"][i] else float("nan") for i, v in enumerate(out[k])]
     if success is not None:
-        out["imagined_success"] = precision_recall(np.array(pred_flags, bool), np.array(true_flags, bool))
+        prob, truth = np.array(probs, float), np.array(true_flags, bool)
+        out["imagined_success"] = precision_recall(prob > success.cfg.threshold, truth)
+        out["imagined_success_at_0.5"] = precision_recall(prob > 0.5, truth)  # a cut not tuned on held-out data
     return out
 
 
 @torch.no_grad()
 def success_report(wm: WorldModel, success: SuccessModel, episodes: list[ChunkEpisode],
-                   threshold: float | None = None) -> dict:
+                   threshold: float | None = None, episode_sources: tuple[str, ...] = ("policy",)) -> dict:
     """The success model on the real held-out boundaries: per boundary and per episode (see the module docstring).
     ``threshold``: the P(success) cut (default the model's own, which the training job chooses on the held-out
-    episodes themselves, so pass a fixed one, e.g. 0.5, for numbers nothing was tuned on)."""
+    episodes themselves, so pass a fixed one, e.g. 0.5, for numbers nothing was tuned on).
+
+    Every boundary's label is the simulator's, so the boundary view uses all episodes; the episode view only those
+    of ``episode_sources`` whose outcome frame is recorded: a demonstration cut from a per-step file ends before its
+    success frame (the observation after the last action is not stored), so it would count as a failed episode and
+    a correct "nearly there" call on its last frame as a false positive."""
     thr = success.cfg.threshold if threshold is None else float(threshold)
     per_boundary_pred, per_boundary_true, ep_pred, ep_true = [], [], [], []
     for ep in episodes:
@@ -106,8 +113,9 @@ def success_report(wm: WorldModel, success: SuccessModel, episodes: list[ChunkEp
         flags = (success.prob(z, torch.from_numpy(ep.proprio[1:])) > thr).numpy()
         per_boundary_pred += flags.tolist()
         per_boundary_true += ep.success.tolist()
-        ep_pred.append(bool(flags.any()))
-        ep_true.append(ep.succeeded)
+        if ep.source in episode_sources:
+            ep_pred.append(bool(flags.any()))
+            ep_true.append(ep.succeeded)
     return {"boundary": precision_recall(np.array(per_boundary_pred, bool), np.array(per_boundary_true, bool)),
             "episode": precision_recall(np.array(ep_pred, bool), np.array(ep_true, bool)),
             "episodes": len(ep_true), "successful_episodes": int(sum(ep_true)), "threshold": thr}

@@ -157,11 +157,19 @@ def test_success_report_precision_recall_on_a_constructed_case():
         for b in called:
             ep.proprio[b, 0] = 1.0  # boundary b = after chunk b-1
         eps.append(ep)
+    # a demonstration cut from a per-step file: its success frame is not stored, its last boundary "nearly there"
+    demo = _chunk_episode(rng, chunks=3, succeed=False, source="demo")
+    demo.proprio[:, 0] = 0.0
+    demo.proprio[3, 0] = 1.0
+    eps.append(demo)
     r = success_report(wm, _ThresholdOnProprio(), eps)
-    assert r["episode"]["precision"] == 0.5 and r["episode"]["recall"] == 0.5 and r["successful_episodes"] == 2
-    # boundaries: 12, real positives 2 (last chunk of episodes 1 and 3), called 2 (one right)
-    assert r["boundary"]["precision"] == 0.5 and r["boundary"]["recall"] == 0.5
-    assert r["boundary"]["accuracy"] == pytest.approx(10 / 12)
+    # episodes: the four recorded ones only (the demo's outcome frame is missing)
+    assert r["episodes"] == 4 and r["successful_episodes"] == 2
+    assert r["episode"]["precision"] == 0.5 and r["episode"]["recall"] == 0.5
+    # boundaries (every label is the simulator's): 15, real positives 2 (last chunk of episodes 1 and 3), called 3
+    # (one right)
+    assert r["boundary"]["precision"] == pytest.approx(1 / 3) and r["boundary"]["recall"] == 0.5
+    assert r["boundary"]["accuracy"] == pytest.approx(12 / 15)
     # a fixed cut above every probability calls nothing: recall 0, precision undefined
     strict = success_report(wm, _ThresholdOnProprio(), eps, threshold=1.5)
     assert strict["episode"]["recall"] == 0.0 and np.isnan(strict["episode"]["precision"]) and strict["threshold"] == 1.5
@@ -186,6 +194,7 @@ def test_keyframe_rollouts_count_steps_and_beat_nothing_for_a_still_scene():
     # ep's chunk 5 and short's chunk 4 are the real successes among the 8 imagined transitions
     assert r["imagined_success"]["true_positive_count"] == 2.0
     assert r["imagined_success"]["accuracy"] * 8 == pytest.approx(round(r["imagined_success"]["accuracy"] * 8))
+    assert r["imagined_success_at_0.5"]["true_positive_count"] == 2.0
 
 
 def test_checkpoints_reload_to_identical_predictions(tmp_path):
