@@ -581,12 +581,14 @@ def flow_dppo_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch
     m = mask.to(logp.dtype)
     adv = _per_step(advantages, logp).detach()
     lr = (logp - logp_old) * m
-    ratio = torch.exp(lr)
+    ratio = torch.exp(lr.detach())
     far = terms.old_kl.to(logp).detach() >= settings.kl_threshold
     drop = far & (((ratio > 1.0) & (adv > 0)) | ((ratio < 1.0) & (adv < 0))) & m.bool()
-    # torch.where, not a product with the mask: an overflowing ratio times 0 would be nan
-    loss = torch.where(drop, torch.zeros_like(ratio), -adv * ratio)
-    return loss * m, {"ratio": ratio.detach(), "clipped": drop.to(logp.dtype).detach(), "log_ratio": lr.detach()}
+    # the dropped steps' log-ratio is zeroed BEFORE exp: an overflowing ratio would otherwise send 0 * inf = nan
+    # back through torch.where's unselected branch (the reference's where guards the value only)
+    kept = torch.exp(torch.where(drop, torch.zeros_like(lr), lr))
+    loss = torch.where(drop, torch.zeros_like(kept), -adv * kept)
+    return loss * m, {"ratio": ratio, "clipped": drop.to(logp.dtype).detach(), "log_ratio": lr.detach()}
 
 
 # ---------------------------------------------------------------------------------------------------------------
