@@ -470,6 +470,11 @@ class VisgenDomain(DomainBase):
                                                    self.train_prompts, self.train_meta, self.score,
                                                    self._sample_kwargs(),
                                                    granular_outputs=cfg.granular_base_outputs(ctx.train_cfg))
+        from .objectives import Objective
+
+        if type(self.objective).select_rows is not Objective.select_rows:  # DPO ranks its pairs by the trained reward
+            weights = dict(ctx.train_cfg.advantage.weights or {}) if ctx.train_cfg is not None else {}
+            self.rollouts.reward_weights = {n: float(weights.get(n, 1.0)) for n in cfg.trained_outputs(ctx.train_cfg)}
         # inner epochs of the current iteration (a likelihood-free objective may draw fresh noise per epoch)
         self._minibatches = ctx.train_cfg.optim.minibatches_per_epoch if ctx.train_cfg is not None else 1
         self._iteration, self._iteration_steps = None, 0

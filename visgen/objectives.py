@@ -363,6 +363,11 @@ class Objective:
     # the policy loss needs every member of a group in one forward call (DGPO's group sums, DPO's pairs)
     whole_groups: ClassVar[bool] = False
 
+    def select_rows(self, scores: torch.Tensor, groups: torch.Tensor) -> torch.Tensor | None:
+        """``[n]`` bool: the rows of a rollout that train, from each row's trained reward ``scores`` (the weighted sum
+        of the trained outputs) and group; None: every leaf (default)."""
+        return None
+
     def __init__(self, settings: Any) -> None:
         self.settings = settings
 
@@ -721,6 +726,18 @@ class DPOObjective(Objective):
         uniq, inverse = torch.unique(groups, return_inverse=True)
         per_group = stock_randn_tensor((uniq.numel(), k, *shape), generator=generator, device=device, dtype=torch.float32)
         return per_group[inverse.to(device)]
+
+    def select_rows(self, scores, groups):
+        """Only each group's best and worst row train (``shared_rl.losses.dpo_pairs`` on the trained reward, as the
+        reference's ``PerPromptStatTracker`` type ``dpo`` on its rewards): the others are never forwarded. The loss
+        picks the pair again by advantage among the rows of the call, which are then exactly these two."""
+        from shared_rl.losses import dpo_pairs
+
+        scores = torch.nan_to_num(scores.float(), nan=float("-inf"))  # a failed reward call ranks last
+        chosen, rejected = dpo_pairs(scores, groups)
+        keep = torch.zeros(scores.numel(), dtype=torch.bool)
+        keep[chosen], keep[rejected] = True, True
+        return keep
 
     def training_slots(self, is_leaf, node_latent, num_columns, sigmas, timesteps, generator, groups=None):
         """The base slots (mask, x0, per-group noise), their noise levels replaced by logit-normal draws, one per group

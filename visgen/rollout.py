@@ -57,6 +57,9 @@ class VisgenRollouts:
         # outputs scored again at coarse granularities (E-GRPO); None: every output the score function returns
         self.granular_outputs = None if granular_outputs is None else list(granular_outputs)
         self.epoch = 0  # the trainer's inner epoch (set by the domain; NFT draws fresh noise per epoch)
+        # the trained reward outputs and their advantage weights, for an objective that selects the rows that train
+        # from the rewards (DPO's pairs; set by the domain); None: every leaf trains
+        self.reward_weights: dict[str, float] | None = None
         self._cond_meta: dict[str, Any] | None = None
         self._next_forward = 0  # forward ids stay unique across rollout calls (refills concatenate payloads)
 
@@ -154,6 +157,12 @@ class VisgenRollouts:
             mask, extra = self.objective.training_slots(is_leaf[rows], forest.node_latent[rows.to(forest.node_latent.device)],
                                                         mask.shape[1], sigmas, timesteps, generator, groups)
             payload.update(extra)
+            if self.reward_weights is not None:  # DPO: only each group's best and worst sample trains
+                score = sum(w * tree.rewards[name][rows].float() for name, w in self.reward_weights.items()
+                            if name in tree.rewards)
+                keep = self.objective.select_rows(torch.as_tensor(score).reshape(-1), groups.cpu())
+                if keep is not None:
+                    mask[~keep] = False
             logp_old = torch.zeros(mask.shape)
             if self.objective.deferred_logp:  # AWM / DGPO: behaviour log p from the trainer's first forward
                 deferred = mask.clone()

@@ -136,16 +136,22 @@ def test_domain_pairs_share_noise_and_timestep_and_the_first_step_is_log_2(tiny_
     ro = tr.domain.rollout([0, 1], 4, torch.Generator().manual_seed(0), 0)
     p, g = ro.payload, ro.group_ids
     K = int(4 * 0.99)
-    assert p["obj_sigma"].shape == (8, K) and ro.mask[:, :K].all()
+    assert p["obj_sigma"].shape == (8, K) and ro.mask.sum() == 2 * 2 * K  # 2 groups x 2 rows x K slots
     for grp in (0, 1):
         rows = torch.nonzero(g == grp).flatten()
         assert (p["obj_sigma"][rows] == p["obj_sigma"][rows[0]]).all()
         assert all(torch.equal(p["obj_noise"][r], p["obj_noise"][rows[0]]) for r in rows.tolist())
     assert not torch.equal(p["obj_sigma"][g == 0][0], p["obj_sigma"][g == 1][0])
     assert torch.allclose(p["obj_timestep"], p["obj_sigma"] * 1000)  # SD3: the model timestep is sigma x 1000
+    # only each group's best and worst (by the trained reward, the checker's score here) train: the others are never forwarded
+    r = ro.rewards["shapes"]
+    for grp in (0, 1):
+        rows = torch.nonzero(g == grp).flatten()
+        trained = rows[ro.mask[rows].any(1)]
+        assert sorted(trained.tolist()) == sorted([int(rows[r[rows].argmax()]), int(rows[r[rows].argmin()])])
     m = tr.iteration(0)
     assert m["loss/policy"] == pytest.approx(math.log(2), abs=1e-6)  # LoRA starts at the base: policy = reference
-    assert m["nfe/train"] == 8 * K * 2 and m["grad_norm"] > 0
+    assert m["nfe/train"] == 2 * 2 * K * 2 and m["grad_norm"] > 0  # 2 groups x 2 rows x K slots x (policy + ref)
 
 
 def test_a_timestep_split_trains_the_same_update(tiny_dir):
