@@ -234,3 +234,13 @@ def test_chunk_episode_files_of_real_rollouts_train_too(tmp_path):
     assert meta["success_heldout_report"]["episodes"] == 2
     # one real success and one real failure held out: the episode recall is 0 or 1, never undefined
     assert result["wm/episode_success_recall"] in (0.0, 1.0)
+    # the saved asset re-measured from its config: the same held-out episodes, the same numbers
+    import yaml
+
+    from robotics.world_model.heldout import evaluate_asset
+
+    cfg_path = tmp_path / "wm.yaml"
+    cfg_path.write_text(yaml.safe_dump(_train_cfg(tmp_path)))
+    again = json.loads(json.dumps(evaluate_asset(str(tmp_path / "wm"), str(cfg_path)), default=float))
+    assert again["heldout_keyframe_rollouts"]["image_mse"] == meta["heldout_keyframe_rollouts"]["image_mse"]
+    assert again["success_heldout_report"]["episode"] == meta["success_heldout_report"]["episode"]
