@@ -145,6 +145,8 @@ VISGEN: dict[str, tuple[str, dict]] = {
     "nft": ("shapes_nft", {}),
     "awm": ("shapes_awm", {"visgen": {"objective": {"timesteps_per_sample": 2}}}),
     "dgpo": ("shapes_dgpo", {"visgen": {"objective": {"timesteps_per_sample": 2, "trunc_steps": 2}}}),
+    "dpo": ("shapes_dpo", {"visgen": {"objective": {"timesteps_per_sample": 2}}}),
+    "flow_dppo": ("shapes_flowdppo", {}),  # its old copy (decay 0) is part of the state
 }
 
 

@@ -733,8 +733,9 @@ class DPOObjective(Objective):
         picks the pair again by advantage among the rows of the call, which are then exactly these two."""
         from shared_rl.losses import dpo_pairs
 
-        scores = torch.nan_to_num(scores.float(), nan=float("-inf"))  # a failed reward call ranks last
-        chosen, rejected = dpo_pairs(scores, groups)
+        scored = torch.nonzero(~torch.isnan(scores)).flatten()  # leaves with a reward (not a tree's inner node)
+        chosen, rejected = dpo_pairs(scores[scored].float(), groups[scored])
+        chosen, rejected = scored[chosen], scored[rejected]
         keep = torch.zeros(scores.numel(), dtype=torch.bool)
         keep[chosen], keep[rejected] = True, True
         return keep

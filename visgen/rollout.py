@@ -157,10 +157,11 @@ class VisgenRollouts:
             mask, extra = self.objective.training_slots(is_leaf[rows], forest.node_latent[rows.to(forest.node_latent.device)],
                                                         mask.shape[1], sigmas, timesteps, generator, groups)
             payload.update(extra)
-            if self.reward_weights is not None:  # DPO: only each group's best and worst sample trains
-                score = sum(w * tree.rewards[name][rows].float() for name, w in self.reward_weights.items()
-                            if name in tree.rewards)
-                keep = self.objective.select_rows(torch.as_tensor(score).reshape(-1), groups.cpu())
+            named = [n for n in (self.reward_weights or {}) if n in tree.rewards]
+            if named:  # DPO: only each group's best and worst sample trains
+                score = sum(self.reward_weights[n] * tree.rewards[n][rows].float().cpu() for n in named)
+                score[~is_leaf[rows]] = float("nan")  # a tree's inner nodes are no candidates
+                keep = self.objective.select_rows(score, groups.cpu())
                 if keep is not None:
                     mask[~keep] = False
             logp_old = torch.zeros(mask.shape)

@@ -53,6 +53,15 @@ def test_pairs_are_each_groups_best_and_worst_and_a_tie_trains_its_first_two():
     assert chosen.tolist() == [2, 4] and rejected.tolist() == [1, 3]
 
 
+def test_rollout_selection_keeps_each_groups_best_and_worst_leaf():
+    from visgen.objectives import DPOObjective
+
+    obj = DPOObjective(DPOObjSettings())
+    scores = torch.tensor([0.2, 0.9, float("nan"), 0.1, 0.5, 0.5, 0.5])  # row 2: an inner node / a failed reward
+    groups = torch.tensor([0, 0, 0, 0, 1, 1, 1])
+    assert obj.select_rows(scores, groups).tolist() == [False, True, False, True, True, True, False]
+
+
 def test_loss_and_gradient_hand_computed():
     """β 2, group 0 (rows 0-2): chosen row 2, rejected row 1; inside = −1·((0.2 − 0.4) − (0.5 − 0.4)) = 0.3,
     L = log(1 + e^−0.3) = 0.554355; ∂L/∂err_w = β/2·σ(−0.3) = 0.425558, ∂L/∂err_l = −0.425558, row 0 none.
