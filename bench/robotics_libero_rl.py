@@ -419,12 +419,17 @@ def gradnoise_row(out: Path, k: int, seed: int, variant: str, overrides: list[st
                   "robotics.eval_states_per_task=1", f"robotics.env.num_workers={s.get('env_workers', ROW_ENV_WORKERS)}",
                   *quick, *overrides, "logging.grad_noise_scale=true"], log)
     recs = [r for r in _records(run_dir) if "grad/signal_sq" in r]
-    signal = float(np.mean([r["grad/signal_sq"] for r in recs]))
-    noise = float(np.mean([r["grad/noise_trace"] for r in recs]))
+    signals = np.array([r["grad/signal_sq"] for r in recs])
+    signal, noise = float(signals.mean()), float(np.mean([r["grad/noise_trace"] for r in recs]))
+    # the signal term's standard error over iterations: the noise scale's 2-se lower bound stays finite when the
+    # signal itself is not resolved from 0 (a negative mean: the point estimate is infinite)
+    signal_se = float(signals.std(ddof=1) / np.sqrt(len(signals))) if len(signals) > 1 else float("nan")
     episodes = int(np.mean([r["env/episodes"] for r in recs]))
     return {"variant": f"gradient noise scale, {variant} at the K={k} clone", "kind": "grad-noise", "K": k,
             "seed": seed, "run_dir": run_dir.name, "iterations": len(recs), "episodes_per_update": episodes,
             "noise_scale": noise / signal if signal > 0 else float("inf"),
+            "noise_scale_min": noise / (signal + 2 * signal_se) if signal + 2 * signal_se > 0 else float("nan"),
+            "signal_sq": signal, "signal_sq_se": signal_se, "noise_trace": noise,
             "half_cosine": float(np.mean([r["grad/half_cosine"] for r in recs])),
             "per_iteration": [round(r["grad/noise_trace"] / r["grad/signal_sq"]) if r["grad/signal_sq"] > 0
                               else None for r in recs],

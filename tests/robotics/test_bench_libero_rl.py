@@ -140,5 +140,7 @@ def test_the_gradient_noise_row_is_the_ratio_of_the_iterations_means(tmp_path):
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     row = bl.gradnoise_row(tmp_path, 5, 0, "ript-loop", bl.RL_VARIANTS["ript-loop"], {"assemble": True, "quick": False})
     assert row["noise_scale"] == pytest.approx(0.2 / 2e-4) and row["half_cosine"] == pytest.approx(0.02)
+    se = 1e-4 * 2 ** 0.5 / 2 ** 0.5  # the sd of (1e-4, 3e-4) is sqrt(2)*1e-4, over sqrt(2) iterations
+    assert row["signal_sq_se"] == pytest.approx(se) and row["noise_scale_min"] == pytest.approx(0.2 / (2e-4 + 2 * se))
     assert row["per_iteration"] == [2000, 667] and row["episodes_per_update"] == 64 and row["env_steps"] == 17000
     assert bl.gradnoise_row(tmp_path, 5, 0, "ript-loop+shared-start", [], {"assemble": True, "quick": False}) is None
