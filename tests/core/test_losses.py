@@ -93,7 +93,7 @@ def test_registry_entries_share_one_signature_and_match_the_surrogate():
 
     # likelihood-free / domain-informed losses also take the domain's terms (objective values, step stds)
     terms = StepLogProbs(logp=logp, objective_pos=torch.rand(3, 4), objective_neg=torch.rand(3, 4),
-                         step_std=torch.rand(3, 4) + 0.1)
+                         step_std=torch.rand(3, 4) + 0.1, old_kl=torch.rand(3, 4) * 2e-5)  # flow_dppo's mask KL
     for name, fn in POLICY_LOSSES.items():
         loss, st = fn(logp, logp_old, adv, mask, cfg, fn.settings_class(), terms=terms)
         assert loss.shape == (3, 4) and bool((loss[~mask] == 0).all()), name
