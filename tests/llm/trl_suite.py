@@ -145,7 +145,7 @@ def main(argv=None) -> int:
     (tests / "__init__.py").write_text("")
     (tests / "conftest.py").write_text(CONFTEST)
     build_standins(root)
-    out = Path(a.out) if a.out else root
+    out = Path(a.out).resolve() if a.out else root  # pytest runs in root: a relative --out would land there
     out.mkdir(parents=True, exist_ok=True)
     report = out / f"junit-{a.impl}.xml"
     expr = DESELECT + (f" and ({a.k})" if a.k else "")
