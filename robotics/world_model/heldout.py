@@ -119,33 +119,3 @@ def success_report(wm: WorldModel, success: SuccessModel, episodes: list[ChunkEp
     return {"boundary": precision_recall(np.array(per_boundary_pred, bool), np.array(per_boundary_true, bool)),
             "episode": precision_recall(np.array(ep_pred, bool), np.array(ep_true, bool)),
             "episodes": len(ep_true), "successful_episodes": int(sum(ep_true)), "threshold": thr}
-
-
-def evaluate_asset(asset: str, config: str, overrides: list[str] | None = None) -> dict:
-    """Re-measure a saved world model + success model on the held-out episodes of its training config (the same
-    ``data``, ``holdout_fraction``, ``holdout_stratify`` and ``seed``, so the same whole episodes): the keyframe
-    rollouts and the success report at the model's threshold and at 0.5."""
-    from pathlib import Path
-
-    from shared_rl.config import apply_overrides, from_dict, load_yaml
-
-    from .data import load_chunk_episodes
-    from .train import WorldModelTrainConfig, resolve, split_episodes
-
-    raw = apply_overrides(load_yaml(config), overrides or [])
-    c = from_dict(WorldModelTrainConfig, raw, "robotics-wm")
-    episodes = [e for e in load_chunk_episodes(resolve(c.data)) if e.task in c.env.tasks or c.env.kind == "point"]
-    _, hold = split_episodes(episodes, c.holdout_fraction, c.seed, stratify=c.holdout_stratify)
-    wm, sm = WorldModel.load(Path(asset)), SuccessModel.load(Path(asset))
-    return {"asset": str(asset), "heldout_episodes": len(hold),
-            "heldout_keyframe_rollouts": keyframe_rollouts(wm, hold, sm, c.report_depth, c.report_stride),
-            "success_heldout_report": success_report(wm, sm, hold),
-            "success_heldout_report_at_0.5": success_report(wm, sm, hold, threshold=0.5)}
-
-
-if __name__ == "__main__":  # python -m robotics.world_model.heldout ASSET CONFIG [key=value ...] > report.json
-    import json
-    import sys
-
-    torch.set_num_threads(1)
-    print(json.dumps(evaluate_asset(sys.argv[1], sys.argv[2], sys.argv[3:]), indent=1, default=float))

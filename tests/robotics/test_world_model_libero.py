@@ -237,7 +237,7 @@ def test_chunk_episode_files_of_real_rollouts_train_too(tmp_path):
     # the saved asset re-measured from its config: the same held-out episodes, the same numbers
     import yaml
 
-    from robotics.world_model.heldout import evaluate_asset
+    from robotics.world_model.remeasure import evaluate_asset
 
     cfg_path = tmp_path / "wm.yaml"
     cfg_path.write_text(yaml.safe_dump(_train_cfg(tmp_path)))
