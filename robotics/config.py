@@ -199,6 +199,9 @@ class RoboticsConfig(DomainConfig):
             raise ConfigError(f"{where}.eval_seed must be in [0, 2^32 - eval_noise_draws), got {self.eval_seed}")
         if self.noise_level <= 0 and self.head_mode in ("flow_sde", "sde_one_step"):
             raise ConfigError(f"{where}.noise_level must be > 0 for {self.head_mode} (0 is the deterministic ODE)")
+        if self.group_start_noise == "shared" and self.rollout.name != "flat":
+            raise ConfigError(f"{where}.group_start_noise: shared is drawn by the flat simulator rollout only; "
+                              f"{where}.rollout.name is {self.rollout.name!r} (use flat or group_start_noise: independent)")
         if self.group_start_noise == "shared" and self.head_mode == "discrete":
             raise ConfigError(f"{where}.group_start_noise: shared is for a flow head's start noise; head_mode discrete "
                               f"has none (set group_start_noise: independent)")

@@ -213,3 +213,6 @@ def test_group_start_noise_shared_within_a_group_only(shared):
 def test_group_start_noise_needs_a_flow_head():
     with pytest.raises(ConfigError, match="group_start_noise"):
         _domain("discrete", group_start_noise="shared")
+    with pytest.raises(ConfigError, match="group_start_noise: shared is drawn by the flat"):
+        from_dict(RoboticsConfig, {"group_start_noise": "shared", "rollout": {"name": "tree", "branch": {
+            "at_chunks": [0], "factors": [2]}}}, "robotics")
