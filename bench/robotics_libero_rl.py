@@ -73,6 +73,11 @@ RL_VARIANTS = {  # name -> overrides of RL_RECIPE (grove's defaults; each line s
     # the same flow start noise at every chunk, so a group's outcomes differ only by the credited SDE step
     "ript-loop+shared-start": ["advantage.estimator=rloo", "loss.clip_low=0.1", "loss.clip_high=0.1", "optim.lr=5e-5",
                                "optim.inner_epochs=8", "robotics.group_start_noise=shared"],
+    # LOOP at 4x the episodes an update (32 groups of 8 = 256): its measured gradient noise scale at the clone is
+    # >= ~500 episodes (--only gradnoise), so a 64-episode update is < ~12 % signal and a 256-episode one ~1/3; the
+    # authors' own batches are 512 (SimpleVLA-RL 64 x 8, RLinf 64 envs x 8)
+    "ript-loop+batch256": ["advantage.estimator=rloo", "loss.clip_low=0.1", "loss.clip_high=0.1", "optim.lr=5e-5",
+                           "optim.inner_epochs=8", "rollout.groups_per_iteration=32"],
     # RLinf's piRL (flow-SDE): Flow-GRPO noise 0.5 on one random denoising step per chunk, group 8
     "pirl": ["robotics.noise_level=0.5"],
     # a larger step: the first LIBERO runs' 3e-4 x 4 steps an iteration, now on 64 episodes an update with
