@@ -192,6 +192,8 @@ TRL_KEYS = {
     "per_device_train_batch_size": "rollout.groups_per_iteration x rollout.group_size (prompts x completions)",
     "scale_rewards": "advantage.estimator (grpo / dr_grpo / batch_std)", "loss_type": "loss.aggregation",
     "lr_scheduler_type": "optim.schedule", "warmup_ratio": "optim.warmup_steps",
+    "entropy_coef": "loss.entropy.coef", "entropy_target": "loss.entropy.target (adaptive)",
+    "top_entropy_quantile": "loss.entropy.top_quantile", "delta": "loss.dual_clip",
 }
 
 
@@ -380,6 +382,45 @@ class AdvantageConfig:
 
 
 @dataclass
+class EntropyConfig:
+    """``loss.entropy``: the entropy bonus and the high-entropy token mask (the domain's per-step entropy ``H``).
+
+    The bonus subtracts ``coef · Σ_{i,t} m·e·H / N_steps`` from the loss (the mean per-step entropy of the step's
+    trained steps, whatever ``loss.aggregation`` is: TRL's ``entropy_coef``, verl's ``entropy_coeff``); ``e`` is the
+    high-entropy mask below (1 everywhere at ``top_quantile: 1``). With ``target`` set the coefficient is adaptive
+    (Skywork-OR1, arXiv 2505.22312, as TRL runs it): after each optimizer step it rises by ``coef_step`` when the
+    step's mean entropy over ``m·e`` is at or below ``target`` and falls by it otherwise (within ``[coef_min,
+    coef_max]``), and it is applied only while the previous step's entropy was at or below ``target``; the
+    coefficient and that entropy are saved with each checkpoint."""
+
+    coef: float = field(default=0.0, metadata={
+        "help": "weight of the entropy bonus (loss - coef * mean entropy); 0 = none; the start value when adaptive"})
+    target: Optional[float] = field(default=None, metadata={
+        "help": "adaptive coefficient (Skywork-OR1): the target mean per-step entropy (nats); null = coef is fixed"})
+    coef_step: float = field(default=0.005, metadata={"help": "adaptive: the coefficient's change per optimizer step"})
+    coef_min: float = field(default=0.0, metadata={"help": "adaptive: the coefficient's lower bound"})
+    coef_max: float = field(default=1.0, metadata={"help": "adaptive: the coefficient's upper bound"})
+    top_quantile: float = field(default=1.0, metadata={
+        "help": "Beyond the 80/20 Rule (arXiv 2506.01939): the policy loss (and the bonus) only on the steps whose "
+                "entropy is in the top fraction rho of each micro-batch's trained steps (0.2 there); 1 = all"})
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the bonus is part of the loss (an adaptive coefficient may sit at 0 and rise again)."""
+        return self.coef != 0 or self.target is not None
+
+    def check(self, where: str) -> None:
+        _positive(f"{where}.", "coef", self.coef, allow_zero=True)
+        _positive(f"{where}.", "coef_step", self.coef_step, allow_zero=True)
+        if not 0 <= self.coef_min <= self.coef_max:
+            raise ConfigError(f"{where}: need 0 <= coef_min <= coef_max, got {self.coef_min} and {self.coef_max}")
+        if self.target is not None:
+            _positive(f"{where}.", "target", self.target, allow_zero=True)
+        if not 0 <= self.top_quantile <= 1:
+            raise ConfigError(f"{where}.top_quantile must be in [0, 1] (1 = every step), got {self.top_quantile}")
+
+
+@dataclass
 class LossConfig:
     policy_loss: Optional[PolicyLossChoice] = field(default=None, metadata={
         "help": "a shared_rl.losses.POLICY_LOSSES entry, by name or {name: .., <its settings>}: clipped (PPO/GRPO/"
@@ -399,6 +440,8 @@ class LossConfig:
     kl_coef: float = field(default=0.0, metadata={"help": "weight of the KL(policy || reference) term; 0 = no KL"})
     kl_estimator: str = field(default="domain", metadata={
         "help": "shared_rl.losses.KL_ESTIMATORS entry: domain (the domain's own KL, else k3) | k1 | k3"})
+    entropy: EntropyConfig = field(default_factory=EntropyConfig, metadata={
+        "help": "entropy bonus {coef, target (adaptive), coef_step, coef_min, coef_max} and top_quantile (80/20 mask)"})
 
     moved_keys: typing.ClassVar[dict[str, str]] = {
         "sapo_tau_pos": "policy_loss: {name: sapo, tau_pos: .., tau_neg: ..}",

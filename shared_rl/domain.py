@@ -58,7 +58,8 @@ class StepLogProbs:
         Flow-GRPO's Gaussian-mean KL), else None.
     ref_logp: ``[n, T]`` reference-policy log-probs (no grad) when asked for KL and ``kl`` is None; the trainer
         then applies the configured estimator (k1/k3).
-    entropy: ``[n, T]`` per-step entropy (for logging), or None.
+    entropy: ``[n, T]`` per-step entropy, or None: logged, and trained by ``loss.entropy`` where it carries grad
+        (llm, toy).
     objective_pos, objective_neg: ``[n, T]`` (with grad) the two per-step terms of a likelihood-free objective,
         for the policy losses that combine them with the advantage (``nft``: DiffusionNFT's positive/negative
         branch losses; ``awm``: the flow-matching loss in ``objective_pos``). ``logp`` is then zeros. None otherwise.

@@ -277,22 +277,40 @@ def gspo_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tens
                              "sequence", max_log_ratio=settings.max_log_ratio)
 
 
-@register_policy_loss("cispo")
+@dataclass
+class CispoSettings:
+    max_weight: float | None = field(default=None, metadata={
+        "help": "the importance weight's upper cap as an absolute value (TRL's epsilon_high for cispo, ScaleRL's "
+                "eps_max 5.0); null = 1 + loss.clip_high"})
+    level: str = field(default="step", metadata={
+        "help": "step (each token's ratio) | sequence (the sequence's length-normalised ratio on every step, GSPO's)"})
+
+    def check(self, where: str) -> None:
+        if self.max_weight is not None and self.max_weight <= 0:
+            raise ConfigError(f"{where}.max_weight must be > 0 (e.g. 5.0), got {self.max_weight}")
+        if self.level not in ("step", "sequence"):
+            raise ConfigError(f"{where}.level must be 'step' or 'sequence', got {self.level!r}")
+
+
+@register_policy_loss("cispo", settings=CispoSettings)
 def cispo_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-               cfg: "LossConfig", settings: NoSettings, terms=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+               cfg: "LossConfig", settings: CispoSettings,
+               terms=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """CISPO (MiniMax-M1, MiniMax 2025, "Scaling Test-Time Compute Efficiently with Lightning Attention"): clip
     the importance weight, not the update — every step keeps a gradient.
 
-    ρ_t = exp(logp_t − logp_old_t);  L_t = −sg(clip(ρ_t, 1−ε_lo, 1+ε_hi))·A·logp_t  (sg = stop-gradient), so
-    ∇L_t = −clip(ρ_t)·A·∇logp_t; at ρ = 1 this equals the unclipped surrogate's gradient −A·∇ρ_t.
-    ``clipped`` marks the steps whose weight was clipped.
+    ρ_t = exp(logp_t − logp_old_t);  L_t = −sg(clip(ρ_t, 1−ε_lo, w_max))·A·logp_t  (sg = stop-gradient), so
+    ∇L_t = −clip(ρ_t)·A·∇logp_t; at ρ = 1 this equals the unclipped surrogate's gradient −A·∇ρ_t. ``w_max`` is
+    ``max_weight``, else 1 + ε_hi; with ``level: sequence`` ρ is the sequence's length-normalised ratio (as TRL's
+    ``importance_sampling_level='sequence'``). ``clipped`` marks the steps whose weight was clipped.
     """
     m = mask.to(logp.dtype)
     adv = _per_step(advantages, logp)
     hi = cfg.clip_low if cfg.clip_high is None else cfg.clip_high
-    lr = (logp - logp_old) * m
+    top = settings.max_weight if settings.max_weight is not None else 1.0 + hi
+    lr = log_ratio(logp, logp_old, m, settings.level)
     ratio = torch.exp(lr)
-    weight = ratio.detach().clamp(1.0 - cfg.clip_low, 1.0 + hi)
+    weight = ratio.detach().clamp(min=1.0 - cfg.clip_low).clamp(max=top)
     loss = -weight * adv * logp
     is_clipped = (weight != ratio.detach()).to(logp.dtype)
     return loss * m, {"ratio": ratio.detach(), "clipped": is_clipped, "log_ratio": lr.detach()}
@@ -645,6 +663,67 @@ def kl_per_step(name: str, logp: torch.Tensor, ref_logp: torch.Tensor | None,
     if name not in KL_ESTIMATORS:
         raise KeyError(_unknown("KL estimator", name, KL_ESTIMATORS))
     return KL_ESTIMATORS["domain" if domain_kl is not None else name](logp, ref_logp, domain_kl)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The entropy bonus and the high-entropy token mask (``loss.entropy``).
+
+
+def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, top_quantile: float) -> torch.Tensor:
+    """Beyond the 80/20 Rule (Wang et al. 2025, arXiv 2506.01939; TRL ``get_high_entropy_mask``): the trained steps
+    whose entropy is at or above the ``1 - top_quantile`` quantile (linear interpolation, ``torch.quantile``) of the
+    trained steps' entropies; ``top_quantile`` 1 keeps every trained step, 0 only the highest (ties kept)."""
+    m = mask.bool()
+    if top_quantile >= 1 or not m.any():
+        return m
+    h = entropy.detach()
+    threshold = torch.quantile(h[m].float(), 1.0 - top_quantile)
+    return m & (h >= threshold.to(h.dtype))
+
+
+def entropy_bonus(entropy: torch.Tensor, mask: torch.Tensor, norm: Normalizer) -> torch.Tensor:
+    """``Σ_{i,t} m·H / N_steps``: the step's mean per-step entropy over its trained steps (the global count, so the
+    micro-batches' shares sum to it), whatever the policy loss's aggregation (TRL's documented meaning)."""
+    return (entropy * mask.to(entropy.dtype)).sum() / norm.num_steps
+
+
+class EntropyCoefficient:
+    """The entropy bonus's coefficient over a run (``loss.entropy``): fixed, or adaptive (Skywork-OR1 as TRL runs
+    it). ``applied()`` is the coefficient of the current optimizer step: ``coef``, or when adaptive ``coef`` while
+    the previous step's entropy was at or below ``target``, else 0 (so the first step applies 0: no entropy measured
+    yet counts as infinite, as in TRL). ``update(h)`` after each optimizer step with its mean entropy ``h``: ``coef``
+    rises by ``coef_step`` if ``h <= target``, else falls by it, within ``[coef_min, coef_max]``."""
+
+    def __init__(self, cfg) -> None:
+        self.cfg = cfg
+        self.coef = float(cfg.coef)
+        self.last_entropy = float("inf")
+
+    @property
+    def adaptive(self) -> bool:
+        return self.cfg.target is not None
+
+    def applied(self) -> float:
+        if not self.adaptive:
+            return self.coef
+        return self.coef if self.last_entropy <= self.cfg.target else 0.0
+
+    def update(self, entropy: float) -> None:
+        if not self.adaptive:
+            return
+        c = self.cfg
+        step = c.coef_step if entropy <= c.target else -c.coef_step
+        self.coef = min(max(self.coef + step, c.coef_min), c.coef_max)
+        self.last_entropy = float(entropy)
+
+    def state(self) -> dict[str, float]:
+        """JSON (an infinite entropy written as null)."""
+        last = self.last_entropy
+        return {"coef": self.coef, "last_entropy": None if last == float("inf") else last}
+
+    def load(self, state: dict) -> None:
+        self.coef = float(state["coef"])
+        self.last_entropy = float("inf") if state.get("last_entropy") is None else float(state["last_entropy"])
 
 
 # ---------------------------------------------------------------------------------------------------------------

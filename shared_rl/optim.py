@@ -14,6 +14,7 @@ import torch
 
 from .errors import ConfigError, NonFiniteError
 from .gather import StepStats
+from .losses import EntropyCoefficient
 
 
 class WeightEMA:
@@ -106,6 +107,8 @@ class Optimizer:
         self.ema = WeightEMA(params, o.ema_decay) if o.ema_decay > 0 else None
         self.nonfinite_steps = 0  # in a row
         self.nonfinite_total = 0
+        # the entropy bonus's coefficient: a per-optimizer-step schedule like the learning rate's (loss.entropy)
+        self.entropy = EntropyCoefficient(cfg.loss.entropy)
 
     @property
     def params(self) -> list[torch.nn.Parameter]:
@@ -155,7 +158,8 @@ class Optimizer:
     def state(self) -> dict[str, Any]:
         """JSON-serialisable: the schedule, the non-finite count and the average's step count."""
         return {"scheduler": self.scheduler.state_dict(), "nonfinite_total": self.nonfinite_total,
-                **({"ema_steps": self.ema.steps} if self.ema is not None else {})}
+                **({"ema_steps": self.ema.steps} if self.ema is not None else {}),
+                **({"entropy_coef": self.entropy.state()} if self.entropy.adaptive else {})}
 
     def load(self, opt_state: dict | None, state: dict[str, Any], ema_tensors: dict[str, torch.Tensor]) -> None:
         if self.ema is not None and ema_tensors:
@@ -167,3 +171,7 @@ class Optimizer:
             self.adamw.load_state_dict(opt_state)
         self.scheduler.load_state_dict(state["scheduler"])
         self.nonfinite_total = int(state.get("nonfinite_total", 0))
+        if self.entropy.adaptive and "entropy_coef" in state:
+            self.entropy.load(state["entropy_coef"])
+        elif self.entropy.adaptive:  # a run started with a fixed coefficient: adaptation starts from loss.entropy.coef
+            self.log("the checkpoint has no adaptive entropy coefficient: it starts at loss.entropy.coef")

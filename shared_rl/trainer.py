@@ -18,6 +18,7 @@ import math
 import os
 import signal
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,8 @@ from .config import ConfigError, TrainConfig, dump_train_config
 from .domain import RunContext, StepLogProbs
 from .errors import NonFiniteError  # noqa: F401  (re-exported)
 from .gather import PER_STEP_STATS, StepStats, any_rank, local_index, padding_forward, reduce_stats
-from .losses import Normalizer, aggregate, get_policy_loss, kl_per_step, value_loss
+from .losses import (Normalizer, aggregate, entropy_bonus, get_policy_loss, high_entropy_mask, kl_per_step,
+                     value_loss)
 from .metrics import MetricsLogger, duration, eta, plot_metrics
 from .optim import Optimizer, WeightEMA, make_scheduler  # noqa: F401  (re-exported)
 from .registry import resolve_domain
@@ -38,6 +40,20 @@ from .rewards import RewardInterrupted, clear_interrupt, interrupt_rewards, rewa
 from .rollout import Rollout
 from .rundir import atomic_write_text, begin_final, commit_final
 from .selection import make_sampler
+
+
+@dataclass
+class LossParts:
+    """One micro-batch's loss (``Trainer.loss``): ``total`` to backpropagate, its policy, KL and entropy-bonus parts
+    (None when off), the policy loss's per-step ``stats`` and ``kept``, the steps the policy loss trained on (the
+    trained steps, or their high-entropy part under ``loss.entropy.top_quantile``)."""
+
+    total: torch.Tensor
+    policy: torch.Tensor
+    kl: torch.Tensor | None
+    entropy_bonus: torch.Tensor | None
+    stats: dict[str, torch.Tensor]
+    kept: torch.Tensor
 
 
 def _add_step_stats(stats: StepStats, st: dict[str, torch.Tensor], mask: torch.Tensor, out: StepLogProbs) -> None:
@@ -135,8 +151,11 @@ class Trainer:
         why = None
         if not self.domain.supports_step_subsets:
             why = f"domain {cfg.domain!r} computes all of a sequence's steps in one call"
-        elif get_policy_loss(self.policy_loss.name).whole_sequence:
+        elif get_policy_loss(self.policy_loss.name).whole_sequence or \
+                getattr(self.policy_loss.settings, "level", "step") == "sequence":
             why = f"loss.policy_loss {self.policy_loss.name!r} needs all of a sequence's steps at once"
+        elif cfg.loss.entropy.top_quantile < 1:
+            why = "loss.entropy.top_quantile ranks all of a micro-batch's steps at once"
         elif self.critic is not None:
             why = "a critic's value loss is per sequence"
         elif self.fsdp is not None:
@@ -305,20 +324,35 @@ class Trainer:
 
     # ---- the loss ----------------------------------------------------------------------------------------------
     def loss(self, out: StepLogProbs, logp_old: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
-             norm: Normalizer, row_steps: torch.Tensor | None = None
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
-        """One micro-batch's share of the minibatch loss: aggregate(policy loss) + kl_coef · aggregate(KL).
-        ``row_steps``: each row's trained steps in the whole micro-batch when ``mask`` is a chunk of its steps.
-
-        Returns (loss to backpropagate, its policy part, its KL part or None, the policy loss's per-step stats)."""
+             norm: Normalizer, row_steps: torch.Tensor | None = None) -> LossParts:
+        """One micro-batch's share of the minibatch loss: aggregate(policy loss) + kl_coef · aggregate(KL)
+        − entropy coef · mean entropy (``loss.entropy``; its ``top_quantile`` keeps the policy loss on the
+        high-entropy steps only). ``row_steps``: each row's trained steps in the whole micro-batch when ``mask`` is
+        a chunk of its steps."""
         lc, choice = self.cfg.loss, self.policy_loss
         per_step, st = get_policy_loss(choice.name)(out.logp, logp_old, adv, mask, lc, choice.settings, terms=out)
+        ent, kept = lc.entropy, mask
+        if ent.enabled or ent.top_quantile < 1:
+            if out.entropy is None:
+                raise ConfigError(f"loss.entropy needs the per-step entropy, which domain {self.cfg.domain!r} does not "
+                                  f"return; set loss.entropy.coef: 0, no target and top_quantile: 1")
+            if ent.top_quantile < 1:
+                kept = high_entropy_mask(out.entropy, mask, ent.top_quantile)
+                per_step = per_step * kept
         policy = aggregate(per_step, mask, lc.aggregation, norm, row_steps)
-        if lc.kl_coef <= 0:
-            return policy, policy, None, st
-        kl_steps = kl_per_step(lc.kl_estimator, out.logp, out.ref_logp, out.kl)
-        kl = aggregate(kl_steps, mask, lc.aggregation, norm, row_steps)
-        return policy + lc.kl_coef * kl, policy, kl, st
+        total, kl, bonus = policy, None, None
+        if lc.kl_coef > 0:
+            kl_steps = kl_per_step(lc.kl_estimator, out.logp, out.ref_logp, out.kl)
+            kl = aggregate(kl_steps, mask, lc.aggregation, norm, row_steps)
+            total = total + lc.kl_coef * kl
+        if ent.enabled:
+            if torch.is_grad_enabled() and not out.entropy.requires_grad:
+                raise ConfigError(f"loss.entropy.coef: domain {self.cfg.domain!r}'s per-step entropy carries no "
+                                  f"gradient (a fixed-noise Gaussian step's entropy does not depend on the weights), "
+                                  f"so the bonus would change nothing; set loss.entropy.coef: 0 and no target")
+            bonus = entropy_bonus(out.entropy, kept, norm)
+            total = total - self.optim.entropy.applied() * bonus
+        return LossParts(total, policy, kl, bonus, st, kept)
 
     def _optimizer_step(self, rollout: Rollout | None, local_idx: torch.Tensor, adv: torch.Tensor,
                         norm: Normalizer, stats: StepStats) -> int:
@@ -332,6 +366,7 @@ class Trainer:
         value_norm = self._value_norm(local_idx)
         self.optimizer.zero_grad(set_to_none=True)
         nfe = 0
+        step_entropy = torch.zeros(2, dtype=torch.float64)  # Σ H and the count over the kept steps (adaptive bonus)
         # logging.grad_noise_scale: the micro-batches of the two halves of this share, the gradient snapshotted at
         # the boundary (the sum of the halves is the step's gradient, so the update is the same)
         noise = cfg.logging.grad_noise_scale
@@ -363,14 +398,19 @@ class Trainer:
                 mask = (full if steps is None else steps).to(out.logp.device)
                 logp_old = (out.logp_old.to(out.logp) if out.logp_old is not None
                             else self._behaviour_logp(rollout, idx, out, mask))
-                loss, policy, kl, st = self.loss(out, logp_old, a.to(out.logp), mask, norm,
-                                                 row_steps=full.sum(1).to(out.logp))
-                loss = loss * self._policy_weight  # 0 while the critic warms up
+                parts = self.loss(out, logp_old, a.to(out.logp), mask, norm, row_steps=full.sum(1).to(out.logp))
+                st = parts.stats
+                loss = parts.total * self._policy_weight  # 0 while the critic warms up
                 if value_norm > 0:
                     loss = loss + self.critic.value_coef * self._value_loss(out, idx, value_norm, stats)
-                stats.add("loss/policy", float(policy.detach()), 0.0)
-                if kl is not None:
-                    stats.add("loss/kl", float(kl.detach()), 0.0)
+                stats.add("loss/policy", float(parts.policy.detach()), 0.0)
+                if parts.kl is not None:
+                    stats.add("loss/kl", float(parts.kl.detach()), 0.0)
+                if parts.entropy_bonus is not None:
+                    stats.add("loss/entropy_bonus", float(parts.entropy_bonus.detach()), 0.0)
+                    if self.optim.entropy.adaptive:  # the step's mean entropy over the kept steps, for the update
+                        step_entropy += torch.tensor([float((out.entropy.detach() * parts.kept).sum()),
+                                                      float(parts.kept.sum())], dtype=torch.float64)
                 loss.backward()
                 _add_step_stats(stats, st, mask, out)
                 if cfg.logging.step_clip_frac:  # which denoising steps the clip acts on (GRPO-Guard's diagnosis)
@@ -386,12 +426,18 @@ class Trainer:
                 stats.add(k, v, 1.0)
         # the micro-batch losses summed (over ranks too) are the minibatch loss: count one per optimizer step
         for k in PER_STEP_STATS:
-            stats.add(k, 0.0, 1.0)
+            if k != "loss/entropy_bonus" or cfg.loss.entropy.enabled:
+                stats.add(k, 0.0, 1.0)
         if value_norm > 0:
             stats.add("loss/value", 0.0, 1.0)
         if self._policy_weight > 0:
             self._auxiliary_losses(stats)
+        if cfg.loss.entropy.enabled:
+            stats.add("entropy_coef", self.optim.entropy.applied(), 1.0)
         self.optim.step(stats)
+        if self.optim.entropy.adaptive:  # after the step, from its global mean entropy: the next step's coefficient
+            total_h, count = self.dist.all_reduce_(step_entropy).tolist()
+            self.optim.entropy.update(total_h / max(count, 1.0))
         return nfe
 
     def _flat_grads(self) -> torch.Tensor:

@@ -216,11 +216,16 @@ def trl_reward_metrics(raw: dict[str, torch.Tensor], weights: dict[str, float], 
 
 
 def _trl_train_metrics(rec: dict[str, Any], kl_coef: float) -> dict[str, float]:
-    """grove's record of one iteration in TRL's names (the optimizer-step averages grove logs)."""
+    """grove's record of one iteration in TRL's names (the optimizer-step averages grove logs); with an entropy
+    bonus ``loss`` is the whole loss (policy + β·KL − coefficient·entropy) and ``policy_loss`` its policy part."""
     out = {}
     policy = rec.get("loss/policy")
     if policy is not None:
         out["loss"] = float(policy) + kl_coef * float(rec.get("loss/kl", 0.0))
+        if "loss/entropy_bonus" in rec:
+            out["loss"] -= float(rec["entropy_coef"]) * float(rec["loss/entropy_bonus"])
+            out["policy_loss"] = float(policy)
+            out["entropy_coef"] = float(rec["entropy_coef"])
     for ours, theirs in (("grad_norm", "grad_norm"), ("lr", "learning_rate"), ("entropy", "entropy"),
                          ("clip_frac", "clip_ratio/region_mean")):
         if isinstance(rec.get(ours), (int, float)):
@@ -414,6 +419,7 @@ class GRPOTrainer:
             held["on_train_scores"] = self._recorder
         self.trainer = _HookedTrainer(self.config, self.run_dir, log=log, objects=held, on_iteration=self._on_iteration)
         self.aux_loss_enabled = False
+        self._entropy_bonus_enabled = self.config.loss.entropy.enabled  # TRL's flag, read by its helper above
         self._buffer: list[dict[str, float]] = []
         self._losses: list[tuple[float, int]] = []
         self._last_logged_step = 0
@@ -454,6 +460,38 @@ class GRPOTrainer:
     def tokenizer(self):
         return self.trainer.domain.tokenizer
 
+    @property
+    def entropy_coef(self) -> float:
+        """The entropy bonus's coefficient now (TRL's ``entropy_coef``: adaptive under use_adaptive_entropy)."""
+        return self.trainer.optim.entropy.coef
+
+    @entropy_coef.setter
+    def entropy_coef(self, value: float) -> None:
+        self.trainer.optim.entropy.coef = float(value)
+
+    @property
+    def use_adaptive_entropy(self) -> bool:
+        return self.trainer.optim.entropy.adaptive
+
+    @use_adaptive_entropy.setter
+    def use_adaptive_entropy(self, value: bool) -> None:
+        if bool(value) != self.use_adaptive_entropy:
+            raise ConfigError("use_adaptive_entropy is fixed for a run: set it in the GRPOConfig")
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                                           logits_to_keep: int, batch_size: int | None = None,
+                                           compute_entropy: bool = False, **_: Any):
+        """TRL's helper, for subclasses that call it: the last ``logits_to_keep`` tokens' log-probs ``[B, K]`` at
+        the run's temperature and their entropies (with grad while the entropy bonus is on, as TRL's), and no
+        auxiliary loss."""
+        from .policy import _completion_log_probs
+
+        out = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=logits_to_keep + 1)
+        ids = input_ids[:, -logits_to_keep:]
+        logp, ent = _completion_log_probs(out.logits[:, :-1], ids, attention_mask[:, -logits_to_keep:].to(
+            torch.float32), self.trainer.domain.cfg.temperature, compute_entropy, self._entropy_bonus_enabled)
+        return logp, ent, None
+
     def train(self, resume_from_checkpoint: Any = None):
         """Run every iteration (evaluation, checkpoints and export as configured). A GRPOConfig run returns
         transformers' ``TrainOutput(global_step, training_loss, metrics)``; a grove-config run its metric records."""
@@ -475,12 +513,24 @@ class GRPOTrainer:
         steps = self.state.global_step
         loss = sum(v * n for v, n in self._losses) / max(1, sum(n for _, n in self._losses))
         done = {"train_runtime": runtime, "train_samples_per_second": 0.0, "train_steps_per_second": steps / runtime,
-                "total_flos": 0.0, "train_loss": loss, "epoch": self.state.epoch, "step": steps}
+                "total_flos": 0.0, "train_loss": loss}
         samples = steps * self.config.optim.micro_batch_size * (self.args.gradient_accumulation_steps or 1)
         done["train_samples_per_second"] = samples / runtime
+        pending = {k: v for k, v in self._drain_buffer().items() if k != "loss"}  # the Trainer logs loss itself
+        done.update(pending, epoch=self.state.epoch, step=steps)
         self.state.log_history.append(done)
         self._fire("on_train_end")
         return TrainOutput(steps, loss, {k: v for k, v in done.items() if k not in ("epoch", "step")})
+
+    def _drain_buffer(self) -> dict[str, float]:
+        """The mean of each metric over the iterations since the last log (NaNs skipped, as TRL), emptied."""
+        keys = {k for m in self._buffer for k in m}
+        logs = {}
+        for k in sorted(keys):
+            vals = [m[k] for m in self._buffer if k in m and not math.isnan(m[k])]
+            logs[k] = sum(vals) / len(vals) if vals else math.nan
+        self._buffer = []
+        return logs
 
     def _fire(self, event: str, **kwargs) -> None:
         for cb in self.callbacks:
@@ -512,16 +562,11 @@ class GRPOTrainer:
         self._buffer.append(metrics)
         every = t["logging_steps"]
         every = max(1, math.ceil(every * t["max_steps"])) if every < 1 else int(every)
-        last = self.state.global_step >= t["max_steps"]
         crossed = self.state.global_step // every > before // every
-        if crossed or last or (t["logging_first_step"] and before == 0):
-            keys = {k for m in self._buffer for k in m}
-            logs = {}
-            for k in sorted(keys):
-                vals = [m[k] for m in self._buffer if k in m and not math.isnan(m[k])]
-                logs[k] = sum(vals) / len(vals) if vals else math.nan
-            logs.update(epoch=self.state.epoch, step=self.state.global_step)
-            self._buffer = []
+        # at logging_steps multiples (and the first step), as transformers' DefaultFlowCallback; what the last
+        # steps left unlogged goes into the train summary, as TRL's log() merges its pending metrics there
+        if crossed or (t["logging_first_step"] and before == 0):
+            logs = {**self._drain_buffer(), "epoch": self.state.epoch, "step": self.state.global_step}
             self.state.log_history.append(logs)
             self._fire("on_log", logs=logs)
         if t["eval_every"] and (it + 1) % t["eval_every"] == 0 and self.eval_dataset is not None:

@@ -78,6 +78,9 @@ class LLMConfig(DomainConfig):
     tokenizer: str = field(default="", metadata={"help": "tokenizer directory or hub id; '' = the model's"})
     dtype: Literal["float32", "bfloat16", "float16"] = field(
         default="float32", metadata={"help": "parameter dtype: float32 | bfloat16 | float16"})
+    lm_head_fp32: bool = field(default=False, metadata={
+        "help": "keep the output layer in float32 and compute the logits in float32 under a bfloat16/float16 "
+                "model (ScaleRL; TRL's cast_lm_head_to_fp32)"})
     lora: LLMLoraSettings = field(default_factory=LLMLoraSettings)
     gradient_checkpointing: bool = field(default=False, metadata={
         "help": "recompute activations in backward (less memory, slower)"})
@@ -252,15 +255,19 @@ class LLMDomain(DomainBase):
     def __init__(self, cfg: LLMConfig, ctx: RunContext) -> None:
         self.cfg = cfg
         self.ctx = ctx
+        train_loss = getattr(ctx.train_cfg, "loss", None)
+        self._entropy_grad = bool(train_loss is not None and train_loss.entropy.enabled)
         if cfg.num_threads > 0:
             torch.set_num_threads(cfg.num_threads)
         self.device = ctx.device
         held_model, held_tok = ctx.objects.get("model"), ctx.objects.get("tokenizer")  # shared_rl.llm.api
         self.tokenizer = held_tok if held_tok is not None else load_tokenizer(cfg.tokenizer or cfg.model)
         if held_model is not None:
-            self.model = prepare_causal_lm(held_model, self.device, cfg.lora, cfg.gradient_checkpointing, cfg.model)
+            self.model = prepare_causal_lm(held_model, self.device, cfg.lora, cfg.gradient_checkpointing, cfg.model,
+                                           cfg.lm_head_fp32)
         else:
-            self.model = load_causal_lm(cfg.model, cfg.dtype, self.device, cfg.lora, cfg.gradient_checkpointing)
+            self.model = load_causal_lm(cfg.model, cfg.dtype, self.device, cfg.lora, cfg.gradient_checkpointing,
+                                        cfg.lm_head_fp32)
         self.reference = None
         if cfg.keep_reference and not cfg.lora.enabled:
             self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
@@ -361,13 +368,15 @@ class LLMDomain(DomainBase):
     # ---- log-probs -------------------------------------------------------------------------------------------
     def _token_logp(self, module, prompt_ids, completion_ids, layout, with_entropy: bool = False):
         """The one log-prob function of this domain (training, behaviour recompute, deferred fill, reference):
-        the padding layout ``layout``, one-pass or prefix-shared (``share_prompt_forward``)."""
+        the padding layout ``layout``, one-pass or prefix-shared (``share_prompt_forward``). The entropy carries
+        grad when the trainer's loss has an entropy bonus (``loss.entropy``)."""
         pad = self.tokenizer.pad_token_id
+        grad = self._entropy_grad and module is self.model
         if self.cfg.share_prompt_forward:
             batch = collate_shared(prompt_ids, completion_ids, layout, pad, self.device)
-            return token_log_probs_shared(module, batch, self.cfg.temperature, with_entropy)
+            return token_log_probs_shared(module, batch, self.cfg.temperature, with_entropy, grad)
         return token_log_probs(module, collate(prompt_ids, completion_ids, layout, pad, self.device),
-                               self.cfg.temperature, with_entropy)
+                               self.cfg.temperature, with_entropy, grad)
 
     def _forward_logp(self, prompt_ids, completion_ids, layout, grad: bool, with_entropy: bool = False):
         with torch.set_grad_enabled(grad):

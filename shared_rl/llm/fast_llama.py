@@ -183,7 +183,8 @@ class FastLlamaEngine:
                 down=_effective(mlp.down_proj).detach().clone(),
             ))
         self.layers = layers
-        self.embed = _effective(base.model.embed_tokens).detach().clone()
+        # in the blocks' dtype: tied to an output layer kept in float32 (llm.lm_head_fp32) the table is float32
+        self.embed = _effective(base.model.embed_tokens).detach().to(self.layers[0].o.dtype, copy=True)
         self.final_norm = base.model.norm.weight.detach().clone()
         self.lm_head = _effective(base.lm_head).detach().clone()
         self.lm_head_bias = None if getattr(base.lm_head, "bias", None) is None else base.lm_head.bias.detach().clone()
@@ -265,8 +266,8 @@ class FastLlamaEngine:
         return self._logits(x)
 
     def _logits(self, x_last: torch.Tensor) -> torch.Tensor:
-        return F.linear(F.rms_norm(x_last, (x_last.shape[-1],), self.final_norm, self.eps), self.lm_head,
-                        self.lm_head_bias).float()
+        h = F.rms_norm(x_last, (x_last.shape[-1],), self.final_norm, self.eps)
+        return F.linear(h.to(self.lm_head.dtype), self.lm_head, self.lm_head_bias).float()  # lm_head_fp32: float32
 
     # ---- sampling --------------------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], n: int, max_new_tokens: int, temperature: float,

@@ -99,19 +99,43 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
 
 
 def load_causal_lm(path: str, dtype: str = "float32", device: torch.device | str = "cpu", lora: LLMLoraSettings | None = None,
-                   gradient_checkpointing: bool = False) -> torch.nn.Module:
+                   gradient_checkpointing: bool = False, lm_head_fp32: bool = False) -> torch.nn.Module:
     """Load any ``AutoModelForCausalLM``; wrap it with a peft LoRA adapter when ``lora.enabled``."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(resolve_model_path(path), dtype=DTYPES[dtype])
-    return prepare_causal_lm(model, device, lora, gradient_checkpointing, path)
+    return prepare_causal_lm(model, device, lora, gradient_checkpointing, path, lm_head_fp32)
+
+
+def cast_lm_head_to_fp32(model: torch.nn.Module) -> None:
+    """The output layer's weights in float32 and its product computed in float32 (ScaleRL, arXiv 2510.13786; TRL's
+    ``cast_lm_head_to_fp32``): a bfloat16 model's logits, and so its log-probs and ratios, otherwise round in
+    bfloat16. With tied embeddings the shared weight becomes float32 and the embedding's output is cast back to the
+    model's dtype (as TRL does)."""
+    head = model.get_output_embeddings()
+    dtype = head.weight.dtype
+    if dtype == torch.float32:
+        return
+    head.float()
+    head.register_forward_pre_hook(lambda _m, args: tuple(
+        a.float() if torch.is_tensor(a) and a.is_floating_point() else a for a in args))
+    embed = model.get_input_embeddings()
+    if embed.weight is head.weight:
+        embed.register_forward_hook(lambda _m, _args, out: out.to(dtype))
 
 
 def prepare_causal_lm(model: torch.nn.Module, device: torch.device | str = "cpu", lora: LLMLoraSettings | None = None,
-                      gradient_checkpointing: bool = False, path: str = "the model") -> torch.nn.Module:
+                      gradient_checkpointing: bool = False, path: str = "the model",
+                      lm_head_fp32: bool = False) -> torch.nn.Module:
     """A causal LM the caller holds, ready to train: on ``device``, optionally checkpointed, LoRA-wrapped when
-    ``lora.enabled`` (the returned peft model shares the caller's weights; without LoRA it is the same object)."""
+    ``lora.enabled`` (the returned peft model shares the caller's weights; without LoRA it is the same object);
+    ``lm_head_fp32``: ``cast_lm_head_to_fp32``."""
     model.to(device)
+    if lm_head_fp32:
+        if lora is not None and lora.enabled and "lm_head" in lora.target_modules:
+            raise ValueError("llm.lm_head_fp32 casts the output layer, which lora.target_modules adapts: drop "
+                             "lm_head from the targets or set llm.lm_head_fp32: false")
+        cast_lm_head_to_fp32(model)
     if gradient_checkpointing:
         # transformers >= 5.2x calls it activation checkpointing; older versions only know the old name
         enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable

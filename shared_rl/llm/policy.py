@@ -60,14 +60,17 @@ def collate(prompt_ids: list[torch.Tensor], completion_ids: list[torch.Tensor], 
 
 
 def _completion_log_probs(logits: torch.Tensor, completion_ids: torch.Tensor, completion_mask: torch.Tensor,
-                          temperature: float, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``logits [B, T, V]`` (``[:, t]`` predicts completion token t) -> masked log-probs and optional entropy."""
+                          temperature: float, with_entropy: bool,
+                          entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``logits [B, T, V]`` (``[:, t]`` predicts completion token t) -> masked log-probs and optional entropy
+    (with grad only when ``entropy_grad``: an entropy bonus trains it; else it is only logged or masks tokens, and
+    its full-vocabulary softmax graph is not kept)."""
     logits = logits.float() / temperature
     picked = logits.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)
     logp = (picked - torch.logsumexp(logits, -1)) * completion_mask
     entropy = None
     if with_entropy:
-        with torch.no_grad():
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
             all_logp = torch.log_softmax(logits, -1)
             entropy = -(all_logp.exp() * all_logp).sum(-1) * completion_mask
     return logp, entropy
@@ -79,15 +82,16 @@ def _check_temperature(temperature: float) -> None:
 
 
 def token_log_probs(model: torch.nn.Module, batch: SequenceBatch, temperature: float,
-                    with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``[B, T]`` log-probs of the completion tokens (0 on pads) and optionally the per-token entropy (no grad)."""
+                    with_entropy: bool = False, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``[B, T]`` log-probs of the completion tokens (0 on pads) and optionally the per-token entropy (with grad
+    only when ``entropy_grad``)."""
     _check_temperature(temperature)
     t_width = batch.completion_ids.shape[1]
     out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
                 use_cache=False, logits_to_keep=t_width + 1)
     # position P-1+t predicts completion token t
     return _completion_log_probs(out.logits[:, :-1], batch.completion_ids, batch.completion_mask, temperature,
-                                 with_entropy)
+                                 with_entropy, entropy_grad)
 
 
 @dataclass
@@ -152,7 +156,8 @@ def cache_kwarg(model: torch.nn.Module) -> str:
 
 
 def token_log_probs_shared(model: torch.nn.Module, batch: SharedPrefixBatch, temperature: float,
-                           with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                           with_entropy: bool = False,
+                           entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``token_log_probs`` with one forward per distinct prompt: the prompts but their last token run with
     ``use_cache``, their KV cache is indexed out to the rows (``Cache.batch_select_indices``, differentiable), and
     each row runs ``[last prompt token, completion tokens :T-1]`` on it, whose T outputs predict the T completion
@@ -180,7 +185,8 @@ def token_log_probs_shared(model: torch.nn.Module, batch: SharedPrefixBatch, tem
         cache.batch_select_indices(rows)
         kwargs[name] = cache
     out = model(input_ids=ids, attention_mask=attention, position_ids=positions, use_cache=p_width > 1, **kwargs)
-    return _completion_log_probs(out.logits, batch.completion_ids, batch.completion_mask, temperature, with_entropy)
+    return _completion_log_probs(out.logits, batch.completion_ids, batch.completion_mask, temperature, with_entropy,
+                                 entropy_grad)
 
 
 def reference_context(model: torch.nn.Module, frozen_copy: torch.nn.Module | None):

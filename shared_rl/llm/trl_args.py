@@ -27,7 +27,8 @@ from ..errors import ConfigError
 
 # TRL's loss_type -> grove's loss section (aggregation names as verl's, shared_rl.losses)
 _AGGREGATION = {"dapo": "token-mean", "bnpo": "token-mean", "grpo": "seq-mean-token-mean",
-                "dr_grpo": "seq-mean-token-sum-norm", "cispo": "token-mean", "sapo": "token-mean"}
+                "dr_grpo": "seq-mean-token-sum-norm", "cispo": "token-mean", "sapo": "token-mean",
+                "luspo": "seq-mean-token-sum-norm"}
 
 # the fields translate() reads, and those that change nothing grove computes (bookkeeping of HF's Trainer, Hub and
 # vLLM plumbing while use_vllm is off, data loading); any other field the user changed is an error
@@ -64,7 +65,9 @@ _HANDLED = {
     "max_completion_length", "num_iterations", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
     "beta", "epsilon", "epsilon_high", "importance_sampling_level", "reward_weights", "multi_objective_aggregation",
     "scale_rewards", "loss_type", "mask_truncated_completions", "learning_rate", "seed", "gradient_checkpointing",
-    "use_liger_kernel", "activation_checkpointing", "activation_checkpointing_kwargs",
+    "use_liger_kernel", "activation_checkpointing", "activation_checkpointing_kwargs", "delta", "entropy_coef",
+    "use_adaptive_entropy", "entropy_target", "entropy_coef_delta", "entropy_coef_min", "entropy_coef_max",
+    "top_entropy_quantile", "cast_lm_head_to_fp32",
 }
 _GENERATION_KWARGS = {"temperature", "top_p", "top_k", "min_p", "repetition_penalty", "do_sample", "max_new_tokens"}
 
@@ -144,12 +147,20 @@ def translate(args, num_train_rows: int, has_peft: bool = False) -> Translation:
         _fail("use_liger_kernel", True, "grove computes the loss itself; drop the liger kernel")
     if a.loss_type not in _AGGREGATION:
         _fail("loss_type", a.loss_type, f"grove has {sorted(_AGGREGATION)}")
-    if a.delta is not None:
-        _fail("delta", a.delta, "TRL's upper cap of the ratio (INTELLECT-2 two-sided clip) is not a grove loss "
-                                "(loss.dual_clip bounds negative-advantage losses instead)")
+    eps_high = a.epsilon_high if a.epsilon_high is not None else a.epsilon
+    delta = a.delta if a.loss_type not in ("cispo", "sapo") else None  # TRL's two-sided clip: clipped losses only
+    if delta is not None and delta <= 1 + eps_high:
+        # INTELLECT-2's cap of the unclipped ratio: for delta > 1 + epsilon_high it changes only negative-advantage
+        # steps, -A * min(rho, delta) beyond 1 + epsilon_high, which is exactly the dual clip
+        _fail("delta", delta, f"grove runs TRL's two-sided clip as loss.dual_clip, which needs delta > 1 + "
+                              f"epsilon_high ({1 + eps_high:g}), as TRL recommends")
+    if a.loss_type == "luspo" and a.importance_sampling_level != "sequence":
+        _fail("loss_type", "luspo", "LUSPO is a sequence-level loss: set importance_sampling_level='sequence' (TRL "
+                                    "warns and runs a token-level variant that averages over pad positions)")
     if a.importance_sampling_level not in ("token", "sequence"):
         _fail("importance_sampling_level", a.importance_sampling_level, "token or sequence")
-    if a.importance_sampling_level == "sequence" and a.loss_type not in ("grpo", "dapo", "bnpo", "dr_grpo"):
+    if a.importance_sampling_level == "sequence" and a.loss_type not in ("grpo", "dapo", "bnpo", "dr_grpo", "cispo",
+                                                                          "luspo"):
         _fail("importance_sampling_level", "sequence", f"grove's sequence ratio (GSPO) is a clipped loss, not "
                                                       f"{a.loss_type}")
     gen_kwargs = dict(a.generation_kwargs or {})
@@ -198,17 +209,17 @@ def translate(args, num_train_rows: int, has_peft: bool = False) -> Translation:
         estimator = {"group": "grpo", "batch": "batch_std", "none": "dr_grpo"}.get(scale)
         if estimator is None:
             _fail("scale_rewards", a.scale_rewards, "group, batch or none")
-    eps_high = a.epsilon_high if a.epsilon_high is not None else a.epsilon
     loss: dict[str, Any] = {"aggregation": _AGGREGATION[a.loss_type], "clip_low": a.epsilon, "clip_high": eps_high,
                             "kl_coef": a.beta, "kl_estimator": "k3"}
+    if delta is not None:
+        loss["dual_clip"] = delta
     if a.loss_type == "dr_grpo":
         loss["max_steps_norm"] = max_new
+    if a.loss_type == "luspo":  # GSPO's loss, each sequence weighted by its length: Σ_i |y_i|·L_i / N_seqs
+        loss["max_steps_norm"] = 1
     if a.loss_type == "cispo":  # TRL caps the IS weight at epsilon_high (an absolute value), no lower cap
-        if eps_high <= 1.0:
-            _fail("epsilon_high", eps_high, "with loss_type='cispo' TRL caps the importance weight at this value; "
-                                            "grove's cispo caps it above 1 (1 + loss.clip_high): set epsilon_high > 1 "
-                                            "(ScaleRL's 5.0)")
-        loss.update(policy_loss="cispo", clip_low=1.0, clip_high=eps_high - 1.0)
+        loss.update(policy_loss={"name": "cispo", "max_weight": eps_high, "level": (
+            "sequence" if a.importance_sampling_level == "sequence" else "step")}, clip_low=1.0)
     elif a.loss_type == "sapo":
         loss["policy_loss"] = {"name": "sapo", "tau_pos": a.sapo_temperature_pos, "tau_neg": a.sapo_temperature_neg}
     elif a.importance_sampling_level == "sequence":
@@ -258,6 +269,13 @@ def translate(args, num_train_rows: int, has_peft: bool = False) -> Translation:
     checkpoint_kwargs = getattr(a, "activation_checkpointing_kwargs", None) or a.gradient_checkpointing_kwargs
     if checkpoint_kwargs not in (None, {}, {"use_reentrant": False}, {"use_reentrant": True}):
         _fail("gradient_checkpointing_kwargs", checkpoint_kwargs, "grove takes none")
+    if a.entropy_coef != 0 or a.use_adaptive_entropy or a.top_entropy_quantile < 1:
+        loss["entropy"] = {"coef": a.entropy_coef, "top_quantile": a.top_entropy_quantile,
+                           **({"target": a.entropy_target, "coef_step": a.entropy_coef_delta,
+                               "coef_min": a.entropy_coef_min, "coef_max": a.entropy_coef_max}
+                              if a.use_adaptive_entropy else {})}
+    if a.cast_lm_head_to_fp32:
+        config["llm"]["lm_head_fp32"] = True
     if a.reward_weights is not None:
         config["_reward_weights"] = list(a.reward_weights)
     if a.chat_template_kwargs:

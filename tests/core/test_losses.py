@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from shared_rl.config import ConfigError, LossConfig, apply_overrides, from_dict, to_dict
-from shared_rl.losses import (KL_ESTIMATORS, POLICY_LOSSES, GuardSettings, NoSettings, Normalizer, SapoSettings, aggregate, clipped_surrogate,
+from shared_rl.losses import (KL_ESTIMATORS, POLICY_LOSSES, CispoSettings, GuardSettings, NoSettings, Normalizer, SapoSettings, aggregate, clipped_surrogate,
                               get_policy_loss, kl_k1, kl_k3, kl_per_step)
 
 
@@ -108,11 +108,25 @@ def test_cispo_hand_computed():
     # dL/dlogp = -w·A (the weight is a constant): -1.2, -0.9, +0.8, +1.1
     logp = torch.log(torch.tensor([[1.5, 0.9], [0.5, 1.1]])).requires_grad_()
     loss, st = POLICY_LOSSES["cispo"](logp, torch.zeros(2, 2), torch.tensor([1.0, -1.0]), torch.ones(2, 2),
-                                      LossConfig(clip_low=0.2), NoSettings())
+                                      LossConfig(clip_low=0.2), CispoSettings())
     assert torch.allclose(loss, torch.tensor([[-0.486558, 0.094824], [-0.554518, 0.104841]]), atol=1e-5)
     assert st["clipped"].tolist() == [[1.0, 0.0], [1.0, 0.0]]
     loss.sum().backward()
     assert torch.allclose(logp.grad, torch.tensor([[-1.2, -0.9], [0.8, 1.1]]), atol=1e-6)
+    # TRL's cispo: an absolute cap (its epsilon_high, here 0.2) and no lower cap (clip_low 1): every weight is 0.2
+    logp.grad = None
+    loss, st = POLICY_LOSSES["cispo"](logp, torch.zeros(2, 2), torch.tensor([1.0, -1.0]), torch.ones(2, 2),
+                                      LossConfig(clip_low=1.0), CispoSettings(max_weight=0.2))
+    loss.sum().backward()
+    assert torch.allclose(logp.grad, torch.tensor([[-0.2, -0.2], [0.2, 0.2]]), atol=1e-6)
+    # the sequence ratio: row 0 exp((ln1.5 + ln0.9)/2) = 1.161895 (inside [0.8, 1.2]); row 1 exp((ln0.5 + ln1.1)/2)
+    # = 0.741620, clipped to 0.8; each weight on both of its row's steps
+    logp.grad = None
+    loss, st = POLICY_LOSSES["cispo"](logp, torch.zeros(2, 2), torch.tensor([1.0, -1.0]), torch.ones(2, 2),
+                                      LossConfig(clip_low=0.2), CispoSettings(level="sequence"))
+    loss.sum().backward()
+    assert torch.allclose(logp.grad, torch.tensor([[-1.161895, -1.161895], [0.8, 0.8]]), atol=1e-5)
+    assert st["clipped"].tolist() == [[0.0, 0.0], [1.0, 1.0]]
 
 
 def test_sapo_hand_computed():
@@ -155,7 +169,7 @@ def test_each_loss_owns_its_settings():
     assert cfg.policy_loss.name == "sapo" and cfg.policy_loss.settings == SapoSettings(tau_pos=1.0, tau_neg=2.0)
     assert to_dict(cfg)["policy_loss"] == {"name": "sapo", "tau_pos": 1.0, "tau_neg": 2.0}  # round-trips
     assert from_dict(LossConfig, to_dict(cfg), "loss").policy_loss == cfg.policy_loss
-    assert to_dict(from_dict(LossConfig, {"policy_loss": "cispo"}))["policy_loss"] == "cispo"  # no settings: the name
+    assert to_dict(from_dict(LossConfig, {"policy_loss": "clipped"}))["policy_loss"] == "clipped"  # no settings: the name
     with pytest.raises(ConfigError, match="loss.policy_loss.tau_neg must be > 0"):
         from_dict(LossConfig, {"policy_loss": {"name": "sapo", "tau_neg": 0.0}}, "loss")
     with pytest.raises(ConfigError, match="unknown config key 'loss.policy_loss.tau_pos'"):

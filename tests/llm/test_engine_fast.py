@@ -275,3 +275,30 @@ def test_static_loop_rejects_non_finite_logits():
     eng = FastLlamaEngine(model, PAD, EOS)
     with pytest.raises(ValueError, match="not finite"):
         eng.generate(prompts_of([3, 4]), 2, 6, 1.0, torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_lm_head_fp32_on_a_bfloat16_model(tied):
+    """llm.lm_head_fp32 (TRL's cast_lm_head_to_fp32): the output layer in float32, its product in float32 (the
+    bfloat16 model's hidden state cast up), tied embeddings still giving bfloat16 inputs; the fast engine's logits
+    match the HF forward's."""
+    from shared_rl.llm.model import cast_lm_head_to_fp32
+
+    torch.set_num_threads(1)
+    model = tiny()
+    if tied:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model = model.to(torch.bfloat16)
+    cast_lm_head_to_fp32(model)
+    assert model.lm_head.weight.dtype == torch.float32
+    assert model.model.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16
+    ids = torch.tensor([[1, 5, 9, 13]])
+    assert model.model.embed_tokens(ids).dtype == torch.bfloat16
+    hidden = model.model(input_ids=ids).last_hidden_state
+    out = model(input_ids=ids)
+    assert out.logits.dtype == torch.float32
+    assert torch.equal(out.logits, torch.nn.functional.linear(hidden.float(), model.lm_head.weight))
+    eng = FastLlamaEngine(model, PAD, EOS)
+    prompts, completions = prompts_of([3, 5]), [[7, 8, 9], [10, 11, 12]]
+    got, want = eng.teacher_forced_logits(prompts, completions), hf_logits(model, prompts, completions)
+    assert torch.allclose(got, want, atol=0.05, rtol=0), float((got - want).abs().max())  # bfloat16 blocks

@@ -63,12 +63,33 @@ def test_translation_of_trl_defaults_and_batch_arithmetic(tmp_path):
 
 
 def test_a_trl_field_grove_cannot_honour_is_one_line(tmp_path):
-    with pytest.raises(ConfigError, match=r"GRPOConfig\.top_entropy_quantile=0\.5: grove has no equivalent"):
-        translate(_cfg(tmp_path, top_entropy_quantile=0.5), 16)
+    with pytest.raises(ConfigError, match=r"GRPOConfig\.off_policy_mask_threshold=0\.5: grove has no equivalent"):
+        translate(_cfg(tmp_path, off_policy_mask_threshold=0.5), 16)
     with pytest.raises(ConfigError, match=r"GRPOConfig\.loss_type='vespo'"):
         translate(_cfg(tmp_path, loss_type="vespo"), 16)
-    with pytest.raises(ConfigError, match=r"GRPOConfig\.delta=2\.0"):
-        translate(_cfg(tmp_path, delta=2.0), 16)
+    with pytest.raises(ConfigError, match=r"GRPOConfig\.delta=1\.1: .*delta > 1 \+ epsilon_high \(1\.2\)"):
+        translate(_cfg(tmp_path, delta=1.1), 16)
+    with pytest.raises(ConfigError, match=r"GRPOConfig\.loss_type='luspo': LUSPO is a sequence-level loss"):
+        translate(_cfg(tmp_path, loss_type="luspo"), 16)
+
+
+def test_trl_entropy_delta_cispo_luspo_and_lm_head_fields_translate(tmp_path):
+    c = translate(_cfg(tmp_path, entropy_coef=0.01, use_adaptive_entropy=True, entropy_target=3.0,
+                       entropy_coef_delta=0.002, entropy_coef_max=0.5, top_entropy_quantile=0.2), 16).config
+    assert c["loss"]["entropy"] == {"coef": 0.01, "top_quantile": 0.2, "target": 3.0, "coef_step": 0.002,
+                                    "coef_min": 0.0, "coef_max": 0.5}
+    assert "target" not in translate(_cfg(tmp_path, entropy_coef=0.1), 16).config["loss"]["entropy"]  # fixed
+    assert "entropy" not in translate(_cfg(tmp_path), 16).config["loss"]
+    assert translate(_cfg(tmp_path, delta=2.0), 16).config["loss"]["dual_clip"] == 2.0  # INTELLECT-2 = dual clip
+    assert "dual_clip" not in translate(_cfg(tmp_path, delta=2.0, loss_type="sapo"), 16).config["loss"]  # TRL: unused
+    cispo = translate(_cfg(tmp_path, loss_type="cispo", epsilon_high=0.2, importance_sampling_level="sequence"),
+                      16).config["loss"]
+    assert cispo["policy_loss"] == {"name": "cispo", "max_weight": 0.2, "level": "sequence"}
+    assert cispo["clip_low"] == 1.0  # TRL's cispo has no lower cap
+    luspo = translate(_cfg(tmp_path, loss_type="luspo", importance_sampling_level="sequence"), 16).config["loss"]
+    assert (luspo["policy_loss"], luspo["aggregation"], luspo["max_steps_norm"]) == (
+        "gspo", "seq-mean-token-sum-norm", 1)
+    assert translate(_cfg(tmp_path, cast_lm_head_to_fp32=True), 16).config["llm"]["lm_head_fp32"] is True
 
 
 def test_trl_reward_metrics_by_hand():
@@ -142,14 +163,15 @@ def test_grpo_config_run_with_trl_surface(tmp_path):
     out = trainer.train()
     assert out.global_step == 3 and trainer.state.global_step == 3
     logs = trainer.state.log_history
-    assert [r["step"] for r in logs] == [2, 3, 3]  # every 2 steps, the last step, then the train summary
+    # every 2 steps, then the train summary holding what step 3 left unlogged (TRL's log() merges it there)
+    assert [r["step"] for r in logs] == [2, 3] and "rewards/short/mean" in logs[-1] and "loss" not in logs[-1]
     for name in ("reward", "reward_std", "rewards/short/mean", "rewards/short/std", "rewards/digits/mean", "loss",
                  "frac_reward_zero_std", "completions/mean_length", "learning_rate"):
         assert name in logs[0], name
     assert math.isnan(logs[0]["rewards/not_applicable/mean"])  # None everywhere: no mean, the others still train
     assert logs[-1]["train_loss"] == pytest.approx(out.training_loss) and "kl" not in logs[0]
     assert [e for e in cb.events if e[0] == "step"] == [("step", 1), ("step", 2), ("step", 3)]
-    assert cb.events[-1] == ("end", 3) and sum(e[0] == "log" for e in cb.events) == 2
+    assert cb.events[-1] == ("end", 3) and sum(e[0] == "log" for e in cb.events) == 1
     assert seen_state == [0, 1, 2]  # reward functions see TRL's state (global_step before the update)
     assert len(trainer._logs["extra"]["head"]) == 3 * 4  # log_extra: a column per completion, as TRL's table
     assert any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
@@ -245,3 +267,36 @@ def test_sync_ref_model_mixes_by_hand_and_mappings_of_field_names(tmp_path):
     assert type(args).__name__ == "GRPOConfig" and args.num_generations == 4
     with pytest.raises(ConfigError, match=r"\['num_generation'\] are not GRPOConfig fields"):
         from_mapping({"num_generation": 4})
+
+
+def test_trl_entropy_bonus_runs_as_trl_documents_it(tmp_path):
+    """entropy_coef: loss = policy_loss - coef * mean token entropy (logged as TRL: policy_loss, entropy_coef); the
+    entropy carries grad only while the bonus is on; use_adaptive_entropy: one coef_delta per optimizer step."""
+    model, tok = _model(seed=3)
+    trainer = GRPOTrainer(model=model, processing_class=tok, reward_funcs=lambda completions, **_: [
+        float(len(c)) for c in completions], train_dataset=ROWS, log=lambda *_: None,
+        args=_cfg(tmp_path, learning_rate=0.05, per_device_train_batch_size=4, num_generations=4,
+                  max_completion_length=4, max_steps=3, logging_steps=1, entropy_coef=0.5,
+                  gradient_checkpointing=False))
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "policy_loss" in h]
+    assert len(logs) == 3 and all(h["entropy_coef"] == 0.5 for h in logs)
+    for h in logs:  # one optimizer step an iteration: the bonus is exactly the logged mean entropy
+        assert (h["policy_loss"] - h["loss"]) == pytest.approx(0.5 * h["entropy"], rel=1e-4)
+    ids = torch.tensor([[3, 4, 5, 6, 7, 8]])
+    _, ent, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, torch.ones_like(ids), 3,
+                                                           compute_entropy=True)
+    assert ent.requires_grad and ent.shape == (1, 3)
+    trainer._entropy_bonus_enabled = False
+    _, ent, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, torch.ones_like(ids), 3,
+                                                           compute_entropy=True)
+    assert not ent.requires_grad
+
+    adaptive = GRPOTrainer(model=_model(seed=4)[0], processing_class=tok, reward_funcs=lambda completions, **_: [
+        float(len(c)) for c in completions], train_dataset=ROWS, log=lambda *_: None,
+        args=_cfg(tmp_path, learning_rate=0.05, per_device_train_batch_size=4, num_generations=4,
+                  max_completion_length=4, max_steps=2, gradient_accumulation_steps=2, steps_per_generation=2,
+                  entropy_coef=0.01, use_adaptive_entropy=True, entropy_target=50.0, gradient_checkpointing=False))
+    adaptive.train()
+    assert adaptive.state.global_step == 2
+    assert adaptive.entropy_coef == pytest.approx(0.01 + 0.005 * 2)

@@ -7,7 +7,7 @@ What it does, all in a fresh temporary folder (nothing of TRL is copied into the
 changes the one import line ``from trl import GRPOConfig, GRPOTrainer`` to take ``GRPOTrainer`` from grove (with
 ``--impl grove``), and builds the Hub repositories those tests name as tiny offline stand-ins from configs, in a
 folder of the same relative path (``trl-internal-testing/tiny-Qwen2ForCausalLM-2.5``...), so that the tests' own
-``from_pretrained`` / ``load_dataset`` calls, run from that folder, find them: Qwen2 / Qwen3 / Llama / Mistral causal
+``from_pretrained`` / ``load_dataset`` calls, run from that folder, find them: Qwen2 / Qwen3 / Llama / Mistral / Gemma2 causal
 LMs and Qwen2 / Qwen3 / Llama sequence classifiers (hidden 16, 2 layers) sharing one byte-level BPE tokenizer with
 a Qwen-style chat template, and the ``zen`` prompt dataset (8 train / 2 test rows, standard and conversational).
 Tests of other models (VLMs, MoE, remote code), vLLM, liger, tools and environments are deselected (``-k``).
@@ -88,16 +88,20 @@ def build_standins(root: Path) -> None:
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                   eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None,
                   tie_word_embeddings=False)
-    families = {"Qwen2": tf.Qwen2Config, "Qwen3": tf.Qwen3Config, "Llama": tf.LlamaConfig, "Mistral": tf.MistralConfig}
+    families = {"Qwen2": tf.Qwen2Config, "Qwen3": tf.Qwen3Config, "Llama": tf.LlamaConfig, "Mistral": tf.MistralConfig,
+                "Gemma2": tf.Gemma2Config}
     names = {("Qwen2", "CausalLM"): "tiny-Qwen2ForCausalLM-2.5", ("Qwen2", "SequenceClassification"):
              "tiny-Qwen2ForSequenceClassification-2.5", ("Qwen3", "CausalLM"): "tiny-Qwen3ForCausalLM",
              ("Qwen3", "SequenceClassification"): "tiny-Qwen3ForSequenceClassification",
              ("Llama", "CausalLM"): "tiny-LlamaForCausalLM-3.2",
              ("Llama", "SequenceClassification"): "tiny-LlamaForSequenceClassification-3.2",
-             ("Mistral", "CausalLM"): "tiny-MistralForCausalLM-0.2"}
+             ("Mistral", "CausalLM"): "tiny-MistralForCausalLM-0.2",
+             ("Gemma2", "CausalLM"): "tiny-Gemma2ForCausalLM"}  # tied embeddings, as TRL's (its lm_head test)
     for seed, ((family, head), name) in enumerate(names.items()):
-        extra = {"head_dim": 4} if family == "Qwen3" else {}
-        cfg = families[family](**common, **extra, **({"num_labels": 1} if head != "CausalLM" else {}))
+        extra = {"head_dim": 4} if family in ("Qwen3", "Gemma2") else {}
+        if family == "Gemma2":
+            extra["tie_word_embeddings"] = True
+        cfg = families[family](**{**common, **extra}, **({"num_labels": 1} if head != "CausalLM" else {}))
         torch.manual_seed(seed)
         model = getattr(tf, f"{family}For{head}")(cfg)
         if head == "CausalLM":
