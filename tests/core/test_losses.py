@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from shared_rl.config import ConfigError, LossConfig, apply_overrides, from_dict, to_dict
-from shared_rl.losses import (KL_ESTIMATORS, POLICY_LOSSES, CispoSettings, GuardSettings, NoSettings, Normalizer, SapoSettings, aggregate, clipped_surrogate,
+from shared_rl.losses import (KL_ESTIMATORS, POLICY_LOSSES, CispoSettings, GuardSettings, Normalizer, SapoSettings, aggregate, clipped_surrogate,
                               get_policy_loss, kl_k1, kl_k3, kl_per_step)
 
 
