@@ -29,6 +29,7 @@ import torch
 
 ASSET = Path(__file__).resolve().parents[1] / "assets" / "llm-arith-tiny"
 DOC = Path(__file__).resolve().parents[1] / "docs" / "bench" / "llm.md"
+LR, GROUPS, GROUP_SIZE, MAX_NEW = 5e-4, 8, 8, 6  # the same work: step size, prompts x completions, tokens
 
 
 def _grove_cfg(model: str, steps: int, lr: float, groups: int, group_size: int, max_new: int, tree: bool = False,
@@ -85,7 +86,7 @@ def _run_trl(model_dir: Path, steps: int, lr: float, groups: int, group_size: in
     iterations); its time is not counted as TRL's."""
     import datasets
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     tok.padding_side = "left"
@@ -102,13 +103,7 @@ def _run_trl(model_dir: Path, steps: int, lr: float, groups: int, group_size: in
                 between_steps(len(times) - 1)
             resumed[:] = [time.perf_counter(), time.process_time()]
 
-    args = GRPOConfig(
-        output_dir=str(workdir / "trl"), per_device_train_batch_size=groups * group_size, num_generations=group_size,
-        max_completion_length=max_new, learning_rate=lr, max_steps=steps, logging_steps=1, report_to="none",
-        save_strategy="no", bf16=False, use_cpu=True, loss_type="grpo", scale_rewards="group", beta=0.0,
-        epsilon=0.2, temperature=1.0, seed=seed, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0,
-        disable_tqdm=True, remove_unused_columns=False, dataloader_num_workers=0, num_iterations=1,
-    )
+    args = _trl_args(workdir / "trl", steps, lr, groups, group_size, max_new, seed)
     trainer = GRPOTrainer(model=model, reward_funcs=[_arith_reward], args=args,
                           train_dataset=datasets.Dataset.from_list(prompts), processing_class=tok,
                           callbacks=[Interleave()])
@@ -116,6 +111,75 @@ def _run_trl(model_dir: Path, steps: int, lr: float, groups: int, group_size: in
     trainer.train()
     rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
     return {"times": times, "cpu": cpu, "rewards": rewards, "model": trainer.model, "tokenizer": tok}
+
+
+def _trl_args(out: Path, steps: int, lr: float, groups: int, group_size: int, max_new: int, seed: int):
+    """The one GRPOConfig of the same work: TRL's trainer in part 1, and both trainers in part 3."""
+    from trl import GRPOConfig
+
+    return GRPOConfig(
+        output_dir=str(out), per_device_train_batch_size=groups * group_size, num_generations=group_size,
+        max_completion_length=max_new, learning_rate=lr, max_steps=steps, logging_steps=1, report_to="none",
+        save_strategy="no", bf16=False, use_cpu=True, loss_type="grpo", scale_rewards="group", beta=0.0,
+        epsilon=0.2, temperature=1.0, seed=seed, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0,
+        disable_tqdm=True, remove_unused_columns=False, dataloader_num_workers=0, num_iterations=1,
+        gradient_checkpointing=False,  # TRL's default True only costs time on a model this small (grove: off too)
+    )
+
+
+def same_config_row(impl: str, seed: int, steps: int, lr: float, groups: int, group_size: int, max_new: int,
+                    workdir: Path) -> dict[str, Any]:
+    """Part 3, one row in its own process: ``impl`` (``trl`` or ``grove``: ``shared_rl.llm.api.GRPOTrainer``, the
+    drop-in) trained with the same ``GRPOConfig`` on the same model, prompts and reward; wall and CPU seconds per
+    step (from ``on_step_end``), the reward per step and greedy accuracy on the 500 held-out problems."""
+    import datasets
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+
+    from shared_rl.llm.tasks import arith_problems
+
+    torch.set_num_threads(1)
+    if impl == "trl":
+        from trl import GRPOTrainer
+    else:
+        from shared_rl.llm.api import GRPOTrainer
+    tok = AutoTokenizer.from_pretrained(ASSET)
+    tok.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(ASSET, dtype=torch.float32)
+    times: list[float] = []
+    cpu: list[float] = []
+    mark = [0.0, 0.0]
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            times.append(time.perf_counter() - mark[0])
+            cpu.append(time.process_time() - mark[1])
+            mark[:] = [time.perf_counter(), time.process_time()]
+
+    trainer = GRPOTrainer(model=model, reward_funcs=[_arith_reward],
+                          args=_trl_args(workdir / impl, steps, lr, groups, group_size, max_new, seed),
+                          train_dataset=datasets.Dataset.from_list(arith_problems("train", 20000, 3, seed=0)),
+                          processing_class=tok, callbacks=[Clock()])
+    mark[:] = [time.perf_counter(), time.process_time()]
+    trainer.train()
+    rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
+    return {"impl": impl, "seed": seed, "times": times, "cpu": cpu, "rewards": rewards,
+            "accuracy": _accuracy(trainer.model, tok, arith_problems("eval", 500, 3, seed=0))}
+
+
+def _same_config_rows(seeds, steps, lr, groups, group_size, max_new, workdir: Path) -> dict[str, list[dict]]:
+    """Each (trainer, seed) of part 3 in a fresh process (``python -m bench.llm_vs_trl --same-config-row``), the
+    order alternating by seed."""
+    import subprocess
+    import sys
+
+    out: dict[str, list[dict]] = {}
+    for seed in seeds:
+        for impl in (("trl", "grove") if seed % 2 == 0 else ("grove", "trl")):
+            path = workdir / f"same-config-{impl}-s{seed}.json"
+            subprocess.run([sys.executable, "-m", "bench.llm_vs_trl", "--same-config-row", impl, "--seed", str(seed),
+                            "--steps", str(steps), "--row-out", str(path)], check=True, cwd=ASSET.parents[1])
+            out.setdefault(impl, []).append(json.loads(path.read_text()))
+    return out
 
 
 GROVE_VARIANTS = {  # name -> (llm.engine, llm.behaviour_logprobs, llm.share_prompt_forward)
@@ -164,6 +228,12 @@ def _same_work_one_seed(seed: int, steps: int, lr: float, groups: int, group_siz
     return {"trl_grpo": trl, **res}
 
 
+def _load_asset():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    return AutoModelForCausalLM.from_pretrained(ASSET, dtype=torch.float32), AutoTokenizer.from_pretrained(ASSET)
+
+
 def _accuracy(model, tok, eval_examples) -> float:
     from shared_rl.llm.pretrain import sampled_and_greedy_accuracy
 
@@ -187,7 +257,7 @@ def run(out_dir: Path, quick: bool = False) -> dict:
         raise FileNotFoundError(f"{ASSET} is missing; make it with: grove pretrain configs/llm/arith_sft.yaml")
     steps = 8 if quick else 40
     budget_iters = 10 if quick else 120
-    lr, groups, group_size, max_new = 5e-4, 8, 8, 6
+    lr, groups, group_size, max_new = LR, GROUPS, GROUP_SIZE, MAX_NEW
     prompts = arith_problems("train", 20000, 3, seed=0)
     eval_examples = arith_problems("eval", 500, 3, seed=0)
     rows: list[dict[str, Any]] = []
@@ -239,8 +309,28 @@ def run(out_dir: Path, quick: bool = False) -> dict:
                      "eval_accuracy": res["accuracy"]})
         curves[name] = res["rewards"]
 
+    # ---- part 3: the same GRPOConfig handed to TRL's GRPOTrainer and to grove's drop-in ----------------------
+    with tempfile.TemporaryDirectory() as tmp:
+        same = _same_config_rows(seeds, steps, lr, groups, group_size, max_new, Path(tmp))
+    base = _accuracy(*_load_asset(), eval_examples)
+
+    def same_step(impl: str, key: str) -> float:
+        return statistics.mean(x for r in same[impl] for x in r[key][1:])
+
+    for impl, name in (("trl", "same_config_trl"), ("grove", "same_config_grove_dropin")):
+        rewards = [statistics.mean(r["rewards"][i] for r in same[impl]) for i in range(steps)]
+        rows.append({"variant": name, "s_per_step": same_step(impl, "times"), "cpu_s_per_step": same_step(impl, "cpu"),
+                     "speedup_vs_trl": same_step("trl", "times") / same_step(impl, "times"),
+                     "cpu_speedup_vs_trl": same_step("trl", "cpu") / same_step(impl, "cpu"),
+                     "reward_first": rewards[0], "reward_mean": statistics.mean(rewards),
+                     "reward_last10": statistics.mean(rewards[-10:]), "eval_accuracy_before": base,
+                     "eval_accuracy": statistics.mean(r["accuracy"] for r in same[impl]),
+                     "eval_accuracy_seeds": " ".join(f"{r['accuracy']:.3f}" for r in same[impl])})
+        curves[name] = rewards
+
     by_name = {r["variant"]: r for r in rows}
     best = by_name["grove_grpo_deferred_shared"]
+    dropin = by_name["same_config_grove_dropin"]
     _plot(curves, out_dir / "llm_bench.png")
     notes = (f"Command: `grove bench llm --out {out_dir}` (quick={quick}). Part 1: {steps} steps x "
              f"{len(seeds)} seed(s) ({', '.join(map(str, seeds))}) of {groups} prompts x {group_size} completions "
@@ -267,7 +357,15 @@ def run(out_dir: Path, quick: bool = False) -> dict:
              f"run's generated tokens per iteration; same iterations; one seed. Plot: llm_bench.png "
              f"(docs/bench/llm.png). Fastest variant: grove_grpo_deferred_shared, {best['cpu_speedup_vs_trl']:.2f}x "
              f"TRL by CPU time ({best['speedup_vs_trl']:.2f}x wall); its loss forward/backward/optimizer is "
-             f"{best['train_s_per_step'] / best['s_per_step']:.0%} of its wall time per step.")
+             f"{best['train_s_per_step'] / best['s_per_step']:.0%} of its wall time per step. Part 3: one "
+             f"GRPOConfig (part 1's, TRL's defaults elsewhere, gradient checkpointing on) handed to TRL's "
+             f"GRPOTrainer (same_config_trl) and to grove's drop-in shared_rl.llm.api.GRPOTrainer "
+             f"(same_config_grove_dropin, what a TRL user gets by changing the import: grove's engine chosen by "
+             f"llm.engine auto, behaviour log-probs from the first loss forward), each (trainer, seed) in a fresh "
+             f"process, same seeds; times from on_step_end; eval_accuracy_before is the checkpoint's. The drop-in: "
+             f"{dropin['cpu_speedup_vs_trl']:.2f}x TRL by CPU time ({dropin['speedup_vs_trl']:.2f}x wall), greedy "
+             f"accuracy {dropin['eval_accuracy_before']:.3f} -> {dropin['eval_accuracy']:.3f} (TRL "
+             f"{by_name['same_config_trl']['eval_accuracy']:.3f}).")
     result = write_results(out_dir, "llm", rows, notes, extra={"curves": curves},
                            doc_path=None if quick else DOC)
     if not quick:
@@ -312,5 +410,15 @@ if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="runs/bench-llm")
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--same-config-row", choices=("trl", "grove"), help="(a row's process) part 3's one run")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--row-out", default="")
     a = p.parse_args()
-    print(json.dumps(run(Path(a.out), a.quick)["rows"], indent=1))
+    if a.same_config_row:
+        out = Path(a.row_out)
+        row = same_config_row(a.same_config_row, a.seed, a.steps, LR, GROUPS, GROUP_SIZE, MAX_NEW,
+                              out.parent / f"work-{out.stem}")
+        out.write_text(json.dumps(row))
+    else:
+        print(json.dumps(run(Path(a.out), a.quick)["rows"], indent=1))

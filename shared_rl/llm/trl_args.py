@@ -244,6 +244,8 @@ def translate(args, num_train_rows: int, has_peft: bool = False) -> Translation:
     elif str(getattr(a.eval_strategy, "value", a.eval_strategy)) == "epoch":
         eval_every = max(1, math.ceil(iterations / max(a.num_train_epochs, 1)))
     save = str(getattr(a.save_strategy, "value", a.save_strategy))
+    kl_correction = a.importance_sampling_level if a.beta != 0 and a.use_bias_correction_kl else "off"
+    checkpointing = bool(getattr(a, "activation_checkpointing", a.gradient_checkpointing))
     config = {
         "seed": a.seed, "iterations": iterations,
         "rollout": {"groups_per_iteration": prompts, "group_size": G},
@@ -259,12 +261,17 @@ def translate(args, num_train_rows: int, has_peft: bool = False) -> Translation:
                        "keep_last": a.save_total_limit or 2},
         "logging": {"progress": not a.disable_tqdm if a.disable_tqdm is not None else True,
                     "tensorboard": "tensorboard" in report, "wandb": "wandb" in report},
-        "llm": {"max_new_tokens": max_new, **sampling, "min_p": sampling["min_p"] or 0.0,
-                "gradient_checkpointing": bool(getattr(a, "activation_checkpointing", a.gradient_checkpointing)),
+        # grove's engine where it runs the model (the fused Llama/Qwen2 sampler, else the torch one) and the
+        # behaviour log-probs from the first loss forward before any update: TRL's own old log-probs when
+        # num_iterations is 1, without a separate no-grad pass; each prompt's forward once for its completions
+        # (its KV cache shared; gradient checkpointing drops caches, so not with it)
+        "llm": {"engine": "auto", "behaviour_logprobs": "deferred" if kl_correction == "off" else "recompute",
+                "share_prompt_forward": not checkpointing,
+                "max_new_tokens": max_new, **sampling, "min_p": sampling["min_p"] or 0.0,
+                "gradient_checkpointing": checkpointing,
                 "keep_reference": a.beta != 0 and not has_peft, "none_rewards": "zero_unless_all",
                 "mask_truncated": bool(a.mask_truncated_completions), "chat_template": "never",
-                "kl_ratio_correction": (a.importance_sampling_level if a.beta != 0 and a.use_bias_correction_kl
-                                        else "off")},
+                "kl_ratio_correction": kl_correction},
     }
     checkpoint_kwargs = getattr(a, "activation_checkpointing_kwargs", None) or a.gradient_checkpointing_kwargs
     if checkpoint_kwargs not in (None, {}, {"use_reentrant": False}, {"use_reentrant": True}):
