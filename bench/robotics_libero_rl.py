@@ -78,6 +78,9 @@ RL_VARIANTS = {  # name -> overrides of RL_RECIPE (grove's defaults; each line s
     # authors' own batches are 512 (SimpleVLA-RL 64 x 8, RLinf 64 envs x 8)
     "ript-loop+batch256": ["advantage.estimator=rloo", "loss.clip_low=0.1", "loss.clip_high=0.1", "optim.lr=5e-5",
                            "optim.inner_epochs=8", "rollout.groups_per_iteration=32"],
+    # ... and at the authors' 512 episodes an update (64 groups of 8; 256 an optimizer step), ~27 min an iteration here
+    "ript-loop+batch512": ["advantage.estimator=rloo", "loss.clip_low=0.1", "loss.clip_high=0.1", "optim.lr=5e-5",
+                           "optim.inner_epochs=8", "rollout.groups_per_iteration=64"],
     # RLinf's piRL (flow-SDE): Flow-GRPO noise 0.5 on one random denoising step per chunk, group 8
     "pirl": ["robotics.noise_level=0.5"],
     # a larger step: the first LIBERO runs' 3e-4 x 4 steps an iteration, now on 64 episodes an update with
