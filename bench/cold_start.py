@@ -5,7 +5,9 @@ Every row runs its command ``REPEATS`` times (``--quick``: once) as a subprocess
 median wall time (and the fastest), after checking the exit code and, for a refusal, that its one line names the
 typo. A cold start is mostly imports (torch, diffusers, the domain's package), so the numbers move with the machine's
 load and its page cache: the 1-minute load average before the rows is reported beside them, and ``grove --version``
-(the interpreter and grove's own CLI module, nothing else) is the floor every other row pays.
+(the interpreter and grove's own CLI module, nothing else) is the floor every other row pays. The typo'd-path rows are
+answered by ``shared_rl.prechecks`` on the raw config before torch or a domain package is imported (the same check
+functions the domains' validation runs later; tests/core/test_prechecks.py), so they sit near that floor.
 """
 from __future__ import annotations
 
@@ -68,6 +70,7 @@ def run(out_dir: Path, quick: bool = False, log=print) -> dict:
         log(f"{variant}: median {rows[-1]['median_s']:.2f} s over {repeats}")
     notes = (f"Each row: a fresh `python -m shared_rl.cli ...` subprocess from the checkout, {repeats} times; the "
              f"median and the fastest wall time. 1-minute load average before the rows: {load:.2f} on "
-             f"{os.cpu_count()} cores. Reproduce: `grove bench cold-start` (this page), `--quick` for 1 run a row "
+             f"{os.cpu_count()} cores. The typo'd-path rows are answered by `shared_rl.prechecks` before torch is "
+             f"imported. Reproduce: `grove bench cold-start` (this page), `--quick` for 1 run a row "
              f"(no page).")
     return write_results(out_dir, "cold-start", rows, notes, doc_path=None if quick else DOC)

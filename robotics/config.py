@@ -10,6 +10,11 @@ from typing import Literal
 
 from shared_rl.domain import DomainConfig
 from shared_rl.errors import ConfigError
+# the path checks are torch-free so the CLI runs them before importing this module; ``resolve`` and
+# ``missing_checkpoint_hint`` keep their names here (robotics.domain loads with them)
+from shared_rl.prechecks import check_eval_baseline, check_vla_checkpoint
+from shared_rl.prechecks import missing_checkpoint_hint  # noqa: F401
+from shared_rl.prechecks import resolve_repo_path as resolve
 
 from shared_rl.flow_kernels import DEFAULT_NOISE_LEVEL
 
@@ -21,33 +26,6 @@ from .policies.lerobot.settings import PolicySettings
 from .policies.vla import VLAConfig
 from .replay import ReplayConfig
 from .rollouts import RolloutSettings
-
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
-
-
-def resolve(path: str) -> Path:
-    """A path as given if it exists (or is absolute), else relative to the repository (the assets)."""
-    p = Path(path)
-    if p.exists() or p.is_absolute():
-        return p
-    return REPO_ROOT / p
-
-
-def missing_checkpoint_hint(path, env_kind: str) -> str:
-    """What to do about a tiny-VLA checkpoint directory that is not there: the command that makes one for this env
-    (LIBERO: ``libero_bc.yaml``, with ``export_dir`` set to the missing path), or the nearest existing name."""
-    from shared_rl.registry import did_you_mean
-
-    path = Path(path)
-    parent = path.parent
-    names = sorted(p.name for p in parent.iterdir() if (p / "model.safetensors").is_file()) if parent.is_dir() else []
-    near = did_you_mean(path.name, names) if names else ""
-    recipe = "libero_bc.yaml" if env_kind == "libero" else "metaworld_bc.yaml"
-    if near:
-        return f"not a VLA directory (no model.safetensors + config.json){near}"
-    return (f"not a VLA directory (no model.safetensors + config.json); make it with `grove train "
-            f"configs/robotics/{recipe} export_dir={path}` or set robotics.checkpoint to '' for a fresh model")
 
 
 def _saved_vla_config(path: Path) -> VLAConfig | None:
@@ -264,10 +242,8 @@ class RoboticsConfig(DomainConfig):
         from .held import HELD_PREFIX
 
         # a checkpoint path under held/ only labels a policy the caller holds (robotics.api): nothing to read
-        if self.policy.type == "tiny_vla" and self.checkpoint and not self.checkpoint.startswith(HELD_PREFIX):
-            path = resolve(self.checkpoint)
-            if not (path / "model.safetensors").is_file() or not (path / "config.json").is_file():
-                raise ConfigError(f"robotics.checkpoint {self.checkpoint}: {missing_checkpoint_hint(path, self.env.kind)}")
+        path = check_vla_checkpoint(self.checkpoint, self.env.kind, self.policy.type)
+        if path is not None:
             saved = _saved_vla_config(path)
             if saved is not None:
                 check_policy_fits_env(saved, self)
@@ -281,9 +257,7 @@ class RoboticsConfig(DomainConfig):
 
             path = resolve(self.policy.path)  # as the domain resolves it: a local folder, else a hub id in the cache
             read_policy_config(str(path) if path.exists() else self.policy.path, self.env.kind)
-        if self.eval_baseline and not resolve(self.eval_baseline).is_file():
-            raise ConfigError(f"robotics.eval_baseline {self.eval_baseline}: no such file (a BC clone's "
-                              f"eval_episodes.json or a run's eval_episodes/it0000.json)")
+        check_eval_baseline(self.eval_baseline)
 
     def check_with(self, train_cfg) -> None:
         self.rollout.check_with(train_cfg)

@@ -19,7 +19,8 @@ process-wide settings (``robotics``: the MuJoCo/OpenGL backend) sets them in its
 
 The error contract, for every command: a user mistake raises ``ConfigError`` and becomes exit code 2 and one line
 ``grove: error: ...`` naming what to change, and is found before anything is created (config, machine and input
-checks run before a model loads: ``shared_rl.preflight``). A failure after the run directory exists leaves it in
+checks run before a model loads: ``shared_rl.preflight``; the config's model and checkpoint paths even before the
+typed config imports torch: ``shared_rl.prechecks``). A failure after the run directory exists leaves it in
 a state ``--resume`` understands. Programming errors stay tracebacks.
 """
 from __future__ import annotations
@@ -400,12 +401,12 @@ def cmd_train(args, force_supervised: bool = False) -> int:
         _log(f"grove: done: {result}")
         return 0
 
-    from .trainer import Trainer
-
     with _input_errors(str(data.get("domain", "config"))):
-        cfg = load_train_config(data)
+        cfg = _checked_train_config(data)
     if args.dry_run:
         return _dry_run(cfg, config_path, run.path, "train")
+    from .trainer import Trainer
+
     _quiet_loading()
     try:
         with _input_errors(cfg.domain):
@@ -431,6 +432,16 @@ def _usable_checkpoint(run_dir: Path, flag: str) -> Path:
     return found
 
 
+def _checked_train_config(data: dict):
+    """``load_train_config(data)``, after the path checks that need no torch (``shared_rl.prechecks``: the same
+    functions the domains' validation calls later), so a typo'd model or checkpoint path is answered in the time
+    the CLI takes to start rather than after the typed configs' imports."""
+    from .prechecks import precheck_paths
+
+    precheck_paths(data)
+    return load_train_config(data)
+
+
 def _run_config(run_dir: Path, flag: str, overrides: list[str]):
     if not run_dir.is_dir():
         raise ConfigError(f"{flag} {str(run_dir)!r} is not a grove run directory (it does not exist)")
@@ -441,7 +452,7 @@ def _run_config(run_dir: Path, flag: str, overrides: list[str]):
         raise ConfigError(f"{flag} {str(run_dir)!r} is a supervised run; {flag} works on RL runs (grove pretrain "
                           f"starts supervised jobs afresh)")
     with _input_errors(str(data.get("domain", "config"))):
-        return load_train_config(data)
+        return _checked_train_config(data)
 
 
 def _restore(trainer, checkpoints: Path, flag: str) -> None:
@@ -465,10 +476,8 @@ def cmd_resume(args) -> int:
     overrides are written into RUN/config.yaml (with a comment saying when) and into the next metrics record."""
     import yaml
 
-    from .checkpoint import checkpoint_iteration
     from .metrics import check_history
     from .rundir import final_complete
-    from .trainer import Trainer
 
     run_path = Path(args.resume)
     if args.config:
@@ -478,6 +487,8 @@ def cmd_resume(args) -> int:
         raise ConfigError(f"--resume writes into {str(run_path)!r} itself; drop --out (to branch a run, copy its "
                           f"directory and resume the copy)")
     cfg = _run_config(run_path, "--resume", args.overrides)
+    from .checkpoint import checkpoint_iteration  # torch: after the config's torch-free path checks
+
     run = _RunDir(run_path, resume=True, command="grove train --resume")
     if not args.dry_run:
         run.create()  # the lock, before the checks read the state another writer could be changing
@@ -493,6 +504,8 @@ def cmd_resume(args) -> int:
         if args.dry_run:
             return _dry_run(cfg, run_path / "config.yaml", run_path, "train --resume")
         _quiet_loading()
+        from .trainer import Trainer
+
         with _input_errors(cfg.domain):
             trainer = Trainer(cfg, run_path, log=_log)
         _restore(trainer, run_path / "checkpoints", "--resume")
@@ -518,10 +531,10 @@ def cmd_resume(args) -> int:
 def cmd_eval(args) -> int:
     """``grove eval RUN [--out DIR]``: evaluate the newest checkpoint into DIR (results.json plus whatever the
     domain's evaluation draws, e.g. GIFs); the run directory is only read."""
-    from .trainer import Trainer
-
     run_dir = Path(args.run_dir)
     cfg = _run_config(run_dir, "eval", args.overrides)
+    from .trainer import Trainer
+
     checkpoint = _usable_checkpoint(run_dir, "eval")
     if args.out is not None:
         check_output_dir(args.out)  # the text as given: Path("") would silently be "."

@@ -30,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal, Optional
@@ -39,6 +38,8 @@ import torch
 
 from shared_rl.config import ConfigError
 from shared_rl.domain import DomainBase, DomainConfig, RunContext, StepLogProbs
+# the model's location is checked torch-free, so the CLI answers a typo'd path before importing this module
+from shared_rl.prechecks import resolve_visgen_model as resolve_model_location
 from shared_rl.rewards import RewardGuardConfig, guarded_reward
 from shared_rl.rollout import Rollout
 
@@ -49,9 +50,6 @@ from .rollout import VisgenRollouts
 from .tasks import get_task
 from .tasks.files import read_prompt_file  # noqa: F401  (visgen.domain.read_prompt_file, as before)
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-SHAPES_ASSET_HINT = ("build it with `python -m visgen.pretrain configs/visgen/shapes_pretrain.yaml --out "
-                     "assets/shapes-sd3-tiny` (about 10 minutes on 2 CPU cores)")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # display names of the shapes reward outputs in evaluation metrics
 EVAL_NAMES = {"shapes": "score", "shapes_strict": "strict"}
@@ -295,7 +293,7 @@ class VisgenConfig(DomainConfig):
         """Prompt files, reward arguments and reward/prompt fit, before a pipeline loads (``visgen.preflight``)."""
         from .preflight import preflight
 
-        preflight(self, train_cfg, read_prompt_file, resolve_model_location, _import_optional_rewards)
+        preflight(self, train_cfg, read_prompt_file, _import_optional_rewards)
 
     def check_with(self, cfg) -> None:
         """Checks that need the trainer sections too (pure: nothing here changes the config)."""
@@ -355,31 +353,6 @@ def _import_optional_rewards() -> None:
 
 
 # ------------------------------------------------------------------------------------------------------ loading
-def resolve_model_location(model: str) -> tuple[str, bool]:
-    """``(path or hub id, is_local)``. Raises ConfigError for a local-looking path that does not exist."""
-    p = Path(model).expanduser()
-    bases = list(dict.fromkeys([Path.cwd(), REPO_ROOT]))  # run from the checkout: one place, named once
-    candidates = [p] if p.is_absolute() else [b / p for b in bases]
-    for c in candidates:
-        if c.exists():
-            return str(c), True
-    hub_like = re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", model) is not None
-    local_like = (not hub_like or p.is_absolute() or model.startswith((".", "~"))
-                  or any((b / p.parts[0]).is_dir() for b in bases))
-    if local_like:
-        from shared_rl.registry import did_you_mean
-
-        # the pipelines next to where the path points (assets/shapes-sd3-tny -> assets/shapes-sd3-tiny)
-        parents = [b / p.parent for b in ([Path("/")] if p.is_absolute() else bases) if (b / p.parent).is_dir()]
-        siblings = sorted({str(p.parent / c.name) for d in parents for c in d.iterdir()
-                           if (c / "model_index.json").is_file()})
-        near = did_you_mean(model, siblings)
-        hint = SHAPES_ASSET_HINT if "shapes-sd3-tiny" in model else "give a diffusers pipeline directory or a hub id"
-        raise ConfigError(f"model path {model!r} does not exist{near} (looked in {', '.join(str(b) for b in bases)}); "
-                          f"{hint}")
-    return model, False
-
-
 def load_pipeline(model: str, dtype: torch.dtype):
     """A stock diffusers pipeline from a local directory or the hub, progress bars off."""
     from diffusers import DiffusionPipeline

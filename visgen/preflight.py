@@ -11,9 +11,10 @@ surface only after both. Everything here reads small files and builds no model:
   prompt files read, ``train_subset`` indexes them, each reward's keyword arguments fit its factory (the cheap
   analytic rewards are built), and every prompt is one the shapes-family rewards can score.
 
-``visgen.domain``'s config hooks call these with the domain module's own loaders (``read_prompt_file``,
-``resolve_model_location``, the reward-module import), so the checks read exactly what the domain will load, and
-this module never imports ``visgen.domain`` (which imports it).
+``visgen.domain``'s config hooks call these with the domain module's own loaders (``read_prompt_file``, the
+reward-module import), so the checks read exactly what the domain will load, and this module never imports
+``visgen.domain`` (which imports it). The model location is ``shared_rl.prechecks.check_visgen_model``: torch-free,
+run by the CLI before the typed validation too, and the resolver ``visgen.domain.load_pipeline`` loads with.
 """
 from __future__ import annotations
 
@@ -23,8 +24,9 @@ import inspect
 import typing
 
 from shared_rl.errors import ConfigError
+# HELD_PREFIX (re-exported for visgen.api): the name of a pipeline the caller holds, a label with nothing to look up
+from shared_rl.prechecks import HELD_PREFIX, check_visgen_model  # noqa: F401
 
-HELD_PREFIX = "held/"  # visgen.api's name for a pipeline the caller holds: it labels an object, nothing to look up
 # rewards whose factories build nothing heavy: built once here, so a bad argument value fails now
 CHEAP_REWARDS = ("shapes", "shapes_soft", "jpeg_compressibility", "jpeg_incompressibility")
 # rewards that score a prompt through the shapes-task grammar (or PromptSpec metadata)
@@ -125,15 +127,12 @@ def check_image_size(cfg, model_dir: Path) -> None:
                           f"pixels; use visgen.resolution <= {table * multiple}")
 
 
-def preflight(cfg, train_cfg, read_prompt_file, resolve_model_location, import_rewards) -> None:
+def preflight(cfg, train_cfg, read_prompt_file, import_rewards) -> None:
     """The checks of the module docstring for ``VisgenConfig`` ``cfg``; raises ConfigError."""
-    location, local = resolve_model_location(cfg.model)
+    # the location, and a hub id cached or the Hub reachable: the function the CLI already ran before torch
+    location, local = check_visgen_model(cfg.model)
     if local:
         check_image_size(cfg, Path(location))
-    elif not cfg.model.startswith(HELD_PREFIX):  # a hub id: cached, or the Hub reachable (not the loader's retries)
-        from shared_rl.preflight import check_hub_model
-
-        check_hub_model(cfg.model, "visgen.model")
     import_rewards()
     for i, spec in enumerate(cfg.rewards):
         _check_reward_arguments(f"visgen.rewards[{i}]", spec.name, spec.kwargs)

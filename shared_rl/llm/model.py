@@ -4,7 +4,6 @@ adapter disabled, as DESIGN §4 asks: no second model copy)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -66,24 +65,9 @@ def build_tiny_llama(
 
 def resolve_model_path(path: str) -> str:
     """A local path relative to the repository root (where assets/ lives) or the working directory, else a hub id."""
-    p = Path(path)
-    if p.exists():
-        return str(p)
-    repo_root = Path(__file__).resolve().parents[2]
-    if (repo_root / p).exists():
-        return str(repo_root / p)
-    # a hub id is "name" or "org/name"; anything else that does not exist is a missing local path (so is
-    # "dir/name" whose "dir" is a local folder: assets/llm-arith-tiy), answered before any Hub client retries
-    from ..config import ConfigError
-    from ..readers import local_path_meant
-    from ..registry import did_you_mean
+    from ..prechecks import resolve_llm_model  # torch-free: the CLI runs the same check before importing torch
 
-    if local_path_meant(path, (repo_root,)):
-        parent = next((b / p.parent for b in (Path.cwd(), repo_root) if (b / p.parent).is_dir()), None)
-        siblings = [str(p.parent / c.name) for c in parent.iterdir()] if parent is not None else []
-        raise ConfigError(f"model path {path!r} does not exist{did_you_mean(path, siblings)} (a local path, not a hub "
-                          f"id like 'org/name')")
-    return path
+    return resolve_llm_model(path)
 
 
 def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
