@@ -194,6 +194,7 @@ TRL_KEYS = {
     "lr_scheduler_type": "optim.schedule", "warmup_ratio": "optim.warmup_steps",
     "entropy_coef": "loss.entropy.coef", "entropy_target": "loss.entropy.target (adaptive)",
     "top_entropy_quantile": "loss.entropy.top_quantile", "delta": "loss.dual_clip",
+    "off_policy_mask_threshold": "loss.off_policy_mask",
 }
 
 
@@ -440,6 +441,9 @@ class LossConfig:
     kl_coef: float = field(default=0.0, metadata={"help": "weight of the KL(policy || reference) term; 0 = no KL"})
     kl_estimator: str = field(default="domain", metadata={
         "help": "shared_rl.losses.KL_ESTIMATORS entry: domain (the domain's own KL, else k3) | k1 | k3"})
+    off_policy_mask: Optional[float] = field(default=None, metadata={
+        "help": "DeepSeek-V3.2's off-policy sequence mask: drop a negative-advantage sequence whose mean KL(behaviour "
+                "|| policy) exceeds this (0.5 say; TRL's off_policy_mask_threshold); null = off"})
     entropy: EntropyConfig = field(default_factory=EntropyConfig, metadata={
         "help": "entropy bonus {coef, target (adaptive), coef_step, coef_min, coef_max} and top_quantile (80/20 mask)"})
 
@@ -467,6 +471,8 @@ class LossConfig:
         if self.dual_clip is not None and self.dual_clip <= 1:
             raise ConfigError(f"{where}.dual_clip must be > 1 (e.g. 3.0), got {self.dual_clip}")
         _positive(f"{where}.", "kl_coef", self.kl_coef, allow_zero=True)
+        if self.off_policy_mask is not None:
+            _positive(f"{where}.", "off_policy_mask", self.off_policy_mask, allow_zero=True)
         if self.max_steps_norm is not None:
             _positive(f"{where}.", "max_steps_norm", self.max_steps_norm)
 

@@ -143,7 +143,8 @@ class StepStats:
 
 # grad_norm and the grad/ noise statistics are computed from gradients summed over ranks: the same on every rank
 SUM_STATS = ("loss/policy", "loss/kl", "loss/entropy_bonus", "ratio/mean", "clip_frac", "approx_kl", "entropy",
-             "entropy_coef", "grad_norm", "nonfinite_steps", "grad/signal_sq", "grad/noise_trace", "grad/half_cosine")
+             "entropy_coef", "off_policy_dropped", "grad_norm", "nonfinite_steps", "grad/signal_sq", "grad/noise_trace",
+             "grad/half_cosine")
 PER_STEP_STATS = ("loss/policy", "loss/kl", "loss/entropy_bonus")  # counted once per optimizer step on every rank
 
 

@@ -666,6 +666,23 @@ def kl_per_step(name: str, logp: torch.Tensor, ref_logp: torch.Tensor | None,
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# Off-policy sequence masking (``loss.off_policy_mask``).
+
+
+def off_policy_sequence_mask(advantages: torch.Tensor, logp: torch.Tensor, logp_behaviour: torch.Tensor,
+                             mask: torch.Tensor, threshold: float) -> torch.Tensor:
+    """DeepSeek-V3.2's off-policy sequence mask (arXiv 2512.02556, eq. 9; TRL ``get_off_policy_mask``): 1 keeps a
+    sequence, 0 drops it. A sequence is dropped when its advantage is negative and its mean per-step KL estimate
+    ``Σ_t m·(logp_behaviour − logp) / Σ_t m`` (the sampling policy against the current one, detached) exceeds
+    ``threshold``: a negative update on samples the policy has moved far from is the one that destabilises.
+    ``advantages`` ``[n]``, ``[n, 1]`` or ``[n, T]`` (then per step); returns ``[n, 1]`` (or ``[n, T]``)."""
+    m = mask.to(logp.dtype)
+    seq_kl = ((logp_behaviour - logp.detach()) * m).sum(1, keepdim=True) / m.sum(1, keepdim=True).clamp(min=1.0)
+    adv = advantages[:, None] if advantages.dim() == 1 else advantages
+    return ((adv >= 0) | (seq_kl <= threshold)).to(m.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # The entropy bonus and the high-entropy token mask (``loss.entropy``).
 
 

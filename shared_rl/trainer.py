@@ -32,7 +32,7 @@ from .domain import RunContext, StepLogProbs
 from .errors import NonFiniteError  # noqa: F401  (re-exported)
 from .gather import PER_STEP_STATS, StepStats, any_rank, local_index, padding_forward, reduce_stats
 from .losses import (Normalizer, aggregate, entropy_bonus, get_policy_loss, high_entropy_mask, kl_per_step,
-                     value_loss)
+                     off_policy_sequence_mask, value_loss)
 from .metrics import MetricsLogger, duration, eta, plot_metrics
 from .optim import Optimizer, WeightEMA, make_scheduler  # noqa: F401  (re-exported)
 from .registry import resolve_domain
@@ -65,6 +65,8 @@ def _add_step_stats(stats: StepStats, st: dict[str, torch.Tensor], mask: torch.T
     stats.add("approx_kl", float((0.5 * st["log_ratio"][m] ** 2).sum()), n_steps)
     if m.any():
         stats.max("ratio/max", float(st["ratio"][m].max()))
+    if "off_policy_dropped" in st:
+        stats.add("off_policy_dropped", float(st["off_policy_dropped"][m].sum()), n_steps)
     if out.entropy is not None:
         stats.add("entropy", float(out.entropy.detach()[m].sum()), n_steps)
 
@@ -156,6 +158,8 @@ class Trainer:
             why = f"loss.policy_loss {self.policy_loss.name!r} needs all of a sequence's steps at once"
         elif cfg.loss.entropy.top_quantile < 1:
             why = "loss.entropy.top_quantile ranks all of a micro-batch's steps at once"
+        elif cfg.loss.off_policy_mask is not None:
+            why = "loss.off_policy_mask reads a sequence's mean KL over all its steps"
         elif self.critic is not None:
             why = "a critic's value loss is per sequence"
         elif self.fsdp is not None:
@@ -332,6 +336,10 @@ class Trainer:
         lc, choice = self.cfg.loss, self.policy_loss
         per_step, st = get_policy_loss(choice.name)(out.logp, logp_old, adv, mask, lc, choice.settings, terms=out)
         ent, kept = lc.entropy, mask
+        if lc.off_policy_mask is not None:  # DeepSeek-V3.2: drop far-off-policy negative-advantage sequences
+            keep = off_policy_sequence_mask(adv, out.logp, logp_old, mask, lc.off_policy_mask)
+            per_step = per_step * keep
+            st = {**st, "off_policy_dropped": (1.0 - keep).expand_as(out.logp).detach()}
         if ent.enabled or ent.top_quantile < 1:
             if out.entropy is None:
                 raise ConfigError(f"loss.entropy needs the per-step entropy, which domain {self.cfg.domain!r} does not "

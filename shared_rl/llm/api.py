@@ -478,6 +478,17 @@ class GRPOTrainer:
         if bool(value) != self.use_adaptive_entropy:
             raise ConfigError("use_adaptive_entropy is fixed for a run: set it in the GRPOConfig")
 
+    @staticmethod
+    def get_off_policy_mask(advantages: torch.Tensor, per_token_logps: torch.Tensor,
+                            sampling_per_token_logps: torch.Tensor, mask: torch.Tensor,
+                            off_policy_threshold: float) -> torch.Tensor:
+        """TRL's static helper (DeepSeek-V3.2's off-policy sequence mask, ``[B, 1]``, 1 = keep): grove's
+        ``shared_rl.losses.off_policy_sequence_mask``, which ``loss.off_policy_mask`` applies in training."""
+        from ..losses import off_policy_sequence_mask
+
+        return off_policy_sequence_mask(advantages, per_token_logps, sampling_per_token_logps, mask,
+                                        off_policy_threshold)
+
     def _get_per_token_logps_and_entropies(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                                            logits_to_keep: int, batch_size: int | None = None,
                                            compute_entropy: bool = False, **_: Any):

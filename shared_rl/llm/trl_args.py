@@ -67,7 +67,7 @@ _HANDLED = {
     "scale_rewards", "loss_type", "mask_truncated_completions", "learning_rate", "seed", "gradient_checkpointing",
     "use_liger_kernel", "activation_checkpointing", "activation_checkpointing_kwargs", "delta", "entropy_coef",
     "use_adaptive_entropy", "entropy_target", "entropy_coef_delta", "entropy_coef_min", "entropy_coef_max",
-    "top_entropy_quantile", "cast_lm_head_to_fp32",
+    "top_entropy_quantile", "cast_lm_head_to_fp32", "off_policy_mask_threshold",
 }
 _GENERATION_KWARGS = {"temperature", "top_p", "top_k", "min_p", "repetition_penalty", "do_sample", "max_new_tokens"}
 
@@ -213,6 +213,8 @@ def translate(args, num_train_rows: int, has_peft: bool = False) -> Translation:
                             "kl_coef": a.beta, "kl_estimator": "k3"}
     if delta is not None:
         loss["dual_clip"] = delta
+    if a.off_policy_mask_threshold is not None:
+        loss["off_policy_mask"] = a.off_policy_mask_threshold
     if a.loss_type == "dr_grpo":
         loss["max_steps_norm"] = max_new
     if a.loss_type == "luspo":  # GSPO's loss, each sequence weighted by its length: Σ_i |y_i|·L_i / N_seqs

@@ -252,3 +252,35 @@ def test_grpo_guard_equalises_the_step_gradients_as_the_reference():
     assert g[1] / g[0] == pytest.approx(10.0, rel=0.01)
     with pytest.raises(ConfigError, match="step_weight must be balanced or flow_grpo"):
         from_dict(LossConfig, {"policy_loss": {"name": "guard", "step_weight": "equal"}}, "loss")
+
+
+def test_off_policy_sequence_mask_hand_computed():
+    """DeepSeek-V3.2 eq. 9: drop a sequence only when its advantage is negative AND its mean KL(behaviour || policy)
+    over its trained steps exceeds the threshold."""
+    from shared_rl.losses import off_policy_sequence_mask
+
+    behaviour = torch.zeros(4, 3)
+    logp = torch.tensor([[-1.5, -1.5, -9.0],   # mean KL over the 2 trained steps 1.5 (the masked -9 is not read)
+                         [-0.3, -0.3, -0.3],   # 0.3
+                         [-1.5, -1.5, -1.5],   # 1.5
+                         [-1.0, -1.0, -1.0]])  # 1.0: at the threshold, kept
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0], [1.0, 1.0, 1.0], [1.0, 1.0, 1.0]])
+    adv = torch.tensor([1.0, -1.0, -1.0, -0.5])
+    keep = off_policy_sequence_mask(adv, logp, behaviour, mask, 1.0)
+    assert keep.flatten().tolist() == [1.0, 1.0, 0.0, 1.0]
+    assert keep.shape == (4, 1)
+
+
+def test_trainer_drops_far_off_policy_negative_sequences():
+    from shared_rl.domain import StepLogProbs
+    from shared_rl.trainer import Trainer
+    from tests.core.test_trainer import quiet, toy_cfg
+
+    tr = Trainer(toy_cfg(**{"loss.off_policy_mask": 0.5}), None, log=quiet)
+    logp = torch.zeros(3, 2, requires_grad=True)
+    old = torch.tensor([[0.0, 0.0], [1.0, 1.0], [1.0, 1.0]])  # rows 1, 2: mean KL 1.0 > 0.5
+    mask = torch.ones(3, 2)
+    parts = tr.loss(StepLogProbs(logp=logp), old, torch.tensor([-1.0, -1.0, 1.0]), mask, Normalizer.from_mask(mask))
+    parts.total.backward()
+    assert (logp.grad.abs().sum(1) > 0).tolist() == [True, False, True]  # only row 1 (negative and far) dropped
+    assert parts.stats["off_policy_dropped"][:, 0].tolist() == [0.0, 1.0, 0.0]

@@ -63,8 +63,8 @@ def test_translation_of_trl_defaults_and_batch_arithmetic(tmp_path):
 
 
 def test_a_trl_field_grove_cannot_honour_is_one_line(tmp_path):
-    with pytest.raises(ConfigError, match=r"GRPOConfig\.off_policy_mask_threshold=0\.5: grove has no equivalent"):
-        translate(_cfg(tmp_path, off_policy_mask_threshold=0.5), 16)
+    with pytest.raises(ConfigError, match=r"GRPOConfig\.vespo_k_pos=3\.0: grove has no equivalent"):
+        translate(_cfg(tmp_path, vespo_k_pos=3.0), 16)
     with pytest.raises(ConfigError, match=r"GRPOConfig\.loss_type='vespo'"):
         translate(_cfg(tmp_path, loss_type="vespo"), 16)
     with pytest.raises(ConfigError, match=r"GRPOConfig\.delta=1\.1: .*delta > 1 \+ epsilon_high \(1\.2\)"):
@@ -90,6 +90,7 @@ def test_trl_entropy_delta_cispo_luspo_and_lm_head_fields_translate(tmp_path):
     assert (luspo["policy_loss"], luspo["aggregation"], luspo["max_steps_norm"]) == (
         "gspo", "seq-mean-token-sum-norm", 1)
     assert translate(_cfg(tmp_path, cast_lm_head_to_fp32=True), 16).config["llm"]["lm_head_fp32"] is True
+    assert translate(_cfg(tmp_path, off_policy_mask_threshold=0.5), 16).config["loss"]["off_policy_mask"] == 0.5
 
 
 def test_trl_reward_metrics_by_hand():
