@@ -125,6 +125,16 @@ def is_dtensor(t) -> bool:
     return isinstance(t, DTensor)
 
 
+_GATHERED = 0  # depth of FSDPShards.gathered() blocks open in this process (see shards_gathered)
+
+
+def shards_gathered() -> bool:
+    """Whether this process is inside ``FSDPShards.gathered()``: forwards there issue no collective, so a domain that
+    pads its training forwards to a count agreed over ranks (an all-reduce per call) must not do so there — inside,
+    ranks run different numbers of calls (the deferred log-prob pass, rank-0 evaluation)."""
+    return _GATHERED > 0
+
+
 class FSDPShards:
     """The FSDP2-wrapped modules of a domain (``fsdp_modules()`` order: blocks first, the root last)."""
 
@@ -151,12 +161,15 @@ class FSDPShards:
         For work whose number of forwards differs per rank (rollouts, evaluation on rank 0): inside, forward hooks
         find the parameters already unsharded and do not reshard, so no forward issues a collective. Do not call
         ``Module.state_dict()`` of a sharded module inside (FSDP2's state-dict hook swaps the shards back in)."""
+        global _GATHERED
         for m in self.modules:
             m.set_reshard_after_forward(False, recurse=False)
             m.unshard()
+        _GATHERED += 1
         try:
             yield
         finally:
+            _GATHERED -= 1
             for m in self.modules:
                 m.reshard()
                 m.set_reshard_after_forward(self.reshard_after_forward, recurse=False)

@@ -544,6 +544,13 @@ class VisgenDomain(DomainBase):
         (``visgen.recompute``), plus the KL when asked."""
         return self.rollouts.log_probs(rollout, idx, need_kl, steps)
 
+    def fsdp_modules(self) -> list[torch.nn.Module]:
+        """FSDP2 units: the transformer's repeated blocks (its ``_no_split_modules``), then the transformer (and the
+        full-tuning reference copy likewise); the refused settings raise ConfigError (``visgen.fsdp``)."""
+        from .fsdp import fsdp_units
+
+        return fsdp_units(self)
+
     def trained_outputs(self) -> list[str]:
         """The reward outputs this run trains on (``VisgenConfig.trained_outputs`` under the trainer's sections)."""
         return self.cfg.trained_outputs(self.ctx.train_cfg)

@@ -316,25 +316,41 @@ class FlowPolicy:
         With EMA on (and ``use_ema``), the exported weights are the EMA weights (the ones evaluation uses).
         """
         out_dir = Path(out_dir)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        with self.ema_weights() if use_ema else contextlib.nullcontext():
-            if self.train_mode == "lora":
-                from peft.utils import get_peft_model_state_dict
 
-                layers = get_peft_model_state_dict(self.transformer, adapter_name=self.ADAPTER)
-                layers = {k: v.detach().to("cpu").contiguous() for k, v in layers.items()}
-                metadata = self.lora_config.to_dict()
-                metadata = {k: (sorted(v) if isinstance(v, set) else v) for k, v in metadata.items()}
-                if hasattr(type(self.pipe), "save_lora_weights"):
-                    type(self.pipe).save_lora_weights(
-                        out_dir, transformer_lora_layers=layers, transformer_lora_adapter_metadata=metadata,
-                        safe_serialization=True,
-                    )
-                else:  # a pipeline without a LoRA loader (HunyuanVideo 1.5 in diffusers 0.42): the transformer's own
-                    # PEFT export (unprefixed keys), which `pipe.transformer.load_lora_adapter(dir, prefix=None)` loads
-                    self.transformer.save_lora_adapter(out_dir, adapter_name=self.ADAPTER, safe_serialization=True)
-            else:
-                self.transformer.save_pretrained(out_dir / "transformer", safe_serialization=True)
+        def write_lora(layers: dict[str, torch.Tensor]) -> None:
+            layers = {k: v.detach().to("cpu").contiguous() for k, v in layers.items()}
+            metadata = self.lora_config.to_dict()
+            metadata = {k: (sorted(v) if isinstance(v, set) else v) for k, v in metadata.items()}
+            if hasattr(type(self.pipe), "save_lora_weights"):
+                type(self.pipe).save_lora_weights(
+                    out_dir, transformer_lora_layers=layers, transformer_lora_adapter_metadata=metadata,
+                    safe_serialization=True,
+                )
+            else:  # a pipeline without a LoRA loader (HunyuanVideo 1.5 in diffusers 0.42): the transformer's own
+                # PEFT export (unprefixed keys), which `pipe.transformer.load_lora_adapter(dir, prefix=None)` loads
+                self.transformer.save_lora_adapter(out_dir, adapter_name=self.ADAPTER, safe_serialization=True)
+
+        from .fsdp import is_sharded
+
+        if is_sharded(self.transformer):  # FSDP2: every process gathers (collective), process 0 writes
+            import torch.distributed as dist
+
+            from .fsdp import save_sharded
+
+            if dist.get_rank() == 0:
+                out_dir.mkdir(parents=True, exist_ok=True)
+            save_sharded(self, out_dir, write_lora)  # EMA is refused under FSDP2: the live weights are the export
+            if dist.get_rank() != 0:
+                return out_dir
+        else:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            with self.ema_weights() if use_ema else contextlib.nullcontext():
+                if self.train_mode == "lora":
+                    from peft.utils import get_peft_model_state_dict
+
+                    write_lora(get_peft_model_state_dict(self.transformer, adapter_name=self.ADAPTER))
+                else:
+                    self.transformer.save_pretrained(out_dir / "transformer", safe_serialization=True)
         meta = {"train_mode": self.train_mode, "ema": self.ema is not None and use_ema, **(info or {})}
         (out_dir / "grove_export.json").write_text(json.dumps(meta, indent=2, sort_keys=True, default=str) + "\n")
         return out_dir

@@ -52,6 +52,7 @@ def recompute_edges(
     reference: Callable[[], ContextManager] | None = None,
     kl_type: str = "mean",
     old: Callable[[], ContextManager] | None = None,
+    pad: Callable[[int], int] | None = None,
 ) -> RecomputedEdges:
     """Log-probs (with grad) of the stored executed steps ``steps[i, j]`` of edges ``i`` (rows of a forest payload).
 
@@ -63,6 +64,11 @@ def recompute_edges(
     ``"velocity"`` ``||v - v_ref||^2`` (mean over latent elements). ``old`` (a context-manager factory swapping
     the old policy's weights in) adds ``old_kl``, the same Gaussian-mean KL to the old copy's step means (Flow-DPPO's
     mask; no grad), from one more forward per step under one weight swap.
+
+    ``pad`` (FSDP2, ``visgen.fsdp.ForwardPadding``): maps this call's number of velocity calls per pass to the
+    largest over the processes; each pass (reference, old, trained) then adds that many minus its own of weight-0
+    velocity calls, so every process issues the same transformer forwards (each one a collective) in the same order.
+    Padding calls add exactly zero to the log-probs and gradients and are not counted in ``nfe``.
     """
     if kl_type not in KL_TYPES:
         raise ValueError(f"kl_type must be one of {KL_TYPES}, got {kl_type!r}")
@@ -87,6 +93,7 @@ def recompute_edges(
             first = torch.full((uniq.numel(),), -1, dtype=torch.long)
             first.scatter_reduce_(0, inverse, torch.arange(members.numel()), "amin", include_self=False)
             work.append((j, members, members[first], inverse))
+    extra = pad(len(work)) - len(work) if pad is not None else 0
 
     def run(j, members, reps, inverse):
         d_m, d_r = members.to(device), reps.to(device)
@@ -98,6 +105,14 @@ def recompute_edges(
                         reduction=reduction)
         return v, out
 
+    def padding() -> torch.Tensor:
+        """One velocity call of weight 0 on a single input of this call (any latent, timestep and prompt row: only
+        the forward's collectives matter), returned as a scalar 0 that keeps the forward in the autograd graph."""
+        j, reps = (work[0][0], work[0][2][:1]) if work else (0, torch.zeros(1, dtype=torch.long))
+        d_r = reps.to(device)
+        v = adapter.velocity(lat[d_r, j], payload["timestep"][reps, j].to(device), cond[d_r])
+        return v.float().nan_to_num(0.0, 0.0, 0.0).sum() * 0.0
+
     nfe = 0
     refs = []
     if reference is not None:
@@ -106,12 +121,16 @@ def recompute_edges(
                 v_ref, out_ref = run(*item)
                 refs.append((v_ref, out_ref.mean))
                 nfe += per_forward * item[2].numel()
+            for _ in range(extra):
+                padding()
     olds = []
     if old is not None:  # one weight swap for all of them: swapping between forwards that keep a graph would break it
         with torch.no_grad(), old():
             for item in work:
                 olds.append(run(*item)[1].mean)
                 nfe += per_forward * item[2].numel()
+            for _ in range(extra):
+                padding()
     logp = torch.zeros(n, L, device=device)
     kl = torch.zeros(n, L, device=device) if reference is not None else None
     old_kl = torch.zeros(n, L, device=device) if old is not None else None
@@ -135,6 +154,8 @@ def recompute_edges(
             kl = kl.index_put((d_m, col), value)
         if old_kl is not None:
             old_kl[d_m, j] = sde_mean_kl(out.mean.detach(), olds[w], out.std, reduction="mean").float()
+    for _ in range(extra):  # after the real forwards, as every process's trained pass ends the same way
+        logp = logp + padding()
     return RecomputedEdges(logp, kl, entropy, nfe, std, old_kl)
 
 

@@ -57,6 +57,8 @@ class VisgenRollouts:
         # outputs scored again at coarse granularities (E-GRPO); None: every output the score function returns
         self.granular_outputs = None if granular_outputs is None else list(granular_outputs)
         self.epoch = 0  # the trainer's inner epoch (set by the domain; NFT draws fresh noise per epoch)
+        # FSDP2 (set by visgen.fsdp): agrees each log_probs call's transformer forwards with the other processes
+        self.forward_pad = None
         # the trained reward outputs and their advantage weights, for an objective that selects the rows that train
         # from the rewards (DPO's pairs; set by the domain); None: every leaf trains
         self.reward_weights: dict[str, float] | None = None
@@ -247,7 +249,8 @@ class VisgenRollouts:
         rec = recompute_edges(self.adapter, p, trained, Conditioning(p["cond"], **self._cond_meta),
                               self.kernel.kernel, self.kernel.reduction,
                               reference=self.reference if need_kl else None, kl_type=self.kl_type,
-                              old=self.old if self.objective.needs_old_means else None)  # Flow-DPPO's mask
+                              old=self.old if self.objective.needs_old_means else None,  # Flow-DPPO's mask
+                              pad=self.forward_pad)
         dev = rollout.logp_old.device
         return StepLogProbs(logp=rec.logp.to(dev), kl=None if rec.kl is None else rec.kl.to(dev),
                             entropy=rec.entropy.to(dev), nfe=rec.nfe, step_std=rec.std.to(dev),
