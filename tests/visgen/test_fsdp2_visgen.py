@@ -54,8 +54,8 @@ def _data(model, strategy, **visgen):
     }
 
 
-def _config(model, strategy, **top):
-    data = _data(model, strategy)
+def _config(model, strategy, visgen=None, **top):
+    data = _data(model, strategy, **(visgen or {}))
     data.update(top)
     return load_train_config(data)
 
@@ -77,12 +77,15 @@ def _records(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def _fsdp_worker(rank, world, port, model, run_dir, out):
+def _fsdp_worker(rank, world, port, model, run_dir, out, visgen=None, top=None):
     _init(rank, world, port)
     quiet = {"log": lambda *_: None}
-    tr = Trainer(_config(model, "fsdp2"), run_dir, **quiet)
+    tr = Trainer(_config(model, "fsdp2", visgen, **(top or {})), run_dir, **quiet)
     blocks = [m for m in tr.fsdp.modules if type(m).__name__.endswith("JointTransformerBlock")]  # FSDP2 renames FSDP<cls>
-    assert len(blocks) == 2 and tr.fsdp.modules[-1] is tr.domain.pipe.transformer
+    policy = tr.domain.policy
+    roots = [policy.transformer] + ([policy.reference_copy] if policy.reference_copy is not None else [])
+    # blocks then root, per transformer (full tuning: the reference copy is sharded too, never whole per process)
+    assert len(blocks) == 2 * len(roots) and [tr.fsdp.modules[3 * i + 2] for i in range(len(roots))] == roots
     assert tr.domain.parameters() and all(is_dtensor(p) for p in tr.domain.parameters())
     local, full = tr.fsdp.local_parameter_bytes()
     assert local < 0.6 * full  # each process holds about half of the transformer (frozen base included)
@@ -172,3 +175,35 @@ def test_fsdp2_refuses_what_it_cannot_shard_with_one_line(sd3_two_blocks, visgen
     # the same settings under replicate are accepted (the refusal is FSDP2's, not a config error)
     data["distributed"] = {"strategy": "replicate"}
     Trainer(load_train_config(data), None, log=lambda *_: None)
+
+
+FULL = {"train_mode": "full"}  # full_reference (default): the KL reference is a frozen, sharded copy
+
+
+def test_fsdp2_full_fine_tuning_matches_one(tmp_path, sd3_two_blocks):
+    """Every transformer weight trained and sharded, KL to the sharded reference copy; ``final/transformer`` is
+    gathered into the diffusers layout and loads as a stock ``SD3Transformer2DModel``."""
+    torch.set_num_threads(1)
+    model, top = sd3_two_blocks, {"iterations": 1, "optim": {"lr": 1e-3, "minibatches_per_epoch": 2,
+                                                             "micro_batch_size": 2}}
+    single = Trainer(_config(model, "replicate", FULL, **top), tmp_path / "one", log=lambda *_: None)
+    single.fit()
+    out = tmp_path / "two.pt"
+    _spawn(_fsdp_worker, model, tmp_path / "two", str(out), FULL, top)
+    got = torch.load(f"{out}.0", weights_only=True)
+    live = single.domain.state_dict()
+    assert live.keys() == got["state"].keys() and len(live) > 20
+    for k, v in live.items():
+        assert torch.allclose(v, got["state"][k], atol=1e-5, rtol=1e-4), k
+    (a,), (b,) = _records(tmp_path / "one"), _records(tmp_path / "two")
+    for k in METRICS:
+        if k in a:
+            assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-5), (k, a[k], b[k])
+    assert a["grad_norm"] > 1e-3 and a["loss/kl"] > 0
+    from diffusers import SD3Transformer2DModel
+
+    exported = SD3Transformer2DModel.from_pretrained(str(tmp_path / "two" / "final" / "transformer"))
+    reference = SD3Transformer2DModel.from_pretrained(str(tmp_path / "one" / "final" / "transformer"))
+    theirs = dict(reference.named_parameters())
+    for k, v in exported.named_parameters():
+        assert torch.allclose(v, theirs[k], atol=1e-5, rtol=1e-4), k
