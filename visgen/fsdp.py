@@ -66,7 +66,17 @@ def _refuse(domain) -> None:
 
 def _units(transformer: torch.nn.Module, where: str) -> list[torch.nn.Module]:
     names = set(getattr(transformer, "_no_split_modules", None) or [])
-    blocks = [m for m in transformer.modules() if type(m).__name__ in names and m is not transformer]
+    blocks: list[torch.nn.Module] = []
+
+    def post_order(module: torch.nn.Module) -> None:
+        # a listed module inside another listed one (HunyuanVideo 1.5's token refiner) is sharded first: fully_shard
+        # must see the inner unit before the outer one claims the remaining parameters
+        for child in module.children():
+            post_order(child)
+        if module is not transformer and type(module).__name__ in names:
+            blocks.append(module)
+
+    post_order(transformer)
     if not blocks:
         raise ConfigError(f"visgen: cannot find the repeated blocks of {where} {type(transformer).__name__} for FSDP2 "
                           f"(_no_split_modules={sorted(names)}); use distributed.strategy: replicate")
