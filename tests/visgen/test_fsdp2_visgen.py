@@ -177,16 +177,18 @@ def test_fsdp2_refuses_what_it_cannot_shard_with_one_line(sd3_two_blocks, visgen
     Trainer(load_train_config(data), None, log=lambda *_: None)
 
 
-FULL = {"train_mode": "full"}  # full_reference (default): the KL reference is a frozen, sharded copy
+FULL = {"train_mode": "full", "gradient_checkpointing": True}  # full_reference (default): a frozen, sharded copy
 
 
 def test_fsdp2_full_fine_tuning_matches_one(tmp_path, sd3_two_blocks):
-    """Every transformer weight trained and sharded, KL to the sharded reference copy; ``final/transformer`` is
-    gathered into the diffusers layout and loads as a stock ``SD3Transformer2DModel``."""
+    """Every transformer weight trained and sharded, with gradient checkpointing (each block's forward re-run in
+    backward, its shards all-gathered again) and KL to the sharded reference copy; ``final/transformer`` is gathered
+    into the diffusers layout and loads as a stock ``SD3Transformer2DModel``."""
     torch.set_num_threads(1)
     model, top = sd3_two_blocks, {"iterations": 1, "optim": {"lr": 1e-3, "minibatches_per_epoch": 2,
                                                              "micro_batch_size": 2}}
     single = Trainer(_config(model, "replicate", FULL, **top), tmp_path / "one", log=lambda *_: None)
+    assert single.domain.pipe.transformer.gradient_checkpointing
     single.fit()
     out = tmp_path / "two.pt"
     _spawn(_fsdp_worker, model, tmp_path / "two", str(out), FULL, top)
