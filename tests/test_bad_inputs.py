@@ -152,8 +152,8 @@ CASES = {
                                                 "is not in the local Hugging Face cache"),
     "visgen hub id typo, did you mean": (_visgen(model="stabilityai/stable-diffusion-3.5-mediun"),
                                          "(did you mean 'stabilityai/stable-diffusion-3.5-medium'?)"),
-    "visgen fsdp2": ({**_visgen(), "distributed": {"strategy": "fsdp2"}},
-                     "distributed.strategy: fsdp2 is not supported by domain 'visgen'"),
+    "visgen fsdp2 with an EMA": ({**_visgen(ema={"enabled": True}), "distributed": {"strategy": "fsdp2"}},
+                                 "distributed.strategy: fsdp2 with visgen.ema.enabled"),
     # llm
     "llm missing model": (_llm(model="no/such/model"), "no/such/model"),
     "llm unknown reward": (_llm(rewards=[{"name": "exact_matchh"}]), "exact_matchh"),

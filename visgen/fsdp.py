@@ -33,15 +33,15 @@ import torch
 
 from shared_rl.config import ConfigError
 
-__all__ = ["ForwardPadding", "fsdp_units", "is_sharded", "save_sharded"]
+__all__ = ["ForwardPadding", "fsdp_units", "is_sharded", "refuse_config", "save_sharded"]
 
 _HOW = "or use distributed.strategy: replicate"
 
 
-def _refuse(domain) -> None:
-    """The one-line ConfigError for each visgen feature FSDP2 cannot run safely (see the module docstring)."""
-    cfg = domain.cfg
-    objective = domain.objective
+def refuse_config(cfg) -> None:
+    """The one-line ConfigError for each visgen setting FSDP2 cannot run safely (see the module docstring), from the
+    config alone: ``--dry-run`` (``visgen.preflight``) and the sharding itself both run it."""
+    objective = cfg.training_objective()
     name = getattr(objective, "name", type(objective).__name__)
     if cfg.ema.enabled:
         raise ConfigError("distributed.strategy: fsdp2 with visgen.ema.enabled: the EMA is a full copy of the trained "
@@ -55,6 +55,12 @@ def _refuse(domain) -> None:
     if cfg.two_stage.enabled:
         raise ConfigError("distributed.strategy: fsdp2 with visgen.two_stage.enabled: the low-precision explorer is "
                           f"a second transformer built from the live weights; set visgen.two_stage.enabled: false {_HOW}")
+
+
+def _refuse(domain) -> None:
+    """``refuse_config``, then what only the loaded pipeline shows (its LoRA saver, a second expert)."""
+    cfg = domain.cfg
+    refuse_config(cfg)
     pipe = domain.pipe
     if cfg.train_mode == "lora" and not hasattr(type(pipe), "save_lora_weights"):
         raise ConfigError(f"distributed.strategy: fsdp2 with {type(pipe).__name__} and visgen.train_mode: lora: this "

@@ -129,6 +129,10 @@ def check_image_size(cfg, model_dir: Path) -> None:
 
 def preflight(cfg, train_cfg, read_prompt_file, import_rewards) -> None:
     """The checks of the module docstring for ``VisgenConfig`` ``cfg``; raises ConfigError."""
+    if train_cfg.distributed.strategy == "fsdp2":  # what FSDP2 refuses from the config alone, as the real run
+        from .fsdp import refuse_config
+
+        refuse_config(cfg)
     # the location, and a hub id cached or the Hub reachable: the function the CLI already ran before torch
     location, local = check_visgen_model(cfg.model)
     if local:
