@@ -147,18 +147,19 @@ class NoSettings:
 
 
 def register_policy_loss(name: str, settings: type = NoSettings,
-                         whole_sequence: bool = False) -> Callable[[PolicyLoss], PolicyLoss]:
+                         whole_sequence: bool | Callable[[object], bool] = False) -> Callable[[PolicyLoss], PolicyLoss]:
     """Decorator: make ``fn(logp, logp_old, advantages, mask, cfg, settings, terms) -> (loss [n, T], stats)``
     selectable as ``loss.policy_loss: name`` (register before the config is loaded; the name is checked there).
     ``settings``: the loss's own settings dataclass (fields with defaults and ``metadata["help"]``), built from the
     keys written beside its name. ``whole_sequence``: a step's loss depends on the sequence's other steps (GSPO's
-    sequence ratio), so the trainer must not split a sequence's steps over backward passes."""
+    sequence ratio), so the trainer must not split a sequence's steps over backward passes; a bool, or a function
+    of the loss's settings where one of them decides it (cispo's ``level``). ``fn.whole_sequence(settings)``."""
 
     def wrap(fn: PolicyLoss) -> PolicyLoss:
         if name in POLICY_LOSSES and POLICY_LOSSES[name] is not fn:
             raise ValueError(f"policy loss {name!r} is already registered ({POLICY_LOSSES[name].__qualname__})")
         fn.settings_class = settings
-        fn.whole_sequence = whole_sequence
+        fn.whole_sequence = whole_sequence if callable(whole_sequence) else (lambda _s, v=whole_sequence: v)
         POLICY_LOSSES[name] = fn
         return fn
 
@@ -292,7 +293,7 @@ class CispoSettings:
             raise ConfigError(f"{where}.level must be 'step' or 'sequence', got {self.level!r}")
 
 
-@register_policy_loss("cispo", settings=CispoSettings)
+@register_policy_loss("cispo", settings=CispoSettings, whole_sequence=lambda s: s.level == "sequence")
 def cispo_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                cfg: "LossConfig", settings: CispoSettings,
                terms=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

@@ -153,8 +153,7 @@ class Trainer:
         why = None
         if not self.domain.supports_step_subsets:
             why = f"domain {cfg.domain!r} computes all of a sequence's steps in one call"
-        elif get_policy_loss(self.policy_loss.name).whole_sequence or \
-                getattr(self.policy_loss.settings, "level", "step") == "sequence":
+        elif get_policy_loss(self.policy_loss.name).whole_sequence(self.policy_loss.settings):
             why = f"loss.policy_loss {self.policy_loss.name!r} needs all of a sequence's steps at once"
         elif cfg.loss.entropy.top_quantile < 1:
             why = "loss.entropy.top_quantile ranks all of a micro-batch's steps at once"

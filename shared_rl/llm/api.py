@@ -495,11 +495,11 @@ class GRPOTrainer:
         """TRL's helper, for subclasses that call it: the last ``logits_to_keep`` tokens' log-probs ``[B, K]`` at
         the run's temperature and their entropies (with grad while the entropy bonus is on, as TRL's), and no
         auxiliary loss."""
-        from .policy import _completion_log_probs
+        from .policy import completion_log_probs
 
         out = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=logits_to_keep + 1)
         ids = input_ids[:, -logits_to_keep:]
-        logp, ent = _completion_log_probs(out.logits[:, :-1], ids, attention_mask[:, -logits_to_keep:].to(
+        logp, ent = completion_log_probs(out.logits[:, :-1], ids, attention_mask[:, -logits_to_keep:].to(
             torch.float32), self.trainer.domain.cfg.temperature, compute_entropy, self._entropy_bonus_enabled)
         return logp, ent, None
 

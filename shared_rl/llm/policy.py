@@ -59,7 +59,7 @@ def collate(prompt_ids: list[torch.Tensor], completion_ids: list[torch.Tensor], 
                          comp_mask.to(device), p_width)
 
 
-def _completion_log_probs(logits: torch.Tensor, completion_ids: torch.Tensor, completion_mask: torch.Tensor,
+def completion_log_probs(logits: torch.Tensor, completion_ids: torch.Tensor, completion_mask: torch.Tensor,
                           temperature: float, with_entropy: bool,
                           entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``logits [B, T, V]`` (``[:, t]`` predicts completion token t) -> masked log-probs and optional entropy
@@ -90,7 +90,7 @@ def token_log_probs(model: torch.nn.Module, batch: SequenceBatch, temperature: f
     out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
                 use_cache=False, logits_to_keep=t_width + 1)
     # position P-1+t predicts completion token t
-    return _completion_log_probs(out.logits[:, :-1], batch.completion_ids, batch.completion_mask, temperature,
+    return completion_log_probs(out.logits[:, :-1], batch.completion_ids, batch.completion_mask, temperature,
                                  with_entropy, entropy_grad)
 
 
@@ -185,7 +185,7 @@ def token_log_probs_shared(model: torch.nn.Module, batch: SharedPrefixBatch, tem
         cache.batch_select_indices(rows)
         kwargs[name] = cache
     out = model(input_ids=ids, attention_mask=attention, position_ids=positions, use_cache=p_width > 1, **kwargs)
-    return _completion_log_probs(out.logits, batch.completion_ids, batch.completion_mask, temperature, with_entropy,
+    return completion_log_probs(out.logits, batch.completion_ids, batch.completion_mask, temperature, with_entropy,
                                  entropy_grad)
 
 

@@ -203,6 +203,14 @@ def test_backward_by_step_gives_the_same_update(aggregation):
 def test_backward_by_step_is_refused_where_it_cannot_hold():
     with pytest.raises(ConfigError, match="optim.backward_steps=1: loss.policy_loss 'gspo' needs all"):
         Trainer(toy_cfg(**{"optim.backward_steps": 1, "loss.policy_loss": "gspo"}), None, log=quiet)
+    with pytest.raises(ConfigError, match="loss.policy_loss 'cispo' needs all"):  # its sequence ratio
+        Trainer(toy_cfg(**{"optim.backward_steps": 1, "loss.policy_loss": {"name": "cispo", "level": "sequence"}}),
+                None, log=quiet)
+    Trainer(toy_cfg(**{"optim.backward_steps": 1, "loss.policy_loss": "cispo"}), None, log=quiet)  # per step: fine
+    with pytest.raises(ConfigError, match="top_quantile ranks"):
+        Trainer(toy_cfg(**{"optim.backward_steps": 1, "loss.entropy": {"top_quantile": 0.5}}), None, log=quiet)
+    with pytest.raises(ConfigError, match="off_policy_mask reads"):
+        Trainer(toy_cfg(**{"optim.backward_steps": 1, "loss.off_policy_mask": 0.5}), None, log=quiet)
 
 
 def test_gradient_noise_stats_hand_computed():
