@@ -649,29 +649,62 @@ def cmd_group(name: str, argv: list[str]) -> int:
     return int(resolve_command(name)(argv) or 0)
 
 
+def registered_names(source: Path, decorator: str) -> dict[str, dict]:
+    """The names a module registers with ``@decorator("name", key=value, ...)`` on its functions or classes, read
+    from its source with ``ast`` (nothing is imported), each with the keyword arguments written as literals.
+
+    The core's tensor registries (``shared_rl.advantages.ESTIMATORS``, ``shared_rl.losses.POLICY_LOSSES`` and
+    ``KL_ESTIMATORS``) and visgen's rewards import torch, seconds on a loaded 2-core machine, so `grove list` reads
+    their built-in names from the registering decorators instead; a new entry registered the same way is listed
+    without touching this module, and tests/core/test_cli_list.py checks the result equals the live registries.
+    Entries a Python caller registers live only in its own process, which `grove list` never is."""
+    import ast
+
+    found: dict[str, dict] = {}
+    for node in ast.walk(ast.parse(source.read_text(encoding="utf-8"), str(source))):
+        for deco in getattr(node, "decorator_list", ()):
+            if (isinstance(deco, ast.Call) and isinstance(deco.func, ast.Name) and deco.func.id == decorator
+                    and deco.args and isinstance(deco.args[0], ast.Constant) and isinstance(deco.args[0].value, str)):
+                found[deco.args[0].value] = {k.arg: k.value.value for k in deco.keywords
+                                             if k.arg and isinstance(k.value, ast.Constant)}
+    return found
+
+
+def _core_names() -> dict[str, list[str]]:
+    """The built-in estimators by kind, policy losses and KL estimators, sorted (``registered_names``)."""
+    here = Path(__file__).resolve().parent
+    estimators = registered_names(here / "advantages.py", "register")
+    names = {kind: sorted(n for n, kw in estimators.items() if kw.get("kind", "flat") == kind)
+             for kind in ("flat", "tree", "step")}
+    names["policy_loss"] = sorted(registered_names(here / "losses.py", "register_policy_loss"))
+    names["kl_estimator"] = sorted(registered_names(here / "losses.py", "register_kl_estimator"))
+    return names
+
+
 def catalog() -> list[tuple[str, list[str]]]:
     """(what, names) for ``grove list``: the core's registries, then each domain's (found by name through
-    ``shared_rl.registry.CATALOGS``, so this module imports no domain; a domain whose packages are missing says so)."""
+    ``shared_rl.registry.CATALOGS``, so this module imports no domain; a domain whose packages are missing says so).
+    Imports no torch: the core's tensor registries are read from their source (``registered_names``), the domains'
+    catalogs are text or read the same way (``visgen/catalog.py``, ``robotics/catalog.py``)."""
     import typing
 
     from . import registry
-    from .advantages import estimator_names
     from .config import LossConfig, SelectionConfig
-    from .losses import KL_ESTIMATORS, POLICY_LOSSES
 
     def literal(cls, name: str) -> list[str]:
         return [str(a) for a in typing.get_args(typing.get_type_hints(cls)[name])]
 
+    core = _core_names()
     rows = [
         ("domains (domain:)", registry.domain_names()),
         ("supervised jobs (grove pretrain, kind: supervised)", registry.supervised_names()),
         ("benchmarks (grove bench NAME)", registry.benchmark_names()),
         ("command groups (grove NAME ...)", registry.command_names()),
-        ("advantage estimators, flat (advantage.estimator)", estimator_names("flat")),
-        ("advantage estimators, tree rollouts (advantage.estimator)", estimator_names("tree")),
-        ("advantage estimators with a critic (advantage.estimator: {name: NAME, ...})", estimator_names("step")),
-        ("policy losses (loss.policy_loss)", sorted(POLICY_LOSSES)),
-        ("KL estimators (loss.kl_estimator)", sorted(KL_ESTIMATORS)),
+        ("advantage estimators, flat (advantage.estimator)", core["flat"]),
+        ("advantage estimators, tree rollouts (advantage.estimator)", core["tree"]),
+        ("advantage estimators with a critic (advantage.estimator: {name: NAME, ...})", core["step"]),
+        ("policy losses (loss.policy_loss)", core["policy_loss"]),
+        ("KL estimators (loss.kl_estimator)", core["kl_estimator"]),
         ("loss aggregations (loss.aggregation)", literal(LossConfig, "aggregation")),
         ("group filters (selection.filter)", literal(SelectionConfig, "filter")),
         ("key samplers (selection.sampler)", literal(SelectionConfig, "sampler")),

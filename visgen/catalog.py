@@ -4,7 +4,9 @@ The method and pipeline registries import diffusers (seconds), so their names ar
 ``grove list`` starts in about the time torch takes to import; ``tests/core/test_docs_match.py`` checks each list
 against its registry (``visgen.methods.METHODS``, ``visgen.objectives.OBJECTIVES``, ``visgen.tasks.TASKS``,
 ``visgen.pipelines.ADAPTERS``, ``VisgenConfig.kernel``).
-The rewards are read from their registry: registering them imports no model library.
+The rewards are read from their modules' ``@register("name", ...)`` lines (``shared_rl.cli.registered_names``):
+registering them imports no model library but does import torch (seconds), which ``grove list`` must not wait for;
+``tests/core/test_cli_list.py`` checks ``reward_names()`` against ``register_rewards()``.
 """
 from __future__ import annotations
 
@@ -25,12 +27,22 @@ def register_rewards() -> list[str]:
     return available_rewards()
 
 
+def reward_names() -> list[str]:
+    """The built-in rewards, sorted, from the source of ``visgen/rewards/`` (nothing imported)."""
+    from pathlib import Path
+
+    from shared_rl.cli import registered_names
+
+    folder = Path(__file__).resolve().parent / "rewards"
+    return sorted({name for path in folder.glob("*.py") for name in registered_names(path, "register")})
+
+
 def catalog() -> dict[str, list[str]]:
     return {
         "rollout methods (visgen.method.name)": list(METHODS),
         "training objectives (visgen.objective.name)": list(OBJECTIVES),
         "tasks (visgen.task)": list(TASKS),
-        "rewards (visgen.rewards[].name; grove rewards describes each)": register_rewards(),
+        "rewards (visgen.rewards[].name; grove rewards describes each)": reward_names(),
         "SDE kernels (visgen.kernel)": list(KERNELS),
         "pipeline families (visgen.model: a diffusers pipeline of one of these)": list(PIPELINE_FAMILIES),
     }
