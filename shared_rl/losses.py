@@ -1,4 +1,4 @@
-"""Policy losses (a registry: clipped / GSPO / CISPO / SAPO / Flow-DPPO, and the likelihood-free NFT / AWM / DGPO / DPO), aggregation modes
+"""Policy losses (a registry: clipped / GSPO / CISPO / SAPO / Flow-DPPO / on-policy distillation, and the likelihood-free NFT / AWM / DGPO / DPO), aggregation modes
 and KL estimators (a registry too).
 
 All losses take per-step tensors ``[n, T]`` with a step mask, so the same code trains denoising steps (visgen,
@@ -608,6 +608,44 @@ def flow_dppo_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch
     kept = torch.exp(torch.where(drop, torch.zeros_like(lr), lr))
     loss = torch.where(drop, torch.zeros_like(kept), -adv * kept)
     return loss * m, {"ratio": ratio, "clipped": drop.to(logp.dtype).detach(), "log_ratio": lr.detach()}
+
+
+@dataclass
+class OPDSettings:
+    distill_coef: float = field(default=1.0, metadata={
+        "help": "weight of the teacher KL mean ||mu - mu_T||^2 / (2 sigma_t^2) (verl-omni distill_loss_coef: 1.0; "
+                "its pure distillation, loss_mode distill_kl, is this weight 1)"})
+    with_grpo: bool = field(default=False, metadata={
+        "help": "add the teacher KL to Flow-GRPO's clipped surrogate (verl-omni loss_mode flow_grpo with "
+                "use_distill_loss) instead of training on the teacher KL alone (loss_mode distill_kl, the recipe)"})
+
+    def check(self, where: str) -> None:
+        if not self.distill_coef > 0:
+            raise ConfigError(f"{where}.distill_coef must be > 0, got {self.distill_coef}")
+
+
+@register_policy_loss("opd", settings=OPDSettings)
+def opd_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, cfg,
+             settings: OPDSettings, terms=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Diffusion on-policy distillation (verl-omni ``DistillKLLoss``, docs/algo/diffusion_opd.md): per stored SDE
+    step of the student's own trajectory, the closed-form KL between the student's and a frozen teacher's step
+    Gaussians (they share the student's std), ``KL_t = mean over latent elements of ‖μ_θ − μ_T‖² / (2σ_t²)``
+    (``terms.old_kl``, with grad through μ_θ; the domain replays the stored state through the teacher).
+    ``L_t = c·KL_t`` (c = ``distill_coef``), plus with ``with_grpo`` the Flow-GRPO clipped surrogate of
+    ``clipped`` (verl-omni's ``flow_grpo`` loss + ``distill_loss_coef``·distill). The ratio stats are the
+    surrogate's (ρ reported, nothing clipped without it)."""
+    if terms is None or getattr(terms, "old_kl", None) is None:
+        raise ConfigError("loss.policy_loss 'opd' needs the KL between the student's and the teacher's step means "
+                          "(StepLogProbs.old_kl): visgen computes it with visgen.objective: {name: opd, teacher: ...}")
+    m = mask.to(logp.dtype)
+    distill = settings.distill_coef * terms.old_kl.to(logp)
+    if settings.with_grpo:
+        pg, stats = clipped_surrogate(logp, logp_old, advantages, mask, cfg.clip_low, cfg.clip_high, cfg.dual_clip,
+                                      "step")
+        return pg + distill * m, stats
+    lr = (logp - logp_old) * m
+    return distill * m, {"ratio": torch.exp(lr.detach()), "clipped": torch.zeros_like(lr).detach(),
+                         "log_ratio": lr.detach()}
 
 
 # ---------------------------------------------------------------------------------------------------------------

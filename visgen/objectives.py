@@ -36,6 +36,9 @@
 - ``flow_dppo`` — Flow-DPPO (arXiv 2606.11025; Tencent-Hunyuan/UniRL ``flowdppo.py``): not likelihood-free; the
   Flow-GRPO recompute plus the KL of each step's mean to the old policy's (the weights that sampled the batch,
   frozen for it), which the ``flow_dppo`` loss masks with in place of the ratio clip.
+- ``opd`` — diffusion on-policy distillation (verl-omni ``DistillKLLoss``): the student's own SDE trajectories
+  replayed by a frozen teacher of the same family; the ``opd`` loss is mean ‖μ_θ − μ_T‖²/(2σ_t²) over the trained
+  steps, alone or added to Flow-GRPO's clipped surrogate (``with_grpo``) with ``distill_coef``.
 
 A likelihood-free objective is chosen once: it brings its policy loss (``VisgenConfig.policy_loss``, with its
 settings) and, unless ``visgen.method`` says otherwise, the deterministic ODE sampler (``default_method``; each
@@ -64,7 +67,7 @@ from shared_rl.domain import StepLogProbs
 from .engine import stock_randn_tensor
 
 __all__ = ["OBJECTIVES", "Objective", "LogProbObjective", "NFTObjective", "AWMObjective", "DGPOObjective",
-           "DPOObjective", "FlowDPPOObjective", "logit_normal_sigmas",
+           "DPOObjective", "FlowDPPOObjective", "OPDObjective", "logit_normal_sigmas",
            "OldPolicySchedule", "objective_from_config", "nft_branch_losses", "flow_matching_loss",
            "awm_log_likelihood", "stratified_steps", "AWM_WEIGHTINGS"]
 
@@ -143,12 +146,13 @@ def stratified_steps(num_steps: int, k: int, fraction: float, time_type: str, n:
 class OldPolicySchedule:
     """A lagging copy of the adapter, θ_old ← d·θ_old + (1 − d)·θ with d = 0 before ``flat`` optimizer steps, then
     min(``decay_max``, ``ramp``·(steps − ``flat``)) (``ramp`` null: ``decay_max`` always); applied once per
-    iteration before its rollout (``update: iteration``, the references) or after every optimizer step (``step``)."""
+    iteration before its rollout (``update: iteration``, the references) or after every optimizer step (``step``);
+    ``update`` a ``visgen.policy.TeacherSource``: the "old" copy is a frozen teacher model, never updated (OPD)."""
 
     decay_max: float
     ramp: Optional[float]
     flat: int = 0
-    update: str = "iteration"
+    update: Any = "iteration"
 
 
 @dataclass
@@ -334,6 +338,44 @@ class FlowDPPOSettings:
 
     def check(self, where: str) -> None:
         self.loss_settings().check(where)
+
+
+@dataclass
+class OPDSettings:
+    teacher: str = field(default="", metadata={
+        "help": "the frozen teacher: a diffusers pipeline directory or hub id of the student's family and scheduler "
+                "(verl-omni distillation.teacher_models.teacher_model.model_path; required; LoRA merged into it)"})
+    distill_coef: float = field(default=1.0, metadata={
+        "help": "weight of the teacher KL (verl-omni distill_loss_coef 1.0; pure distillation is weight 1)"})
+    with_grpo: bool = field(default=False, metadata={
+        "help": "train Flow-GRPO's clipped surrogate plus distill_coef * the teacher KL (verl-omni loss_mode "
+                "flow_grpo with use_distill_loss) instead of the teacher KL alone (loss_mode distill_kl, its recipe)"})
+
+    def loss_settings(self):
+        from shared_rl.losses import OPDSettings as OPDLossSettings
+
+        return OPDLossSettings(self.distill_coef, self.with_grpo)
+
+    def check(self, where: str) -> None:
+        self.loss_settings().check(where)
+        if not str(self.teacher).strip():
+            raise ConfigError(f"{where}.teacher is required: a diffusers pipeline directory or hub id of the student's "
+                              "family (e.g. a reward-tuned checkpoint with its LoRA merged)")
+        from shared_rl.prechecks import resolve_visgen_model
+
+        location, local = resolve_visgen_model(str(self.teacher))
+        if local:  # its family and scheduler are compared with the student's when both load
+            from pathlib import Path
+
+            index = Path(location) / "model_index.json"
+            if not index.is_file():
+                raise ConfigError(f"{where}.teacher {self.teacher!r} is not a diffusers pipeline (no model_index.json)")
+            import json
+
+            parts = json.loads(index.read_text())
+            if not parts.get("transformer") or not parts.get("scheduler"):
+                raise ConfigError(f"{where}.teacher {self.teacher!r} has no transformer or scheduler to replay the "
+                                  "student's states with")
 
 
 def logit_normal_sigmas(n: int, mean: float, std: float, shift: float, num_train_timesteps: int,
@@ -802,6 +844,31 @@ class FlowDPPOObjective(Objective):
 
     def old_policy(self) -> OldPolicySchedule:
         return OldPolicySchedule(0.0, None, 0, "iteration")
+
+
+@register_objective
+class OPDObjective(Objective):
+    """Diffusion on-policy distillation (verl-omni ``DistillKLLoss``, docs/algo/diffusion_opd.md): the student samples
+    its own SDE trajectories (the ``flow_grpo`` sampler), a frozen teacher of the same family and scheduler replays
+    every stored trained state, and the ``opd`` loss moves the student's step means to the teacher's. Not
+    likelihood-free: the Flow-GRPO recompute of the stored steps gives μ_θ (and the log-probs ``with_grpo`` uses);
+    the teacher is the shared old-policy slot filled by a frozen transformer (``TeacherSource``: never updated,
+    never checkpointed), so the recompute's ``old_kl`` is ‖μ_θ − μ_T‖²/(2σ_t²), kept with grad."""
+
+    name = "opd"
+    settings_class = OPDSettings
+    policy_loss = "opd"
+    needs_old_means = True
+
+    def loss_choice(self):
+        from shared_rl.config import PolicyLossChoice
+
+        return PolicyLossChoice(self.policy_loss, self.settings.loss_settings())
+
+    def old_policy(self) -> OldPolicySchedule:
+        from .policy import TeacherSource
+
+        return OldPolicySchedule(0.0, None, 0, TeacherSource(str(self.settings.teacher)))
 
 
 def objective_from_config(config: dict[str, Any] | str, where: str = "visgen.objective") -> Objective:

@@ -11,7 +11,10 @@ reference policy for KL, an EMA of the trained weights, checkpoint tensors and t
 - **EMA** of the trained weights (Flow-GRPO keeps one with decay 0.9 for evaluation): ``ema_weights()`` swaps the
   averaged weights in for evaluation and export, and back out.
 - **Old policy** (DiffusionNFT's v_old and sampler, AWM's EMA-KL target): a lagging copy of the trained weights,
-  soft-updated once per iteration before its rollout (``enable_old_policy`` / ``sync_old_policy``).
+  soft-updated once per iteration before its rollout (``enable_old_policy`` / ``sync_old_policy``). A frozen
+  **teacher** (on-policy distillation) takes the old copy's place: a second transformer of the same pipeline family
+  and scheduler, loaded from its own checkpoint (``enable_old_policy(..., update=TeacherSource(path))``), never
+  updated and never written to checkpoints.
 - **Checkpoints**: ``state_dict`` holds the trained tensors by parameter name plus ``ema.<name>`` when EMA is on
   and ``old.<name>`` + ``old_synced_iteration`` with an old policy, so a resumed run continues exactly.
 - **Export**: ``save_pretrained`` writes the LoRA in the diffusers layout (``pytorch_lora_weights.safetensors`` with
@@ -73,6 +76,19 @@ class EmaSettings:
             raise ConfigError(f"{where}.update_every must be >= 1, got {self.update_every}")
 
 
+@dataclass(frozen=True)
+class TeacherSource:
+    """The ``update`` of an old-policy schedule whose "old" copy is a frozen teacher loaded from ``model`` (a diffusers
+    pipeline directory or hub id of the student's family and scheduler): only its transformer is kept."""
+
+    model: str
+
+
+def _scheduler_config(scheduler) -> dict:
+    """A scheduler's settings without diffusers' bookkeeping keys (the version that saved it, the defaults it filled)."""
+    return {k: v for k, v in dict(scheduler.config).items() if k not in ("_diffusers_version", "_use_default_values")}
+
+
 def old_decay(steps: int, decay_max: float, ramp: float | None, flat: int = 0) -> float:
     """The old copy's decay after ``steps`` optimizer steps: 0 before ``flat`` steps, then
     min(``decay_max``, ``ramp``·(steps − ``flat``)); ``ramp`` None: ``decay_max`` (DiffusionNFT's ``return_decay``,
@@ -131,6 +147,7 @@ class FlowPolicy:
         self._names = [n for n, p in self.transformer.named_parameters() if p.requires_grad]
         self.ema: dict[str, torch.Tensor] | None = None
         self.old: dict[str, torch.Tensor] | None = None  # DiffusionNFT's old policy (enable_old_policy)
+        self.teacher: torch.nn.Module | None = None  # on-policy distillation's frozen teacher (enable_old_policy)
         self._old_steps = 0
         self._old_synced = 0
         self._ema_steps = 0
@@ -233,6 +250,9 @@ class FlowPolicy:
         references' ``return_decay``. ``update``: ``"iteration"`` — once per iteration, before its rollout
         (``sync_old_policy``; the references update after each epoch's training, with the same step count);
         ``"step"`` — after every optimizer step with d = old_decay(steps before it) (grove's earlier form)."""
+        if isinstance(update, TeacherSource):
+            self._enable_teacher(update.model)
+            return
         if update not in ("iteration", "step"):
             raise ValueError(f"old policy update must be 'iteration' or 'step', got {update!r}")
         self.old = {n: p.detach().clone() for n, p in self._named_trainable()}
@@ -241,10 +261,55 @@ class FlowPolicy:
         self._old_steps = 0
         self._old_synced = 0
 
+    def _enable_teacher(self, model: str) -> None:
+        """Load the teacher's pipeline, refuse another family or scheduler (ConfigError, one line: it must replay the
+        student's stored states on the student's noise grid, as verl-omni's worker init requires), keep its
+        transformer frozen on the student's device in the student's base dtype. The old copy is then the teacher:
+        ``old`` holds no lagging weights, ``sync_old_policy`` and ``old_policy_step`` never change it."""
+        from .domain import load_pipeline  # lazily: the domain module imports this one
+
+        frozen = [p for p in self.transformer.parameters() if not p.requires_grad]
+        if not frozen and self.reference_copy is not None:  # full tuning: the frozen copy keeps the load dtype
+            frozen = list(self.reference_copy.parameters())
+        dtype = frozen[0].dtype if frozen else torch.float32
+        device = next(self.transformer.parameters()).device
+        teacher_pipe, _location, _local = load_pipeline(model, dtype)
+        student, teacher = type(self.pipe).__name__, type(teacher_pipe).__name__
+        if teacher != student:
+            raise ConfigError(f"the teacher {model!r} is a {teacher}, the student a {student}: on-policy distillation "
+                              "needs a teacher of the student's pipeline family")
+        mine, theirs = _scheduler_config(self.pipe.scheduler), _scheduler_config(teacher_pipe.scheduler)
+        mine["class"], theirs["class"] = type(self.pipe.scheduler).__name__, type(teacher_pipe.scheduler).__name__
+        diff = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+        if diff:
+            raise ConfigError(f"the teacher {model!r} has another scheduler than the student (differs in {diff}): it "
+                              "must replay the student's states on the same noise schedule")
+        self.teacher = teacher_pipe.transformer.to(device).eval().requires_grad_(False)
+        self.old = {}
+        self._old_schedule = (0.0, None, 0, "teacher")
+        self._old_steps = 0
+        self._old_synced = 0
+
+    @contextlib.contextmanager
+    def _teacher_swapped(self) -> Iterator[None]:
+        original = self.pipe.transformer
+        self.pipe.transformer = self.teacher
+        try:
+            yield
+        finally:
+            self.pipe.transformer = original
+
+    @property
+    def _has_old_copy(self) -> bool:
+        """A lagging copy of the trained weights (not a teacher): what checkpoints carry as ``old.<name>``."""
+        return self.old is not None and self.teacher is None
+
     def old_decay(self, steps: int) -> float:
         return old_decay(steps, *self._old_schedule[:3])
 
     def _lerp_old(self, decay: float) -> None:
+        if self.teacher is not None:  # a teacher is never updated
+            return
         with torch.no_grad():
             for name, p in self._named_trainable():
                 self.old[name].lerp_(p.detach(), 1.0 - decay)
@@ -271,6 +336,8 @@ class FlowPolicy:
         """Swap the old-policy weights in (``enable_old_policy`` first)."""
         if self.old is None:
             raise RuntimeError("old_weights() before enable_old_policy()")
+        if self.teacher is not None:  # the teacher's own transformer replaces the student's for the block
+            return self._teacher_swapped()
         return self._swapped(self.old)
 
     # ------------------------------------------------------------------------------------------------ state
@@ -278,14 +345,14 @@ class FlowPolicy:
         state = {name: p.detach().clone() for name, p in self._named_trainable()}
         if self.ema is not None:
             state.update({f"ema.{name}": t.clone() for name, t in self.ema.items()})
-        if self.old is not None:
+        if self._has_old_copy:
             state.update({f"old.{name}": t.clone() for name, t in self.old.items()})
             state[self.OLD_SYNCED] = torch.tensor([self._old_synced], dtype=torch.long)
         return state
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         names = set(self._names) | ({f"ema.{n}" for n in self._names} if self.ema is not None else set())
-        if self.old is not None:
+        if self._has_old_copy:
             names |= {f"old.{n}" for n in self._names} | {self.OLD_SYNCED}
         missing, unexpected = names - set(state), set(state) - names
         if missing or unexpected:
@@ -296,9 +363,9 @@ class FlowPolicy:
                 p.copy_(state[name])
                 if self.ema is not None:
                     self.ema[name].copy_(state[f"ema.{name}"])
-                if self.old is not None:
+                if self._has_old_copy:
                     self.old[name].copy_(state[f"old.{name}"])
-        if self.old is not None:
+        if self._has_old_copy:
             self._old_synced = int(state[self.OLD_SYNCED].reshape(-1)[0])
 
     def extra_state(self) -> dict:

@@ -39,7 +39,9 @@ class RecomputedEdges:
     entropy: torch.Tensor  # [n, L]
     nfe: int
     std: torch.Tensor | None = None  # [n, L] each recomputed step's transition std (0 elsewhere)
-    old_kl: torch.Tensor | None = None  # [n, L] ||mu - mu_old||^2 / (2 std^2) to the old copy's means (Flow-DPPO)
+    # [n, L] ||mu - mu_old||^2 / (2 std^2) to the old copy's means, with grad (Flow-DPPO's mask; the teacher's for
+    # on-policy distillation)
+    old_kl: torch.Tensor | None = None
 
 
 def recompute_edges(
@@ -62,8 +64,9 @@ def recompute_edges(
     batch and the log-probs equal ``logp_old`` bit for bit. ``reference`` (a context-manager factory switching to
     the reference model) adds the Flow-GRPO KL: ``kl_type="mean"`` ``||mu - mu_ref||^2 / (2 std^2)`` or
     ``"velocity"`` ``||v - v_ref||^2`` (mean over latent elements). ``old`` (a context-manager factory swapping
-    the old policy's weights in) adds ``old_kl``, the same Gaussian-mean KL to the old copy's step means (Flow-DPPO's
-    mask; no grad), from one more forward per step under one weight swap.
+    the old policy's weights in) adds ``old_kl``, the same Gaussian-mean KL to the old copy's step means (with grad
+    through the policy's means: Flow-DPPO's mask detaches it, on-policy distillation's teacher KL trains on it), from
+    one more forward per step under one weight swap.
 
     ``pad`` (FSDP2, ``visgen.fsdp.ForwardPadding``): maps this call's number of velocity calls per pass to the
     largest over the processes; each pass (reference, old, trained) then adds that many minus its own of weight-0
@@ -152,8 +155,8 @@ def recompute_edges(
             else:
                 value = ((v - v_ref.float()) ** 2).flatten(1).mean(1)
             kl = kl.index_put((d_m, col), value)
-        if old_kl is not None:
-            old_kl[d_m, j] = sde_mean_kl(out.mean.detach(), olds[w], out.std, reduction="mean").float()
+        if old_kl is not None:  # with grad: on-policy distillation trains on it (Flow-DPPO's mask detaches it)
+            old_kl = old_kl.index_put((d_m, col), sde_mean_kl(out.mean, olds[w], out.std, reduction="mean").float())
     for _ in range(extra):  # after the real forwards, as every process's trained pass ends the same way
         logp = logp + padding()
     return RecomputedEdges(logp, kl, entropy, nfe, std, old_kl)

@@ -196,3 +196,24 @@ def load_shapes_asset(directory: str | Path = ASSET_DIR):
     )
     pipe.set_progress_bar_config(disable=True)
     return pipe
+
+
+def merge_teacher(final_dir: str | Path, out_dir: str | Path, base: str | None = None) -> Path:
+    """A trained run's ``final/`` as a full pipeline directory that on-policy distillation loads as its frozen teacher
+    (``visgen.objective: {name: opd, teacher: out_dir}``): the base pipeline with the run's LoRA fused into the
+    transformer and the adapter removed (the teacher never loads adapters), saved with the base's ``grove.json``
+    settings when it has them. ``base`` overrides the recorded base pipeline, as in ``load_trained_pipeline``."""
+    from .export import export_info, load_trained_pipeline, resolve_base
+
+    pipe, _settings = load_trained_pipeline(final_dir, base=base)
+    if not (Path(final_dir) / "transformer").is_dir():  # a LoRA run: merge it, then drop the adapter layers
+        pipe.fuse_lora()
+        pipe.unload_lora_weights()
+    info = export_info(final_dir)
+    location = Path(resolve_base(base or str(info["base_model"]), None if base else info.get("base_model_in_checkout")))
+    extra = asset_settings(location) if (location / GROVE_JSON).is_file() else {}
+    out_dir = Path(out_dir)
+    pipe.save_pretrained(out_dir, safe_serialization=True)
+    if extra:
+        (out_dir / GROVE_JSON).write_text(json.dumps(extra, indent=2, sort_keys=True) + "\n")
+    return out_dir
