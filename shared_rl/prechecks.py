@@ -10,7 +10,9 @@ live here, in a module that imports only the standard library and grove's torch-
   ``load_train_config`` and before anything imports torch;
 - later, by each domain's own validation (``LLM``: ``shared_rl.llm.model.resolve_model_path``; ``visgen``:
   ``visgen.preflight``; ``robotics``: ``RoboticsConfig.preflight``), which calls the very functions below on its typed
-  config, so the two cannot drift: one list of checks, one message each.
+  config, so the two cannot drift: one list of checks, one message each. (One exception: a LeRobot
+  ``policy.path`` is checked by ``robotics.policies.lerobot.load.read_policy_config``, which also parses the files;
+  ``check_lerobot_policy`` is its stat-only part, line for line, and the test below compares the two.)
 
 Which keys are paths is declared once, in ``PATH_KEYS``: per domain, the dotted key in its section, the function that
 checks it, and the other keys of the section the check reads (with their dataclass defaults, which
@@ -142,6 +144,45 @@ def check_vla_checkpoint(checkpoint: str, env_kind: str, policy_type: str) -> Pa
     return path
 
 
+def lerobot_tiny_command(path: str, env_kind: str = "metaworld") -> str:
+    """The command that makes a tiny LeRobot policy at ``path`` for this env (the family read off the name), as
+    ``robotics.policies.lerobot.load.make_tiny_command`` writes it."""
+    name = Path(path).name
+    family = "pi05" if "pi05" in name else "pi0" if "pi0" in name else ""
+    args = [f"--env {env_kind}"] if env_kind == "libero" else []
+    args += [f"--family {family}"] if family else []
+    return " ".join(["python scripts/robotics_lerobot_tiny.py", *args, f"--out {path}"])
+
+
+def check_lerobot_policy(path: str, env_kind: str, policy_type: str) -> None:
+    """``robotics.policy.path`` of a LeRobot policy before torch or LeRobot is imported: a local path that does not
+    exist, a directory without ``config.json``, or a hub id with no snapshot in the local cache (the loader reads the
+    cache only: offline by design) is the line ``robotics.policies.lerobot.load.read_policy_config`` gives, which the
+    domain's validation runs later (tests/core/test_prechecks.py compares the two). Resolved as the domain resolves
+    it (a local folder, also relative to the repository, else a hub id); what only reading the files can find (a
+    ``config.json`` that is not JSON, a cached id without one) is left to that full check."""
+    if policy_type != "lerobot" or not path or path.startswith(HELD_PREFIX):
+        return
+    from .preflight import cached_hub_ids
+    from .readers import local_path_meant
+
+    resolved = resolve_repo_path(path)
+    given = str(resolved) if resolved.exists() else path
+    p = Path(given)
+    if not p.is_dir() and local_path_meant(given):
+        raise ConfigError(f"robotics.policy.path: {given} does not exist (a local path, not a hub id); make this "
+                          f"recipe's tiny policy with `{lerobot_tiny_command(given, env_kind)}`, your own with "
+                          f"LeRobot's `lerobot-train`")
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise ConfigError(f"robotics.policy.path: {p} has no config.json; it must be a LeRobot policy directory "
+                              f"(policy.save_pretrained(dir))")
+        return
+    if given not in cached_hub_ids("models"):
+        raise ConfigError(f"robotics.policy.path: {given!r} is neither a LeRobot policy directory nor a hub id in "
+                          f"the local cache (download it once with `hf download {given}`)")
+
+
 def check_eval_baseline(path: str) -> None:
     """``robotics.eval_baseline``: a file of recorded evaluation episodes, when one is named."""
     if path and not resolve_repo_path(path).is_file():
@@ -167,6 +208,8 @@ PATH_KEYS: dict[str, tuple[PathKey, ...]] = {
     "visgen": (PathKey("model", check_visgen_model),),
     "robotics": (
         PathKey("checkpoint", check_vla_checkpoint,
+                {"env_kind": ("env.kind", "metaworld"), "policy_type": ("policy.type", "tiny_vla")}),
+        PathKey("policy.path", check_lerobot_policy,
                 {"env_kind": ("env.kind", "metaworld"), "policy_type": ("policy.type", "tiny_vla")}),
         PathKey("eval_baseline", check_eval_baseline),
     ),

@@ -235,6 +235,11 @@ CASES = {
                                                             head_mode="sde_one_step"),
                                                   "'lerobot/pi05_libero' is neither a LeRobot policy directory nor a "
                                                   "hub id in the local cache"),
+    "robotics LeRobot policy dir without config.json": (_robotics(policy={"type": "lerobot",
+                                                                       "path": "TMP/not_a_dataset"},
+                                                               head_mode="sde_one_step"),
+                                                     "not_a_dataset has no config.json; it must be a LeRobot policy "
+                                                     "directory"),
     "robotics LeRobot policy path missing": (_robotics(policy={"type": "lerobot", "path": "TMP/lerobot/smolvla-tiny"},
                                                        head_mode="sde_one_step"),
                                              "does not exist (a local path, not a hub id); make this recipe's tiny "

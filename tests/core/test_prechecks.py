@@ -47,6 +47,21 @@ CORPUS = {
                                  "model.safetensors + config.json) (did you mean 'metaworld-vla-tiny'?)"),
     "robotics LIBERO clone missing": ("configs/robotics/libero_grpo.yaml", ["robotics.checkpoint=MISSING/bc5"],
                                       "make it with `grove train configs/robotics/libero_bc.yaml export_dir="),
+    "robotics LeRobot policy hub id not cached": ("configs/robotics/pi05_libero_grpo_gpu.yaml", ["device=cpu"],
+                                                  "robotics.policy.path: 'lerobot/pi05_libero' is neither a LeRobot "
+                                                  "policy directory nor a hub id in the local cache (download it once "
+                                                  "with `hf download lerobot/pi05_libero`)"),
+    "robotics LeRobot local policy missing": ("configs/robotics/lerobot_smolvla_tiny_grpo.yaml",
+                                              ["robotics.policy.path=MISSING/lerobot/smolvla-tiny"],
+                                              "does not exist (a local path, not a hub id); make this recipe's tiny "
+                                              "policy with `python scripts/robotics_lerobot_tiny.py --out "),
+    "robotics LeRobot LIBERO policy missing": ("configs/robotics/libero_smolvla_tiny_grpo.yaml",
+                                               ["robotics.policy.path=MISSING/lerobot/smolvla-tiny-libero"],
+                                               "make this recipe's tiny policy with `python "
+                                               "scripts/robotics_lerobot_tiny.py --env libero --out "),
+    "robotics LeRobot policy without config.json": ("configs/robotics/lerobot_smolvla_tiny_grpo.yaml",
+                                                    ["robotics.policy.path=EMPTY"],
+                                                    "has no config.json; it must be a LeRobot policy directory"),
     "robotics eval baseline missing": ("configs/robotics/metaworld_grpo.yaml",
                                        ["robotics.eval_baseline=MISSING/eval_episodes.json"], "no such file"),
 }
@@ -56,7 +71,13 @@ def _case(name: str, tmp_path: Path) -> tuple[str, list[str], str]:
     config, overrides, expect = CORPUS[name]
     if name.startswith("robotics") and not HAS_MUJOCO:
         pytest.skip("the robotics domain's full validation needs mujoco")
-    return config, [o.replace("MISSING", str(tmp_path / "missing")) for o in overrides], expect
+    (tmp_path / "empty").mkdir(exist_ok=True)
+    return config, [_paths(o, tmp_path) for o in overrides], expect
+
+
+def _paths(override: str, tmp_path: Path) -> str:
+    """MISSING: a folder under pytest's tmp_path that does not exist; EMPTY: an empty one there."""
+    return override.replace("MISSING", str(tmp_path / "missing")).replace("EMPTY", str(tmp_path / "empty"))
 
 
 @pytest.fixture
@@ -88,7 +109,8 @@ def test_the_early_pass_and_the_full_validation_give_the_same_line(name, tmp_pat
 def test_the_cli_answers_a_typod_path_before_importing_torch_or_a_domain(tmp_path):
     """In one fresh process, each corpus command exits 2 with its line while torch, transformers, diffusers and
     the domain packages are still unimported (``load_train_config`` would have imported them)."""
-    argvs = [["train", config, *[o.replace("MISSING", str(tmp_path / "missing")) for o in overrides], "--dry-run"]
+    (tmp_path / "empty").mkdir()
+    argvs = [["train", config, *[_paths(o, tmp_path) for o in overrides], "--dry-run"]
              for config, overrides, _ in CORPUS.values()]
     code = ("import sys, io, contextlib; from shared_rl.cli import main; out = []\n"
             f"for argv in {argvs!r}:\n"
@@ -155,9 +177,11 @@ def test_the_table_names_the_functions_the_domains_call_and_their_defaults():
         domains.append("robotics")
     for domain in domains:
         section = resolve_domain(domain).config_class()
-        fields = {f.name for f in dataclasses.fields(section)}
         for entry in PATH_KEYS[domain]:
-            assert entry.key in fields, (domain, entry.key)
+            node = section
+            for part in entry.key.split("."):  # policy.path: a field of a nested section
+                assert part in {f.name for f in dataclasses.fields(node)}, (domain, entry.key)
+                node = getattr(node, part)
             for dotted, default in entry.context.values():
                 value = section
                 for part in dotted.split("."):
