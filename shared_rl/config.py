@@ -615,12 +615,28 @@ class DistributedConfig:
         gradients still *summed*). With one process both are the same.
     reshard_after_forward: fsdp2 only; free the gathered parameters after each training forward (saves memory,
         costs one more all-gather per block in backward).
+    checkpoint / mixed_precision / cpu_offload / replicate: the checkpoint layout and FSDP2's policies and mesh
+        (docs/scaling.md).
     """
 
     strategy: Literal["replicate", "fsdp2"] = field(
         default="replicate", metadata={"help": "replicate (full copy per process) | fsdp2 (shard the policy)"})
     reshard_after_forward: bool = field(
         default=True, metadata={"help": "fsdp2: free gathered parameters after each forward (less memory)"})
+    checkpoint: Literal["auto", "full", "sharded"] = field(
+        default="auto", metadata={"help": "checkpoint layout: full (one model.safetensors + optimizer.pt, gathered "
+                                          "to process 0) | sharded (torch.distributed.checkpoint: each process "
+                                          "writes its own shards) | auto (sharded under fsdp2 with several "
+                                          "processes, else full)"})
+    mixed_precision: Literal["none", "bf16"] = field(
+        default="none", metadata={"help": "fsdp2: bf16 = MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): "
+                                          "forwards/backwards in bf16, fp32 shards, gradients and reductions"})
+    cpu_offload: bool = field(
+        default=False, metadata={"help": "fsdp2: CPUOffloadPolicy: shards, gradients and optimizer state live in "
+                                         "CPU memory, copied to the GPU per block (needs a GPU device)"})
+    replicate: int = field(
+        default=1, metadata={"help": "fsdp2: HSDP, a 2-D mesh of `replicate` groups x (processes / replicate) "
+                                     "shards (e.g. nodes x GPUs per node); 1 = shard over every process"})
 
 
 DEVICE_PATTERN = re.compile(r"auto|cpu|mps|cuda(:\d+)?")

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from .advantages import ESTIMATORS, AdvantageInputs, AdvantageOutput
-from .checkpoint import restore_run, rng_state, save_run, set_rng_state
+from .checkpoint import checkpoint_sharded, restore_run, rng_state, save_run, set_rng_state
 from .collect import Collector, iteration_seed, oom_hint, weighted_reward  # noqa: F401  (iteration_seed re-exported)
 from .config import ConfigError, TrainConfig, dump_train_config
 from .domain import RunContext, StepLogProbs
@@ -519,7 +519,7 @@ class Trainer:
         if not self.run_dir:
             return None
         return save_run(self.run_dir / "checkpoints", iteration, self.domain, self.optim, self.sampler, self.dist,
-                        self.fsdp, self.cfg.checkpoint.keep_last)
+                        self.fsdp, self.cfg.checkpoint.keep_last, checkpoint_sharded(self.cfg, self.fsdp))
 
     def resume(self, checkpoints: Path | None = None, exact: bool = True) -> bool:
         """Restore the newest valid checkpoint of ``checkpoints`` (default ``run_dir/checkpoints``; ``grove eval``

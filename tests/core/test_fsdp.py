@@ -14,6 +14,7 @@ import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
+from shared_rl.checkpoint import export_full_checkpoint
 from shared_rl.config import ConfigError, load_train_config
 from shared_rl.distributed import exit_distributed, free_port, full_optimizer_state, full_tensors, is_dtensor
 from shared_rl.trainer import Trainer
@@ -144,8 +145,10 @@ def test_fsdp2_two_processes_match_one(tmp_path, name, tiny_llama):
     # 3 groups over 2 processes: the rank with fewer sequences padded its micro-batches with weight-0 forwards
     assert got[0]["padding_forwards"] + got[1]["padding_forwards"] > 0
     _assert_same_records(_records(tmp_path / "one"), _records(tmp_path / "two"), name)
+    # the FSDP2 run wrote sharded checkpoints (distributed.checkpoint: auto); exported, they hold the 1-process values
     last = f"checkpoints/step_{single.cfg.iterations:06d}"
-    w1, w2 = (load_file(str(tmp_path / run / last / "model.safetensors")) for run in ("one", "two"))
+    exported = export_full_checkpoint(tmp_path / "two" / last, tmp_path / "export" / "checkpoints")
+    w1, w2 = (load_file(str(p / "model.safetensors")) for p in (tmp_path / "one" / last, exported))
     assert w1.keys() == w2.keys() and all(torch.allclose(w1[k], w2[k], atol=1e-5, rtol=1e-4) for k in w1)
     if name.startswith("llm"):  # the exported adapter was gathered on rank 0
         a1 = load_file(str(tmp_path / "one" / "final" / "adapter_model.safetensors"))
@@ -164,7 +167,8 @@ def _resume_worker(rank, world, port, fresh_dir, resume_dir, out):
     with pytest.raises(ConfigError, match="add distributed.strategy=fsdp2"):
         Trainer(_config("toy_tree", "replicate"), None, **quiet)
     del os.environ["ACCELERATE_USE_FSDP"]
-    cfg = _config("toy_refill_deferred", "fsdp2", iterations=2, checkpoint={"every": 1})
+    cfg = _config("toy_refill_deferred", "fsdp2", iterations=2, checkpoint={"every": 1},  # the gathered layout
+                  distributed={"strategy": "fsdp2", "checkpoint": "full"})
     fresh = Trainer(cfg, fresh_dir, log=lambda *_: None)
     fresh.fit()  # writes an FSDP2 checkpoint at step 2
     tr = Trainer(_config("toy_refill_deferred", "fsdp2", iterations=4), resume_dir, log=lambda *_: None)

@@ -16,6 +16,7 @@ import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
+from shared_rl.checkpoint import export_full_checkpoint, is_sharded_checkpoint
 from shared_rl.config import ConfigError, load_train_config
 from shared_rl.distributed import exit_distributed, free_port, full_tensors, is_dtensor
 from shared_rl.trainer import Trainer
@@ -123,8 +124,11 @@ def test_fsdp2_two_processes_match_one_and_resume_in_one(tmp_path, sd3_two_block
     assert compared >= 15 and "eval/score" in one[-1]
     assert max(r.get("grad_norm", 0.0) for r in one) > 1e-3, "no update happened: the comparison would be vacuous"
     assert max(abs(r.get("loss/kl", 0.0)) for r in one) > 0, "the reference pass never ran"
+    # the FSDP2 checkpoint is sharded (each process wrote its own shards); exported, it holds the 1-process values
     last = f"checkpoints/step_{ITERATIONS:06d}"
-    w1, w2 = (load_file(str(tmp_path / run / last / "model.safetensors")) for run in ("one", "two"))
+    assert is_sharded_checkpoint(tmp_path / "two" / last)
+    exported = export_full_checkpoint(tmp_path / "two" / last, tmp_path / "export" / "checkpoints")
+    w1, w2 = (load_file(str(p / "model.safetensors")) for p in (tmp_path / "one" / last, exported))
     assert w1.keys() == w2.keys() and all(torch.allclose(w1[k], w2[k], atol=1e-5, rtol=1e-4) for k in w1)
     # final/: the diffusers LoRA layout, gathered and written once; it loads into a stock pipeline
     a1, a2 = (load_file(str(tmp_path / run / "final" / "pytorch_lora_weights.safetensors")) for run in ("one", "two"))
@@ -139,7 +143,7 @@ def test_fsdp2_two_processes_match_one_and_resume_in_one(tmp_path, sd3_two_block
     pipe.load_lora_weights(str(tmp_path / "two" / "final"), adapter_name="grove")
     loaded = get_peft_model_state_dict(pipe.transformer, adapter_name="grove")
     assert len(loaded) == len(a2) and all(torch.equal(v, a2[f"transformer.{k}"]) for k, v in loaded.items())
-    # resume: the FSDP2 run's checkpoint at step 1 continues in one process to the uninterrupted result
+    # resume: the FSDP2 run's (sharded) checkpoint at step 1 continues in one process to the uninterrupted result
     resumed_dir = tmp_path / "resumed"
     shutil.copytree(tmp_path / "two", resumed_dir)
     shutil.rmtree(resumed_dir / last)
