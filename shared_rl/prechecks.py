@@ -63,6 +63,24 @@ def resolve_llm_model(path: str) -> str:
     return path
 
 
+def check_llm_model(path: str, where: str = "llm.model") -> str:
+    """``llm.model`` / ``llm.tokenizer`` as the CLI names it: the location (``resolve_llm_model``) and, for a hub id,
+    that it is in the local cache or the Hub can be reached (``preflight.check_hub_model``), so a typo'd or uncached
+    id with no network is one line at once instead of a minute of the loader's retries. Not part of
+    ``resolve_llm_model``, which the domain also calls with the name of a model object the Python API caller holds
+    (a class name, not a hub id)."""
+    location = resolve_llm_model(path)
+    if location == path and not Path(path).exists():  # a hub id
+        from .preflight import check_hub_model
+
+        check_hub_model(path, where)
+    return location
+
+
+def check_llm_tokenizer(path: str) -> str:
+    return check_llm_model(path, "llm.tokenizer")
+
+
 # ------------------------------------------------------------------------------------------------------ visgen
 SHAPES_ASSET_HINT = ("build it with `python -m visgen.pretrain configs/visgen/shapes_pretrain.yaml --out "
                      "assets/shapes-sd3-tiny` (about 10 minutes on 2 CPU cores)")
@@ -204,7 +222,7 @@ class PathKey:
 # Among themselves in the order the domains' own validation checks them, so a config with two bad paths gets the
 # same first line from both passes (a path and another kind of mistake together: the early pass names the path).
 PATH_KEYS: dict[str, tuple[PathKey, ...]] = {
-    "llm": (PathKey("model", resolve_llm_model), PathKey("tokenizer", resolve_llm_model)),
+    "llm": (PathKey("model", check_llm_model), PathKey("tokenizer", check_llm_tokenizer)),
     "visgen": (PathKey("model", check_visgen_model),),
     "robotics": (
         PathKey("checkpoint", check_vla_checkpoint,

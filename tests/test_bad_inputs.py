@@ -156,6 +156,9 @@ CASES = {
                                  "distributed.strategy: fsdp2 with visgen.ema.enabled"),
     # llm
     "llm missing model": (_llm(model="no/such/model"), "no/such/model"),
+    "llm hub id not in the cache, offline": (_llm(model="Qwen/Qwen2.5-0.5B-Instrct"),
+                                             "llm.model 'Qwen/Qwen2.5-0.5B-Instrct' is not in the local Hugging Face "
+                                             "cache"),
     "llm unknown reward": (_llm(rewards=[{"name": "exact_matchh"}]), "exact_matchh"),
     "llm reward guard bad policy": (_llm(reward_guard={"on_failure": "ignore"}), "on_failure"),
     "visgen reward guard negative retries": (_visgen(reward_guard={"retries": -1}), "reward_guard.retries"),

@@ -32,6 +32,8 @@ CORPUS = {
                             "model path 'assets/llm-arith-tiy' does not exist (did you mean 'assets/llm-arith-tiny'?)"),
     "llm tokenizer path typo": ("configs/llm/arith_grpo.yaml", ["llm.tokenizer=assets/llm-arith-tiy"],
                                 "(did you mean 'assets/llm-arith-tiny'?)"),
+    "llm hub id typo offline": ("configs/llm/arith_grpo.yaml", ["llm.model=Qwen/Qwen2.5-0.5B-Instrct"],
+                                "llm.model 'Qwen/Qwen2.5-0.5B-Instrct' is not in the local Hugging Face cache"),
     "llm missing local model": ("configs/llm/arith_grpo.yaml", ["llm.model=MISSING/model"], "does not exist"),
     "visgen model path typo": ("configs/visgen/shapes_grpo.yaml", ["visgen.model=assets/shapes-sd3-tny"],
                                "model path 'assets/shapes-sd3-tny' does not exist (did you mean "
@@ -66,6 +68,13 @@ CORPUS = {
                                        ["robotics.eval_baseline=MISSING/eval_episodes.json"], "no such file"),
 }
 
+# Answered by the CLI's early pass only (both `grove train` modes), each with what the domain's own validation, run
+# by the Python API, does instead.
+EARLY_ONLY = {
+    "llm hub id typo offline": "shared_rl/llm/domain.py looks no hub id up: the Python API's loader retries for ~a "
+                               "minute, then fails",
+}
+
 
 def _case(name: str, tmp_path: Path) -> tuple[str, list[str], str]:
     config, overrides, expect = CORPUS[name]
@@ -94,10 +103,11 @@ def test_the_early_pass_and_the_full_validation_give_the_same_line(name, tmp_pat
         precheck_paths(data)
     from shared_rl.preflight import preflight
 
-    with pytest.raises(ConfigError) as full:  # the domains' validation alone, as the Python API runs it
-        preflight(load_train_config(data))
     assert expect in str(early.value)
-    assert str(early.value) == str(full.value)
+    if name not in EARLY_ONLY:
+        with pytest.raises(ConfigError) as full:  # the domains' validation alone, as the Python API runs it
+            preflight(load_train_config(data))
+        assert str(early.value) == str(full.value)
     for mode in (["--dry-run"], ["--out", str(tmp_path / "run")]):
         capsys.readouterr()
         assert main(["train", config, *overrides, *mode]) == 2
@@ -154,12 +164,15 @@ def test_the_table_names_the_functions_the_domains_call_and_their_defaults():
 
     calls = {}
     original = prechecks.resolve_llm_model
-    try:  # the LLM's resolver looks the shared function up at call time
+    try:  # the LLM's resolver looks the shared function up at call time, and so does the CLI's hub-id check
         prechecks.resolve_llm_model = lambda path: calls.setdefault("llm", path)
         assert llm_model.resolve_model_path("x/y/z") == "x/y/z" and calls == {"llm": "x/y/z"}
+        calls.clear()
+        assert prechecks.check_llm_model(str(ROOT)) == str(ROOT) and calls == {"llm": str(ROOT)}
     finally:
         prechecks.resolve_llm_model = original
-    assert {k.key: k.check for k in PATH_KEYS["llm"]} == {"model": original, "tokenizer": original}
+    assert {k.key: k.check for k in PATH_KEYS["llm"]} == {"model": prechecks.check_llm_model,
+                                                         "tokenizer": prechecks.check_llm_tokenizer}
     import visgen.domain
     import visgen.preflight
 
