@@ -139,17 +139,22 @@ class FSDPShards:
     """The FSDP2-wrapped modules of a domain (``fsdp_modules()`` order: blocks first, the root last)."""
 
     def __init__(self, modules: list[torch.nn.Module], d: Dist, device: torch.device,
-                 reshard_after_forward: bool = True) -> None:
+                 reshard_after_forward: bool = True, replicate: int = 1, **policies) -> None:
+        """``replicate`` > 1: HSDP, a 2-D mesh (replicate, shard) — parameters sharded within each group of
+        ``world / replicate`` processes and replicated across groups (gradients all-reduced across them).
+        ``policies``: ``fully_shard``'s ``mp_policy`` / ``offload_policy`` (``shared_rl.sharding.policies``)."""
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
         self.dist = d
         self.reshard_after_forward = reshard_after_forward
-        self.mesh = init_device_mesh(device.type, (d.world,))
+        self.mesh = (init_device_mesh(device.type, (replicate, d.world // replicate),
+                                      mesh_dim_names=("replicate", "shard")) if replicate > 1
+                     else init_device_mesh(device.type, (d.world,)))
         self.modules = []
         for m in modules:
             # explicit reshard_after_forward (also for the root) so that ``gathered`` can restore it exactly
-            fully_shard(m, mesh=self.mesh, reshard_after_forward=reshard_after_forward)
+            fully_shard(m, mesh=self.mesh, reshard_after_forward=reshard_after_forward, **policies)
             m.set_gradient_divide_factor(1.0)  # sum over ranks: the loss already divides by global counts
             m.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM); dividing by 1 is exact
             self.modules.append(m)
@@ -230,12 +235,19 @@ def clip_grad_norm_global_(params: list[torch.nn.Parameter], max_norm: float, d:
     FSDP) and partly plain tensors (already summed over ranks, identical everywhere): the squared norms of the
     local shards are added over ranks, the replicated ones counted once. Returns the global norm (a plain tensor,
     the same on every rank) and scales the gradients by ``min(1, max_norm / (norm + 1e-6))`` like torch."""
+    from torch.distributed.tensor import Replicate
+
     sharded = torch.zeros((), dtype=torch.float64)
     replicated = torch.zeros((), dtype=torch.float64)
     grads = [p.grad for p in params if p.grad is not None]
     for g in grads:
         if is_dtensor(g):
-            sharded += g.to_local().detach().double().pow(2).sum().cpu()
+            # HSDP: a shard is held by every replica group; count it once (the copies are equal)
+            copies = 1
+            for dim, placement in enumerate(g.placements):
+                if isinstance(placement, Replicate):
+                    copies *= g.device_mesh.size(dim)
+            sharded += g.to_local().detach().double().pow(2).sum().cpu() / copies
         else:
             replicated += g.detach().double().pow(2).sum().cpu()
     d.all_reduce_(sharded)

@@ -4,9 +4,9 @@ Read ``Trainer.iteration`` top to bottom: collect (select keys → rollout → r
 ``shared_rl.collect``) → advantages (one registered estimator) → inner epochs of minibatches → per micro-batch the
 loss (``Trainer.loss``: the registered policy loss, aggregated, plus kl_coef·KL, plus a critic's value loss) →
 auxiliary losses → optimizer step (``shared_rl.optim``) → metrics. ``Trainer.fit`` adds evaluation, checkpoints
-(``shared_rl.checkpoint.save_run`` / ``restore_run``: exact resume), signals and the end-of-run plot and summary.
-The cross-process plumbing (global view, index maps, stats reduction, FSDP2 padding forwards) lives in
-``shared_rl.gather``. ``shared_rl/reference.py`` is the same iteration for one process on one screen.
+(``shared_rl.checkpoint.save_run`` / ``restore_run``: exact resume), signals (``shared_rl.signals``) and the
+end-of-run plot and summary (``shared_rl.run_files``). The cross-process plumbing (global view, index maps, stats
+reduction, FSDP2 padding forwards) lives in ``shared_rl.gather``, the FSDP2 set-up in ``shared_rl.sharding``. ``shared_rl/reference.py`` is the same iteration for one process on one screen.
 
 Determinism: every iteration draws its randomness from a generator seeded by (seed, iteration), so a resumed
 run replays exactly the iterations an uninterrupted run would (tested bitwise on CPU).
@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,10 +35,13 @@ from .losses import (Normalizer, aggregate, entropy_bonus, get_policy_loss, high
 from .metrics import MetricsLogger, duration, eta, plot_metrics
 from .optim import Optimizer, WeightEMA, make_scheduler  # noqa: F401  (re-exported)
 from .registry import resolve_domain
-from .rewards import RewardInterrupted, clear_interrupt, interrupt_rewards, reward_calls
+from .rewards import RewardInterrupted, reward_calls
 from .rollout import Rollout
-from .rundir import atomic_write_text, begin_final, commit_final
+from .rundir import begin_final, commit_final
 from .selection import make_sampler
+from .sharding import check_settings, memory_line, setup_fsdp
+from .run_files import write_config_for_the_cli, write_summary
+from .signals import after_the_last_iteration, detach_terminal as _detach_terminal, stop_on_signals  # noqa: F401
 
 
 @dataclass
@@ -111,13 +113,15 @@ class Trainer:
                               "accelerate's fsdp_config) or launch with configs/accelerate/multi_gpu_ddp.yaml")
         if self.dist.enabled and self.device.type == "cuda":
             self.device = torch.device("cuda", self.dist.local_rank)
+        check_settings(cfg, self.dist.world, self.device)  # the mesh, offload and precision, before models load
         torch.manual_seed(cfg.seed)
         self._held = sorted(objects or {})  # names of the objects the caller holds (config.yaml's header)
         ctx = RunContext(run_dir=self.run_dir, device=self.device, seed=cfg.seed, log=log,
                          process_index=self.dist.rank, num_processes=self.dist.world, train_cfg=cfg,
                          objects=dict(objects or {}))
         self.domain = resolve_domain(cfg.domain)(cfg.domain_config, ctx)
-        self.fsdp = self._setup_fsdp() if cfg.distributed.strategy == "fsdp2" else None
+        self.fsdp = setup_fsdp(cfg, self.domain, self.dist, self.device, log) if (
+            cfg.distributed.strategy == "fsdp2") else None
         params = [p for p in self.domain.parameters() if p.requires_grad]
         if not params:
             raise ConfigError(f"domain {cfg.domain!r} exposes no trainable parameters")
@@ -181,33 +185,6 @@ class Trainer:
     @property
     def nonfinite_total(self) -> int:
         return self.optim.nonfinite_total
-
-    def _setup_fsdp(self):
-        """Shard the domain's ``fsdp_modules()`` with FSDP2 (several processes) after checking the layout."""
-        cfg, d = self.cfg, self.dist
-        modules = list(self.domain.fsdp_modules())
-        if not modules:
-            raise ConfigError(f"distributed.strategy: fsdp2 is not supported by domain {cfg.domain!r} (its "
-                              f"fsdp_modules() lists no modules to shard); use distributed.strategy: replicate")
-        if not d.enabled:
-            self.log("fsdp2 with one process: nothing to shard, the policy stays whole (same result as replicate)")
-            return None
-        # every rank pads its training micro-batches with forwards on its own sequences: each needs a rollout chunk
-        groups = cfg.rollout.groups_per_iteration
-        per_call = cfg.rollout.groups_per_call or -(-groups // d.world)
-        chunks = -(-groups // per_call)
-        if chunks < d.world:
-            fix = (f"raise rollout.groups_per_iteration to >= {d.world}" if groups < d.world else
-                   f"set rollout.groups_per_call <= {groups // d.world}")
-            raise ConfigError(f"distributed.strategy: fsdp2 needs a rollout chunk on each of the {d.world} processes, "
-                              f"but {groups} groups in calls of {per_call} make {chunks} chunks; {fix}")
-        from .distributed import FSDPShards
-
-        shards = FSDPShards(modules, d, self.device, cfg.distributed.reshard_after_forward)
-        local, full = shards.local_parameter_bytes()
-        self.log(f"fsdp2: {len(modules)} modules sharded over {d.world} processes; process {d.rank} holds "
-                 f"{local:,} of their {full:,} parameter bytes")
-        return shards
 
     def _gathered(self):
         """FSDP2: the shards gathered for work whose forward count differs per rank (no-op otherwise)."""
@@ -561,7 +538,7 @@ class Trainer:
         main = self.dist.is_main
         if self.run_dir and main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            self._write_config_for_the_cli()
+            write_config_for_the_cli(self.run_dir, self.cfg, self._held)
         logger = MetricsLogger(self.run_dir if main else None, cfg.logging.tensorboard, cfg.logging.wandb,
                                cfg.logging.wandb_project, dump_train_config(cfg))
         if resume:
@@ -579,7 +556,7 @@ class Trainer:
                  f"{cfg.iterations}")
         bar = None
         try:
-            with self._stop_on_signals():
+            with stop_on_signals(self):
                 if self.start_iteration == 0 and cfg.eval.at_start:
                     rec = self.evaluate(0)
                     logger.log(0, rec)
@@ -605,27 +582,9 @@ class Trainer:
         if self.dist.enabled:
             self.log(self._memory_line())
         if not self._stop_requested:
-            with self._signals_after_the_last_iteration():
+            with after_the_last_iteration(self):
                 self._finish()
         return self.history
-
-    def _write_config_for_the_cli(self) -> None:
-        """A run started from Python (``shared_rl.api``, the domains' trainer classes) writes ``config.yaml`` as
-        ``grove train`` does, so ``grove eval RUN`` and ``grove train --resume RUN`` understand its directory. Objects
-        the caller held (a model, a pipeline, a policy) are named in its header: their config paths are labels
-        (``held/...``); resume such a run from Python with the same objects, or point those paths at saved copies.
-        The CLI writes its own config.yaml first, which is left as it is."""
-        path = self.run_dir / "config.yaml"
-        if path.exists():
-            return
-        import yaml
-
-        held = self._held
-        header = ["# written by a run started from Python (shared_rl.api / a domain's trainer class)"]
-        if held:
-            header.append(f"# held in memory by the caller, not saved: {', '.join(held)}; their paths below are labels "
-                          f"(held/...): resume from Python with the same objects, or set those paths to saved copies")
-        atomic_write_text(path, "\n".join(header) + "\n" + yaml.safe_dump(dump_train_config(self.cfg), sort_keys=False))
 
     def _run_one(self, it: int, logger: MetricsLogger, bar) -> bool:
         """Iteration ``it`` with its evaluation, record and checkpoint; True when a signal asked the run to stop."""
@@ -670,76 +629,13 @@ class Trainer:
             self._log_stop(step)
         return self._stop_requested
 
-    @contextlib.contextmanager
-    def _stop_on_signals(self):
-        """SIGINT / SIGTERM / SIGHUP: finish the current iteration, checkpoint, exit; a second Ctrl-C aborts at
-        once. SIGHUP (the terminal was closed) also points standard output and error at /dev/null where they were
-        that terminal, so the checkpoint is not lost to a write error on the vanished terminal."""
-        old_handlers = _stop_signal_handlers()
-        clear_interrupt()
-
-        def on_signal(signum, frame):
-            name = signal.Signals(signum).name
-            if name == "SIGINT" and self.stop_signal is not None:
-                raise KeyboardInterrupt
-            if name == "SIGHUP":
-                _detach_terminal()
-            if self.stop_signal is None and self.dist.is_main:
-                self.log(f"{name}: finishing this iteration, then checkpointing"
-                         + (" (Ctrl-C again to abort without saving)" if name == "SIGINT" else ""))
-            self._stop_requested = True
-            self.stop_signal = self.stop_signal or name
-            interrupt_rewards()  # a reward still running STOP_GRACE_S from now is abandoned
-
-        with _handling(old_handlers, on_signal):
-            yield
-
-    @contextlib.contextmanager
-    def _signals_after_the_last_iteration(self):
-        """SIGTERM / SIGINT / SIGHUP while a finished run writes its end (export, plot, report): the run is complete
-        and its last checkpoint saved, so the writes (seconds) finish and the process exits 0 as a complete run; the
-        signal is said, not obeyed. A second SIGINT aborts at once (``final/`` is written aside and renamed last, so
-        it is then absent, and ``--resume`` exports it again)."""
-        old_handlers = _stop_signal_handlers()
-        seen: list[str] = []
-
-        def on_signal(signum, frame):
-            name = signal.Signals(signum).name
-            if name == "SIGINT" and seen:
-                raise KeyboardInterrupt
-            if name == "SIGHUP":
-                _detach_terminal()
-            if not seen and self.dist.is_main:
-                self.log(f"{name}: every iteration is done and checkpointed; finishing the final export and report "
-                         f"(seconds), then exiting"
-                         + (" (Ctrl-C again to abort them; --resume exports again)" if name == "SIGINT" else ""))
-            seen.append(name)
-
-        with _handling(old_handlers, on_signal):
-            yield
-        if seen and self.dist.is_main:
-            self.log(f"{seen[0]}: the run is complete ({self.run_dir})")
-
     def _log_stop(self, step: int) -> None:
         if self.dist.is_main:
             self.log(f"{self.stop_signal or 'stop'}: checkpoint saved at iteration {step}; resume with: grove train "
                      f"--resume {self.run_dir}")
 
     def _memory_line(self) -> str:
-        """What this process holds of the trained state (bytes of its local shards under FSDP2)."""
-        from .distributed import is_dtensor
-
-        def local_bytes(t: torch.Tensor) -> int:
-            return (t.to_local() if is_dtensor(t) else t).numel() * t.element_size()
-
-        params = self.optim.params
-        opt = sum(local_bytes(v) for st in self.optimizer.state.values() for v in st.values() if torch.is_tensor(v))
-        line = (f"memory ({self.cfg.distributed.strategy}): process {self.dist.rank} holds "
-                f"{sum(local_bytes(p) for p in params):,} trainable-parameter bytes, {opt:,} optimizer-state bytes")
-        if self.fsdp is not None:
-            local, full = self.fsdp.local_parameter_bytes()
-            line += f", {local:,} of the sharded modules' {full:,} parameter bytes"
-        return line
+        return memory_line(self.cfg.distributed.strategy, self.dist.rank, self.optim.params, self.optimizer, self.fsdp)
 
     def _finish(self) -> None:
         """End-of-run export, plot and summary (called on every process; writes on the main one)."""
@@ -762,72 +658,11 @@ class Trainer:
         records = read_metrics(path) if path.is_file() else self.history
         plot_metrics(records, self.run_dir / "curves.png", f"{self.cfg.domain}")
         self.domain.on_train_end(self.run_dir, records)
-        evals = [r for r in records if any(k.startswith("eval/") for k in r)]
-        trained = [r for r in records if any(k.startswith("reward/") for k in r)]
-        prefix, what = "eval/", "summary"
-        from .report import paired_change
-
-        last = evals[-1] if evals else {}
-        paired = {k: pc for k in sorted(last) if (pc := paired_change(last, k)) is not None}
-        if paired:  # the last evaluation read episode by episode against the baseline (the run's first or a saved one)
-            lines = [f"{k}: {last[k]:.4g} (paired change {d:+.4g} ± {se:.3g}{', inside the band' if inside else ''})"
-                     for k, (d, se, inside) in paired.items()]
-            summary = (f"summary at step {last['step']}, paired with the baseline evaluation (the run's first, or "
-                       f"its saved one)\n  " + "\n  ".join(lines))
-            atomic_write_text(self.run_dir / "summary.txt", summary + "\n")
-            self.log(summary)
-            evals = []  # written
-        if len(evals) < 2 and len(trained) >= 2 and not paired:  # no held-out evaluation: the training rewards
-            evals, prefix, what = trained, "reward/", "summary of the training rewards (no held-out evaluation)"
-        if len(evals) >= 2:
-            first, last = evals[0], evals[-1]
-            lines = [f"{k}: {first[k]:.4g} -> {last[k]:.4g}" for k in sorted(last)
-                     if k.startswith(prefix) and k.endswith("mean" if prefix == "reward/" else "")
-                     and isinstance(first.get(k), (int, float)) and isinstance(last.get(k), (int, float))]
-            summary = f"{what} (step %d -> %d)\n  " % (first["step"], last["step"]) + "\n  ".join(lines)
-            atomic_write_text(self.run_dir / "summary.txt", summary + "\n")
-            self.log(summary)
+        write_summary(self.run_dir, records, self.log)
         from .report import write_report, run_facts
 
         report = write_report(self.run_dir, records, f"grove run: {self.run_dir.name}", run_facts(self.cfg, records))
         self.log(f"run directory: {self.run_dir} (open {report.name} in a browser)")
-
-
-def _stop_signal_handlers() -> dict:
-    """The current handlers of the signals that stop a run: SIGTERM, SIGINT and (not on Windows) SIGHUP."""
-    stops = [signal.SIGTERM, signal.SIGINT] + ([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])
-    return {sig: signal.getsignal(sig) for sig in stops}
-
-
-@contextlib.contextmanager
-def _handling(old_handlers: dict, on_signal):
-    """``on_signal`` handles the signals of ``old_handlers`` inside the block; their handlers are put back after it
-    (outside the main thread nothing is installed)."""
-    try:
-        for sig in old_handlers:
-            signal.signal(sig, on_signal)
-    except ValueError:  # not in the main thread
-        pass
-    try:
-        yield
-    finally:
-        try:
-            for sig, handler in old_handlers.items():
-                signal.signal(sig, handler)
-        except (ValueError, TypeError):
-            pass
-
-
-def _detach_terminal() -> None:
-    """Point file descriptors 1 and 2 at /dev/null where they are a terminal (after SIGHUP the terminal is gone and
-    every write to it fails); a log file or a pipe is left alone."""
-    null = os.open(os.devnull, os.O_WRONLY)
-    try:
-        for fd in (1, 2):
-            if os.isatty(fd):
-                os.dup2(null, fd)
-    finally:
-        os.close(null)
 
 
 def _step_chunks(mask: torch.Tensor, per_chunk: int):

@@ -1,0 +1,104 @@
+"""The trainer's FSDP2 set-up (``distributed.strategy: fsdp2``): the settings checked against the process layout
+before any model loads, the domain's ``fsdp_modules()`` sharded with torch's ``fully_shard`` (on a 1-D mesh, or a
+2-D replicate x shard mesh for HSDP), FSDP2's ``MixedPrecisionPolicy`` / ``CPUOffloadPolicy`` from
+``distributed.mixed_precision`` / ``distributed.cpu_offload``, and the per-process memory line. The sharded modules
+themselves (gathering, state-dict helpers, the global gradient norm) are ``shared_rl.distributed.FSDPShards`` and
+its neighbours; docs/scaling.md describes the whole.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .errors import ConfigError
+
+FSDP2_ONLY = ("mixed_precision", "cpu_offload", "replicate")  # settings of fully_shard: nothing to apply otherwise
+
+
+def check_settings(cfg, world: int, device: torch.device) -> None:
+    """The ``distributed`` settings against the launch (process count, device, launcher), before any model loads:
+    one-line ConfigErrors for what cannot run."""
+    dc = cfg.distributed
+    if dc.strategy != "fsdp2":
+        changed = [f"distributed.{k}" for k in FSDP2_ONLY
+                   if getattr(dc, k) != {"mixed_precision": "none", "cpu_offload": False, "replicate": 1}[k]]
+        if changed:
+            raise ConfigError(f"{', '.join(changed)}: FSDP2 settings, but distributed.strategy is {dc.strategy}; set "
+                              f"distributed.strategy: fsdp2 or drop them")
+        return
+    if dc.replicate < 1:
+        raise ConfigError(f"distributed.replicate={dc.replicate}: the number of replica groups must be >= 1 (1 = "
+                          f"shard over every process)")
+    if world % dc.replicate:
+        raise ConfigError(f"distributed.replicate={dc.replicate} does not divide the {world} processes (HSDP's mesh is "
+                          f"replicate x shard = processes); use a divisor of {world}, e.g. the number of nodes")
+    if dc.cpu_offload and device.type != "cuda":
+        raise ConfigError(f"distributed.cpu_offload: the run is on {device.type}, so there is no accelerator to "
+                          f"offload from (the weights already live in CPU memory); set distributed.cpu_offload: false")
+    launcher = os.environ.get("ACCELERATE_MIXED_PRECISION", "no").lower()
+    if launcher not in ("no", "") and launcher != dc.mixed_precision:
+        raise ConfigError(f"launched with accelerate mixed_precision: {launcher}, but under fsdp2 grove reads the "
+                          f"precision policy from distributed.mixed_precision (now {dc.mixed_precision}); add "
+                          f"distributed.mixed_precision=bf16 or launch with mixed_precision: 'no'")
+
+
+def policies(cfg) -> dict:
+    """``fully_shard`` keyword arguments for the configured precision and offload policies."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+
+    dc, out = cfg.distributed, {}
+    if dc.mixed_precision == "bf16":
+        # bf16 all-gathers, forwards and backwards; fp32 shards (so AdamW steps in fp32) and fp32 gradient reductions
+        out["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if dc.cpu_offload:
+        out["offload_policy"] = CPUOffloadPolicy()
+    return out
+
+
+def setup_fsdp(cfg, domain, d, device: torch.device, log):
+    """Shard the domain's ``fsdp_modules()`` with FSDP2 (several processes) after checking the layout; None with
+    one process, where there is nothing to shard."""
+    modules = list(domain.fsdp_modules())
+    if not modules:
+        raise ConfigError(f"distributed.strategy: fsdp2 is not supported by domain {cfg.domain!r} (its "
+                          f"fsdp_modules() lists no modules to shard); use distributed.strategy: replicate")
+    if not d.enabled:
+        log("fsdp2 with one process: nothing to shard, the policy stays whole (same result as replicate; the "
+            "precision/offload policies apply only when sharded)")
+        return None
+    # every rank pads its training micro-batches with forwards on its own sequences: each needs a rollout chunk
+    groups = cfg.rollout.groups_per_iteration
+    per_call = cfg.rollout.groups_per_call or -(-groups // d.world)
+    chunks = -(-groups // per_call)
+    if chunks < d.world:
+        fix = (f"raise rollout.groups_per_iteration to >= {d.world}" if groups < d.world else
+               f"set rollout.groups_per_call <= {groups // d.world}")
+        raise ConfigError(f"distributed.strategy: fsdp2 needs a rollout chunk on each of the {d.world} processes, "
+                          f"but {groups} groups in calls of {per_call} make {chunks} chunks; {fix}")
+    from .distributed import FSDPShards
+
+    dc = cfg.distributed
+    shards = FSDPShards(modules, d, device, dc.reshard_after_forward, replicate=dc.replicate, **policies(cfg))
+    local, full = shards.local_parameter_bytes()
+    mesh = f"a {dc.replicate} x {d.world // dc.replicate} (replicate x shard) mesh" if dc.replicate > 1 else \
+        f"{d.world} processes"
+    log(f"fsdp2: {len(modules)} modules sharded over {mesh}; process {d.rank} holds {local:,} of their {full:,} "
+        f"parameter bytes")
+    return shards
+
+
+def memory_line(strategy: str, rank: int, params, optimizer: torch.optim.Optimizer, fsdp) -> str:
+    """What this process holds of the trained state (bytes of its local shards under FSDP2)."""
+    from .distributed import is_dtensor
+
+    def local_bytes(t: torch.Tensor) -> int:
+        return (t.to_local() if is_dtensor(t) else t).numel() * t.element_size()
+
+    opt = sum(local_bytes(v) for st in optimizer.state.values() for v in st.values() if torch.is_tensor(v))
+    line = (f"memory ({strategy}): process {rank} holds {sum(local_bytes(p) for p in params):,} trainable-parameter "
+            f"bytes, {opt:,} optimizer-state bytes")
+    if fsdp is not None:
+        local, full = fsdp.local_parameter_bytes()
+        line += f", {local:,} of the sharded modules' {full:,} parameter bytes"
+    return line
