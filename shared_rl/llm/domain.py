@@ -24,6 +24,7 @@ from ..domain import DomainBase, DomainConfig, RunContext, StepLogProbs
 from ..rewards import RewardGuardConfig, guarded_reward
 from ..rollout import Rollout
 from .engine import RolloutEngine, TorchRolloutEngine
+from .fast_train import fast_token_log_probs
 from .model import LLMLoraSettings, load_causal_lm, load_tokenizer, prepare_causal_lm
 from .policy import collate, collate_shared, reference_context, token_log_probs, token_log_probs_shared
 from .rewards import LLMRewardSpec, build_reward, call_reward
@@ -72,6 +73,11 @@ class LLMConfig(DomainConfig):
         KV cache (``policy.token_log_probs_shared``), in the training forward, the behaviour recompute and the
         reference forward alike; equal to the one-pass forward up to float rounding. Needs the model's KV cache,
         so not with ``gradient_checkpointing``.
+    train_forward: how the loss's log-probs are computed: ``hf`` (the model's own forward, one-pass or prefix-shared
+        by ``share_prompt_forward``), ``fast`` (``fast_train.fast_token_log_probs``: a lean differentiable Llama /
+        Mistral / Qwen2 forward on the packed real tokens, each prompt once, equal to ``hf`` up to float rounding;
+        a ``ConfigError`` names what a model lacks) or ``auto`` (fast where it runs the model, else hf, with a log
+        line). Behaviour, training and reference log-probs all use the chosen one.
     """
 
     model: str = field(default="assets/llm-arith-tiny", metadata={"help": "causal LM directory or hub id"})
@@ -117,6 +123,8 @@ class LLMConfig(DomainConfig):
         "help": "where behaviour log-probs come from: recompute | engine | deferred"})
     share_prompt_forward: bool = field(default=False, metadata={
         "help": "forward each distinct prompt once and its completions on its KV cache"})
+    train_forward: Literal["hf", "fast", "auto"] = field(default="hf", metadata={
+        "help": "loss log-prob forward: hf (the model's modules) | fast (lean packed Llama-family forward) | auto"})
     engine_batch_rows: int = field(default=256, metadata={"help": "sequences per sampler batch at most"})
     logprob_batch_size: int = field(default=64, metadata={"help": "sequences per no-grad log-prob forward"})
     num_threads: int = field(default=0, metadata={"help": "torch CPU threads; 0 = torch's default"})
@@ -149,6 +157,9 @@ class LLMConfig(DomainConfig):
                               f"{where}.behaviour_logprobs: recompute")
         if self.logprob_batch_size < 1 or self.engine_batch_rows < 1:
             raise ConfigError(f"{where}.logprob_batch_size and engine_batch_rows must be >= 1")
+        if self.train_forward == "fast" and self.gradient_checkpointing:
+            raise ConfigError(f"{where}.train_forward: fast keeps every activation, which gradient checkpointing is "
+                              f"there to avoid; set {where}.train_forward: hf (or auto)")
         if self.share_prompt_forward and self.gradient_checkpointing:
             raise ConfigError(f"{where}.share_prompt_forward needs the model's KV cache, which gradient checkpointing "
                               f"turns off; set one of {where}.share_prompt_forward / gradient_checkpointing to false")
@@ -278,6 +289,7 @@ class LLMDomain(DomainBase):
             eos += gen_eos if isinstance(gen_eos, list) else [gen_eos]
         self.eos_ids = sorted({e for e in eos if e is not None})
         self.engine: RolloutEngine = self._make_engine()
+        self._fast_train = self._use_fast_train()
         self.task = load_task(cfg.dataset)
         limit, why = cfg.prompt_limit(_context_length(self.model.config))
         # every prompt tokenised once, here: checked against the limit (hf sources are first seen here) and cached
@@ -295,6 +307,23 @@ class LLMDomain(DomainBase):
         ctx.log(f"llm: {cfg.model} ({sum(p.numel() for p in self.model.parameters()):,} params, "
                 f"{sum(p.numel() for p in self.parameters()):,} trainable) | task {cfg.dataset.source}: "
                 f"{len(self.task.train)} train / {len(self.task.eval)} eval prompts")
+
+    def _use_fast_train(self) -> bool:
+        """``llm.train_forward``: whether the loss log-probs come from ``fast_train`` (checked on the model)."""
+        if self.cfg.train_forward == "hf":
+            return False
+        from .fast_train import unsupported_reason
+
+        reason = unsupported_reason(self.model)
+        if reason is None and self.reference is not None:
+            reason = unsupported_reason(self.reference)
+        if reason is None:
+            return True
+        if self.cfg.train_forward == "fast":
+            raise ConfigError(f"llm.train_forward: fast cannot run {self.cfg.model}: {reason}; use train_forward: hf "
+                              f"(or auto)")
+        self.ctx.log(f"llm: train_forward auto -> hf ({reason})")
+        return False
 
     def _make_engine(self) -> RolloutEngine:
         filters = self.cfg.sampling_filters()
@@ -372,6 +401,9 @@ class LLMDomain(DomainBase):
         grad when the trainer's loss has an entropy bonus (``loss.entropy``)."""
         pad = self.tokenizer.pad_token_id
         grad = self._entropy_grad and module is self.model
+        if self._fast_train:
+            batch = collate_shared(prompt_ids, completion_ids, layout, pad, self.device)
+            return fast_token_log_probs(module, batch, self.cfg.temperature, with_entropy, grad)
         if self.cfg.share_prompt_forward:
             batch = collate_shared(prompt_ids, completion_ids, layout, pad, self.device)
             return token_log_probs_shared(module, batch, self.cfg.temperature, with_entropy, grad)
@@ -598,6 +630,9 @@ class LLMDomain(DomainBase):
             raise ConfigError(f"llm: cannot find the decoder layers of {self.cfg.model} for FSDP2 "
                               f"(_no_split_modules={sorted(names)}); use distributed.strategy: replicate")
         self._sharded = True
+        if self._fast_train:  # FSDP2 gathers a unit's weights in its module's own forward, which fast_train bypasses
+            self.ctx.log("llm: train_forward -> hf (distributed.strategy fsdp2 shards the modules)")
+            self._fast_train = False
         return blocks + [base]
 
     # ---- parameters and export -------------------------------------------------------------------------------

@@ -266,9 +266,10 @@ def translate(args, num_train_rows: int, has_peft: bool = False) -> Translation:
         # grove's engine where it runs the model (the fused Llama/Qwen2 sampler, else the torch one) and the
         # behaviour log-probs from the first loss forward before any update: TRL's own old log-probs when
         # num_iterations is 1, without a separate no-grad pass; each prompt's forward once for its completions
-        # (its KV cache shared; gradient checkpointing drops caches, so not with it)
+        # (its KV cache shared; gradient checkpointing drops caches, so not with it); the loss log-probs from
+        # grove's lean packed forward where it runs the model (fast_train.py; the model's own forward else)
         "llm": {"engine": "auto", "behaviour_logprobs": "deferred" if kl_correction == "off" else "recompute",
-                "share_prompt_forward": not checkpointing,
+                "share_prompt_forward": not checkpointing, "train_forward": "auto",
                 "max_new_tokens": max_new, **sampling, "min_p": sampling["min_p"] or 0.0,
                 "gradient_checkpointing": checkpointing,
                 "keep_reference": a.beta != 0 and not has_peft, "none_rewards": "zero_unless_all",

@@ -1,0 +1,214 @@
+"""A lean, differentiable log-prob forward for Llama-family causal LMs (``llm.train_forward: fast``): the loss side
+of the split whose sampling side is ``fast_llama.FastLlamaEngine``.
+
+Why: at the sizes RL recipes run on a CPU the loss forward + backward through transformers' modules is most of a
+GRPO step, and much of it is work that decides nothing: every row is padded to the longest completion of the
+micro-batch, attention runs SDPA's flash kernels on a handful of keys, and the module tree adds mask construction,
+the dynamic cache and its index copies, and separate q/k/v and gate/up products. This forward computes the same
+log-probs from the same parameters (autograd reaches them through the same tensors) with:
+
+* **packed tokens**: the projections, the MLP, the output layer and the log-softmax run only on the positions
+  that score a real completion token (``len(completion)`` per row) and on the real prompt tokens, never on pads;
+* **the prompt once** (as ``share_prompt_forward``): each distinct prompt's tokens but its last run once, and their
+  keys / values are indexed out to the prompt's rows; in the last layer only the keys / values of the prompt are
+  computed (nothing reads its outputs there);
+* **fused products**: q/k/v and gate/up as one product each (the weights concatenated per forward, so gradients
+  reach the original parameters), ``F.rms_norm``, rotary tables looked up by position with one ``roll``;
+* **attention as two batched products** with an additive mask over the few keys (on a CPU cheaper than SDPA's
+  kernels at these lengths, forward and backward; SDPA elsewhere).
+
+The layout is ``collate_shared``'s (``policy.SharedPrefixBatch``): positions from the attention mask, the last
+prompt token run with the rows, so the mathematics is ``token_log_probs`` / ``token_log_probs_shared``'s; results
+differ from them by float rounding only (``tests/llm/test_fast_train.py``: log-probs, entropies and every gradient
+against the HF forward). Behaviour, training and reference log-probs all use this one function when it is on,
+so the first-step ratio is still exactly 1 with ``behaviour_logprobs: deferred``.
+
+Supported: what ``FastLlamaEngine`` supports (Llama / Mistral / Qwen2, SiLU MLP without bias, position-only rope),
+without a peft wrapper, attention dropout or gradient checkpointing; ``unsupported_reason`` names what is not.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .fast_llama import _base_model
+from .fast_llama import unsupported_reason as _engine_reason
+from .policy import SharedPrefixBatch, _check_temperature
+
+
+def unsupported_reason(model: torch.nn.Module) -> str | None:
+    """None when ``fast_token_log_probs`` computes ``model``'s log-probs, else why not (one line)."""
+    reason = _engine_reason(model)
+    if reason is not None:
+        return reason
+    if getattr(model, "peft_config", None) or hasattr(model, "get_base_model"):
+        return "a peft-wrapped model (the adapter's own layers run through its modules)"
+    cfg = _base_model(model).config
+    if getattr(cfg, "attention_dropout", 0.0):
+        return f"attention_dropout {cfg.attention_dropout}"
+    if getattr(_base_model(model), "is_gradient_checkpointing", False):
+        return "gradient checkpointing (this forward keeps every activation)"
+    return None
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+class _Spec:
+    """The model's shapes, read once per forward (cheap attribute reads)."""
+
+    def __init__(self, base: torch.nn.Module):
+        cfg = base.config
+        self.h = cfg.num_attention_heads
+        self.kvh = getattr(cfg, "num_key_value_heads", None) or self.h
+        self.hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.h
+        self.eps = cfg.rms_norm_eps
+        uses_window = cfg.model_type == "mistral" or getattr(cfg, "use_sliding_window", False)
+        self.window = getattr(cfg, "sliding_window", None) if uses_window else None
+
+
+class _SoftmaxLastDim(torch.autograd.Function):
+    """Softmax over a short last dimension (a few dozen keys): the same function as ``Tensor.softmax(-1)``, as
+    whole-tensor ops, because the library kernel walks such short rows one at a time (measured ~4x slower here,
+    forward and backward)."""
+
+    @staticmethod
+    def forward(ctx, scores: torch.Tensor) -> torch.Tensor:
+        e = (scores - scores.amax(-1, keepdim=True)).exp_()
+        p = e.div_(e.sum(-1, keepdim=True))
+        ctx.save_for_backward(p)
+        return p
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        (p,) = ctx.saved_tensors
+        return p * (grad - (grad * p).sum(-1, keepdim=True))
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, spec: _Spec) -> torch.Tensor:
+    """``q [n, w, h, hd]`` over ``k, v [n, keys, kvh, hd]`` with the additive ``bias [n, 1, w, keys]`` (0 or -inf)
+    -> ``[n, w, h * hd]``."""
+    n, w = q.shape[:2]
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    if q.device.type == "cpu":
+        if spec.kvh != spec.h:
+            k = k.repeat_interleave(spec.h // spec.kvh, 1)
+            v = v.repeat_interleave(spec.h // spec.kvh, 1)
+        scores = torch.matmul(q, k.transpose(-1, -2)).mul_(spec.hd ** -0.5) + bias
+        out = torch.matmul(_SoftmaxLastDim.apply(scores), v)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=spec.hd ** -0.5,
+                                             enable_gqa=spec.h != spec.kvh)
+    return out.transpose(1, 2).reshape(n, w, spec.h * spec.hd)
+
+
+def _bias(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Boolean ``[n, w, keys]`` -> additive ``[n, 1, w, keys]``."""
+    zero = torch.zeros((), dtype=dtype, device=allowed.device)
+    return torch.where(allowed, zero, torch.tensor(float("-inf"), dtype=dtype, device=allowed.device))[:, None]
+
+
+def fast_token_log_probs(model: torch.nn.Module, batch: SharedPrefixBatch, temperature: float,
+                         with_entropy: bool = False,
+                         entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``token_log_probs_shared``'s ``[B, T]`` log-probs (0 on pads) and optional entropy, computed on the packed
+    real tokens (see the module docstring)."""
+    _check_temperature(temperature)
+    base = _base_model(model)
+    spec = _Spec(base)
+    h, kvh, hd = spec.h, spec.kvh, spec.hd
+    dev = batch.completion_ids.device
+    embed = base.model.embed_tokens.weight
+    dtype = base.model.layers[0].self_attn.o_proj.weight.dtype
+    u, p_width = batch.prompt_ids.shape
+    b, t_width = batch.completion_ids.shape
+    n_pre = p_width - 1
+    if spec.window is not None and p_width + t_width > spec.window:
+        raise ValueError(f"sequences of {p_width + t_width} tokens exceed the sliding window ({spec.window}); "
+                         f"set llm.train_forward: hf")
+    rows = batch.row_prompt
+    # rows: [last prompt token, completion[:T-1]]; position t scores completion token t, so a row needs its first
+    # len(completion) positions (they are also the only keys its scored positions read)
+    lengths = batch.completion_mask.sum(1)
+    ar_t = torch.arange(t_width, device=dev)
+    row_real = ar_t[None] < lengths[:, None]                                       # [B, T]
+    row_flat = torch.nonzero(row_real.flatten()).flatten()                        # packed row tokens
+    ids = torch.cat([batch.prompt_ids[:, -1:].index_select(0, rows), batch.completion_ids[:, :-1]], 1)
+    pos = torch.cat([batch.prompt_positions[:, -1:].index_select(0, rows), batch.completion_positions[:, :-1]], 1)
+    # rotary tables for every position in the batch, from the model's own rotary module
+    n_pos = int(pos.max()) + 1
+    cos_t, sin_t = base.model.rotary_emb(embed[None, :1].to(dtype), torch.arange(n_pos, device=dev)[None])
+    cos_t, sin_t = cos_t[0].to(dtype), sin_t[0].to(dtype)
+    half = hd // 2
+    sin_t = torch.cat([-sin_t[:, :half], sin_t[:, half:]], -1)   # rotate_half(x)·sin == roll(x, hd/2)·[-sin₁, sin₂]
+
+    def rope(flat_pos: torch.Tensor):
+        return cos_t.index_select(0, flat_pos)[:, None], sin_t.index_select(0, flat_pos)[:, None]                  # [n, 1, hd]
+
+    r_cos, r_sin = rope(pos.flatten().index_select(0, row_flat))
+    x_r = embed.index_select(0, ids.flatten().index_select(0, row_flat)).to(dtype)  # [Nr, hidden]
+    # the rows' keys: the prompt's real tokens, then its own real positions causally; a pad query sees itself so that
+    # no softmax row is empty (its output is never read)
+    eye_t = torch.eye(t_width, dtype=torch.bool, device=dev)
+    own = (eye_t | (torch.ones_like(eye_t).tril() & row_real[:, None, :]))       # [B, T, T]
+    if n_pre > 0:
+        pre_real = batch.prompt_mask[:, :-1].bool()                                # [U, P-1]
+        pre_flat = torch.nonzero(pre_real.flatten()).flatten()
+        p_cos, p_sin = rope(batch.prompt_positions[:, :-1].flatten().index_select(0, pre_flat))
+        x_p = embed.index_select(0, batch.prompt_ids[:, :-1].flatten().index_select(0, pre_flat)).to(dtype)
+        eye_p = torch.eye(n_pre, dtype=torch.bool, device=dev)
+        pre_bias = _bias((torch.ones_like(eye_p).tril()[None] & pre_real[:, None, :]) | eye_p[None], dtype)
+        row_bias = _bias(torch.cat([pre_real.index_select(0, rows)[:, None, :].expand(b, t_width, n_pre), own], 2),
+                         dtype)
+    else:
+        row_bias = _bias(own, dtype)
+
+    def scatter(packed: torch.Tensor, flat: torch.Tensor, n: int, w: int, heads: int) -> torch.Tensor:
+        """Packed ``[N, heads, hd]`` -> zero-padded ``[n, w, heads, hd]``."""
+        out = packed.new_zeros((n * w, heads, hd))
+        return out.index_copy(0, flat, packed).view(n, w, heads, hd)
+
+    def qkv_of(x: torch.Tensor, layer, cos: torch.Tensor, sin: torch.Tensor, w_qkv, b_qkv):
+        qkv = F.linear(_rms(x, layer.input_layernorm.weight, spec.eps), w_qkv, b_qkv).view(-1, h + 2 * kvh, hd)
+        qk = qkv[:, :h + kvh]
+        qk = qk * cos + torch.roll(qk, half, -1) * sin
+        return qk[:, :h], qk[:, h:], qkv[:, h + kvh:]
+
+    def finish(x: torch.Tensor, att: torch.Tensor, layer, w_gu) -> torch.Tensor:
+        a = layer.self_attn
+        x = x + F.linear(att, a.o_proj.weight, a.o_proj.bias)
+        gate, up = F.linear(_rms(x, layer.post_attention_layernorm.weight, spec.eps), w_gu).chunk(2, -1)
+        return x + F.linear(F.silu(gate) * up, layer.mlp.down_proj.weight)
+
+    layers = base.model.layers
+    for li, layer in enumerate(layers):
+        a, m = layer.self_attn, layer.mlp
+        w_qkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
+        b_qkv = (torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]) if a.q_proj.bias is not None else None)
+        w_gu = torch.cat([m.gate_proj.weight, m.up_proj.weight])
+        q_r, k_r, v_r = qkv_of(x_r, layer, r_cos, r_sin, w_qkv, b_qkv)
+        k_rows, v_rows = scatter(k_r, row_flat, b, t_width, kvh), scatter(v_r, row_flat, b, t_width, kvh)
+        if n_pre > 0:
+            q_p, k_p, v_p = qkv_of(x_p, layer, p_cos, p_sin, w_qkv, b_qkv)
+            k_pre, v_pre = scatter(k_p, pre_flat, u, n_pre, kvh), scatter(v_p, pre_flat, u, n_pre, kvh)
+            if li + 1 < len(layers):   # the last layer's prompt outputs are read by nothing
+                att_p = _attend(scatter(q_p, pre_flat, u, n_pre, h), k_pre, v_pre, pre_bias, spec)
+                x_p = finish(x_p, att_p.reshape(u * n_pre, -1).index_select(0, pre_flat), layer, w_gu)
+            k_rows = torch.cat([k_pre.index_select(0, rows), k_rows], 1)
+            v_rows = torch.cat([v_pre.index_select(0, rows), v_rows], 1)
+        att_r = _attend(scatter(q_r, row_flat, b, t_width, h), k_rows, v_rows, row_bias, spec)
+        x_r = finish(x_r, att_r.reshape(b * t_width, -1).index_select(0, row_flat), layer, w_gu)
+    head = base.lm_head
+    hidden = _rms(x_r, base.model.norm.weight, spec.eps)
+    logits = F.linear(hidden.to(head.weight.dtype), head.weight, head.bias).float() / temperature  # [Nr, V]
+    picked_ids = batch.completion_ids.flatten().index_select(0, row_flat)
+    picked = logits.gather(-1, picked_ids[:, None]).squeeze(-1)
+    logp = logits.new_zeros(b * t_width).index_copy(0, row_flat, picked - torch.logsumexp(logits, -1))
+    entropy = None
+    if with_entropy:
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            all_logp = torch.log_softmax(logits, -1)
+            ent = -(all_logp.exp() * all_logp).sum(-1)
+            entropy = logits.new_zeros(b * t_width).index_copy(0, row_flat, ent).view(b, t_width)
+    return logp.view(b, t_width), entropy
