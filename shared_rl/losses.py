@@ -1,4 +1,4 @@
-"""Policy losses (a registry: clipped / GSPO / CISPO / SAPO / Flow-DPPO / on-policy distillation, and the likelihood-free NFT / AWM / DGPO / DPO), aggregation modes
+"""Policy losses (a registry: clipped / GSPO / CISPO / SAPO / Flow-DPPO / on-policy distillation, and the likelihood-free NFT / AWM / DGPO / DPO / CRD), aggregation modes
 and KL estimators (a registry too).
 
 All losses take per-step tensors ``[n, T]`` with a step mask, so the same code trains denoising steps (visgen,
@@ -646,6 +646,79 @@ def opd_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tenso
     lr = (logp - logp_old) * m
     return distill * m, {"ratio": torch.exp(lr.detach()), "clipped": torch.zeros_like(lr).detach(),
                          "log_ratio": lr.detach()}
+
+
+@dataclass
+class CRDSettings:
+    beta: float = field(default=1.0, metadata={
+        "help": "CRD's beta: the implicit reward is matched as beta * r_theta (Flow-Factory crd_beta: 1.0)"})
+    loss_type: str = field(default="mse", metadata={
+        "help": "mse: (beta*Rc_theta - Rc)^2 | bce: BCE-with-logits of beta*Rc_theta against sigmoid(Rc) "
+                "(Flow-Factory crd_loss_type: mse)"})
+    adv_clip_max: float = field(default=5.0, metadata={
+        "help": "A clipped to +-adv_clip_max, then a = A/adv_clip_max/2 + 1/2 in [0, 1]; the loss is scaled by "
+                "adv_clip_max / beta (Flow-Factory adv_clip_range: 5)"})
+    kl_beta: float = field(default=0.1, metadata={
+        "help": "weight of the velocity KL ||v - v_ref||^2 to the CFG-guided reference (Flow-Factory kl_beta: 0.1; "
+                "0: none)"})
+    reward_adaptive_kl: bool = field(default=True, metadata={
+        "help": "scale each sample's KL by c + a*(1 - c), c = 1e-4 / kl_beta (Flow-Factory reward_adaptive_kl: true)"})
+
+    def check(self, where: str) -> None:
+        if not self.beta > 0:
+            raise ConfigError(f"{where}.beta must be > 0, got {self.beta}")
+        if self.loss_type not in ("mse", "bce"):
+            raise ConfigError(f"{where}.loss_type must be mse or bce, got {self.loss_type!r}")
+        if not self.adv_clip_max > 0 or self.kl_beta < 0:
+            raise ConfigError(f"{where}.adv_clip_max must be > 0 and kl_beta >= 0")
+
+
+def crd_targets(advantages: torch.Tensor, adv_clip_max: float) -> torch.Tensor:
+    """CRD's reward in [0, 1] from the advantage: clamp(clip(A, ±A_max)/A_max/2 + 1/2, 0, 1)."""
+    a = advantages.clamp(-adv_clip_max, adv_clip_max) / adv_clip_max / 2.0 + 0.5
+    return a.clamp(0.0, 1.0)
+
+
+@register_policy_loss("crd", settings=CRDSettings)
+def crd_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, cfg,
+             settings: CRDSettings, terms=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Centered Reward Distillation (arXiv 2603.14128; X-GenGroup/Flow-Factory ``trainers/crd.py``): per training
+    slot the implicit reward r_θ (``terms.objective_pos``, with grad; from the velocity errors of the policy and an
+    old snapshot) and the external reward a = ``crd_targets(A)`` are both centred over the slot's centring set —
+    the rows of one group (``terms.group``), which share the slot's timestep — R_c = a − mean(a),
+    R_θ,c = r_θ − mean(r_θ) (the mean detached), and matched:
+    ``mse``: L = (A_max/β)·(β·R_θ,c − R_c)²;  ``bce``: L = (A_max/β)·BCE_logits(β·R_θ,c, σ(R_c));
+    plus ``kl_beta``·(c + a·(1 − c))·KL (c = 1e-4/kl_beta; ``reward_adaptive_kl``; else kl_beta·KL), KL =
+    ``terms.objective_neg`` = ‖v_θ − v_ref‖² to the CFG-guided reference. Needs every member of a group in the call."""
+    r, kl = _domain_terms("crd", terms, need_neg=settings.kl_beta > 0)
+    m = mask.to(r.dtype)
+    adv = advantages.to(r.dtype)
+    if adv.dim() != 1:
+        adv = adv[:, 0]
+    a = crd_targets(adv.detach(), settings.adv_clip_max)[:, None].expand_as(r)
+    group = terms.group if terms.group is not None else torch.zeros(r.shape[0], dtype=torch.long)
+    _, inv = torch.unique(group.to(r.device), return_inverse=True)
+    n_groups = int(inv.max()) + 1 if inv.numel() else 0
+    count = torch.zeros(n_groups, r.shape[1], dtype=r.dtype, device=r.device).index_add_(0, inv, m).clamp(min=1)
+
+    def group_mean(x):  # per row and slot: the mean over the slot's trained rows of the row's group
+        return (torch.zeros(n_groups, x.shape[1], dtype=x.dtype, device=x.device).index_add_(0, inv, x * m) / count)[inv]
+
+    rc, r_theta_c = a - group_mean(a), r - group_mean(r.detach())
+    scale = settings.adv_clip_max / settings.beta
+    if settings.loss_type == "bce":
+        target = torch.sigmoid(rc)
+        logits = settings.beta * r_theta_c
+        loss = scale * torch.nn.functional.binary_cross_entropy_with_logits(logits, target, reduction="none")
+    else:
+        loss = scale * (settings.beta * r_theta_c - rc) ** 2
+    if settings.kl_beta > 0:
+        if settings.reward_adaptive_kl:
+            c = 1e-4 / settings.kl_beta
+            loss = loss + settings.kl_beta * (c + a * (1.0 - c)) * kl
+        else:
+            loss = loss + settings.kl_beta * kl
+    return loss * m, _no_ratio_stats(logp)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -39,6 +39,10 @@
 - ``opd`` — diffusion on-policy distillation (verl-omni ``DistillKLLoss``): the student's own SDE trajectories
   replayed by a frozen teacher of the same family; the ``opd`` loss is mean ‖μ_θ − μ_T‖²/(2σ_t²) over the trained
   steps, alone or added to Flow-GRPO's clipped surrogate (``with_grpo``) with ``distill_coef``.
+- ``crd`` — Centered Reward Distillation (arXiv 2603.14128; Flow-Factory ``trainers/crd.py``): rollouts by a
+  "sampling" snapshot; the implicit reward from the policy's and an "old" snapshot's normalised velocity errors,
+  centred per group with the mapped advantages and regressed (``crd`` loss), plus the velocity KL to the CFG-guided
+  reference; both snapshots on their own decay schedules.
 
 A likelihood-free objective is chosen once: it brings its policy loss (``VisgenConfig.policy_loss``, with its
 settings) and, unless ``visgen.method`` says otherwise, the deterministic ODE sampler (``default_method``; each
@@ -67,7 +71,7 @@ from shared_rl.domain import StepLogProbs
 from .engine import stock_randn_tensor
 
 __all__ = ["OBJECTIVES", "Objective", "LogProbObjective", "NFTObjective", "AWMObjective", "DGPOObjective",
-           "DPOObjective", "FlowDPPOObjective", "OPDObjective", "logit_normal_sigmas",
+           "DPOObjective", "FlowDPPOObjective", "OPDObjective", "CRDObjective", "logit_normal_sigmas",
            "OldPolicySchedule", "objective_from_config", "nft_branch_losses", "flow_matching_loss",
            "awm_log_likelihood", "stratified_steps", "AWM_WEIGHTINGS"]
 
@@ -376,6 +380,65 @@ class OPDSettings:
             if not parts.get("transformer") or not parts.get("scheduler"):
                 raise ConfigError(f"{where}.teacher {self.teacher!r} has no transformer or scheduler to replay the "
                                   "student's states with")
+
+
+@dataclass
+class CRDSettings:
+    beta: float = field(default=1.0, metadata={"help": "CRD's beta (Flow-Factory crd_beta: 1.0)"})
+    loss_type: Literal["mse", "bce"] = field(default="mse", metadata={"help": "crd_loss_type (reference mse)"})
+    adaptive_logp: bool = field(default=True, metadata={
+        "help": "divide each squared velocity error by its detached mean absolute error (clipped at 1e-5) before "
+                "the implicit reward (Flow-Factory adaptive_logp: true)"})
+    weight_temp: float = field(default=-1.0, metadata={
+        "help": "centring weights: < 0 uniform (the reference default -1); the softmax / hard dual-direction "
+                "centring (>= 0) is not implemented"})
+    use_old_for_loss: bool = field(default=True, metadata={
+        "help": "the implicit reward's baseline velocity from the 'old' snapshot (true, the reference) or from the "
+                "reference model, the adapter off (false)"})
+    adv_clip_max: float = field(default=5.0, metadata={"help": "A clipped to +-adv_clip_max, then mapped to [0, 1] "
+                                                               "(reference adv_clip_range 5)"})
+    kl_beta: float = field(default=0.1, metadata={"help": "velocity KL weight to the CFG-guided reference "
+                                                          "(reference kl_beta 0.1; 0: no reference forward)"})
+    kl_cfg: float = field(default=4.5, metadata={"help": "CFG scale of the reference's velocity in the KL (reference "
+                                                         "kl_cfg 4.5; <= 1: the conditional branch alone)"})
+    reward_adaptive_kl: bool = field(default=True, metadata={"help": "scale each sample's KL by c + a(1 - c), "
+                                                                     "c = 1e-4/kl_beta (reference true)"})
+    timesteps_per_sample: int = field(default=20, metadata={
+        "help": "training timesteps per sample (reference num_train_timesteps 20), stratified over grid steps "
+                "0..int(timestep_fraction * T), one draw per group (its rows share each slot's timestep)"})
+    timestep_fraction: float = field(default=0.99, metadata={"help": "reference timestep_range 0.99"})
+    old_decay_start: float = field(default=0.25, metadata={
+        "help": "'old' snapshot: d = min(old_decay_max, old_decay_start + old_decay_slope * (steps - "
+                "old_decay_flat)), old_decay_start before old_decay_flat steps (reference old_model_decay "
+                "0-0.25-0.005-0.999)"})
+    old_decay_slope: float = field(default=0.005, metadata={"help": "'old' snapshot decay slope per optimizer step"})
+    old_decay_max: float = field(default=0.999, metadata={"help": "'old' snapshot: the largest decay"})
+    old_decay_flat: int = field(default=0, metadata={"help": "'old' snapshot: steps before the ramp starts"})
+    sampling_decay_start: float = field(default=0.0, metadata={
+        "help": "'sampling' snapshot (the rollouts' weights): the same form (reference sampling_model_decay "
+                "75-0.0-0.0075-0.999)"})
+    sampling_decay_slope: float = field(default=0.0075, metadata={"help": "'sampling' snapshot decay slope"})
+    sampling_decay_max: float = field(default=0.999, metadata={"help": "'sampling' snapshot: the largest decay"})
+    sampling_decay_flat: int = field(default=75, metadata={"help": "'sampling' snapshot: steps before the ramp "
+                                                                   "(an on-policy copy until then)"})
+
+    def loss_settings(self):
+        from shared_rl.losses import CRDSettings as CRDLossSettings
+
+        return CRDLossSettings(self.beta, self.loss_type, self.adv_clip_max, self.kl_beta, self.reward_adaptive_kl)
+
+    def check(self, where: str) -> None:
+        self.loss_settings().check(where)
+        if self.weight_temp >= 0:
+            raise ConfigError(f"{where}.weight_temp {self.weight_temp}: only uniform centring (< 0, the reference's "
+                              "-1) is implemented")
+        if self.timesteps_per_sample < 1 or not 0 < self.timestep_fraction <= 1:
+            raise ConfigError(f"{where}.timesteps_per_sample must be >= 1 and timestep_fraction in (0, 1]")
+        for name in ("old", "sampling"):
+            start, slope, top, flat = (getattr(self, f"{name}_decay_{k}") for k in ("start", "slope", "max", "flat"))
+            if not (0 <= start <= top <= 1 and slope >= 0 and flat >= 0):
+                raise ConfigError(f"{where}.{name}_decay_*: need 0 <= start <= max <= 1, slope >= 0, flat >= 0; got "
+                                  f"start {start}, max {top}, slope {slope}, flat {flat}")
 
 
 def logit_normal_sigmas(n: int, mean: float, std: float, shift: float, num_train_timesteps: int,
@@ -869,6 +932,152 @@ class OPDObjective(Objective):
         from .policy import TeacherSource
 
         return OldPolicySchedule(0.0, None, 0, TeacherSource(str(self.settings.teacher)))
+
+
+@register_objective
+class CRDObjective(Objective):
+    """Centered Reward Distillation (arXiv 2603.14128; X-GenGroup/Flow-Factory ``trainers/crd.py``): rollouts by the
+    "sampling" snapshot (the old copy, an on-policy copy for the first ``sampling_decay_flat`` steps, then lagging),
+    the implicit reward r_θ = −mean[(v_θ − u)²/w_θ − (v_old − u)²/w_old] (u = ε − x0, w the detached mean absolute
+    errors) against the "old" snapshot at ``timesteps_per_sample`` stratified grid timesteps per group, and the
+    velocity KL to the CFG-guided reference (the adapter off); the ``crd`` loss centres and matches. Both snapshots
+    are updated once per iteration, each on its own decay schedule (``visgen.policy.Snapshots``)."""
+
+    name = "crd"
+    settings_class = CRDSettings
+    likelihood_free = True
+    policy_loss = "crd"
+    whole_groups = True
+    default_method = {"name": "ode"}  # the reference's dynamics_type ODE
+    OLD = "crd_old"
+
+    def __init__(self, settings) -> None:
+        super().__init__(settings)
+        self._setup = None  # the Snapshots hook handed to the policy: it reaches the "old" snapshot
+        self._negatives: dict = {}
+
+    def loss_choice(self):
+        from shared_rl.config import PolicyLossChoice
+
+        return PolicyLossChoice(self.policy_loss, self.settings.loss_settings())
+
+    def old_policy(self) -> OldPolicySchedule:
+        from .policy import Snapshots
+
+        s = self.settings
+        self._setup = Snapshots({self.OLD: (s.old_decay_max, s.old_decay_slope, s.old_decay_flat, s.old_decay_start)},
+                                main_start=s.sampling_decay_start)
+        return OldPolicySchedule(s.sampling_decay_max, s.sampling_decay_slope, s.sampling_decay_flat, self._setup)
+
+    @property
+    def samples_with_old(self) -> bool:
+        return True
+
+    def check_steps(self, num_steps: int, where: str) -> None:
+        """Stratified timesteps repeat grid steps when there are more slots than steps (the reference's 20 of 10)."""
+
+    def slot_steps(self, n, num_steps, generator, groups):
+        """One stratified draw per group over grid steps 0..int(fraction·T) (Flow-Factory ``TimeSampler.discrete``:
+        one draw per batch, the rows sharing each slot's timestep), expanded to the group's rows."""
+        s = self.settings
+        uniq, inverse = torch.unique(groups, return_inverse=True)
+        per_group = stratified_steps(num_steps, s.timesteps_per_sample, s.timestep_fraction, "discrete",
+                                     uniq.numel(), generator)
+        return per_group[inverse]
+
+    def training_slots(self, is_leaf, node_latent, num_columns, sigmas, timesteps, generator, groups=None):
+        mask, payload = super().training_slots(is_leaf, node_latent, num_columns, sigmas, timesteps, generator, groups)
+        n = int(is_leaf.numel())
+        groups = torch.zeros(n, dtype=torch.long) if groups is None else groups.cpu()
+        leaf = is_leaf.cpu()
+        uniq, inverse, counts = torch.unique(groups[leaf], return_inverse=True, return_counts=True)
+        size = torch.zeros(n, dtype=torch.long)
+        size[leaf] = counts[inverse]
+        # a random token per group (not its id: rollout calls renumber groups when their batches are concatenated)
+        token = torch.full((n,), -1, dtype=torch.long)
+        token[leaf] = torch.randint(0, 2**62, (uniq.numel(),), generator=generator)[inverse]
+        payload["obj_group"], payload["obj_group_size"] = token, size  # for the whole-group check
+        return mask, payload
+
+    def _check_whole_groups(self, payload, mask) -> None:
+        rows = mask.any(1).cpu()
+        g, size = payload["obj_group"][rows], payload["obj_group_size"][rows]
+        uniq, inverse, counts = torch.unique(g, return_inverse=True, return_counts=True)
+        if bool((counts[inverse] != size).any()):
+            raise ConfigError("visgen.objective crd centres each group's rewards, so one forward call must hold whole "
+                              "groups: set optim.minibatches_per_epoch: 1 and optim.micro_batch_size: 0 "
+                              "(optim.backward_steps may split the timesteps)")
+
+    def _cfg_cond(self, adapter, cond, scale: float):
+        """The reference's conditioning at CFG ``scale``: the rollout's negative embeddings, or (a rollout without
+        CFG, the reference's guidance 1) the empty prompt's, encoded once with the rollout's text length (SD3)."""
+        if scale <= 1:
+            return dataclasses.replace(cond, do_cfg=False)
+        tensors = dict(cond.tensors)
+        if "negative_prompt_embeds" not in tensors:
+            embeds = tensors["prompt_embeds"]
+            key = (id(adapter), tuple(embeds.shape[1:]))
+            if key not in self._negatives:
+                length = embeds.shape[1] - int(getattr(adapter.pipe, "tokenizer_max_length", 0) or 0)
+                empty = adapter.encode_prompts([""], num_images_per_prompt=1, guidance_scale=1.0,
+                                               max_sequence_length=max(length, 1), height=cond.height, width=cond.width)
+                if set(empty.tensors) != {"prompt_embeds", "pooled_prompt_embeds"} or \
+                        tuple(empty.tensors["prompt_embeds"].shape[1:]) != tuple(embeds.shape[1:]):
+                    raise ConfigError("visgen.objective crd: kl_cfg > 1 needs negative prompt embeddings this pipeline's "
+                                      "rollout did not keep; sample with visgen.guidance_scale > 1 or set kl_cfg: 1")
+                self._negatives[key] = empty.tensors
+            empty = self._negatives[key]
+            n = embeds.shape[0]
+            tensors["negative_prompt_embeds"] = empty["prompt_embeds"].to(embeds).expand(n, *embeds.shape[1:])
+            pooled = tensors["pooled_prompt_embeds"]
+            tensors["negative_pooled_prompt_embeds"] = empty["pooled_prompt_embeds"].to(pooled).expand(n, *pooled.shape[1:])
+        return dataclasses.replace(cond, tensors=tensors, guidance_scale=float(scale), do_cfg=True)
+
+    def terms(self, adapter, payload, mask, cond, reference, old, need_kl=False):
+        """Per trained slot: r_θ (with grad, ``objective_pos``) and ‖v_θ − v_ref‖² to the CFG-guided reference (with
+        grad, ``objective_neg``); the old snapshot's and the reference's velocities first, each under one swap."""
+        s = self.settings
+        if reference is None:
+            raise RuntimeError("the crd objective needs the reference policy (the adapter switched off)")
+        if s.use_old_for_loss and (self._setup is None or self._setup.policy is None):
+            raise RuntimeError("the crd objective's old snapshot is not set up (old_policy() then enable_old_policy)")
+        self._check_whole_groups(payload, mask)
+        n, L = mask.shape
+        dev = payload["x0"].device
+        r_theta, kl_ref = torch.zeros(n, L, device=dev), torch.zeros(n, L, device=dev)
+        kl = torch.zeros(n, L, device=dev) if need_kl else None
+        per_forward, nfe = adapter.forwards_per_step(cond), 0
+        slots = self._live_slots(payload, mask)
+        baseline = (lambda: self._setup.policy.snapshot_weights(self.OLD)) if s.use_old_for_loss else reference
+        with torch.no_grad(), baseline():
+            v_olds = [adapter.velocity(x_t, t, cond[d]) for _k, _rows, d, _x0, _eps, x_t, _sigma, t in slots]
+        v_refs = [None] * len(slots)
+        if s.kl_beta > 0:
+            ref_cond = self._cfg_cond(adapter, cond, s.kl_cfg)
+            with torch.no_grad(), reference():
+                v_refs = [adapter.velocity(x_t, t, ref_cond[d]) for _k, _rows, d, _x0, _eps, x_t, _sigma, t in slots]
+            nfe += sum(adapter.forwards_per_step(ref_cond) * sl[1].numel() for sl in slots)
+        for (k, rows, d, x0, eps, x_t, _sigma, t), v_old, v_ref in zip(slots, v_olds, v_refs):
+            c = cond[d]
+            v = adapter.velocity(x_t, t, c)
+            u = eps - x0
+            err, err_old = (v - u) ** 2, (v_old - u) ** 2
+            if s.adaptive_logp:
+                w = _mean_elements((v.detach().double() - u.double()).abs()).clamp(min=1e-5)
+                w_old = _mean_elements((v_old.double() - u.double()).abs()).clamp(min=1e-5)
+                shape = (-1, *([1] * (v.dim() - 1)))
+                err, err_old = err / w.reshape(shape).to(err), err_old / w_old.reshape(shape).to(err_old)
+            cols = torch.full_like(d, k)
+            r_theta = r_theta.index_put((d, cols), -_mean_elements(err - err_old))
+            nfe += 2 * per_forward * rows.numel()
+            if v_ref is not None:
+                kl_ref = kl_ref.index_put((d, cols), _mean_elements((v - v_ref) ** 2))
+            if kl is not None:
+                value, _ = _velocity_kl(adapter, x_t, t, c, v, reference)
+                kl = kl.index_put((d, cols), value)
+                nfe += per_forward * rows.numel()
+        return StepLogProbs(logp=torch.zeros(n, L, device=dev), kl=kl, nfe=nfe, objective_pos=r_theta,
+                            objective_neg=kl_ref)
 
 
 def objective_from_config(config: dict[str, Any] | str, where: str = "visgen.objective") -> Objective:

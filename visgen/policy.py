@@ -83,19 +83,42 @@ class TeacherSource:
 
     model: str
 
+    def enable(self, policy: "FlowPolicy", decay_max: float, decay_ramp, decay_flat: int) -> None:
+        policy._enable_teacher(self.model)
+
+
+@dataclass
+class Snapshots:
+    """The ``update`` of an old-policy schedule that keeps, beside the old copy (updated once per iteration on the
+    schedule's own decay, from ``main_start`` before its flat steps), further named snapshots each on its own decay
+    (name -> (decay_max, ramp, flat, start)): CRD's "sampling" (the old copy) and "old" models. After ``enable`` it
+    holds the policy (``self.policy``), so that the objective that made it reaches its snapshots."""
+
+    extra: dict
+    main_start: float = 0.0
+    policy: "FlowPolicy | None" = None
+
+    def enable(self, policy: "FlowPolicy", decay_max: float, decay_ramp, decay_flat: int) -> None:
+        policy.enable_old_policy(decay_max, decay_ramp, decay_flat, "iteration")
+        policy._old_start = float(self.main_start)
+        for name, schedule in self.extra.items():
+            policy.add_snapshot(name, *schedule)
+        self.policy = policy
+
 
 def _scheduler_config(scheduler) -> dict:
     """A scheduler's settings without diffusers' bookkeeping keys (the version that saved it, the defaults it filled)."""
     return {k: v for k, v in dict(scheduler.config).items() if k not in ("_diffusers_version", "_use_default_values")}
 
 
-def old_decay(steps: int, decay_max: float, ramp: float | None, flat: int = 0) -> float:
-    """The old copy's decay after ``steps`` optimizer steps: 0 before ``flat`` steps, then
-    min(``decay_max``, ``ramp``·(steps − ``flat``)); ``ramp`` None: ``decay_max`` (DiffusionNFT's ``return_decay``,
-    AWM's linear / constant ``kl_ema_decay``)."""
+def old_decay(steps: int, decay_max: float, ramp: float | None, flat: int = 0, start: float = 0.0) -> float:
+    """The old copy's decay after ``steps`` optimizer steps: ``start`` before ``flat`` steps, then
+    min(``decay_max``, ``start`` + ``ramp``·(steps − ``flat``)); ``ramp`` None: ``decay_max`` (DiffusionNFT's
+    ``return_decay`` and AWM's linear / constant ``kl_ema_decay`` with start 0; Flow-Factory CRD's
+    ``start_step-start_value-slope-end_value`` decays with a start value)."""
     if steps < flat:
-        return 0.0
-    return decay_max if ramp is None else min(decay_max, ramp * (steps - flat))
+        return start
+    return decay_max if ramp is None else min(decay_max, start + ramp * (steps - flat))
 
 
 class FlowPolicy:
@@ -148,6 +171,9 @@ class FlowPolicy:
         self.ema: dict[str, torch.Tensor] | None = None
         self.old: dict[str, torch.Tensor] | None = None  # DiffusionNFT's old policy (enable_old_policy)
         self.teacher: torch.nn.Module | None = None  # on-policy distillation's frozen teacher (enable_old_policy)
+        # further lagging copies on schedules of their own (CRD's "old" model; add_snapshot), name -> (weights, schedule)
+        self.snapshots: dict[str, tuple[dict[str, torch.Tensor], tuple]] = {}
+        self._old_start = 0.0  # the old copy's decay before its flat steps (old_decay's start)
         self._old_steps = 0
         self._old_synced = 0
         self._ema_steps = 0
@@ -250,8 +276,8 @@ class FlowPolicy:
         references' ``return_decay``. ``update``: ``"iteration"`` — once per iteration, before its rollout
         (``sync_old_policy``; the references update after each epoch's training, with the same step count);
         ``"step"`` — after every optimizer step with d = old_decay(steps before it) (grove's earlier form)."""
-        if isinstance(update, TeacherSource):
-            self._enable_teacher(update.model)
+        if hasattr(update, "enable"):  # an objective's own setup of its copies (a teacher, several snapshots)
+            update.enable(self, float(decay_max), decay_ramp, int(decay_flat))
             return
         if update not in ("iteration", "step"):
             raise ValueError(f"old policy update must be 'iteration' or 'step', got {update!r}")
@@ -299,13 +325,27 @@ class FlowPolicy:
         finally:
             self.pipe.transformer = original
 
+    def add_snapshot(self, name: str, decay_max: float, ramp: float | None, flat: int = 0, start: float = 0.0) -> None:
+        """A further named lagging copy of the trained weights beside the old copy (CRD's "old" model, whose decay
+        has its own schedule, while the main old copy is its "sampling" model), soft-updated with the old copy in
+        ``sync_old_policy`` with d = ``old_decay(steps, decay_max, ramp, flat, start)``; checkpointed as
+        ``snap.<name>.<param>``; swapped in by ``snapshot_weights(name)``. Needs ``enable_old_policy`` first."""
+        if self.old is None or self.teacher is not None:
+            raise RuntimeError("add_snapshot() needs an old copy of the trained weights (enable_old_policy first)")
+        self.snapshots[name] = ({n: p.detach().clone() for n, p in self._named_trainable()},
+                                (float(decay_max), None if ramp is None else float(ramp), int(flat), float(start)))
+
+    def snapshot_weights(self, name: str) -> contextlib.AbstractContextManager:
+        """Swap the named snapshot's weights in (``add_snapshot`` first); the live weights come back on exit."""
+        return self._swapped(self.snapshots[name][0])
+
     @property
     def _has_old_copy(self) -> bool:
         """A lagging copy of the trained weights (not a teacher): what checkpoints carry as ``old.<name>``."""
         return self.old is not None and self.teacher is None
 
     def old_decay(self, steps: int) -> float:
-        return old_decay(steps, *self._old_schedule[:3])
+        return old_decay(steps, *self._old_schedule[:3], start=self._old_start)
 
     def _lerp_old(self, decay: float) -> None:
         if self.teacher is not None:  # a teacher is never updated
@@ -329,6 +369,11 @@ class FlowPolicy:
         if self.old is None or self._old_schedule[3] != "iteration" or iteration <= self._old_synced:
             return False
         self._lerp_old(self.old_decay(self._old_steps))
+        with torch.no_grad():
+            for weights, schedule in self.snapshots.values():
+                d = old_decay(self._old_steps, *schedule)
+                for name, p in self._named_trainable():
+                    weights[name].lerp_(p.detach(), 1.0 - d)
         self._old_synced = int(iteration)
         return True
 
@@ -347,6 +392,8 @@ class FlowPolicy:
             state.update({f"ema.{name}": t.clone() for name, t in self.ema.items()})
         if self._has_old_copy:
             state.update({f"old.{name}": t.clone() for name, t in self.old.items()})
+        for snap, (weights, _schedule) in self.snapshots.items():
+            state.update({f"snap.{snap}.{name}": t.clone() for name, t in weights.items()})
             state[self.OLD_SYNCED] = torch.tensor([self._old_synced], dtype=torch.long)
         return state
 
@@ -354,6 +401,7 @@ class FlowPolicy:
         names = set(self._names) | ({f"ema.{n}" for n in self._names} if self.ema is not None else set())
         if self._has_old_copy:
             names |= {f"old.{n}" for n in self._names} | {self.OLD_SYNCED}
+        names |= {f"snap.{snap}.{n}" for snap in self.snapshots for n in self._names}
         missing, unexpected = names - set(state), set(state) - names
         if missing or unexpected:
             raise ValueError(f"visgen policy state mismatch: missing {sorted(missing)[:3]}, unexpected "
@@ -365,6 +413,8 @@ class FlowPolicy:
                     self.ema[name].copy_(state[f"ema.{name}"])
                 if self._has_old_copy:
                     self.old[name].copy_(state[f"old.{name}"])
+                for snap, (weights, _schedule) in self.snapshots.items():
+                    weights[name].copy_(state[f"snap.{snap}.{name}"])
         if self._has_old_copy:
             self._old_synced = int(state[self.OLD_SYNCED].reshape(-1)[0])
 
