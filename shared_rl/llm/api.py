@@ -417,7 +417,8 @@ class GRPOTrainer:
             held["trainer_state"] = self.state
             held["log_extra"] = self._log_extra
             held["on_train_scores"] = self._recorder
-        self.trainer = _HookedTrainer(self.config, self.run_dir, log=log, objects=held, on_iteration=self._on_iteration)
+        self.trainer = _HookedTrainer(self.config, self.run_dir, log=log, objects=held, on_iteration=self._on_iteration,
+                                      fused_adamw=bool(trl_mode and self._t["fused_adamw"]))
         self.aux_loss_enabled = False
         self._entropy_bonus_enabled = self.config.loss.entropy.enabled  # TRL's flag, read by its helper above
         self._buffer: list[dict[str, float]] = []
@@ -667,9 +668,24 @@ class GRPOTrainer:
 class _HookedTrainer(Trainer):
     """grove's trainer with one hook after each iteration (the TRL surface's logging, evaluation and callbacks)."""
 
-    def __init__(self, cfg, run_dir=None, log=print, objects=None, on_iteration=None) -> None:
+    def __init__(self, cfg, run_dir=None, log=print, objects=None, on_iteration=None, fused_adamw=False) -> None:
         super().__init__(cfg, run_dir, log=log, objects=objects)
         self.on_iteration = on_iteration
+        self.fused_adamw = fused_adamw and self.fsdp is None   # (sharded DTensor parameters: the per-tensor loop)
+        self._set_fused()
+
+    def _set_fused(self) -> None:
+        """TRL's ``optim="adamw_torch_fused"`` (transformers' default): the same AdamW update as one fused kernel per
+        step (float rounding apart). A group option read at each step, so it is set again after a resume (the
+        checkpoint's groups replace these)."""
+        if self.fused_adamw:
+            for group in self.optimizer.param_groups:
+                group["fused"], group["foreach"] = True, False
+
+    def resume(self, checkpoints=None, exact: bool = True) -> bool:
+        restored = super().resume(checkpoints, exact)
+        self._set_fused()
+        return restored
 
     def _run_one(self, it: int, logger, bar) -> bool:
         stop = super()._run_one(it, logger, bar)

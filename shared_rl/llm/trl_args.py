@@ -316,5 +316,7 @@ def translate(args, num_train_rows: int, has_peft: bool = False) -> Translation:
         "trust_remote_code": a.trust_remote_code, "output_dir": a.output_dir, "num_train_epochs": a.num_train_epochs,
         "max_steps": iterations * steps_per_iteration, "loss_type": a.loss_type, "max_completion_length": max_new,
         "normalize_then_sum": a.multi_objective_aggregation == "normalize_then_sum",
+        # transformers' default optim: AdamW's fused kernel (one kernel per step instead of ~10 ops per tensor)
+        "fused_adamw": str(getattr(a.optim, "value", a.optim)) == "adamw_torch_fused",
     }
     return Translation(config=config, trainer=trainer, notes=notes)

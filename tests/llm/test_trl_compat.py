@@ -301,3 +301,32 @@ def test_trl_entropy_bonus_runs_as_trl_documents_it(tmp_path):
     adaptive.train()
     assert adaptive.state.global_step == 2
     assert adaptive.entropy_coef == pytest.approx(0.01 + 0.005 * 2)
+
+
+def test_dropin_runs_grove_forward_and_trls_fused_adamw(tmp_path):
+    """TRL's defaults through the drop-in: the lean loss forward where it runs the model (not with gradient
+    checkpointing), and transformers' default optim (adamw_torch_fused) as AdamW's fused kernel: the same update as
+    optim="adamw_torch" up to float rounding."""
+    def make(**kw):
+        model, tok = _model(seed=5)
+        return GRPOTrainer(model=model, processing_class=tok, reward_funcs=lambda completions, **_: [
+            float(len(c)) for c in completions], train_dataset=ROWS, log=lambda *_: None,
+            args=_cfg(tmp_path / ("_".join(kw) or "defaults"), **{"learning_rate": 0.05, "per_device_train_batch_size": 4,
+                                                   "num_generations": 4, "max_completion_length": 4, "max_steps": 1,
+                                                   "gradient_checkpointing": False, "seed": 0, **kw}))
+
+    fused, plain = make(), make(optim="adamw_torch")
+    assert fused.trainer.domain._fast_train and plain.trainer.domain._fast_train
+    assert all(g["fused"] for g in fused.trainer.optimizer.param_groups)
+    assert not any(g["fused"] for g in plain.trainer.optimizer.param_groups)
+    start = {n: p.detach().clone() for n, p in fused.model.named_parameters()}
+    fused.train()
+    plain.train()
+    moved = 0.0
+    for (n, a), b in zip(fused.model.named_parameters(), plain.model.parameters()):
+        step = (a.detach() - start[n]).abs().max()
+        moved = max(moved, float(step))
+        assert (a.detach() - b.detach()).abs().max() <= 1e-5 * 0.05, n   # rounding, vs a step of ~lr
+    assert moved > 0.01
+    checkpointed = make(gradient_checkpointing=True)
+    assert not checkpointed.trainer.domain._fast_train   # auto: the model's own (checkpointed) forward
