@@ -12,15 +12,17 @@ live here, in a module that imports only the standard library and grove's torch-
   ``visgen.preflight``; ``robotics``: ``RoboticsConfig.preflight``), which calls the very functions below on its typed
   config, so the two cannot drift: one list of checks, one message each. (One exception: a LeRobot
   ``policy.path`` is checked by ``robotics.policies.lerobot.load.read_policy_config``, which also parses the files;
-  ``check_lerobot_policy`` is its stat-only part, line for line, and the test below compares the two.)
+  ``check_lerobot_policy`` is its stat-only part, line for line, and the test compares the two. And an LLM hub id
+  is looked up in the local cache by the CLI alone, ``check_llm_model``: the LLM domain's validation resolves the
+  location only, since the Python API also hands it the names of model objects it holds.)
 
 Which keys are paths is declared once, in ``PATH_KEYS``: per domain, the dotted key in its section, the function that
 checks it, and the other keys of the section the check reads (with their dataclass defaults, which
 ``tests/core/test_prechecks.py`` compares with the dataclasses'). The early pass checks only keys the YAML or the
 overrides give as non-empty strings: a default, a wrong type or a misspelt key is left to the typed validation,
 which names it. It is a subset of the full checks, never a stricter one: every line it prints is the line the run
-would print later (the test feeds the bad-path corpus to both). Third-party domains are not listed and get the full
-validation only.
+would print later (the test feeds the bad-path corpus to both), or, for an LLM hub id, the failure the run's loader
+would reach after its retries. Third-party domains are not listed and get the full validation only.
 
 ``shared_rl`` never imports ``visgen`` or ``robotics``: their checks are plain path logic kept here by name, and the
 domains import them from here.
