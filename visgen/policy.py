@@ -392,9 +392,9 @@ class FlowPolicy:
             state.update({f"ema.{name}": t.clone() for name, t in self.ema.items()})
         if self._has_old_copy:
             state.update({f"old.{name}": t.clone() for name, t in self.old.items()})
+            state[self.OLD_SYNCED] = torch.tensor([self._old_synced], dtype=torch.long)
         for snap, (weights, _schedule) in self.snapshots.items():
             state.update({f"snap.{snap}.{name}": t.clone() for name, t in weights.items()})
-            state[self.OLD_SYNCED] = torch.tensor([self._old_synced], dtype=torch.long)
         return state
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:

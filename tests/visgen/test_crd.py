@@ -152,6 +152,7 @@ def test_two_snapshots_on_their_own_schedules(tiny_dir):
         assert torch.equal(policy.old[n], live[n])  # the sampling snapshot: a copy before 75 steps
     state = policy.state_dict()
     assert any(k.startswith("snap.crd_old.") for k in state) and any(k.startswith("old.") for k in state)
+    assert int(state[policy.OLD_SYNCED]) == 1
     policy.load_state_dict(state)
 
 
