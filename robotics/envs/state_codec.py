@@ -5,7 +5,8 @@ tuples of the batched envs) holds NumPy arrays, NumPy scalars, Python scalars, d
 ``np.random.Generator``. :func:`encode` turns such a value into nested dicts/lists of JSON types with a type tag
 where the kind would otherwise be lost; :func:`decode` rebuilds it exactly (arrays bit for bit: their bytes travel
 as base64; generators by their bit generator's class name and state). Only the state dataclasses named in
-``STATE_CLASSES`` and NumPy's own bit generators can be rebuilt, so a file cannot make the reader run code.
+``STATE_CLASSES`` (and LIBERO's ``LiberoState``, see :func:`state_class`) and NumPy's own bit generators can be
+rebuilt, so a file cannot make the reader run code.
 """
 from __future__ import annotations
 
@@ -19,6 +20,21 @@ from .metaworld_env import EnvState
 from .point import PointState
 
 STATE_CLASSES: dict[str, type] = {"EnvState": EnvState, "PointState": PointState}
+# LIBERO's state class lives in a module that needs MuJoCo and LIBERO's task tables: it is imported only when a
+# LIBERO state is actually encoded or decoded, so reading a Meta-World file never loads it
+_LAZY_STATE_CLASSES = {"LiberoState": ("robotics.envs.libero_env", "LiberoState")}
+
+
+def state_class(name: str) -> type | None:
+    """The state dataclass a saved state names, or None when it is not one this codec rebuilds."""
+    if name in STATE_CLASSES:
+        return STATE_CLASSES[name]
+    if name in _LAZY_STATE_CLASSES:
+        import importlib
+
+        module, attr = _LAZY_STATE_CLASSES[name]
+        return getattr(importlib.import_module(module), attr)
+    return None
 _BIT_GENERATORS = ("PCG64", "PCG64DXSM", "MT19937", "Philox", "SFC64")
 
 
@@ -36,7 +52,7 @@ def encode(value: Any) -> Any:
         return {"__npscalar__": encode(np.asarray(value))}
     if isinstance(value, np.random.Generator):
         return {"__generator__": type(value.bit_generator).__name__, "state": encode(value.bit_generator.state)}
-    if dataclasses.is_dataclass(value) and type(value).__name__ in STATE_CLASSES:
+    if dataclasses.is_dataclass(value) and state_class(type(value).__name__) is type(value):
         return {"__state__": type(value).__name__,
                 "fields": {f.name: encode(getattr(value, f.name)) for f in dataclasses.fields(value)}}
     if isinstance(value, tuple):
@@ -69,7 +85,7 @@ def decode(data: Any) -> Any:
         bit.state = decode(data["state"])
         return np.random.Generator(bit)
     if "__state__" in data:
-        cls = STATE_CLASSES.get(data["__state__"])
+        cls = state_class(data["__state__"])
         if cls is None:
             raise ValueError(f"unknown state class {data['__state__']!r} in a saved state")
         return cls(**{k: decode(v) for k, v in data["fields"].items()})

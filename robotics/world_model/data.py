@@ -49,8 +49,11 @@ class ChunkEpisode:
 class RecordingEnv:
     """A batched env that records every slot's chunk-level episode (see the module docstring)."""
 
-    def __init__(self, venv, record_states: bool = False):
-        self.venv, self.record_states = venv, record_states
+    def __init__(self, venv, record_states: bool = False, state_max_chunk: int | None = None):
+        # state_max_chunk: record simulator states only at boundaries 0..n (None = all). A LIBERO state is ~37 KB of
+        # JSON (robosuite's controller, gripper and observable buffers beside MuJoCo's), and keyframes are drawn from
+        # the first boundaries only, so the later ones would be stored for nothing
+        self.venv, self.record_states, self.state_max_chunk = venv, record_states, state_max_chunk
         self._rec: list[dict] = []
         self._done = np.zeros(0, bool)
         self.cfg = getattr(venv, "cfg", None)
@@ -74,7 +77,8 @@ class RecordingEnv:
         idx = np.nonzero(live)[0].tolist()
         ended = [i for i in idx if res.done[i]]
         finals = dict(zip(ended, self.venv.render(ended))) if ended else {}
-        states = dict(zip(idx, self.venv.get_states(idx))) if (self.record_states and idx) else {}
+        want = [i for i in idx if self.state_max_chunk is None or len(self._rec[i]["actions"]) < self.state_max_chunk]
+        states = dict(zip(want, self.venv.get_states(want))) if (self.record_states and want) else {}
         for i in idx:
             r = self._rec[i]
             r["frames"].append(finals[i] if i in finals else res.image[i])

@@ -62,8 +62,9 @@ class WorldModelRollout(RolloutStrategy):
             self.wm = WorldModel.load(ck)
             self.success = SuccessModel.load(ck)
         except FileNotFoundError as e:
+            recipe = "libero_wm.yaml" if cfg.env.kind == "libero" else "world_model.yaml"
             raise ConfigError(f"robotics.rollout.world_model.checkpoint: {e}; make it with "
-                              f"`grove train configs/robotics/world_model.yaml`") from None
+                              f"`grove train configs/robotics/{recipe}`") from None
         meta = json.loads((ck / "meta.json").read_text()) if (ck / "meta.json").is_file() else {}
         data = w.data or meta.get("data", "")
         if not data:
@@ -164,7 +165,8 @@ class WorldModelRollout(RolloutStrategy):
             keys = [make_key(self.cfg.env.tasks.index(tasks[i % len(tasks)]), "train", j) for i, j in enumerate(idx)]
             eps = collect_policy_episodes(self.policy, self.venv, keys,
                                           [self.cfg.env.tasks[decode_key(k)[0]] for k in keys], self.cfg.head_mode,
-                                          self.cfg.noise_level, self.cfg.env.horizon, generator)
+                                          self.cfg.noise_level, self.cfg.env.horizon, generator,
+                                          state_max_chunk=w.keyframe_max_chunk)  # later boundaries never keyframes
         steps = sum(e.env_steps for e in eps)
         self.real_steps_coevolve += steps
         self.real_data += eps

@@ -65,6 +65,10 @@ class CollectSettings:
     rollout_batch: int = field(default=16, metadata={
         "help": "policy episodes run at once; LIBERO: one env each (~0.35 GB, the first ~1.1 GB) and one env pool "
                 "per task, so 2 keeps the recording near 2 GB"})
+    state_max_chunk: int = field(default=0, metadata={
+        "help": "record the simulator state (what a keyframe restores) at chunk boundaries 0..n of the policy "
+                "rollouts only; 0 = every boundary. A LIBERO state is ~37 KB, so its recipes keep the boundaries "
+                "keyframes are drawn from"})
 
 
 @dataclass
@@ -116,12 +120,13 @@ def resolve(path: str) -> Path:
 
 # ---------------------------------------------------------------------------------------------------------------
 def collect_policy_episodes(policy, venv, keys: list[int], tasks: list[str], head_mode: str, noise_level: float,
-                            horizon: int, generator: torch.Generator, record_states: bool = True) -> list[ChunkEpisode]:
+                            horizon: int, generator: torch.Generator, record_states: bool = True,
+                            state_max_chunk: int | None = None) -> list[ChunkEpisode]:
     """Rollouts of ``policy`` recorded at chunk resolution (the unchanged episode runner on a ``RecordingEnv``)."""
     from ..episodes import SamplingSettings, run_episodes
     from .data import RecordingEnv
 
-    rec = RecordingEnv(venv, record_states=record_states)
+    rec = RecordingEnv(venv, record_states=record_states, state_max_chunk=state_max_chunk)
     was = policy.training
     policy.eval()
     try:
@@ -164,9 +169,6 @@ def collect_real_data(c: WorldModelTrainConfig, log=print) -> tuple[list[ChunkEp
                 for _ in range(c.collect.rollouts_per_state):
                     keys.append(make_key(t, "train", c.collect.rollout_start_index + i)), tasks.append(task)
         gen = torch.Generator().manual_seed(c.collect.seed)
-        # the state codec rebuilds Meta-World's and the point env's states only; LIBERO's (robosuite's Python
-        # objects) are not recorded, so its episodes carry no keyframe states
-        record_states = c.env.kind != "libero"
         bs = c.collect.rollout_batch
         # Meta-World: one env for all batches (its pool is cheap); LIBERO: one env per task, closed after it, since
         # the pool keeps every task's envs alive (~0.35 GB each)
@@ -179,7 +181,7 @@ def collect_real_data(c: WorldModelTrainConfig, log=print) -> tuple[list[ChunkEp
                     idx = group[a:a + bs]
                     eps = collect_policy_episodes(policy, venv, [keys[i] for i in idx], [tasks[i] for i in idx],
                                                   c.collect.head_mode, c.collect.noise_level, c.env.horizon, gen,
-                                                  record_states=record_states)
+                                                  state_max_chunk=c.collect.state_max_chunk or None)
                     episodes += eps
                     steps["policy_env_steps"] += sum(e.env_steps for e in eps)
                     log(f"world model data: {len(episodes)} episodes, {sum(steps.values())} env steps "

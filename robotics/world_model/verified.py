@@ -55,9 +55,14 @@ from .train import resolve
 
 class RestoredEnv:
     """The simulator started at keyframes: ``reset(keys)`` resets slot i to the reset state keyframe ``keys[i]``'s
-    trajectory came from, restores the simulator state recorded at the keyframe and observes it (the rendered frame,
-    the recorded proprio); every other call goes to the simulator. The episode runner then runs closed loop from the
-    keyframe exactly as from a reset."""
+    trajectory came from, restores the simulator state recorded at the keyframe and observes what the real episode
+    observed there (the recorded frame and proprio); every other call goes to the simulator. The episode runner then
+    runs closed loop from the keyframe exactly as from a reset.
+
+    The recorded frame, not a fresh render: a frame rendered right after ``mj_step`` shows the bodies where that
+    step's kinematics put them (before integration), a render of the restored state where ``mj_forward`` puts them,
+    a grey level apart where the camera rides the arm (LIBERO's wrist view). The imagined candidates start from the
+    recorded frame too, so a re-executed candidate sees exactly what its imagination saw."""
 
     def __init__(self, venv, keyframes: dict[int, Keyframe]):
         self.venv, self.keyframes = venv, keyframes
@@ -73,7 +78,7 @@ class RestoredEnv:
         obs = self.venv.reset([kf.episode_key for kf in kfs])
         idx = list(range(len(kfs)))
         self.venv.set_states(idx, [kf.sim_state for kf in kfs])
-        return {"image": self.venv.render(idx), "proprio": np.stack([kf.proprio for kf in kfs]).astype(np.float32),
+        return {"image": np.stack([kf.frame for kf in kfs]), "proprio": np.stack([kf.proprio for kf in kfs]).astype(np.float32),
                 "state": np.zeros_like(obs["state"])}
 
     def step_chunk(self, actions, active=None):
@@ -185,7 +190,10 @@ class VerifiedRollout(WorldModelRollout):
         kept_seeds = seeds.gather(1, keep)
         # 3. re-execute exactly those in the simulator from the keyframe's restored state, same noise streams
         env_keys = [kk for kk in keys for _ in range(k)]
-        rec = RecordingEnv(RestoredEnv(self.venv, self.keyframes), record_states=v.learn_from_verified)
+        # states up to keyframe_max_chunk boundaries after the keyframe: a superset of the absolute boundaries <=
+        # keyframe_max_chunk that can become keyframes (the rest would be stored for nothing: ~37 KB each in LIBERO)
+        rec = RecordingEnv(RestoredEnv(self.venv, self.keyframes), record_states=v.learn_from_verified,
+                           state_max_chunk=w.keyframe_max_chunk)
         real = run_episodes(self.policy, rec, env_keys, [self.task_of(kk) for kk in env_keys], self.sampling,
                             w.horizon, generator, device=self.device, noise_seeds=kept_seeds.flatten().tolist())
         # (oracle: the k are replays of candidates already run and counted; the same streams give the same episodes)

@@ -195,6 +195,7 @@ def test_every_rl_recipe_parses_as_one_robotics_domain():
         assert cfg.domain == "robotics", path.name
         names[path.name] = cfg.domain_config.rollout.name
     assert names["world_model_grpo.yaml"] == "world_model" and names["metaworld_mt5_rl.yaml"] == "flat"
+    assert names["libero_wm_verified.yaml"] == "verified"
 
 
 @pytest.mark.parametrize("shared", [False, True])

@@ -244,3 +244,141 @@ def test_chunk_episode_files_of_real_rollouts_train_too(tmp_path):
     again = json.loads(json.dumps(evaluate_asset(str(tmp_path / "wm"), str(cfg_path)), default=float))
     assert again["heldout_keyframe_rollouts"]["image_mse"] == meta["heldout_keyframe_rollouts"]["image_mse"]
     assert again["success_heldout_report"]["episode"] == meta["success_heldout_report"]["episode"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The verified explorer's simulator side on LIBERO (issue 61, part 2): keyframe states recorded, saved and restored
+
+
+def test_libero_state_through_the_json_codec_is_bit_identical():
+    """LiberoState (MuJoCo's state, the fixtures' placement and robosuite's Python state with its buffer objects as
+    ("__buffer__", fields) pairs) survives encode -> JSON -> decode exactly; an unknown class is refused."""
+    pytest.importorskip("mujoco")
+    from robotics.envs import state_codec
+    from robotics.envs.libero_env import LiberoState
+
+    rng = np.random.default_rng(0)
+    st = LiberoState(task="libero_goal/6", key=12345, physics=rng.normal(size=77), body_pos=rng.normal(size=(9, 3)),
+                     body_quat=rng.normal(size=(9, 4)),
+                     python={"robot0.controller": {"goal_pos": rng.normal(size=3), "use_delta": True, "steps": 3,
+                                                    "history": [np.float64(0.5), 2]},
+                             "obs.robot0_eef_pos": {"_sampled": False,
+                                                    "_buffer": ("__buffer__", {"buf": rng.normal(size=(2, 3)),
+                                                                               "_size": np.int64(2)})}},
+                     steps=17, success_once=False, obs={"robot0_eef_pos": rng.normal(size=3).astype(np.float32)})
+    back = state_codec.decode(json.loads(json.dumps(state_codec.encode((st, False, True)))))
+    got, done, ok = back
+    assert type(got) is LiberoState and (done, ok) == (False, True)
+    assert np.array_equal(got.physics, st.physics) and np.array_equal(got.body_quat, st.body_quat)
+    ctrl = got.python["robot0.controller"]
+    assert np.array_equal(ctrl["goal_pos"], st.python["robot0.controller"]["goal_pos"]) and ctrl["use_delta"] is True
+    assert ctrl["history"] == [0.5, 2] and isinstance(ctrl["history"][0], np.float64)
+    tag, buf = got.python["obs.robot0_eef_pos"]["_buffer"]
+    assert tag == "__buffer__" and np.array_equal(buf["buf"], st.python["obs.robot0_eef_pos"]["_buffer"][1]["buf"])
+    assert got.obs["robot0_eef_pos"].dtype == np.float32 and got.steps == 17
+    with pytest.raises(ValueError, match="unknown state class"):
+        state_codec.decode({"__state__": "Evil", "fields": {}})
+
+
+def test_states_are_recorded_only_up_to_state_max_chunk():
+    """RecordingEnv(state_max_chunk=n) stores the simulator state at boundaries 0..n and None after (the
+    explorer's keyframes come from there; a LIBERO state is ~37 KB), and asks the simulator for no other."""
+    from robotics.envs.metaworld_env import make_key
+    from robotics.envs.point import PointReachVec
+    from robotics.episodes import SamplingSettings, run_episodes
+    from robotics.policies.vla import TinyVLA, VLAConfig
+    from robotics.world_model.data import RecordingEnv
+    from robotics.world_model.env import sample_keyframes
+
+    from .test_world_model_fixtures import POINT_ENV, TINY_VLA
+
+    class Counting(PointReachVec):
+        asked = 0
+
+        def get_states(self, idx):
+            Counting.asked += len(idx)
+            return super().get_states(idx)
+
+    torch.manual_seed(0)
+    pol = TinyVLA(VLAConfig(**TINY_VLA, proprio_dim=4)).eval()
+    keys = [make_key(0, "train", i) for i in range(3)]
+    runs = {}
+    for n in (None, 2):
+        Counting.asked = 0
+        rec = RecordingEnv(Counting(EnvConfig(**POINT_ENV)), record_states=True, state_max_chunk=n)
+        run_episodes(pol, rec, keys, ["point-reach"] * 3, SamplingSettings(mode="flow_sde"), 24,
+                     torch.Generator().manual_seed(3))
+        runs[n] = (rec.episodes(), Counting.asked)
+    full, limited = runs[None][0], runs[2][0]
+    assert max(e.num_chunks for e in full) > 3, "some episode runs past boundary 2"
+    assert all(st is not None for e in full for st in e.states)
+    for a, b in zip(full, limited):
+        assert np.array_equal(a.frames, b.frames), "the episodes themselves are the same"
+        kept = min(b.num_chunks, 2) + 1
+        assert [st is not None for st in b.states] == [True] * kept + [False] * (b.num_chunks + 1 - kept)
+    assert runs[2][1] == sum(min(e.num_chunks, 2) + 1 for e in limited)
+    assert runs[None][1] == sum(e.num_chunks + 1 for e in full)
+    kfs = sample_keyframes(limited, {"point-reach": 0}, stride=1, min_chunk=0, max_chunk=5)
+    assert sorted({kf.chunk for kf in kfs.values()}) == [0, 1, 2]
+
+
+@pytest.mark.slow
+def test_libero_keyframes_restore_and_re_execute_a_candidate_exactly(tmp_path):
+    """Clone rollouts recorded with LIBERO simulator states at boundaries 0..state_max_chunk only, saved to the data
+    file and read back (the JSON state codec rebuilds LiberoState), give keyframes at those boundaries; LIBERO
+    restored there observes the recorded frame and state, and re-executes a candidate's noise stream exactly (the
+    verified rollout's premise: the same stream and the same real observations give the same episode)."""
+    pytest.importorskip("libero")
+    from robotics.envs.metaworld_env import make_key
+    from robotics.envs.vector import make_vector_env
+    from robotics.episodes import SamplingSettings, run_episodes
+    from robotics.policies.vla import TinyVLA, VLAConfig
+    from robotics.world_model.data import RecordingEnv, load_chunk_episodes
+    from robotics.world_model.env import sample_keyframes
+    from robotics.world_model.verified import RestoredEnv
+
+    cfg = EnvConfig(kind="libero", tasks=["libero_object/0"], cameras=["image", "image2"], image_size=32, horizon=24)
+    cfg.check()
+    torch.manual_seed(0)
+    pol = TinyVLA(VLAConfig(cnn_channels=[8, 8, 8, 8], feature_dim=32, text_dim=8, hidden=64, num_denoise_steps=3,
+                            image_size=32, image_channels=6, proprio_dim=8, action_dim=7, chunk=4)).eval()
+    s = SamplingSettings(mode="sde_one_step", noise_level=0.7)
+    venv = make_vector_env(cfg)
+    try:
+        rec = RecordingEnv(venv, record_states=True, state_max_chunk=3)
+        keys = [make_key(0, "train", 0), make_key(0, "train", 1)]
+        run_episodes(pol, rec, keys, cfg.tasks * 2, s, 24, torch.Generator().manual_seed(0))
+        eps = rec.episodes()
+        assert all(e.num_chunks == 6 for e in eps)
+        assert all(st is not None for e in eps for st in e.states[:4]), "boundaries 0-3 carry their state"
+        assert all(st is None for e in eps for st in e.states[4:]), "later ones are not stored (~37 KB each)"
+        save_chunk_episodes(eps, tmp_path / "data.npz")
+        back = load_chunk_episodes(tmp_path / "data.npz")
+        state, _, _ = back[0].states[2]  # the batched env's (state, done, success)
+        assert type(state).__name__ == "LiberoState"
+        assert np.array_equal(state.physics, eps[0].states[2][0].physics)
+        kfs = sample_keyframes(back, {cfg.tasks[0]: 0}, stride=1, min_chunk=1, max_chunk=5, first_id=300_000)
+        assert sorted({kf.chunk for kf in kfs.values()}) == [1, 2, 3], "keyframes only where a state was recorded"
+        pick = [k for k in kfs if kfs[k].chunk in (2, 3)][:2]
+        explorer = RestoredEnv(venv, kfs)
+        obs = explorer.reset(pick)
+        for i, k in enumerate(pick):
+            assert np.array_equal(obs["image"][i], kfs[k].frame) and np.array_equal(obs["proprio"][i], kfs[k].proprio)
+        # the recorded episode's next chunk, replayed from the restored state: its next frame and state exactly
+        src = [next(e for e in back if e.key == kfs[k].episode_key) for k in pick]
+        res = venv.step_chunk(np.stack([e.actions[kfs[k].chunk] for e, k in zip(src, pick)]))
+        for i, (e, k) in enumerate(zip(src, pick)):
+            assert np.array_equal(res.proprio[i], e.proprio[kfs[k].chunk + 1])
+            assert np.array_equal(res.image[i], e.frames[kfs[k].chunk + 1])
+        seeds = [11, 12]
+        first = run_episodes(pol, RestoredEnv(venv, kfs), pick, cfg.tasks * 2, s, 8,
+                             torch.Generator().manual_seed(1), noise_seeds=seeds)
+        again = run_episodes(pol, RestoredEnv(venv, kfs), pick, cfg.tasks * 2, s, 8,
+                             torch.Generator().manual_seed(2), noise_seeds=seeds)
+        for f in ("chain", "logp", "images", "proprio", "success_once", "length"):
+            assert np.array_equal(getattr(first, f), getattr(again, f)), f
+        other = run_episodes(pol, RestoredEnv(venv, kfs), pick, cfg.tasks * 2, s, 8,
+                             torch.Generator().manual_seed(2), noise_seeds=[13, 14])
+        assert not np.array_equal(first.proprio, other.proprio), "another stream moves the arm elsewhere"
+    finally:
+        venv.close()
