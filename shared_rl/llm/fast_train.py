@@ -131,74 +131,65 @@ def fast_token_log_probs(model: torch.nn.Module, batch: SharedPrefixBatch, tempe
     # rows: [last prompt token, completion[:T-1]]; position t scores completion token t, so a row needs its first
     # len(completion) positions (they are also the only keys its scored positions read)
     lengths = batch.completion_mask.sum(1)
-    ar_t = torch.arange(t_width, device=dev)
-    row_real = ar_t[None] < lengths[:, None]                                       # [B, T]
-    row_flat = torch.nonzero(row_real.flatten()).flatten()                        # packed row tokens
+    row_real = torch.arange(t_width, device=dev)[None] < lengths[:, None]           # [B, T]
     ids = torch.cat([batch.prompt_ids[:, -1:].index_select(0, rows), batch.completion_ids[:, :-1]], 1)
     pos = torch.cat([batch.prompt_positions[:, -1:].index_select(0, rows), batch.completion_positions[:, :-1]], 1)
+    pre_real = batch.prompt_mask[:, :-1].bool()                                     # [U, P-1]
+    # One token set for every per-token op (norms, projections, MLP): the prompts' real tokens, then the rows' real
+    # positions; "grid" = the padded layouts attention reads, [U·(P-1) prompt cells | B·T row cells]
+    n_grid_pre = u * n_pre
+    row_flat = torch.nonzero(row_real.flatten()).flatten()
+    pre_flat = torch.nonzero(pre_real.flatten()).flatten()
+    flat = torch.cat([pre_flat, row_flat + n_grid_pre])
+    n_pre_tokens = pre_flat.numel()
+    grid_ids = torch.cat([batch.prompt_ids[:, :-1].flatten(), ids.flatten()])
+    grid_pos = torch.cat([batch.prompt_positions[:, :-1].flatten(), pos.flatten()])
     # rotary tables for every position in the batch, from the model's own rotary module
-    n_pos = int(pos.max()) + 1
-    cos_t, sin_t = base.model.rotary_emb(embed[None, :1].to(dtype), torch.arange(n_pos, device=dev)[None])
+    cos_t, sin_t = base.model.rotary_emb(embed[None, :1].to(dtype), torch.arange(int(pos.max()) + 1, device=dev)[None])
     cos_t, sin_t = cos_t[0].to(dtype), sin_t[0].to(dtype)
     half = hd // 2
     sin_t = torch.cat([-sin_t[:, :half], sin_t[:, half:]], -1)   # rotate_half(x)·sin == roll(x, hd/2)·[-sin₁, sin₂]
-
-    def rope(flat_pos: torch.Tensor):
-        return cos_t.index_select(0, flat_pos)[:, None], sin_t.index_select(0, flat_pos)[:, None]                  # [n, 1, hd]
-
-    r_cos, r_sin = rope(pos.flatten().index_select(0, row_flat))
-    x_r = embed.index_select(0, ids.flatten().index_select(0, row_flat)).to(dtype)  # [Nr, hidden]
-    # the rows' keys: the prompt's real tokens, then its own real positions causally; a pad query sees itself so that
-    # no softmax row is empty (its output is never read)
+    cos_g, sin_g = cos_t.index_select(0, grid_pos)[:, None], sin_t.index_select(0, grid_pos)[:, None]
+    x = embed.index_select(0, grid_ids.index_select(0, flat)).to(dtype)             # [N, hidden]
+    # keys: a row sees its prompt's real tokens, then its own real positions causally; a prompt token sees the real
+    # tokens up to it; a pad query sees itself so that no softmax row is empty (its output is never read)
     eye_t = torch.eye(t_width, dtype=torch.bool, device=dev)
-    own = (eye_t | (torch.ones_like(eye_t).tril() & row_real[:, None, :]))       # [B, T, T]
+    own = eye_t | (torch.ones_like(eye_t).tril() & row_real[:, None, :])            # [B, T, T]
     if n_pre > 0:
-        pre_real = batch.prompt_mask[:, :-1].bool()                                # [U, P-1]
-        pre_flat = torch.nonzero(pre_real.flatten()).flatten()
-        p_cos, p_sin = rope(batch.prompt_positions[:, :-1].flatten().index_select(0, pre_flat))
-        x_p = embed.index_select(0, batch.prompt_ids[:, :-1].flatten().index_select(0, pre_flat)).to(dtype)
         eye_p = torch.eye(n_pre, dtype=torch.bool, device=dev)
         pre_bias = _bias((torch.ones_like(eye_p).tril()[None] & pre_real[:, None, :]) | eye_p[None], dtype)
-        row_bias = _bias(torch.cat([pre_real.index_select(0, rows)[:, None, :].expand(b, t_width, n_pre), own], 2),
-                         dtype)
-    else:
-        row_bias = _bias(own, dtype)
-
-    def scatter(packed: torch.Tensor, flat: torch.Tensor, n: int, w: int, heads: int) -> torch.Tensor:
-        """Packed ``[N, heads, hd]`` -> zero-padded ``[n, w, heads, hd]``."""
-        out = packed.new_zeros((n * w, heads, hd))
-        return out.index_copy(0, flat, packed).view(n, w, heads, hd)
-
-    def qkv_of(x: torch.Tensor, layer, cos: torch.Tensor, sin: torch.Tensor, w_qkv, b_qkv):
-        qkv = F.linear(_rms(x, layer.input_layernorm.weight, spec.eps), w_qkv, b_qkv).view(-1, h + 2 * kvh, hd)
-        qk = qkv[:, :h + kvh]
-        qk = qk * cos + torch.roll(qk, half, -1) * sin
-        return qk[:, :h], qk[:, h:], qkv[:, h + kvh:]
-
-    def finish(x: torch.Tensor, att: torch.Tensor, layer, w_gu) -> torch.Tensor:
-        a = layer.self_attn
-        x = x + F.linear(att, a.o_proj.weight, a.o_proj.bias)
-        gate, up = F.linear(_rms(x, layer.post_attention_layernorm.weight, spec.eps), w_gu).chunk(2, -1)
-        return x + F.linear(F.silu(gate) * up, layer.mlp.down_proj.weight)
-
+        own = torch.cat([pre_real.index_select(0, rows)[:, None, :].expand(b, t_width, n_pre), own], 2)
+    row_bias = _bias(own, dtype)
     layers = base.model.layers
     for li, layer in enumerate(layers):
         a, m = layer.self_attn, layer.mlp
         w_qkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
-        b_qkv = (torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]) if a.q_proj.bias is not None else None)
-        w_gu = torch.cat([m.gate_proj.weight, m.up_proj.weight])
-        q_r, k_r, v_r = qkv_of(x_r, layer, r_cos, r_sin, w_qkv, b_qkv)
-        k_rows, v_rows = scatter(k_r, row_flat, b, t_width, kvh), scatter(v_r, row_flat, b, t_width, kvh)
+        b_qkv = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]) if a.q_proj.bias is not None else None
+        qkv = F.linear(_rms(x, layer.input_layernorm.weight, spec.eps), w_qkv, b_qkv).view(-1, h + 2 * kvh, hd)
+        grid = qkv.new_zeros((n_grid_pre + b * t_width, h + 2 * kvh, hd)).index_copy(0, flat, qkv)
+        qk = grid[:, :h + kvh]
+        qk = qk * cos_g + torch.roll(qk, half, -1) * sin_g
+        q, k, v = qk[:, :h], qk[:, h:], grid[:, h + kvh:]
+        q_r = q[n_grid_pre:].view(b, t_width, h, hd)
+        k_r, v_r = k[n_grid_pre:].view(b, t_width, kvh, hd), v[n_grid_pre:].view(b, t_width, kvh, hd)
+        last = li + 1 == len(layers)
         if n_pre > 0:
-            q_p, k_p, v_p = qkv_of(x_p, layer, p_cos, p_sin, w_qkv, b_qkv)
-            k_pre, v_pre = scatter(k_p, pre_flat, u, n_pre, kvh), scatter(v_p, pre_flat, u, n_pre, kvh)
-            if li + 1 < len(layers):   # the last layer's prompt outputs are read by nothing
-                att_p = _attend(scatter(q_p, pre_flat, u, n_pre, h), k_pre, v_pre, pre_bias, spec)
-                x_p = finish(x_p, att_p.reshape(u * n_pre, -1).index_select(0, pre_flat), layer, w_gu)
-            k_rows = torch.cat([k_pre.index_select(0, rows), k_rows], 1)
-            v_rows = torch.cat([v_pre.index_select(0, rows), v_rows], 1)
-        att_r = _attend(scatter(q_r, row_flat, b, t_width, h), k_rows, v_rows, row_bias, spec)
-        x_r = finish(x_r, att_r.reshape(b * t_width, -1).index_select(0, row_flat), layer, w_gu)
+            k_p, v_p = k[:n_grid_pre].view(u, n_pre, kvh, hd), v[:n_grid_pre].view(u, n_pre, kvh, hd)
+            att_p = None if last else _attend(q[:n_grid_pre].view(u, n_pre, h, hd), k_p, v_p, pre_bias, spec)
+            k_r = torch.cat([k_p.index_select(0, rows), k_r], 1)
+            v_r = torch.cat([v_p.index_select(0, rows), v_r], 1)
+        att_r = _attend(q_r, k_r, v_r, row_bias, spec).reshape(b * t_width, -1)
+        if last:   # the prompts' outputs of the last layer are read by nothing: only the rows go on
+            x, att = x[n_pre_tokens:], att_r.index_select(0, row_flat)
+        elif n_pre > 0:
+            att = torch.cat([att_p.reshape(n_grid_pre, -1), att_r]).index_select(0, flat)
+        else:
+            att = att_r.index_select(0, row_flat)
+        x = x + F.linear(att, a.o_proj.weight, a.o_proj.bias)
+        w_gu = torch.cat([m.gate_proj.weight, m.up_proj.weight])
+        gate, up = F.linear(_rms(x, layer.post_attention_layernorm.weight, spec.eps), w_gu).chunk(2, -1)
+        x = x + F.linear(F.silu(gate) * up, m.down_proj.weight)
+    x_r = x
     head = base.lm_head
     hidden = _rms(x_r, base.model.norm.weight, spec.eps)
     logits = F.linear(hidden.to(head.weight.dtype), head.weight, head.bias).float() / temperature  # [Nr, V]
