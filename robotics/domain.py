@@ -345,7 +345,11 @@ class RoboticsDomain(DomainBase):
             return out
         outcomes = sink[0]
         if self.start_digest:  # which weights these episodes are of (a later run may pair with this file)
-            outcomes.policy = policy_digest(self.policy)
+            from shared_rl.distributed import shards_gathered
+
+            from .fsdp import gathered_digest
+
+            outcomes.policy = gathered_digest(self.policy) if shards_gathered() else policy_digest(self.policy)
         if iteration == 0 and self.eval_baseline is None:
             self.eval_baseline = outcomes
         elif self.eval_baseline is not None:
@@ -365,9 +369,22 @@ class RoboticsDomain(DomainBase):
                                standard_errors=self.cfg.eval_standard_error, log=self.ctx.log)
 
     def save_pretrained(self, out_dir: Path) -> None:
-        self.policy.save_pretrained(out_dir)
+        from .fsdp import is_sharded, save_sharded
+
+        if is_sharded(self.policy):  # FSDP2: called on every process, which gather; process 0 writes
+            save_sharded(self.policy, out_dir)
+            if self.ctx.process_index != 0:
+                return
+        else:
+            self.policy.save_pretrained(out_dir)
         for part in self.parts:
             part.save_pretrained(out_dir)
+
+    def fsdp_modules(self) -> list[torch.nn.Module]:
+        """FSDP2 units of the tiny VLA and its KL reference (``robotics/fsdp.py``); refused settings raise there."""
+        from .fsdp import fsdp_units
+
+        return fsdp_units(self)
 
     def close(self) -> None:
         self.venv.close()
