@@ -23,6 +23,9 @@ its newest checkpoint: the bench runs in pieces across sittings — run it again
 6. **The control of an RL row** (``--null-of RUN_DIR``): that run's final policy with each task adapter's
    up-projection replaced by a random one of the same norm, evaluated paired with the clone — what an update of RL's
    size does when it knows nothing of the reward.
+7. **The verified explorer** (``--only rl --variants explorer explorer-no-ranker``): RL rows whose recipe is
+   ``VARIANT_RECIPES``'s (``configs/robotics/libero_wm_verified.yaml``: the world model ranks, LIBERO decides), with
+   their real steps in all (``real_env_steps``: the world model's data + re-executions) beside the paired change.
 
 ``--only demos|bc|noise|rl|smolvla|gradnoise`` runs a part, ``--seeds`` / ``--variants`` restrict the RL rows, ``--assemble`` only
 writes the table of the rows finished so far. ``--quick``: one tiny row of each kind (plumbing only; its LIBERO envs
@@ -91,6 +94,17 @@ RL_VARIANTS = {  # name -> overrides of RL_RECIPE (grove's defaults; each line s
     "grove+kl": ["loss.kl_coef=0.04"],
     "grove+replay": ["robotics.replay.coef=1.0", "robotics.replay.data={demos}"],
 }
+# The verified explorer (issue 61): the LIBERO world model imagines 16 candidates per keyframe, a ranker learned from
+# the run's own re-executed groups keeps 4, only those run in LIBERO and train (RIPT-VLA's LOOP settings, as the
+# ript-loop rows); its real steps include the world model's data. Its controls: the same without the ranker (the
+# imagined P(success) ranks), and without the world model = the ript-loop rows at a similar real-step budget.
+RL_VARIANTS |= {
+    "explorer": [],
+    "explorer-no-ranker": ["robotics.rollout.verify.score=prob", "robotics.rollout.verify.ranker_from=checkpoint",
+                           "robotics.rollout.verify.ranker_refit_steps=0"],
+}
+VARIANT_RECIPES = {"explorer": "configs/robotics/libero_wm_verified.yaml",
+                   "explorer-no-ranker": "configs/robotics/libero_wm_verified.yaml"}
 QUICK = {"ks": (1,), "rl_k": 1, "bc_seeds": (0,), "rl_seeds": (0,), "noise_seeds": (1,), "variants": {"grove": []},
          "eval": 1, "bc_steps": 4}
 DEMO_NOISE = 0.2
@@ -376,7 +390,8 @@ def rl_row(out: Path, k: int, seed: int, variant: str, overrides: list[str], s: 
             if any("{demos}" in o for o in overrides):  # the K demos the clone was made from
                 demos = demo_subset(demo_files(out, 1 if s["quick"] else pool_size(k), s), k, out)
                 overrides = [o.replace("{demos}", str(demos)) for o in overrides]
-            _run(["train", RL_RECIPE, "--out", str(run_dir), f"robotics.checkpoint={clone}", f"seed={seed}",
+            _run(["train", VARIANT_RECIPES.get(variant, RL_RECIPE), "--out", str(run_dir),
+                  f"robotics.checkpoint={clone}", f"seed={seed}",
                   f"robotics.eval_baseline={clone / 'eval_episodes.json'}", "eval.at_start=false",
                   f"robotics.eval_states_per_task={s['eval']}",
                   f"robotics.env.num_workers={s.get('env_workers', ROW_ENV_WORKERS)}",
@@ -393,6 +408,9 @@ def rl_row(out: Path, k: int, seed: int, variant: str, overrides: list[str], s: 
            "seed": seed, "iterations": max((r["step"] for r in recs), default=0), "success_before": before,
            "success": last["eval/success"], "paired_delta": delta, "paired_se": se, "verdict": verdict(delta, se),
            "env_steps": int(sum(r.get("env/steps", 0) for r in recs)),
+           # the explorer's real steps in all: its world model's data + re-executions (+ co-evolution rollouts)
+           **({"real_env_steps": int(max(r["wm/real_env_steps"] for r in recs if "wm/real_env_steps" in r))}
+              if any("wm/real_env_steps" in r for r in recs) else {}),
            "wall_min": round(sum(r.get("time/iteration", 0) + r.get("time/eval", 0) for r in recs) / 60, 1)}
     for t in TASKS:
         d, e = last.get(f"eval/success_delta/{t}"), last.get(f"eval/success_delta_se/{t}")

@@ -51,8 +51,10 @@ def test_the_variants_are_valid_configs_with_their_settings():
 
     from shared_rl.config import apply_overrides, load_train_config
 
-    base = yaml.safe_load((bl.ROOT / bl.RL_RECIPE).read_text())
-    cfgs = {v: load_train_config(apply_overrides(json.loads(json.dumps(base)), [x.replace("{demos}", "d.npz") for x in o]))
+    def recipe(v):
+        return yaml.safe_load((bl.ROOT / bl.VARIANT_RECIPES.get(v, bl.RL_RECIPE)).read_text())
+
+    cfgs = {v: load_train_config(apply_overrides(recipe(v), [x.replace("{demos}", "d.npz") for x in o]))
             for v, o in bl.RL_VARIANTS.items()}
     g, sv, ript, pirl = (cfgs[v] for v in ("grove", "simplevla", "ript-loop", "pirl"))
     assert g.rollout.groups_per_iteration * g.rollout.group_size == 64 and g.domain_config.adapters.steps == "by_episodes"
@@ -65,6 +67,12 @@ def test_the_variants_are_valid_configs_with_their_settings():
     assert pirl.domain_config.noise_level == 0.5 and pirl.domain_config.head_mode == "sde_one_step"
     assert g.domain_config.env.tasks == bl.TASKS
     assert cfgs["grove+kl"].loss.kl_coef == 0.04 and g.loss.kl_coef == 0
+    ex, ex0 = cfgs["explorer"], cfgs["explorer-no-ranker"]
+    assert ex.domain_config.rollout.name == ex0.domain_config.rollout.name == "verified"
+    assert ex.domain_config.rollout.verify.score == "ranker" and ex0.domain_config.rollout.verify.score == "prob"
+    assert ex.domain_config.env.tasks == bl.TASKS and ex.domain_config.checkpoint == g.domain_config.checkpoint
+    assert (ex.advantage.estimator.name, ex.loss.clip_low, ex.optim.lr, ex.optim.inner_epochs) == \
+        (ript.advantage.estimator.name, ript.loss.clip_low, ript.optim.lr, ript.optim.inner_epochs), "LOOP, as ript-loop"
     replay = cfgs["grove+replay"].domain_config.replay
     assert replay.coef == 1.0 and replay.data == "d.npz" and g.domain_config.replay.coef == 0
 
