@@ -212,3 +212,18 @@ def test_recipes_parse_and_run_two_iterations_on_the_tiny_pipeline(name, tiny_di
     tr = Trainer(load_train_config(data), None, log=lambda *_: None)
     ms = [tr.iteration(it) for it in range(2)]
     assert all(math.isfinite(m["loss/policy"]) and m["grad_norm"] > 0 for m in ms)
+
+
+def test_resume_equals_the_uninterrupted_run(tmp_path):
+    """Killed in the third iteration and resumed: both snapshots (the sampling copy and ``snap.crd_old``) and their
+    step counts come back, so the records and the weights equal the uninterrupted run's."""
+    from tests.resume_harness import resume_mismatches
+
+    data = load_yaml(REPO / "configs" / "visgen" / "shapes_crd.yaml")
+    data.update(eval={"at_start": False, "every": 0}, rollout={"groups_per_iteration": 2, "group_size": 2})
+    data["optim"]["backward_steps"] = 0
+    data["visgen"].update(num_threads=1, num_inference_steps=4,
+                          eval={"max_prompts": 1, "samples_per_prompt": 1, "grid_prompts": 0})
+    data["visgen"]["objective"].update(timesteps_per_sample=2, old_decay_start=0.5, sampling_decay_flat=1)
+    bad = resume_mismatches(data, tmp_path)
+    assert not bad, "\n".join(bad[:20])

@@ -249,3 +249,19 @@ def test_merge_teacher_turns_a_lora_run_into_a_teacher_with_the_same_velocity(ti
             v_base = policy.transformer(x, **kw)[0]
     assert torch.allclose(v_student, v_teacher, atol=1e-5)
     assert not torch.allclose(v_base, v_teacher, atol=1e-3)  # the LoRA was merged, not dropped
+
+
+def test_resume_equals_the_uninterrupted_run(tmp_path, tiny_dir, teacher_dir):
+    """Killed in the third iteration and resumed: the teacher is reloaded from its path (no checkpoint entry), the
+    student's weights and records equal the uninterrupted run's."""
+    from tests.resume_harness import resume_mismatches
+
+    data = load_yaml(REPO / "configs" / "visgen" / "shapes_opd.yaml")
+    data.update(eval={"at_start": False, "every": 0}, rollout={"groups_per_iteration": 2, "group_size": 2})
+    data["optim"]["backward_steps"] = 0
+    data["visgen"].update(num_threads=1, num_inference_steps=4, model=str(tiny_dir),
+                          eval={"max_prompts": 1, "samples_per_prompt": 1, "grid_prompts": 0},
+                          method={"name": "flow_grpo", "train_fraction": 0.5})
+    data["visgen"]["objective"]["teacher"] = str(teacher_dir)
+    bad = resume_mismatches(data, tmp_path)
+    assert not bad, "\n".join(bad[:20])
