@@ -443,3 +443,29 @@ def restore_run(ckpt_root: Path, domain, optim, sampler, fsdp, log=print,
     domain.load_extra_state(state.get("domain", {}))
     set_rng_state(state["rng"])
     return path, int(state["iteration"]), missing
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m shared_rl.checkpoint export STEP_DIR OUT_ROOT``: ``export_full_checkpoint`` from the shell (one
+    process, no launcher); a checkpoint that fails its checksums is one line on stderr and exit code 2."""
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(prog="python -m shared_rl.checkpoint",
+                                     description="turn a sharded (DCP) grove checkpoint into the one-process layout")
+    sub = parser.add_subparsers(dest="command", required=True)
+    export = sub.add_parser("export", help="write STEP_DIR's one-process copy as OUT_ROOT/step_NNNNNN")
+    export.add_argument("step_dir", type=Path, help="a sharded checkpoint, e.g. RUN/checkpoints/step_000010")
+    export.add_argument("out_root", type=Path, help="the checkpoints folder to write it into (created if needed)")
+    args = parser.parse_args(argv)
+    try:
+        out = export_full_checkpoint(args.step_dir, args.out_root)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from shared_rl.checkpoint import (SHARDS, export_full_checkpoint, is_sharded_checkpoint, list_checkpoints,
+from shared_rl.checkpoint import (SHARDS, is_sharded_checkpoint, list_checkpoints,
                                   verify_checkpoint)
 from shared_rl.distributed import Dist, exit_distributed, full_tensors
 from shared_rl.trainer import Trainer
@@ -88,7 +88,12 @@ def test_two_to_one_one_to_two_and_two_to_two_resume_the_uninterrupted_run(runs)
 
 def test_export_gives_the_one_process_checkpoint(runs, tmp_path):
     tmp, _, _ = runs
-    exported = export_full_checkpoint(tmp / "two_first" / "checkpoints" / "step_000002", tmp_path / "run" / "ckpts")
+    from shared_rl.checkpoint import main as checkpoint_main
+
+    # python -m shared_rl.checkpoint export STEP_DIR OUT_ROOT
+    assert checkpoint_main(["export", str(tmp / "two_first" / "checkpoints" / "step_000002"),
+                            str(tmp_path / "run" / "ckpts")]) == 0
+    exported = tmp_path / "run" / "ckpts" / "step_000002"
     assert exported.name == "step_000002" and verify_checkpoint(exported) is None
     one = tmp / "full" / "checkpoints" / "step_000002"
     w1, w2 = (load_file(str(p / "model.safetensors")) for p in (one, exported))
@@ -120,5 +125,8 @@ def test_a_missing_shard_is_refused_in_one_line(runs, tmp_path, capsys):
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(err) == 1 and "no usable checkpoint" in err[0] and f"{SHARDS}/__1_0.distcp is missing" in err[0]
     assert sorted(p.name for p in run.rglob("*")) == before  # nothing written
-    with pytest.raises(Exception, match="is missing"):
-        export_full_checkpoint(list_checkpoints(run / "checkpoints")[-1], tmp_path / "x" / "ckpts")
+    from shared_rl.checkpoint import main as checkpoint_main
+
+    assert checkpoint_main(["export", str(list_checkpoints(run / "checkpoints")[-1]), str(tmp_path / "x")]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and f"{SHARDS}/__1_0.distcp is missing" in err[0] and not (tmp_path / "x").exists()
