@@ -128,6 +128,33 @@ def check_visgen_model(model: str) -> tuple[str, bool]:
 
 
 # ------------------------------------------------------------------------------------------------------ robotics
+def nearest_path(given: str, accept: Callable[[Path], bool]) -> str:
+    """`` (did you mean 'a/b'?)`` for a path that does not exist: the entry beside it that ``accept`` takes (a file,
+    a policy directory) whose name is closest to the one given, or, when its folder does not exist either, the folder
+    beside that folder, holding an accepted entry of the same name, whose name is closest to the folder's
+    (``assets/clone-bc/x.json`` -> ``assets/clone-bc5/x.json``); "" when none is close. Only the one name is compared:
+    a long common prefix makes any two paths look alike. Looked for as given and relative to the repository, as the
+    paths resolve."""
+    import difflib
+
+    p = Path(given)
+    bases = [Path("/")] if p.is_absolute() else list(dict.fromkeys([Path.cwd(), REPO_ROOT]))
+    in_folder = any((b / p.parent).is_dir() for b in bases)
+    name = p.name if in_folder else p.parent.name
+    near: dict[str, str] = {}  # the name compared -> the path suggested
+    for base in bases:
+        try:
+            if in_folder and (base / p.parent).is_dir():
+                near.update((c.name, str(p.parent / c.name)) for c in (base / p.parent).iterdir() if accept(c))
+            elif not in_folder and p.parent != p.parent.parent and (base / p.parent.parent).is_dir():
+                near.update((d.name, str(p.parent.parent / d.name / p.name)) for d in (base / p.parent.parent).iterdir()
+                            if d.is_dir() and accept(d / p.name))
+        except OSError:  # an unreadable folder: nothing to suggest from it
+            continue
+    close = difflib.get_close_matches(name, sorted(n for n in near if near[n] != given), n=1)
+    return f" (did you mean {near[close[0]]!r}?)" if close else ""
+
+
 def resolve_repo_path(path: str) -> Path:
     """A path as given if it exists (or is absolute), else relative to the repository (the assets)."""
     p = Path(path)
@@ -190,7 +217,8 @@ def check_lerobot_policy(path: str, env_kind: str, policy_type: str) -> None:
     given = str(resolved) if resolved.exists() else path
     p = Path(given)
     if not p.is_dir() and local_path_meant(given):
-        raise ConfigError(f"robotics.policy.path: {given} does not exist (a local path, not a hub id); make this "
+        near = nearest_path(given, lambda c: (c / "config.json").is_file())
+        raise ConfigError(f"robotics.policy.path: {given} does not exist{near} (a local path, not a hub id); make this "
                           f"recipe's tiny policy with `{lerobot_tiny_command(given, env_kind)}`, your own with "
                           f"LeRobot's `lerobot-train`")
     if p.is_dir():
@@ -206,8 +234,9 @@ def check_lerobot_policy(path: str, env_kind: str, policy_type: str) -> None:
 def check_eval_baseline(path: str) -> None:
     """``robotics.eval_baseline``: a file of recorded evaluation episodes, when one is named."""
     if path and not resolve_repo_path(path).is_file():
-        raise ConfigError(f"robotics.eval_baseline {path}: no such file (a BC clone's eval_episodes.json or a run's "
-                          f"eval_episodes/it0000.json)")
+        near = nearest_path(path, Path.is_file)
+        raise ConfigError(f"robotics.eval_baseline {path}: no such file{near} (a BC clone's eval_episodes.json or a "
+                          f"run's eval_episodes/it0000.json)")
 
 
 # ------------------------------------------------------------------------------------------------------ the table

@@ -73,6 +73,10 @@ def _files(tmp):
     (tmp / "binary.txt").write_bytes(bytes(range(256)) * 4)
     (tmp / "latin1.txt").write_bytes("a caf\xe9 on a red circle\n".encode("latin-1"))
     (tmp / "latin1.jsonl").write_bytes('{"prompt": "caf\xe9 1+1=", "answer": "2"}\n'.encode("latin-1"))
+    (tmp / "policies" / "smolvla-tiny").mkdir(parents=True)  # a LeRobot policy directory a typo is near
+    (tmp / "policies" / "smolvla-tiny" / "config.json").write_text("{}")
+    (tmp / "clone").mkdir()
+    (tmp / "clone" / "eval_episodes.json").write_text("[]")
     (tmp / "damaged_model").mkdir()
     (tmp / "damaged_model" / "config.json").write_text("{not json")
     (tmp / "damaged_model" / "model.safetensors").write_bytes(b"\x00" * 16)
@@ -232,8 +236,10 @@ CASES = {
     "robotics bad horizon": (_robotics(env={"horizon": 0}), "horizon"),
     "robotics unknown advantage weight": ({**_robotics(), "advantage": {"weights": {"dense": 0.5}}},
                                           "'dense'"),
-    "robotics fsdp2": ({**_robotics(), "distributed": {"strategy": "fsdp2"}},
-                       "distributed.strategy: fsdp2 is not supported by domain 'robotics'"),
+    "robotics fsdp2 with per-task adapter steps": ({**_robotics(adapters={"rank": 4, "steps": "by_episodes"}),
+                                                    "distributed": {"strategy": "fsdp2"}},
+                                                   "distributed.strategy: fsdp2 with robotics.adapters.steps: "
+                                                   "by_episodes"),
     "robotics LeRobot policy hub id not cached": (_robotics(policy={"type": "lerobot", "path": "lerobot/pi05_libero"},
                                                             head_mode="sde_one_step"),
                                                   "'lerobot/pi05_libero' is neither a LeRobot policy directory nor a "
@@ -243,6 +249,11 @@ CASES = {
                                                                head_mode="sde_one_step"),
                                                      "not_a_dataset has no config.json; it must be a LeRobot policy "
                                                      "directory"),
+    "robotics LeRobot policy path typo": (_robotics(policy={"type": "lerobot", "path": "TMP/policies/smolvla-tny"},
+                                                    head_mode="sde_one_step"),
+                                          "smolvla-tny does not exist (did you mean 'TMP/policies/smolvla-tiny'?)"),
+    "robotics eval baseline typo": (_robotics(eval_baseline="TMP/clone/eval_episode.json"),
+                                    "no such file (did you mean 'TMP/clone/eval_episodes.json'?)"),
     "robotics LeRobot policy path missing": (_robotics(policy={"type": "lerobot", "path": "TMP/lerobot/smolvla-tiny"},
                                                        head_mode="sde_one_step"),
                                              "does not exist (a local path, not a hub id); make this recipe's tiny "
@@ -280,6 +291,9 @@ FOUND_ONLY_BY_BUILDING = {
     "llm engine that does not import": "shared_rl/llm/domain.py",
     "llm engine named like a path": "shared_rl/llm/domain.py",
     "a domain size beyond memory": "the allocation itself is the check",
+    # robotics/fsdp.py's refuse_config runs when the trainer asks for the FSDP2 units; RoboticsConfig.preflight
+    # does not call it yet (visgen.preflight does the same for visgen's fsdp2 refusals)
+    "robotics fsdp2 with per-task adapter steps": "robotics/config.py",
 }
 
 

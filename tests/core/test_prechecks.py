@@ -64,6 +64,15 @@ CORPUS = {
     "robotics LeRobot policy without config.json": ("configs/robotics/lerobot_smolvla_tiny_grpo.yaml",
                                                     ["robotics.policy.path=EMPTY"],
                                                     "has no config.json; it must be a LeRobot policy directory"),
+    "robotics LeRobot policy path typo": ("configs/robotics/lerobot_smolvla_tiny_grpo.yaml",
+                                          ["robotics.policy.path=POLICIES/smolvla-tny"],
+                                          "smolvla-tny does not exist (did you mean "),
+    "robotics eval baseline typo": ("configs/robotics/libero_grpo.yaml",
+                                    ["robotics.eval_baseline=assets/libero-vla-tiny-bc5/eval_episode.json"],
+                                    "no such file (did you mean 'assets/libero-vla-tiny-bc5/eval_episodes.json'?)"),
+    "robotics eval baseline clone typo": ("configs/robotics/libero_grpo.yaml",
+                                          ["robotics.eval_baseline=assets/libero-vla-tiny-bc/eval_episodes.json"],
+                                          "(did you mean 'assets/libero-vla-tiny-bc5/eval_episodes.json'?)"),
     "robotics eval baseline missing": ("configs/robotics/metaworld_grpo.yaml",
                                        ["robotics.eval_baseline=MISSING/eval_episodes.json"], "no such file"),
 }
@@ -73,6 +82,8 @@ CORPUS = {
 EARLY_ONLY = {
     "llm hub id typo offline": "shared_rl/llm/domain.py looks no hub id up: the Python API's loader retries for ~a "
                                "minute, then fails",
+    "robotics LeRobot policy path typo": "robotics/policies/lerobot/load.py's read_policy_config gives the same line "
+                                         "without the did-you-mean",
 }
 
 
@@ -80,13 +91,22 @@ def _case(name: str, tmp_path: Path) -> tuple[str, list[str], str]:
     config, overrides, expect = CORPUS[name]
     if name.startswith("robotics") and not HAS_MUJOCO:
         pytest.skip("the robotics domain's full validation needs mujoco")
-    (tmp_path / "empty").mkdir(exist_ok=True)
+    _folders(tmp_path)
     return config, [_paths(o, tmp_path) for o in overrides], expect
 
 
+def _folders(tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir(exist_ok=True)
+    (tmp_path / "policies" / "smolvla-tiny").mkdir(parents=True, exist_ok=True)
+    (tmp_path / "policies" / "smolvla-tiny" / "config.json").write_text("{}")
+
+
 def _paths(override: str, tmp_path: Path) -> str:
-    """MISSING: a folder under pytest's tmp_path that does not exist; EMPTY: an empty one there."""
-    return override.replace("MISSING", str(tmp_path / "missing")).replace("EMPTY", str(tmp_path / "empty"))
+    """MISSING: a folder under pytest's tmp_path that does not exist; EMPTY: an empty one there; POLICIES: one that
+    holds a LeRobot policy directory, smolvla-tiny."""
+    for mark, folder in (("MISSING", "missing"), ("EMPTY", "empty"), ("POLICIES", "policies")):
+        override = override.replace(mark, str(tmp_path / folder))
+    return override
 
 
 @pytest.fixture
@@ -119,7 +139,7 @@ def test_the_early_pass_and_the_full_validation_give_the_same_line(name, tmp_pat
 def test_the_cli_answers_a_typod_path_before_importing_torch_or_a_domain(tmp_path):
     """In one fresh process, each corpus command exits 2 with its line while torch, transformers, diffusers and
     the domain packages are still unimported (``load_train_config`` would have imported them)."""
-    (tmp_path / "empty").mkdir()
+    _folders(tmp_path)
     argvs = [["train", config, *[_paths(o, tmp_path) for o in overrides], "--dry-run"]
              for config, overrides, _ in CORPUS.values()]
     code = ("import sys, io, contextlib; from shared_rl.cli import main; out = []\n"
