@@ -367,7 +367,11 @@ class OPDSettings:
                               "family (e.g. a reward-tuned checkpoint with its LoRA merged)")
         from shared_rl.prechecks import resolve_visgen_model
 
-        location, local = resolve_visgen_model(str(self.teacher))
+        try:
+            location, local = resolve_visgen_model(str(self.teacher))
+        except ConfigError as exc:  # name the setting: the message alone reads like visgen.model's
+            raise ConfigError(f"{where}.teacher: {exc} (a trained run's final/ becomes one with "
+                              "visgen.tiny.merge_teacher)") from None
         if local:  # its family and scheduler are compared with the student's when both load
             from pathlib import Path
 
