@@ -304,6 +304,7 @@ class LLMDomain(DomainBase):
                                   cfg.reward_guard, lambda prompts, completions, *_: len(completions), log=ctx.log)
             for (label, fn), _w in self.rewards}
         self._sharded = False  # set by fsdp_modules(): the trainer shards the model with FSDP2
+        self._weights_stepped = False  # an optimizer step since the engine's last snapshot (after_optimizer_step)
         ctx.log(f"llm: {cfg.model} ({sum(p.numel() for p in self.model.parameters()):,} params, "
                 f"{sum(p.numel() for p in self.parameters()):,} trainable) | task {cfg.dataset.source}: "
                 f"{len(self.task.train)} train / {len(self.task.eval)} eval prompts")
@@ -607,13 +608,20 @@ class LLMDomain(DomainBase):
         return out
 
     # ---- FSDP2 -----------------------------------------------------------------------------------------------------
+    def after_optimizer_step(self) -> None:
+        # a fused optimizer kernel (AdamW fused=True) writes the weights without bumping the version counters the
+        # fast engine's snapshot check reads, so the next rollout re-takes the snapshot on this flag instead
+        self._weights_stepped = True
+
     def _sync_engine(self) -> None:
-        if self._sharded and hasattr(self.engine, "_fingerprint"):
+        if (self._sharded or getattr(self, "_weights_stepped", False)) and hasattr(self.engine, "_fingerprint"):
             # FSDP2 re-gathers the weights into reused buffers for every rollout round; rather than trust the
-            # version counters of those buffers to flag an update, re-take the snapshot (once per round)
+            # version counters of those buffers (or of weights a fused kernel updated) to flag an update, re-take
+            # the snapshot (once per round)
             self.engine.sync_weights(force=True)
         else:
             self.engine.sync_weights()
+        self._weights_stepped = False
 
     def fsdp_modules(self) -> list[torch.nn.Module]:
         """FSDP2 units (``distributed.strategy: fsdp2``): every decoder layer (the classes the transformers model

@@ -328,5 +328,11 @@ def test_dropin_runs_grove_forward_and_trls_fused_adamw(tmp_path):
         moved = max(moved, float(step))
         assert (a.detach() - b.detach()).abs().max() <= 1e-5 * 0.05, n   # rounding, vs a step of ~lr
     assert moved > 0.01
+    # the fused kernel leaves the version counters alone: the fast engine's snapshot is re-taken on the domain's
+    # after-step flag, so the next rollout samples the updated weights (a stale snapshot would not equal them)
+    domain = fused.trainer.domain
+    domain._sync_engine()
+    assert torch.equal(domain.engine.lm_head, fused.model.lm_head.weight.detach())
+    assert torch.equal(domain.engine.layers[0].down, fused.model.model.layers[0].mlp.down_proj.weight.detach())
     checkpointed = make(gradient_checkpointing=True)
     assert not checkpointed.trainer.domain._fast_train   # auto: the model's own (checkpointed) forward
