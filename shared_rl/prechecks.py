@@ -127,6 +127,20 @@ def check_visgen_model(model: str) -> tuple[str, bool]:
     return location, local
 
 
+def check_prompt_file(path: str, task: str = "file") -> None:
+    """``visgen.train_prompts`` / ``eval_prompts`` of ``task: file`` (other tasks read no prompt file): it exists as
+    given, in the working directory or in the repository, as ``visgen.tasks.files.read_prompt_file`` looks; else the
+    line with the nearest prompt file beside it. What is in it is the domain's check (``visgen.preflight``)."""
+    if task != "file" or not path:
+        return
+    p = Path(path).expanduser()
+    if any(c.is_file() for c in ([p] if p.is_absolute() else [Path.cwd() / p, REPO_ROOT / p])):
+        return
+    near = nearest_path(path, lambda c: c.is_file() and c.suffix in (".txt", ".jsonl"))
+    raise ConfigError(f"prompt file {path!r} does not exist{near} (relative paths: the working directory, then the "
+                      f"repo)")
+
+
 # ------------------------------------------------------------------------------------------------------ robotics
 def nearest_path(given: str, accept: Callable[[Path], bool]) -> str:
     """`` (did you mean 'a/b'?)`` for a path that does not exist: the entry beside it that ``accept`` takes (a file,
@@ -254,7 +268,9 @@ class PathKey:
 # same first line from both passes (a path and another kind of mistake together: the early pass names the path).
 PATH_KEYS: dict[str, tuple[PathKey, ...]] = {
     "llm": (PathKey("model", check_llm_model), PathKey("tokenizer", check_llm_tokenizer)),
-    "visgen": (PathKey("model", check_visgen_model),),
+    "visgen": (PathKey("model", check_visgen_model),
+               PathKey("train_prompts", check_prompt_file, {"task": ("task", "shapes")}),
+               PathKey("eval_prompts", check_prompt_file, {"task": ("task", "shapes")})),
     "robotics": (
         PathKey("checkpoint", check_vla_checkpoint,
                 {"env_kind": ("env.kind", "metaworld"), "policy_type": ("policy.type", "tiny_vla")}),

@@ -140,6 +140,8 @@ CASES = {
                                   "binary.txt' is not text (a NUL byte at offset 0)"),
     "visgen prompt file not utf-8": (_visgen(task="file", train_prompts="TMP/latin1.txt"),
                                      "latin1.txt' is not UTF-8 text (byte 0xe9 at offset 5)"),
+    "visgen prompt file typo": (_visgen(task="file", train_prompts="TMP/cat.txt"),
+                                "prompt file 'TMP/cat.txt' does not exist (did you mean 'TMP/cats.txt'?)"),
     "visgen lora rank zero": (_visgen(lora={"rank": 0}), "rank"),
     "visgen prompts the reward cannot score": (_visgen(task="file", train_prompts="TMP/cats.txt"),
                                                "prompt 1 cannot be scored by reward 'shapes'"),

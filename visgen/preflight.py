@@ -25,7 +25,7 @@ import typing
 
 from shared_rl.errors import ConfigError
 # HELD_PREFIX (re-exported for visgen.api): the name of a pipeline the caller holds, a label with nothing to look up
-from shared_rl.prechecks import HELD_PREFIX, check_visgen_model  # noqa: F401
+from shared_rl.prechecks import HELD_PREFIX, check_prompt_file, check_visgen_model  # noqa: F401
 
 # rewards whose factories build nothing heavy: built once here, so a bad argument value fails now
 CHEAP_REWARDS = ("shapes", "shapes_soft", "jpeg_compressibility", "jpeg_incompressibility")
@@ -143,6 +143,7 @@ def preflight(cfg, train_cfg, read_prompt_file, import_rewards) -> None:
     from .tasks import get_task
 
     for key, path in get_task(cfg.task).prompt_files(cfg):  # an embedded task's own prompts are its grammar's
+        check_prompt_file(path)  # a missing file, with the nearest one beside it: the line the CLI gave before torch
         prompts, metas = read_prompt_file(path)
         if key == "train_prompts" and cfg.train_subset is not None:
             bad = [i for i in cfg.train_subset if not 0 <= i < len(prompts)]

@@ -40,6 +40,13 @@ CORPUS = {
                                "'assets/shapes-sd3-tiny'?)"),
     "visgen missing local model": ("configs/visgen/shapes_grpo.yaml", ["visgen.model=./no/such/pipeline"],
                                    "model path './no/such/pipeline' does not exist"),
+    "visgen prompt file typo": ("configs/visgen/shapes_grpo.yaml",
+                                ["visgen.task=file", "visgen.train_prompts=TMP/prompts/shapes_trian.txt"],
+                                "shapes_trian.txt' does not exist (did you mean 'TMP/prompts/shapes_train.txt'?)"),
+    "visgen eval prompt folder typo": ("configs/visgen/shapes_grpo.yaml",
+                                       ["visgen.task=file", "visgen.train_prompts=TMP/prompts/shapes_train.txt",
+                                        "visgen.eval_prompts=TMP/prompt/shapes_eval.txt"],
+                                       "(did you mean 'TMP/prompts/shapes_eval.txt'?)"),
     "visgen hub id typo offline": ("configs/visgen/sd35_pickscore.yaml",
                                    ["device=cpu", "visgen.model=stabilityai/stable-diffusion-3.5-mediun"],
                                    "not in the local Hugging Face cache"),
@@ -92,21 +99,24 @@ def _case(name: str, tmp_path: Path) -> tuple[str, list[str], str]:
     if name.startswith("robotics") and not HAS_MUJOCO:
         pytest.skip("the robotics domain's full validation needs mujoco")
     _folders(tmp_path)
-    return config, [_paths(o, tmp_path) for o in overrides], expect
+    return config, [_paths(o, tmp_path) for o in overrides], _paths(expect, tmp_path)
 
 
 def _folders(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir(exist_ok=True)
     (tmp_path / "policies" / "smolvla-tiny").mkdir(parents=True, exist_ok=True)
     (tmp_path / "policies" / "smolvla-tiny" / "config.json").write_text("{}")
+    (tmp_path / "prompts").mkdir(exist_ok=True)  # prompts the shapes rewards score
+    for split in ("train", "eval"):
+        (tmp_path / "prompts" / f"shapes_{split}.txt").write_text("a red circle\na blue square\n")
 
 
 def _paths(override: str, tmp_path: Path) -> str:
     """MISSING: a folder under pytest's tmp_path that does not exist; EMPTY: an empty one there; POLICIES: one that
-    holds a LeRobot policy directory, smolvla-tiny."""
+    holds a LeRobot policy directory, smolvla-tiny; TMP: tmp_path (its prompts/ folder holds two prompt files)."""
     for mark, folder in (("MISSING", "missing"), ("EMPTY", "empty"), ("POLICIES", "policies")):
         override = override.replace(mark, str(tmp_path / folder))
-    return override
+    return override.replace("TMP/", f"{tmp_path}/")
 
 
 @pytest.fixture
