@@ -1,7 +1,7 @@
 """The visgen domain's names for ``grove list`` (registered as ``shared_rl.registry.CATALOGS["visgen"]``).
 
-The method and pipeline registries import diffusers (seconds), so their names are written here as text and
-``grove list`` starts in about the time torch takes to import; ``tests/core/test_docs_match.py`` checks each list
+The method and pipeline registries import diffusers (seconds), so their names are written here as text, and
+``grove list`` imports neither diffusers nor torch; ``tests/core/test_docs_match.py`` checks each list
 against its registry (``visgen.methods.METHODS``, ``visgen.objectives.OBJECTIVES``, ``visgen.tasks.TASKS``,
 ``visgen.pipelines.ADAPTERS``, ``VisgenConfig.kernel``).
 The rewards are read from their modules' ``@register("name", ...)`` lines (``shared_rl.cli.registered_names``):
