@@ -1,5 +1,5 @@
-"""`grove bench scale`: samples/s with 1 vs 2 CPU processes on the same work, and checkpoint save/load time and
-size per domain.
+"""`grove bench scale`: samples/s with 1 vs 2 CPU processes on the same work, checkpoint save/load time and
+size per domain, and the bytes each process holds of the trained state under FSDP2 with 1, 2 and 4 processes.
 
 Both process counts run the same config, seed and global batch (`rollout.groups_per_call` fixed so the work is
 identical); samples/s is read from the runs' own `metrics.jsonl` (`samples_per_s` = leaves / wall time of the
@@ -91,11 +91,89 @@ def _checkpoint_cost(config: str, overrides: list[str], tmp: Path) -> dict[str, 
     t = time.perf_counter()
     path = tr.save(1)
     save_s = time.perf_counter() - t
-    size = sum(f.stat().st_size for f in path.iterdir())
+    size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
     t = time.perf_counter()
     tr.resume()
     load_s = time.perf_counter() - t
     return {"ckpt_save_s": save_s, "ckpt_load_s": load_s, "ckpt_mb": size / 2**20}
+
+
+# ---- memory per process under FSDP2 ------------------------------------------------------------------------
+MEMORY_WORLDS = (1, 2, 4)
+
+
+def even_token_fraction(completion_ids, **_):
+    """A dense reward (TRL signature), so that the measured step has non-zero gradients."""
+    return [sum(t % 2 == 0 for t in ids) / max(1, len(ids)) for ids in completion_ids]
+
+
+def _memory_config(model: str):
+    from shared_rl.config import load_train_config
+
+    return load_train_config({
+        "domain": "llm", "seed": 0, "iterations": 1, "logging": {"progress": False}, "eval": {"at_start": False},
+        "distributed": {"strategy": "fsdp2"}, "checkpoint": {"every": 0},
+        "rollout": {"groups_per_iteration": 4, "group_size": 2, "groups_per_call": 1},
+        "optim": {"lr": 1e-3, "micro_batch_size": 2},
+        "llm": {"model": model, "max_new_tokens": 4, "num_threads": 1, "share_prompt_forward": False,
+                "rewards": [{"name": "bench.scale:even_token_fraction"}],
+                "eval": {"num_prompts": 2, "batch_size": 2, "sampled": False}}})
+
+
+def _memory_worker(rank: int, world: int, port: int, model: str, out: str) -> None:
+    """One iteration of full fine-tuning under FSDP2, then the bytes this process holds (local shards)."""
+    import torch
+
+    from shared_rl.distributed import exit_distributed, is_dtensor
+    from shared_rl.trainer import Trainer
+
+    if world > 1:  # a worker process of its own; one process runs in the bench's process, no group
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                          LOCAL_RANK=str(rank))
+        torch.set_num_threads(1)
+    tr = Trainer(_memory_config(model), None, log=lambda *_: None)
+    tr.iteration(0)  # after one optimizer step: gradients and AdamW moments exist
+
+    def local(t) -> int:
+        return (t.to_local() if is_dtensor(t) else t).numel() * t.element_size()
+
+    params = tr.optim.params
+    got = {"params": sum(local(p) for p in params), "grads": sum(local(p.grad) for p in params if p.grad is not None),
+           "optimizer": sum(local(v) for st in tr.optimizer.state.values() for v in st.values()
+                            if torch.is_tensor(v) and v.dim())}
+    Path(f"{out}.{rank}").write_text(json.dumps(got))
+    if world > 1:
+        exit_distributed(0)
+
+
+def _memory_rows(tmp: Path) -> list[dict]:
+    """Per-process bytes of trained parameters, gradients and AdamW state of a tiny Llama (full fine-tuning, 4
+    layers) under FSDP2 with 1, 2 and 4 CPU processes (gloo): expect ~1/N of the one-process bytes."""
+    import multiprocessing
+
+    import torch.multiprocessing as mp
+
+    from shared_rl.llm.model import build_tiny_llama, load_tokenizer
+
+    model = tmp / "tiny-llama"
+    tok = load_tokenizer(str(REPO_ROOT / "assets/llm-arith-tiny"))
+    build_tiny_llama(tok, hidden_size=64, num_layers=4, num_heads=4, seed=0).save_pretrained(model)
+    tok.save_pretrained(model)
+    rows, base = [], None
+    for world in MEMORY_WORLDS:
+        out = tmp / f"mem{world}.json"
+        if world == 1:
+            _memory_worker(0, 1, 0, str(model), str(out))
+        else:
+            multiprocessing.set_forkserver_preload(["torch", "shared_rl.trainer", "shared_rl.llm.domain"])
+            mp.start_processes(_memory_worker, args=(world, free_port(), str(model), str(out)), nprocs=world,
+                               join=True, start_method="forkserver")
+        ranks = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(world)]
+        worst = {k: max(r[k] for r in ranks) for k in ranks[0]}  # the busiest process decides what fits
+        base = base or worst
+        rows.append({"variant": f"memory llm fsdp2 {world} proc", **{f"{k}_bytes_per_process": v for k, v in worst.items()},
+                     "fraction_of_1proc": sum(worst.values()) / sum(base.values())})
+    return rows
 
 
 def run(out_dir: Path, quick: bool = False) -> dict:
@@ -114,10 +192,15 @@ def run(out_dir: Path, quick: bool = False) -> dict:
             row.update(_alternating(config, overrides, tmp, name, 1 if quick else REPEATS))
             row.update(_checkpoint_cost(config, [o for o in overrides if "groups_per_call" not in o], tmp / f"{name}-ck"))
             rows.append(row)
+        if not quick:
+            rows += _memory_rows(tmp)
     notes = ("samples/s = leaves / wall time of a whole iteration, median over the iterations after the first, from "
              "each run's metrics.jsonl; same config and global batch for 1 and 2 processes (gloo, CPU); runs "
              f"alternate 1, 2, 1, 2 ({1 if quick else REPEATS} rounds, best round per layout); load_avg = the 1-minute "
              "load average before each run (other jobs on the machine). One process uses all cores' threads, two "
              "processes one core each: on 2 cores the ratio is bounded by ~2x and noisy. Checkpoint = trainable "
-             "weights + optimizer + state, written atomically with checksums; load = resume from it.")
+             "weights + optimizer + state, written atomically with checksums; load = resume from it. memory rows: bytes "
+             "of trained parameters, gradients and AdamW state held by the busiest process after one optimizer step "
+             "of a tiny Llama (hidden 64, 4 layers, full fine-tuning) under distributed.strategy fsdp2 with 1, 2 "
+             "and 4 gloo processes (1 process: nothing sharded).")
     return write_results(out_dir, "scale", rows, notes, doc_path=None if quick else REPO_ROOT / "docs/bench/scale.md")
