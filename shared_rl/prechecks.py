@@ -10,7 +10,7 @@ live here, in a module that imports only the standard library and grove's torch-
   ``load_train_config`` and before anything imports torch;
 - later, by each domain's own validation (``LLM``: ``shared_rl.llm.model.resolve_model_path``; ``visgen``:
   ``visgen.preflight``; ``robotics``: ``RoboticsConfig.preflight``), which calls the very functions below on its typed
-  config, so the two cannot drift: one list of checks, one message each. (One exception: a LeRobot
+  config, so the two cannot drift: one list of checks, one message each. (Two exceptions: a LeRobot
   ``policy.path`` is checked by ``robotics.policies.lerobot.load.read_policy_config``, which also parses the files;
   ``check_lerobot_policy`` is its stat-only part, line for line, and the test compares the two. And an LLM hub id
   is looked up in the local cache by the CLI alone, ``check_llm_model``: the LLM domain's validation resolves the
@@ -40,6 +40,34 @@ from .preflight import HUB_ID  # "org/name", the pattern the hub-cache check use
 REPO_ROOT = Path(__file__).resolve().parents[1]  # where assets/ and configs/ live: relative paths also resolve here
 # a path under held/ only labels an object the Python API caller holds (visgen.api, robotics.api): nothing to stat
 HELD_PREFIX = "held/"
+
+
+# ------------------------------------------------------------------------------------------------------ paths
+def nearest_path(given: str, accept: Callable[[Path], bool]) -> str:
+    """`` (did you mean 'a/b'?)`` for a path that does not exist: the entry beside it that ``accept`` takes (a file,
+    a policy directory) whose name is closest to the one given, or, when its folder does not exist either, the folder
+    beside that folder, holding an accepted entry of the same name, whose name is closest to the folder's
+    (``assets/clone-bc/x.json`` -> ``assets/clone-bc5/x.json``); "" when none is close. Only the one name is compared:
+    a long common prefix makes any two paths look alike. Looked for as given and relative to the repository, as the
+    paths resolve."""
+    import difflib
+
+    p = Path(given)
+    bases = [Path("/")] if p.is_absolute() else list(dict.fromkeys([Path.cwd(), REPO_ROOT]))
+    in_folder = any((b / p.parent).is_dir() for b in bases)
+    name = p.name if in_folder else p.parent.name
+    near: dict[str, str] = {}  # the name compared -> the path suggested
+    for base in bases:
+        try:
+            if in_folder and (base / p.parent).is_dir():
+                near.update((c.name, str(p.parent / c.name)) for c in (base / p.parent).iterdir() if accept(c))
+            elif not in_folder and p.parent != p.parent.parent and (base / p.parent.parent).is_dir():
+                near.update((d.name, str(p.parent.parent / d.name / p.name)) for d in (base / p.parent.parent).iterdir()
+                            if d.is_dir() and accept(d / p.name))
+        except OSError:  # an unreadable folder: nothing to suggest from it
+            continue
+    close = difflib.get_close_matches(name, sorted(n for n in near if near[n] != given), n=1)
+    return f" (did you mean {near[close[0]]!r}?)" if close else ""
 
 
 # ------------------------------------------------------------------------------------------------------ llm
@@ -142,33 +170,6 @@ def check_prompt_file(path: str, task: str = "file") -> None:
 
 
 # ------------------------------------------------------------------------------------------------------ robotics
-def nearest_path(given: str, accept: Callable[[Path], bool]) -> str:
-    """`` (did you mean 'a/b'?)`` for a path that does not exist: the entry beside it that ``accept`` takes (a file,
-    a policy directory) whose name is closest to the one given, or, when its folder does not exist either, the folder
-    beside that folder, holding an accepted entry of the same name, whose name is closest to the folder's
-    (``assets/clone-bc/x.json`` -> ``assets/clone-bc5/x.json``); "" when none is close. Only the one name is compared:
-    a long common prefix makes any two paths look alike. Looked for as given and relative to the repository, as the
-    paths resolve."""
-    import difflib
-
-    p = Path(given)
-    bases = [Path("/")] if p.is_absolute() else list(dict.fromkeys([Path.cwd(), REPO_ROOT]))
-    in_folder = any((b / p.parent).is_dir() for b in bases)
-    name = p.name if in_folder else p.parent.name
-    near: dict[str, str] = {}  # the name compared -> the path suggested
-    for base in bases:
-        try:
-            if in_folder and (base / p.parent).is_dir():
-                near.update((c.name, str(p.parent / c.name)) for c in (base / p.parent).iterdir() if accept(c))
-            elif not in_folder and p.parent != p.parent.parent and (base / p.parent.parent).is_dir():
-                near.update((d.name, str(p.parent.parent / d.name / p.name)) for d in (base / p.parent.parent).iterdir()
-                            if d.is_dir() and accept(d / p.name))
-        except OSError:  # an unreadable folder: nothing to suggest from it
-            continue
-    close = difflib.get_close_matches(name, sorted(n for n in near if near[n] != given), n=1)
-    return f" (did you mean {near[close[0]]!r}?)" if close else ""
-
-
 def resolve_repo_path(path: str) -> Path:
     """A path as given if it exists (or is absolute), else relative to the repository (the assets)."""
     p = Path(path)

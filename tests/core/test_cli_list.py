@@ -32,7 +32,8 @@ def test_the_core_names_grove_list_prints_are_the_live_registries():
     rows = dict(cli.catalog())
     assert rows["advantage estimators, flat (advantage.estimator)"] == estimator_names("flat")
     assert rows["advantage estimators, tree rollouts (advantage.estimator)"] == estimator_names("tree")
-    assert rows["advantage estimators with a critic (advantage.estimator: {name: NAME, ...})"] == estimator_names("step")
+    critic = "advantage estimators with a critic (advantage.estimator: {name: NAME, ...})"
+    assert rows[critic] == estimator_names("step")
     assert rows["policy losses (loss.policy_loss)"] == sorted(POLICY_LOSSES)
     assert rows["KL estimators (loss.kl_estimator)"] == sorted(KL_ESTIMATORS)
 
