@@ -33,7 +33,8 @@ LR, GROUPS, GROUP_SIZE, MAX_NEW = 5e-4, 8, 8, 6  # the same work: step size, pro
 
 
 def _grove_cfg(model: str, steps: int, lr: float, groups: int, group_size: int, max_new: int, tree: bool = False,
-               seed: int = 0, behaviour: str = "recompute", engine: str = "fast", share: bool = False):
+               seed: int = 0, behaviour: str = "recompute", engine: str = "fast", share: bool = False,
+               train_forward: str = "hf"):
     from shared_rl.config import load_train_config
 
     data = {
@@ -48,7 +49,7 @@ def _grove_cfg(model: str, steps: int, lr: float, groups: int, group_size: int, 
                 "dataset": {"source": "arith", "digits": 3, "num_train": 20000, "num_eval": 500},
                 "rewards": [{"name": "numeric_match", "weight": 1.0}],
                 "eval": {"num_prompts": 500, "sampled": False}, "num_threads": 1, "engine": engine,
-                "behaviour_logprobs": behaviour, "share_prompt_forward": share},
+                "behaviour_logprobs": behaviour, "share_prompt_forward": share, "train_forward": train_forward},
     }
     if tree:
         data["llm"]["tree"] = {"enabled": True, "branching": [2, 2, 2], "segment_tokens": 1}
@@ -182,13 +183,14 @@ def _same_config_rows(seeds, steps, lr, groups, group_size, max_new, workdir: Pa
     return out
 
 
-GROVE_VARIANTS = {  # name -> (llm.engine, llm.behaviour_logprobs, llm.share_prompt_forward)
-    "grove_grpo_torch_engine": ("torch", "recompute", False),
-    "grove_grpo": ("fast", "recompute", False),
-    "grove_grpo_engine_logp": ("fast", "engine", False),
-    "grove_grpo_deferred": ("fast", "deferred", False),
-    "grove_grpo_shared": ("fast", "recompute", True),
-    "grove_grpo_deferred_shared": ("fast", "deferred", True),
+GROVE_VARIANTS = {  # name -> (llm.engine, llm.behaviour_logprobs, llm.share_prompt_forward, llm.train_forward)
+    "grove_grpo_torch_engine": ("torch", "recompute", False, "hf"),
+    "grove_grpo": ("fast", "recompute", False, "hf"),
+    "grove_grpo_engine_logp": ("fast", "engine", False, "hf"),
+    "grove_grpo_deferred": ("fast", "deferred", False, "hf"),
+    "grove_grpo_shared": ("fast", "recompute", True, "hf"),
+    "grove_grpo_deferred_shared": ("fast", "deferred", True, "hf"),
+    "grove_grpo_fast_train": ("fast", "deferred", True, "fast"),
 }
 
 
@@ -200,8 +202,9 @@ def _same_work_one_seed(seed: int, steps: int, lr: float, groups: int, group_siz
     from shared_rl.trainer import Trainer
 
     trainers = {name: Trainer(_grove_cfg(str(ASSET), steps, lr, groups, group_size, max_new, seed=seed,
-                                         engine=engine, behaviour=behaviour, share=share), None, log=lambda s: None)
-                for name, (engine, behaviour, share) in GROVE_VARIANTS.items()}
+                                         engine=engine, behaviour=behaviour, share=share, train_forward=forward),
+                              None, log=lambda s: None)
+                for name, (engine, behaviour, share, forward) in GROVE_VARIANTS.items()}
     res = {name: {"times": [], "cpu": [], "rewards": [], "rollout_s": [], "train_s": []} for name in trainers}
 
     def grove_steps(step: int) -> None:
@@ -329,7 +332,7 @@ def run(out_dir: Path, quick: bool = False) -> dict:
         curves[name] = rewards
 
     by_name = {r["variant"]: r for r in rows}
-    best = by_name["grove_grpo_deferred_shared"]
+    best = max((by_name[name] for name in GROVE_VARIANTS), key=lambda r: r["cpu_speedup_vs_trl"])
     dropin = by_name["same_config_grove_dropin"]
     _plot(curves, out_dir / "llm_bench.png")
     notes = (f"Command: `grove bench llm --out {out_dir}` (quick={quick}). Part 1: {steps} steps x "
@@ -345,7 +348,10 @@ def run(out_dir: Path, quick: bool = False) -> dict:
              f"sampler's log-probs, ratio 1 to ~1e-6); grove_grpo_deferred = fast / deferred / off (logp_old from the "
              f"first loss forward, as TRL with num_iterations=1; ratio exactly 1); grove_grpo_shared = fast / "
              f"recompute / on (each prompt's forward run once and its KV cache expanded to its 8 completions, in the "
-             f"loss and the recompute forward); grove_grpo_deferred_shared = fast / deferred / on. recompute and "
+             f"loss and the recompute forward); grove_grpo_deferred_shared = fast / deferred / on; "
+             f"grove_grpo_fast_train = fast / deferred / on with llm.train_forward fast (the loss log-probs from "
+             f"grove's lean packed forward, shared_rl/llm/fast_train.py: real tokens only, each prompt once; equal "
+             f"to the HF forward to ~1e-6). recompute and "
              f"deferred train bitwise alike (same curves); the shared forward differs from the one-pass forward by "
              f"float rounding (~1e-6), which could flip a sampled token after some updates (it did not within "
              f"these runs: all grove variants have the same rewards and accuracies). rollout_s / train_s: "
@@ -355,13 +361,15 @@ def run(out_dir: Path, quick: bool = False) -> dict:
              f"eval_accuracy_seeds). Part 2 (fast engine, recompute, one-pass forward, as before): tree = branching "
              f"[2,2,2] at every token (segment_tokens 1), treerl advantages, prompts per iteration sized to the flat "
              f"run's generated tokens per iteration; same iterations; one seed. Plot: llm_bench.png "
-             f"(docs/bench/llm.png). Fastest variant: grove_grpo_deferred_shared, {best['cpu_speedup_vs_trl']:.2f}x "
+             f"(docs/bench/llm.png). Fastest variant: {best['variant']}, {best['cpu_speedup_vs_trl']:.2f}x "
              f"TRL by CPU time ({best['speedup_vs_trl']:.2f}x wall); its loss forward/backward/optimizer is "
              f"{best['train_s_per_step'] / best['s_per_step']:.0%} of its wall time per step. Part 3: one "
              f"GRPOConfig (part 1's: TRL's defaults but gradient checkpointing off, as grove's variants) handed to TRL's "
              f"GRPOTrainer (same_config_trl) and to grove's drop-in shared_rl.llm.api.GRPOTrainer "
              f"(same_config_grove_dropin, what a TRL user gets by changing the import: grove's engine chosen by "
-             f"llm.engine auto, behaviour log-probs from the first loss forward), each (trainer, seed) in a fresh "
+             f"llm.engine auto, behaviour log-probs from the first loss forward, the loss log-probs from "
+             f"llm.train_forward auto = the lean forward, and TRL's default optim adamw_torch_fused as AdamW's fused "
+             f"kernel, as TRL runs it), each (trainer, seed) in a fresh "
              f"process, same seeds; times from on_step_end; eval_accuracy_before is the checkpoint's. The drop-in: "
              f"{dropin['cpu_speedup_vs_trl']:.2f}x TRL by CPU time ({dropin['speedup_vs_trl']:.2f}x wall), greedy "
              f"accuracy {dropin['eval_accuracy_before']:.3f} -> {dropin['eval_accuracy']:.3f} (TRL "
@@ -414,8 +422,21 @@ if __name__ == "__main__":
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--row-out", default="")
+    p.add_argument("--same-config", action="store_true",
+                   help="only part 3 (the same GRPOConfig to both trainers), --seeds seeds, printed; no docs written")
+    p.add_argument("--seeds", type=int, default=3)
     a = p.parse_args()
-    if a.same_config_row:
+    if a.same_config:
+        with tempfile.TemporaryDirectory() as tmp:
+            got = _same_config_rows(range(a.seeds), a.steps, LR, GROUPS, GROUP_SIZE, MAX_NEW, Path(tmp))
+        per = {impl: {k: statistics.mean(x for r in rs for x in r[k][1:]) for k in ("cpu", "times")}
+               for impl, rs in got.items()}
+        print(json.dumps({"cpu_s_per_step": {i: v["cpu"] for i, v in per.items()},
+                          "s_per_step": {i: v["times"] for i, v in per.items()},
+                          "cpu_speedup_vs_trl": per["trl"]["cpu"] / per["grove"]["cpu"],
+                          "speedup_vs_trl": per["trl"]["times"] / per["grove"]["times"],
+                          "eval_accuracy": {i: [r["accuracy"] for r in rs] for i, rs in got.items()}}, indent=1))
+    elif a.same_config_row:
         out = Path(a.row_out)
         row = same_config_row(a.same_config_row, a.seed, a.steps, LR, GROUPS, GROUP_SIZE, MAX_NEW,
                               out.parent / f"work-{out.stem}")
