@@ -1,6 +1,6 @@
 """Sharded checkpoints (``distributed.checkpoint: sharded``, the default under FSDP2 with several processes): every
 process writes and reads its own shards through ``torch.distributed.checkpoint``, and a checkpoint written by N
-processes resumes on M — 2 -> 1, 1 -> 2 and 2 -> 2 here, on gloo CPU processes — ending exactly where the
+processes resumes on M — 2 -> 1, 1 -> 2, 2 -> 2, 4 -> 1 and 4 -> 2 here, on gloo CPU processes — ending where the
 uninterrupted run ends (weights and every metric record within 1e-5). The checksums and the atomic rename are those
 of the one-process layout (a missing shard file makes the checkpoint unusable: ``--resume`` says so in one line and
 exits 2), and ``export_full_checkpoint`` turns a sharded checkpoint into the one-process layout with the values the
@@ -17,7 +17,7 @@ from shared_rl.checkpoint import (SHARDS, is_sharded_checkpoint, list_checkpoint
                                   verify_checkpoint)
 from shared_rl.distributed import Dist, exit_distributed, full_tensors
 from shared_rl.trainer import Trainer
-from tests.core.test_fsdp import _assert_same_records, _config, _init, _records, _spawn
+from tests.core.test_fsdp import VARIANTS, _assert_same_records, _config, _init, _records, _spawn
 
 NAME = "toy_refill_deferred"  # uneven chunks (padding forwards), refills, deferred log-probs, AdamW moments
 QUIET = {"log": lambda *_: None}
@@ -130,3 +130,51 @@ def test_a_missing_shard_is_refused_in_one_line(runs, tmp_path, capsys):
     assert checkpoint_main(["export", str(list_checkpoints(run / "checkpoints")[-1]), str(tmp_path / "x")]) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(err) == 1 and f"{SHARDS}/__1_0.distcp is missing" in err[0] and not (tmp_path / "x").exists()
+
+
+FIVE = {**VARIANTS[NAME]["rollout"], "groups_per_iteration": 5}  # a rollout chunk for each of 4 processes
+
+
+def _four_worker(rank, world, port, tmp):
+    _init(rank, world, port)
+    Trainer(_config(NAME, "fsdp2", iterations=2, checkpoint={"every": 1}, rollout=FIVE), tmp / "four", **QUIET).fit()
+    exit_distributed(0)
+
+
+def _two_from_four_worker(rank, world, port, tmp, out):
+    _init(rank, world, port)
+    tr = Trainer(_config(NAME, "fsdp2", iterations=4, rollout=FIVE), tmp / "two_from_four", **QUIET)
+    tr.fit(resume=True)
+    assert tr.start_iteration == 2
+    torch.save(full_tensors(tr.domain.state_dict())["logits"], f"{out}.{rank}")
+    exit_distributed(0)
+
+
+def test_four_processes_resume_on_one_and_on_two(tmp_path):
+    import multiprocessing
+
+    import torch.multiprocessing as mp
+
+    from shared_rl.distributed import free_port
+
+    def spawn(fn, world, *args):
+        multiprocessing.set_forkserver_preload(["torch", "shared_rl.trainer"])
+        mp.start_processes(fn, args=(world, free_port(), *args), nprocs=world, join=True, start_method="forkserver")
+
+    torch.set_num_threads(1)
+    full = Trainer(_config(NAME, "replicate", iterations=4, rollout=FIVE), tmp_path / "full", **QUIET)
+    full.fit()
+    spawn(_four_worker, 4, tmp_path)
+    ck = tmp_path / "four" / "checkpoints" / "step_000002"
+    assert {p.name for p in (ck / SHARDS).glob("*.distcp")} == {f"__{r}_0.distcp" for r in range(4)}
+    for run in ("one_from_four", "two_from_four"):
+        shutil.copytree(tmp_path / "four", tmp_path / run)
+    spawn(_two_from_four_worker, 2, tmp_path, str(tmp_path / "two.pt"))
+    one = Trainer(_config(NAME, "replicate", iterations=4, rollout=FIVE), tmp_path / "one_from_four", **QUIET)
+    one.fit(resume=True)
+    ref = full.domain.state_dict()["logits"]
+    finals = {"one_from_four": one.domain.state_dict()["logits"],
+              "two_from_four": torch.load(tmp_path / "two.pt.0", weights_only=True)}
+    for run, logits in finals.items():
+        assert torch.allclose(logits, ref, atol=1e-5), run
+        _assert_same_records(_records(tmp_path / "full"), _records(tmp_path / run), run)
