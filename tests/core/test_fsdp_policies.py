@@ -73,6 +73,12 @@ def test_hsdp_two_by_two_matches_one_process(tmp_path):
         assert g["local_rows"] == rows // 2  # sharded over the pair, not over all four
         assert torch.allclose(g["state"]["logits"], ref, atol=1e-5)
     _assert_same_records(_records(run), _records(tmp_path / "hsdp"), "hsdp")
+    # its sharded checkpoint (2-D DTensors: each shard written once, not once per replica group) loads in one process
+    one = Trainer(_cfg(4, "replicate"), tmp_path / "hsdp", **QUIET)
+    assert one.resume() and one.start_iteration == VARIANTS[NAME]["iterations"]
+    assert torch.allclose(one.domain.state_dict()["logits"], ref, atol=1e-5)
+    ck = tmp_path / "hsdp" / "checkpoints" / f"step_{one.start_iteration:06d}" / "shards"
+    assert sorted(p.name for p in ck.glob("*.distcp")) == [f"__{r}_0.distcp" for r in range(4)]
 
 
 def test_bf16_mixed_precision_computes_in_bf16_and_keeps_fp32_state(tmp_path):
