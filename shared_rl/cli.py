@@ -650,8 +650,9 @@ def cmd_group(name: str, argv: list[str]) -> int:
 
 
 def registered_names(source: Path, decorator: str) -> dict[str, dict]:
-    """The names a module registers with ``@decorator("name", key=value, ...)`` on its functions or classes, read
-    from its source with ``ast`` (nothing is imported), each with the keyword arguments written as literals.
+    """The names a module registers with ``@decorator("name", key=value, ...)`` on its functions or classes, or with
+    a bare ``@decorator`` on a class that sets ``name = "..."`` in its body, read from its source with ``ast``
+    (nothing is imported), each with the keyword arguments written as literals.
 
     The core's tensor registries (``shared_rl.advantages.ESTIMATORS``, ``shared_rl.losses.POLICY_LOSSES`` and
     ``KL_ESTIMATORS``) and visgen's rewards import torch, seconds on a loaded 2-core machine, so `grove list` reads
@@ -660,6 +661,13 @@ def registered_names(source: Path, decorator: str) -> dict[str, dict]:
     Entries a Python caller registers live only in its own process, which `grove list` never is."""
     import ast
 
+    def class_name(node) -> str | None:
+        for stmt in node.body:
+            if (isinstance(stmt, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "name" for t in stmt.targets)
+                    and isinstance(stmt.value, ast.Constant) and isinstance(stmt.value.value, str)):
+                return stmt.value.value
+        return None
+
     found: dict[str, dict] = {}
     for node in ast.walk(ast.parse(source.read_text(encoding="utf-8"), str(source))):
         for deco in getattr(node, "decorator_list", ()):
@@ -667,6 +675,9 @@ def registered_names(source: Path, decorator: str) -> dict[str, dict]:
                     and deco.args and isinstance(deco.args[0], ast.Constant) and isinstance(deco.args[0].value, str)):
                 found[deco.args[0].value] = {k.arg: k.value.value for k in deco.keywords
                                              if k.arg and isinstance(k.value, ast.Constant)}
+            elif (isinstance(deco, ast.Name) and deco.id == decorator and isinstance(node, ast.ClassDef)
+                  and (name := class_name(node)) is not None):
+                found[name] = {}
     return found
 
 

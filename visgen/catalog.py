@@ -1,19 +1,34 @@
 """The visgen domain's names for ``grove list`` (registered as ``shared_rl.registry.CATALOGS["visgen"]``).
 
-The method and pipeline registries import diffusers (seconds), so their names are written here as text, and
-``grove list`` imports neither diffusers nor torch; ``tests/core/test_docs_match.py`` checks each list
-against its registry (``visgen.methods.METHODS``, ``visgen.objectives.OBJECTIVES``, ``visgen.tasks.TASKS``,
-``visgen.pipelines.ADAPTERS``, ``VisgenConfig.kernel``).
+The method and pipeline registries import diffusers (seconds), so their names are written here as text or read from
+the registering source, and ``grove list`` imports neither diffusers nor torch; ``tests/core/test_docs_match.py``
+checks each list against its registry (``visgen.methods.METHODS``, ``visgen.objectives.OBJECTIVES``,
+``visgen.tasks.TASKS``, ``visgen.pipelines.ADAPTERS``, ``VisgenConfig.kernel``).
 The rewards are read from their modules' ``@register("name", ...)`` lines (``shared_rl.cli.registered_names``):
 registering them imports no model library but does import torch (seconds), which ``grove list`` must not wait for;
 ``tests/core/test_cli_list.py`` checks ``reward_names()`` against ``register_rewards()``.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
+from shared_rl.cli import registered_names
+
+_HERE = Path(__file__).resolve().parent
+
+
+def _read(sources, decorator: str) -> tuple[str, ...]:
+    """The names ``@decorator`` registers in ``sources`` (``shared_rl.cli.registered_names``: read, not imported)."""
+    return tuple(sorted({name for path in sources for name in registered_names(path, decorator)}))
+
+
+# the flat methods are registered in a loop (visgen/methods/flat.py): their names are text
 METHODS = ("branch_grpo", "branch_grpo_mix", "dance_grpo", "egrpo", "explicit", "flow_grpo", "flow_grpo_fast",
            "mix_grpo", "ode", "tree_grpo")
-OBJECTIVES = ("awm", "dgpo", "dpo", "flow_dppo", "log_prob", "nft")
-TASKS = ("file", "shapes", "video_shapes", "words")
+# objectives and tasks are classes registered with a bare decorator and a literal `name`: read from the source, so a
+# new one is listed without an edit here (a few milliseconds of parsing)
+OBJECTIVES = _read([_HERE / "objectives.py"], "register_objective")
+TASKS = _read(sorted((_HERE / "tasks").glob("*.py")), "register_task")
 KERNELS = ("cps", "dance", "sde")
 PIPELINE_FAMILIES = ("flux", "flux2", "flux2_klein", "hunyuan_video15", "ltx2", "qwen_image", "sana", "sd3", "wan",
                      "z_image")
@@ -29,12 +44,7 @@ def register_rewards() -> list[str]:
 
 def reward_names() -> list[str]:
     """The built-in rewards, sorted, from the source of ``visgen/rewards/`` (nothing imported)."""
-    from pathlib import Path
-
-    from shared_rl.cli import registered_names
-
-    folder = Path(__file__).resolve().parent / "rewards"
-    return sorted({name for path in folder.glob("*.py") for name in registered_names(path, "register")})
+    return list(_read(sorted((_HERE / "rewards").glob("*.py")), "register"))
 
 
 def catalog() -> dict[str, list[str]]:

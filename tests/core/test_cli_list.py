@@ -52,8 +52,21 @@ def test_registered_names_reads_only_literal_registrations(tmp_path):
                       '@register("a", kind="tree", settings=S)\ndef a(): ...\n'
                       '@other("b")\ndef b(): ...\n'
                       '@register(NAME)\ndef c(): ...\n'
-                      'class D:\n    @register("d")\n    def d(self): ...\n')
-    assert cli.registered_names(source, "register") == {"a": {"kind": "tree"}, "d": {}}
+                      'class D:\n    @register("d")\n    def d(self): ...\n'
+                      '@register\nclass E:\n    """doc"""\n    name = "e"\n'
+                      '@register\nclass F:\n    name = NAME\n'
+                      '@register\ndef g(): ...\n')
+    assert cli.registered_names(source, "register") == {"a": {"kind": "tree"}, "d": {}, "e": {}}
+
+
+def test_the_visgen_objectives_and_tasks_grove_list_prints_are_their_registries():
+    from visgen import catalog as visgen_catalog
+    from visgen.objectives import OBJECTIVES
+    from visgen.tasks.base import TASKS
+
+    rows = visgen_catalog.catalog()
+    assert rows["training objectives (visgen.objective.name)"] == sorted(OBJECTIVES)
+    assert rows["tasks (visgen.task)"] == sorted(TASKS)
 
 
 def test_grove_list_imports_no_torch_in_a_fresh_process():
