@@ -171,7 +171,8 @@ def _memory_rows(tmp: Path) -> list[dict]:
         ranks = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(world)]
         worst = {k: max(r[k] for r in ranks) for k in ranks[0]}  # the busiest process decides what fits
         base = base or worst
-        rows.append({"variant": f"memory llm fsdp2 {world} proc", **{f"{k}_bytes_per_process": v for k, v in worst.items()},
+        rows.append({"variant": f"memory llm fsdp2 {world} proc",
+                     **{f"{k}_bytes_per_process": v for k, v in worst.items()},
                      "fraction_of_1proc": sum(worst.values()) / sum(base.values())})
     return rows
 
@@ -199,8 +200,8 @@ def run(out_dir: Path, quick: bool = False) -> dict:
              f"alternate 1, 2, 1, 2 ({1 if quick else REPEATS} rounds, best round per layout); load_avg = the 1-minute "
              "load average before each run (other jobs on the machine). One process uses all cores' threads, two "
              "processes one core each: on 2 cores the ratio is bounded by ~2x and noisy. Checkpoint = trainable "
-             "weights + optimizer + state, written atomically with checksums; load = resume from it. memory rows: bytes "
-             "of trained parameters, gradients and AdamW state held by the busiest process after one optimizer step "
+             "weights + optimizer + state, written atomically with checksums; load = resume from it. memory rows: "
+             "bytes of trained parameters, gradients and AdamW state held by the busiest process after one optimizer step "
              "of a tiny Llama (hidden 64, 4 layers, full fine-tuning) under distributed.strategy fsdp2 with 1, 2 "
              "and 4 gloo processes (1 process: nothing sharded).")
     return write_results(out_dir, "scale", rows, notes, doc_path=None if quick else REPO_ROOT / "docs/bench/scale.md")

@@ -6,7 +6,8 @@ loss (``Trainer.loss``: the registered policy loss, aggregated, plus kl_coef·KL
 auxiliary losses → optimizer step (``shared_rl.optim``) → metrics. ``Trainer.fit`` adds evaluation, checkpoints
 (``shared_rl.checkpoint.save_run`` / ``restore_run``: exact resume), signals (``shared_rl.signals``) and the
 end-of-run plot and summary (``shared_rl.run_files``). The cross-process plumbing (global view, index maps, stats
-reduction, FSDP2 padding forwards) lives in ``shared_rl.gather``, the FSDP2 set-up in ``shared_rl.sharding``. ``shared_rl/reference.py`` is the same iteration for one process on one screen.
+reduction, FSDP2 padding forwards) lives in ``shared_rl.gather``, the FSDP2 set-up in ``shared_rl.sharding``.
+``shared_rl/reference.py`` is the same iteration for one process on one screen.
 
 Determinism: every iteration draws its randomness from a generator seeded by (seed, iteration), so a resumed
 run replays exactly the iterations an uninterrupted run would (tested bitwise on CPU).
@@ -37,11 +38,12 @@ from .optim import Optimizer, WeightEMA, make_scheduler  # noqa: F401  (re-expor
 from .registry import resolve_domain
 from .rewards import RewardInterrupted, reward_calls
 from .rollout import Rollout
+from .run_files import write_config_for_the_cli, write_summary
 from .rundir import begin_final, commit_final
 from .selection import make_sampler
 from .sharding import check_settings, memory_line, setup_fsdp
-from .run_files import write_config_for_the_cli, write_summary
-from .signals import after_the_last_iteration, detach_terminal as _detach_terminal, stop_on_signals  # noqa: F401
+from .signals import after_the_last_iteration, stop_on_signals
+from .signals import detach_terminal as _detach_terminal  # noqa: F401  (re-exported)
 
 
 @dataclass
@@ -580,7 +582,8 @@ class Trainer:
             logger.close()
         self.dist.barrier()
         if self.dist.enabled:
-            self.log(self._memory_line())
+            self.log(memory_line(cfg.distributed.strategy, self.dist.rank, self.optim.params, self.optimizer,
+                                 self.fsdp))
         if not self._stop_requested:
             with after_the_last_iteration(self):
                 self._finish()
@@ -633,9 +636,6 @@ class Trainer:
         if self.dist.is_main:
             self.log(f"{self.stop_signal or 'stop'}: checkpoint saved at iteration {step}; resume with: grove train "
                      f"--resume {self.run_dir}")
-
-    def _memory_line(self) -> str:
-        return memory_line(self.cfg.distributed.strategy, self.dist.rank, self.optim.params, self.optimizer, self.fsdp)
 
     def _finish(self) -> None:
         """End-of-run export, plot and summary (called on every process; writes on the main one)."""

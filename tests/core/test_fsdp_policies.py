@@ -116,7 +116,7 @@ def test_bad_layouts_are_refused_in_one_line(settings, world, device, words):
 def test_the_launchers_mixed_precision_is_applied_or_refused(monkeypatch):
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")  # what `accelerate launch` exports from its file
     fsdp2 = {"domain": "toy", "distributed": {"strategy": "fsdp2"}}
-    with pytest.raises(ConfigError, match="launched with accelerate mixed_precision: bf16.*distributed.mixed_precision"):
+    with pytest.raises(ConfigError, match="accelerate mixed_precision: bf16.*distributed.mixed_precision"):
         check_settings(load_train_config(fsdp2), 2, torch.device("cpu"))
     check_settings(load_train_config({**fsdp2, "distributed": {"strategy": "fsdp2", "mixed_precision": "bf16"}}), 2,
                    torch.device("cpu"))
