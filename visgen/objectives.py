@@ -365,21 +365,19 @@ class OPDSettings:
         if not str(self.teacher).strip():
             raise ConfigError(f"{where}.teacher is required: a diffusers pipeline directory or hub id of the student's "
                               "family (e.g. a reward-tuned checkpoint with its LoRA merged)")
-        from shared_rl.prechecks import resolve_visgen_model
+        from pathlib import Path
 
-        try:
-            location, local = resolve_visgen_model(str(self.teacher))
-        except ConfigError as exc:  # name the setting: the message alone reads like visgen.model's
-            raise ConfigError(f"{where}.teacher: {exc} (a trained run's final/ becomes one with "
-                              "visgen.tiny.merge_teacher)") from None
-        if local:  # its family and scheduler are compared with the student's when both load
-            from pathlib import Path
-
-            index = Path(location) / "model_index.json"
-            if not index.is_file():
-                raise ConfigError(f"{where}.teacher {self.teacher!r} is not a diffusers pipeline (no model_index.json)")
+        # a teacher directory that exists must be a pipeline with a transformer and a scheduler; one that does not
+        # exist yet is reported when it loads (the shipped recipes name the teacher a user makes first, so they
+        # parse before it exists); its family and scheduler are compared with the student's when both load
+        local = [b / str(self.teacher) for b in (Path.cwd(), Path(__file__).resolve().parents[1])]
+        location = next((c for c in local if c.is_dir()), None)
+        if location is not None:
             import json
 
+            index = location / "model_index.json"
+            if not index.is_file():
+                raise ConfigError(f"{where}.teacher {self.teacher!r} is not a diffusers pipeline (no model_index.json)")
             parts = json.loads(index.read_text())
             if not parts.get("transformer") or not parts.get("scheduler"):
                 raise ConfigError(f"{where}.teacher {self.teacher!r} has no transformer or scheduler to replay the "

@@ -299,7 +299,11 @@ class FlowPolicy:
             frozen = list(self.reference_copy.parameters())
         dtype = frozen[0].dtype if frozen else torch.float32
         device = next(self.transformer.parameters()).device
-        teacher_pipe, _location, _local = load_pipeline(model, dtype)
+        try:
+            teacher_pipe, _location, _local = load_pipeline(model, dtype)
+        except ConfigError as exc:  # name the teacher: the message alone reads like visgen.model's
+            raise ConfigError(f"visgen.objective teacher: {exc} (a trained run's final/ becomes one with "
+                              "visgen.tiny.merge_teacher)") from None
         student, teacher = type(self.pipe).__name__, type(teacher_pipe).__name__
         if teacher != student:
             raise ConfigError(f"the teacher {model!r} is a {teacher}, the student a {student}: on-policy distillation "

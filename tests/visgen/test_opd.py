@@ -153,12 +153,27 @@ def test_a_micro_batch_split_trains_the_same_update(tiny_dir, teacher_dir):
 @pytest.mark.parametrize("objective, message", [
     ({"name": "opd"}, "teacher is required"),
     ({"name": "opd", "teacher": "TEACHER", "distill_coef": 0.0}, "distill_coef must be > 0"),
-    ({"name": "opd", "teacher": "/nonexistent/teacher"}, "does not exist"),
+    ({"name": "opd", "teacher": "TINY"}, None),  # a pipeline directory: accepted at parse
 ])
 def test_bad_settings_are_one_line(tiny_dir, teacher_dir, objective, message):
-    objective = {k: (str(teacher_dir) if v == "TEACHER" else v) for k, v in objective.items()}
+    objective = {k: {"TEACHER": str(teacher_dir), "TINY": str(tiny_dir)}.get(v, v) for k, v in objective.items()}
+    if message is None:
+        _cfg(tiny_dir, objective)
+        return
     with pytest.raises(ConfigError, match=message) as info:
         _cfg(tiny_dir, objective)
+    assert "\n" not in str(info.value)
+
+
+def test_a_teacher_that_is_no_pipeline_is_one_line(tiny_dir, tmp_path):
+    """A directory without model_index.json: at parse (dry run too); a path that does not exist: when it loads."""
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="is not a diffusers pipeline") as info:
+        _cfg(tiny_dir, {"name": "opd", "teacher": str(tmp_path / "empty")})
+    assert "\n" not in str(info.value)
+    cfg = _cfg(tiny_dir, {"name": "opd", "teacher": str(tmp_path / "missing")})
+    with pytest.raises(ConfigError, match="teacher: model path .* does not exist") as info:
+        Trainer(cfg, None, log=lambda *_: None)
     assert "\n" not in str(info.value)
 
 
