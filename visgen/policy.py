@@ -14,7 +14,9 @@ reference policy for KL, an EMA of the trained weights, checkpoint tensors and t
   soft-updated once per iteration before its rollout (``enable_old_policy`` / ``sync_old_policy``). A frozen
   **teacher** (on-policy distillation) takes the old copy's place: a second transformer of the same pipeline family
   and scheduler, loaded from its own checkpoint (``enable_old_policy(..., update=TeacherSource(path))``), never
-  updated and never written to checkpoints.
+  updated and never written to checkpoints. Further named **snapshots** on decay schedules of their own sit beside
+  the old copy (``add_snapshot``; CRD's "old" model, while the old copy is its "sampling" model), set up through the
+  ``Snapshots`` hook an objective hands to ``enable_old_policy`` and checkpointed as ``snap.<name>.<param>``.
 - **Checkpoints**: ``state_dict`` holds the trained tensors by parameter name plus ``ema.<name>`` when EMA is on
   and ``old.<name>`` + ``old_synced_iteration`` with an old policy, so a resumed run continues exactly.
 - **Export**: ``save_pretrained`` writes the LoRA in the diffusers layout (``pytorch_lora_weights.safetensors`` with
