@@ -177,6 +177,55 @@ def _memory_rows(tmp: Path) -> list[dict]:
     return rows
 
 
+# ---- per-GPU memory of large models under FSDP2, computed (not measured) -------------------------------------
+GPUS = (1, 8, 16)
+
+
+def _meta_parameters() -> dict[str, tuple[int, str]]:
+    """Parameter counts of the released architectures, built on the meta device (no weights, no download):
+    diffusers' transformer classes with the published configs, and LeRobot's π0.5 model (PaliGemma 2B + the
+    300M action expert)."""
+    import torch
+
+    counts: dict[str, tuple[int, str]] = {}
+
+    def count(module) -> int:
+        return sum(p.numel() for p in module.parameters())
+
+    import diffusers
+
+    with torch.device("meta"):
+        flux = diffusers.FluxTransformer2DModel(guidance_embeds=True)  # FLUX.1-dev's config (guidance-distilled)
+        counts["FLUX.1-dev transformer"] = (count(flux), "one transformer")
+        qwen = diffusers.QwenImageTransformer2DModel()  # the defaults are Qwen-Image's config
+        counts["Qwen-Image transformer"] = (count(qwen), "one transformer")
+        wan = diffusers.WanTransformer3DModel()  # the defaults are the 14B Wan config (each A14B expert)
+        counts["Wan 2.2 A14B (two experts)"] = (2 * count(wan), "both experts resident")
+    try:
+        from lerobot.policies.pi05.configuration_pi05 import PI05Config
+        from lerobot.policies.pi05.modeling_pi05 import PI05Pytorch
+
+        with torch.device("meta"):
+            counts["π0.5 (LeRobot)"] = (count(PI05Pytorch(PI05Config(device="cpu"))), "VLM + action expert")
+    except ImportError:  # lerobot is an optional dependency
+        pass
+    return counts
+
+
+def memory_table() -> str:
+    """Markdown: per-GPU bytes of the persistent training state under FSDP2 on 1 / 8 / 16 GPUs, from parameter
+    counts. Full fine-tuning: fp32 shards (4 B/parameter) + fp32 gradients (4) + AdamW's two fp32 moments (8) + the
+    frozen KL reference copy, sharded (4) = 20 B/parameter; LoRA: the frozen base in bf16 (2 B/parameter), adapters
+    and their state negligible. Divided by the number of GPUs sharing the shards (under HSDP: per replica group)."""
+    rows = ["| model | parameters | full fine-tuning, 1 / 8 / 16 GPUs | LoRA (bf16 base), 1 / 8 / 16 GPUs |",
+            "|---|---|---|---|"]
+    for name, (n, what) in _meta_parameters().items():
+        full = " / ".join(f"{20 * n / g / 2**30:,.1f}" for g in GPUS)
+        lora = " / ".join(f"{2 * n / g / 2**30:,.1f}" for g in GPUS)
+        rows.append(f"| {name} | {n / 1e9:.2f} B ({what}) | {full} GiB | {lora} GiB |")
+    return "\n".join(rows)
+
+
 def run(out_dir: Path, quick: bool = False) -> dict:
     rows = []
     domains = ["toy"] if quick else list(DOMAIN_CONFIGS)
