@@ -167,7 +167,7 @@ def save_sharded_checkpoint(ckpt_root: Path, iteration: int, model_state: dict[s
                             optimizer_state: dict[str, Any] | None, state: dict[str, Any], dist,
                             keep_last: int = 2) -> Path | None:
     """Write checkpoint ``step_{iteration:06d}`` with ``torch.distributed.checkpoint``: a collective, every process
-    writes its own shards of the DTensor values (plain tensors, identical on every process, are written once).
+    writes its own shards of the DTensor values (plain tensors are written once, process 0's).
     Process 0 prepares the temporary directory, the processes checksum the shard files between them (file i by
     process i mod N; the digests cross as tensors), and process 0 writes ``state.json`` and the manifest and renames
     the directory into place, as ``save_checkpoint`` does. Returns the path on process 0, else None."""
@@ -179,9 +179,12 @@ def save_sharded_checkpoint(ckpt_root: Path, iteration: int, model_state: dict[s
     dist.barrier()  # the temporary directory exists before anyone writes into it
     tmp = ckpt_root / f".tmp-step_{iteration:06d}"
     flat = _flat_dcp_state(model_state, optimizer_state)
+    # a plain tensor (not a DTensor) is written once, by process 0: what the one-process layout saves, also where
+    # processes hold different values (a part's per-process history, packed) — DCP would otherwise pick any one
+    planner = dcp.DefaultSavePlanner(dedup_save_to_lowest_rank=True)
     with warnings.catch_warnings():  # one process: DCP says it assumes a single process, which it is
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save(flat, storage_writer=dcp.FileSystemWriter(str(tmp / SHARDS)))
+        dcp.save(flat, storage_writer=dcp.FileSystemWriter(str(tmp / SHARDS)), planner=planner)
     dist.barrier()  # the metadata (process 0) and every shard file are written
     files = sorted(str(p.relative_to(tmp)) for p in (tmp / SHARDS).rglob("*") if p.is_file())
     digests = torch.zeros(len(files), 32, dtype=torch.int64)

@@ -178,3 +178,28 @@ def test_four_processes_resume_on_one_and_on_two(tmp_path):
     for run, logits in finals.items():
         assert torch.allclose(logits, ref, atol=1e-5), run
         _assert_same_records(_records(tmp_path / "full"), _records(tmp_path / run), run)
+
+
+def _plain_worker(rank, world, port, root):
+    _init(rank, world, port)
+    from shared_rl.checkpoint import save_sharded_checkpoint
+
+    d = Dist()
+    # a tensor every process holds whole but with its own value and size (a part's per-process history)
+    # ("big" first: DCP's default balancing would then give the later tensors to process 1)
+    state = {"big": torch.zeros(1000), "history": torch.full((rank + 2,), float(rank)), "w": torch.arange(4.0)}
+    save_sharded_checkpoint(root, 1, state, None, {"iteration": 1}, d)
+    exit_distributed(0)
+
+
+def test_plain_tensors_are_process_zeros(tmp_path):
+    """As in the one-process layout (written by process 0), a plain tensor of the sharded layout is process 0's."""
+    from shared_rl.checkpoint import load_sharded_checkpoint
+
+    (tmp_path / "run").mkdir()
+    _spawn(_plain_worker, tmp_path / "run" / "checkpoints")
+    ck = tmp_path / "run" / "checkpoints" / "step_000001"
+    assert verify_checkpoint(ck) is None
+    model, opt, state = load_sharded_checkpoint(ck, {}, [])
+    assert torch.equal(model["history"], torch.zeros(2)) and torch.equal(model["w"], torch.arange(4.0))
+    assert opt is None and state == {"iteration": 1}
