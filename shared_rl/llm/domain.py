@@ -503,9 +503,8 @@ class LLMDomain(DomainBase):
         rewards = self.score([self.task.train[keys[i]] for i in gen.prompt_index], gen.completion_ids, truncated,
                              iteration, info, self.ctx.objects.get("on_train_scores"))
         info["time/reward"] = time.perf_counter() - t0
-        mask = torch.zeros((n, self.cfg.max_new_tokens), dtype=torch.bool)
-        for i, c in enumerate(gen.completion_ids):
-            mask[i, :len(c)] = True
+        lengths = torch.tensor([len(c) for c in gen.completion_ids], dtype=torch.long)
+        mask = torch.arange(self.cfg.max_new_tokens)[None] < lengths[:, None]
         trained_mask = mask
         if self.cfg.mask_truncated:  # no loss on (and no normaliser count for) completions cut by the length cap
             trained_mask = mask & ~torch.tensor(truncated, dtype=torch.bool)[:, None]

@@ -23,6 +23,8 @@ import inspect
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
+from torch.nn.utils.rnn import pad_sequence
 
 
 @dataclass
@@ -128,17 +130,15 @@ def collate_shared(prompt_ids: list[torch.Tensor], completion_ids: list[torch.Te
             index[key] = len(unique)
             unique.append(p)
         row_prompt.append(index[key])
-    u, b = len(unique), len(prompt_ids)
-    p_ids = torch.full((u, p_width), pad_id, dtype=torch.long)
-    p_mask = torch.zeros((u, p_width), dtype=torch.long)
-    for j, p in enumerate(unique):
-        p_ids[j, p_width - len(p):] = p
-        p_mask[j, p_width - len(p):] = 1
-    c_ids = torch.full((b, t_width), pad_id, dtype=torch.long)
-    c_mask = torch.zeros((b, t_width), dtype=torch.long)
-    for i, c in enumerate(completion_ids):
-        c_ids[i, :len(c)] = c
-        c_mask[i, :len(c)] = 1
+    # whole-batch padding (one call each, not a slice assignment per row: this runs for every micro-batch)
+    p_len = torch.tensor([len(p) for p in unique], dtype=torch.long)
+    p_ids = pad_sequence([p.long() for p in unique], batch_first=True, padding_value=pad_id, padding_side="left")
+    p_ids = F.pad(p_ids, (p_width - p_ids.shape[1], 0), value=pad_id)
+    p_mask = (torch.arange(p_width) >= (p_width - p_len)[:, None]).long()
+    c_len = torch.tensor([len(c) for c in completion_ids], dtype=torch.long)
+    c_ids = pad_sequence([c.long() for c in completion_ids], batch_first=True, padding_value=pad_id)
+    c_ids = F.pad(c_ids, (0, t_width - c_ids.shape[1]), value=pad_id)
+    c_mask = (torch.arange(t_width) < c_len[:, None]).long()
     rows = torch.tensor(row_prompt, dtype=torch.long)
     prompt_len = p_mask.sum(1)
     # collate's positions (mask.cumsum - 1 over the whole row), split at the prompt/completion border
