@@ -156,7 +156,9 @@ def is_sharded_checkpoint(path: Path) -> bool:
 
 def _flat_dcp_state(model_state: dict[str, torch.Tensor], opt_state: dict[str, Any] | None) -> dict[str, Any]:
     """The tensors of a checkpoint under DCP keys (flat: no nested dicts, nothing but tensors, so nothing is
-    pickled into the shards)."""
+    pickled into the shards). The keys are the domain's ``state_dict`` keys and AdamW's integer parameter ids, the
+    one-process layout's, rather than ``get_state_dict``'s module FQNs: a domain's trained state is not one module's
+    (LoRA adapters only, parts' packed state, several modules), and both layouts then resume each other."""
     flat: dict[str, Any] = {f"model/{k}": v.detach() for k, v in model_state.items()}
     for pid, st in (opt_state or {}).get("state", {}).items():
         flat.update({f"optim/{int(pid)}/{name}": v for name, v in st.items() if torch.is_tensor(v)})
