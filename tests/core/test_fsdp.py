@@ -57,6 +57,9 @@ VARIANTS["llm_tree_fast_engine"] = {
     "optim": {"lr": 0.05, "minibatches_per_epoch": 2, "micro_batch_size": 2},  # big steps: a stale sampler shows
     "llm": {**VARIANTS["llm_lora"]["llm"], "max_new_tokens": 4, "engine": "fast", "behaviour_logprobs": "recompute",
             "tree": {"enabled": True, "branching": [2, 2], "segment_tokens": 2}}}
+# full fine-tuning: every weight of the tiny Llama trained and sharded, KL to the frozen (replicated) starting copy
+VARIANTS["llm_full"] = {**VARIANTS["llm_lora"],
+                        "llm": {**VARIANTS["llm_lora"]["llm"], "lora": {"enabled": False}, "keep_reference": True}}
 METRICS = ("reward/mean", "groups/drawn", "groups/kept", "nfe/rollout", "nfe/train", "loss/policy", "loss/kl",
            "clip_frac", "ratio/mean", "grad_norm", "entropy", "eval/greedy_accuracy", "eval/expected_reward",
            "eval/accuracy", "eval/reward")
@@ -131,7 +134,7 @@ def _assert_same_records(one, two, where):
     assert max(r.get("grad_norm", 0.0) for r in one) > 1e-3, "no update happened: the comparison would be vacuous"
 
 
-@pytest.mark.parametrize("name", ["llm_lora", "llm_tree_fast_engine", "toy_tree"])
+@pytest.mark.parametrize("name", ["llm_lora", "llm_full", "llm_tree_fast_engine", "toy_tree"])
 def test_fsdp2_two_processes_match_one(tmp_path, name, tiny_llama):
     model = tiny_llama if name.startswith("llm") else None
     torch.set_num_threads(1)
@@ -150,9 +153,16 @@ def test_fsdp2_two_processes_match_one(tmp_path, name, tiny_llama):
     exported = export_full_checkpoint(tmp_path / "two" / last, tmp_path / "export" / "checkpoints")
     w1, w2 = (load_file(str(p / "model.safetensors")) for p in (tmp_path / "one" / last, exported))
     assert w1.keys() == w2.keys() and all(torch.allclose(w1[k], w2[k], atol=1e-5, rtol=1e-4) for k in w1)
-    if name.startswith("llm"):  # the exported adapter was gathered on rank 0
-        a1 = load_file(str(tmp_path / "one" / "final" / "adapter_model.safetensors"))
-        a2 = load_file(str(tmp_path / "two" / "final" / "adapter_model.safetensors"))
+    if name.startswith("llm"):  # the exported adapter (full: the whole model) was gathered on rank 0
+        exported = "model.safetensors" if name == "llm_full" else "adapter_model.safetensors"
+        a1 = load_file(str(tmp_path / "one" / "final" / exported))
+        a2 = load_file(str(tmp_path / "two" / "final" / exported))
+        if name == "llm_full":  # the gathered full state dict also names the tied output layer (the embeddings)
+            assert torch.equal(a2.pop("lm_head.weight"), a2["model.embed_tokens.weight"])
+            from transformers import AutoModelForCausalLM
+
+            loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "two" / "final"))
+            assert torch.allclose(loaded.model.norm.weight, a1["model.norm.weight"], atol=1e-5)
         assert a1.keys() == a2.keys() and a1
         for k in a1:
             assert torch.allclose(a1[k], a2[k], atol=1e-5, rtol=1e-4), k
