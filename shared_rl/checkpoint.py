@@ -175,11 +175,8 @@ def save_sharded_checkpoint(ckpt_root: Path, iteration: int, model_state: dict[s
     the directory into place, as ``save_checkpoint`` does. Returns the path on process 0, else None."""
     import torch.distributed.checkpoint as dcp
 
-    final = tmp = None
-    if dist.is_main:
-        final, tmp = _begin(ckpt_root, iteration)
+    final, tmp = _begin(ckpt_root, iteration) if dist.is_main else (None, ckpt_root / f".tmp-step_{iteration:06d}")
     dist.barrier()  # the temporary directory exists before anyone writes into it
-    tmp = ckpt_root / f".tmp-step_{iteration:06d}"
     flat = _flat_dcp_state(model_state, optimizer_state)
     # a plain tensor (not a DTensor) is written once, by process 0: what the one-process layout saves, also where
     # processes hold different values (a part's per-process history, packed) — DCP would otherwise pick any one
@@ -189,6 +186,10 @@ def save_sharded_checkpoint(ckpt_root: Path, iteration: int, model_state: dict[s
         dcp.save(flat, storage_writer=dcp.FileSystemWriter(str(tmp / SHARDS)), planner=planner)
     dist.barrier()  # the metadata (process 0) and every shard file are written
     files = sorted(str(p.relative_to(tmp)) for p in (tmp / SHARDS).rglob("*") if p.is_file())
+    seen = dist.all_reduce_(torch.tensor([len(files), -len(files)]), "max")
+    if int(seen[0]) != -int(seen[1]):  # the split of the hashing below needs one list on every process
+        raise RuntimeError(f"checkpoint {tmp}: the processes see different shard files ({int(-seen[1])} to "
+                           f"{int(seen[0])}); run_dir must be one shared file system for every process")
     digests = torch.zeros(len(files), 32, dtype=torch.int64)
     for i in range(dist.rank, len(files), dist.world):
         digests[i] = torch.tensor(list(bytes.fromhex(_sha256(tmp / files[i]))), dtype=torch.int64)
