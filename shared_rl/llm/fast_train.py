@@ -87,26 +87,27 @@ class _SoftmaxLastDim(torch.autograd.Function):
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, spec: _Spec) -> torch.Tensor:
-    """``q [n, w, h, hd]`` over ``k, v [n, keys, kvh, hd]`` with the additive ``bias [n, 1, w, keys]`` (0 or -inf)
-    -> ``[n, w, h * hd]``."""
-    n, w = q.shape[:2]
-    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    """Head-major ``q [h, n, w, hd]`` over ``k, v [kvh, n, keys, hd]`` with the additive ``bias [n, w, keys]`` (0 or
+    -inf) -> ``[n * w, h * hd]``. Head-major so that the batched products read contiguous ``[h·n]`` batches (no
+    hidden copies of q, k and v)."""
+    _, n, w, _ = q.shape
     if q.device.type == "cpu":
-        if spec.kvh != spec.h:
-            k = k.repeat_interleave(spec.h // spec.kvh, 1)
-            v = v.repeat_interleave(spec.h // spec.kvh, 1)
+        if spec.kvh != spec.h:   # query head i reads kv head i // (h / kvh), as transformers' repeat_kv
+            k = k.repeat_interleave(spec.h // spec.kvh, 0)
+            v = v.repeat_interleave(spec.h // spec.kvh, 0)
         scores = torch.matmul(q, k.transpose(-1, -2)).mul_(spec.hd ** -0.5) + bias
-        out = torch.matmul(_SoftmaxLastDim.apply(scores), v)
-    else:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=spec.hd ** -0.5,
-                                             enable_gqa=spec.h != spec.kvh)
-    return out.transpose(1, 2).reshape(n, w, spec.h * spec.hd)
+        out = torch.matmul(_SoftmaxLastDim.apply(scores), v)                       # [h, n, w, hd]
+        return out.permute(1, 2, 0, 3).reshape(n * w, spec.h * spec.hd)
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                         attn_mask=bias[:, None], scale=spec.hd ** -0.5,
+                                         enable_gqa=spec.h != spec.kvh)            # [n, h, w, hd]
+    return out.transpose(1, 2).reshape(n * w, spec.h * spec.hd)
 
 
 def _bias(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Boolean ``[n, w, keys]`` -> additive ``[n, 1, w, keys]``."""
+    """Boolean ``[n, w, keys]`` -> additive ``[n, w, keys]``."""
     zero = torch.zeros((), dtype=dtype, device=allowed.device)
-    return torch.where(allowed, zero, torch.tensor(float("-inf"), dtype=dtype, device=allowed.device))[:, None]
+    return torch.where(allowed, zero, torch.tensor(float("-inf"), dtype=dtype, device=allowed.device))
 
 
 def fast_token_log_probs(model: torch.nn.Module, batch: SharedPrefixBatch, temperature: float,
@@ -149,7 +150,7 @@ def fast_token_log_probs(model: torch.nn.Module, batch: SharedPrefixBatch, tempe
     cos_t, sin_t = cos_t[0].to(dtype), sin_t[0].to(dtype)
     half = hd // 2
     sin_t = torch.cat([-sin_t[:, :half], sin_t[:, half:]], -1)   # rotate_half(x)·sin == roll(x, hd/2)·[-sin₁, sin₂]
-    cos_g, sin_g = cos_t.index_select(0, grid_pos)[:, None], sin_t.index_select(0, grid_pos)[:, None]
+    cos_g, sin_g = cos_t.index_select(0, grid_pos), sin_t.index_select(0, grid_pos)   # [grid, hd]
     x = embed.index_select(0, grid_ids.index_select(0, flat)).to(dtype)             # [N, hidden]
     # keys: a row sees its prompt's real tokens, then its own real positions causally; a prompt token sees the real
     # tokens up to it; a pad query sees itself so that no softmax row is empty (its output is never read)
@@ -166,23 +167,24 @@ def fast_token_log_probs(model: torch.nn.Module, batch: SharedPrefixBatch, tempe
         w_qkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
         b_qkv = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]) if a.q_proj.bias is not None else None
         qkv = F.linear(_rms(x, layer.input_layernorm.weight, spec.eps), w_qkv, b_qkv).view(-1, h + 2 * kvh, hd)
-        grid = qkv.new_zeros((n_grid_pre + b * t_width, h + 2 * kvh, hd)).index_copy(0, flat, qkv)
-        qk = grid[:, :h + kvh]
+        # head-major grid [heads, cells, hd]: every attention operand below is a contiguous view of it
+        grid = qkv.new_zeros((h + 2 * kvh, n_grid_pre + b * t_width, hd)).index_copy(1, flat, qkv.transpose(0, 1))
+        qk = grid[:h + kvh]
         qk = qk * cos_g + torch.roll(qk, half, -1) * sin_g
-        q, k, v = qk[:, :h], qk[:, h:], grid[:, h + kvh:]
-        q_r = q[n_grid_pre:].view(b, t_width, h, hd)
-        k_r, v_r = k[n_grid_pre:].view(b, t_width, kvh, hd), v[n_grid_pre:].view(b, t_width, kvh, hd)
+        q, k, v = qk[:h], qk[h:], grid[h + kvh:]
+        q_r = q[:, n_grid_pre:].view(h, b, t_width, hd)
+        k_r, v_r = k[:, n_grid_pre:].view(kvh, b, t_width, hd), v[:, n_grid_pre:].view(kvh, b, t_width, hd)
         last = li + 1 == len(layers)
         if n_pre > 0:
-            k_p, v_p = k[:n_grid_pre].view(u, n_pre, kvh, hd), v[:n_grid_pre].view(u, n_pre, kvh, hd)
-            att_p = None if last else _attend(q[:n_grid_pre].view(u, n_pre, h, hd), k_p, v_p, pre_bias, spec)
-            k_r = torch.cat([k_p.index_select(0, rows), k_r], 1)
-            v_r = torch.cat([v_p.index_select(0, rows), v_r], 1)
-        att_r = _attend(q_r, k_r, v_r, row_bias, spec).reshape(b * t_width, -1)
+            k_p, v_p = k[:, :n_grid_pre].view(kvh, u, n_pre, hd), v[:, :n_grid_pre].view(kvh, u, n_pre, hd)
+            att_p = None if last else _attend(q[:, :n_grid_pre].view(h, u, n_pre, hd), k_p, v_p, pre_bias, spec)
+            k_r = torch.cat([k_p.index_select(1, rows), k_r], 2)
+            v_r = torch.cat([v_p.index_select(1, rows), v_r], 2)
+        att_r = _attend(q_r, k_r, v_r, row_bias, spec)
         if last:   # the prompts' outputs of the last layer are read by nothing: only the rows go on
             x, att = x[n_pre_tokens:], att_r.index_select(0, row_flat)
         elif n_pre > 0:
-            att = torch.cat([att_p.reshape(n_grid_pre, -1), att_r]).index_select(0, flat)
+            att = torch.cat([att_p, att_r]).index_select(0, flat)
         else:
             att = att_r.index_select(0, row_flat)
         x = x + F.linear(att, a.o_proj.weight, a.o_proj.bias)
