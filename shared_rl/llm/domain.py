@@ -486,8 +486,9 @@ class LLMDomain(DomainBase):
         return k3 * torch.exp(log_ratio) * mask
 
     # ---- rollouts --------------------------------------------------------------------------------------------
-    def train_keys(self) -> list[int]:
-        return list(range(len(self.task.train)))
+    def train_keys(self) -> range:
+        # a range (a read-only Sequence): built per iteration, a list of a 20k-prompt pool cost ~0.2 ms per step
+        return range(len(self.task.train))
 
     def rollout(self, keys: list[int], group_size: int, generator: torch.Generator, iteration: int) -> Rollout:
         self._sync_engine()
