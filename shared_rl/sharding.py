@@ -30,6 +30,8 @@ def check_settings(cfg, world: int, device: torch.device) -> None:
     if dc.replicate < 1:
         raise ConfigError(f"distributed.replicate={dc.replicate}: the number of replica groups must be >= 1 (1 = "
                           f"shard over every process)")
+    if world < 2:  # one process shards nothing, so mesh and policies do not apply (grove eval, a 1-process resume)
+        return
     if world % dc.replicate:
         raise ConfigError(f"distributed.replicate={dc.replicate} does not divide the {world} processes (HSDP's mesh is "
                           f"replicate x shard = processes); use a divisor of {world}, e.g. the number of nodes")

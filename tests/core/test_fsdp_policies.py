@@ -122,7 +122,7 @@ def test_the_launchers_mixed_precision_is_applied_or_refused(monkeypatch):
                    torch.device("cpu"))
 
 
-def test_cli_refuses_offload_on_cpu_before_writing(tmp_path, capsys):
+def test_cli_refuses_before_writing_and_one_process_ignores_the_mesh(tmp_path, capsys):
     import yaml
 
     from shared_rl.cli import main
@@ -130,8 +130,11 @@ def test_cli_refuses_offload_on_cpu_before_writing(tmp_path, capsys):
     config = tmp_path / "toy.yaml"
     config.write_text(yaml.safe_dump({"domain": "toy", "iterations": 1, "logging": {"progress": False}}))
     out = tmp_path / "run"
-    assert main(["train", str(config), "--out", str(out), "distributed.strategy=fsdp2",
-                 "distributed.cpu_offload=true"]) == 2
+    assert main(["train", str(config), "--out", str(out), "distributed.cpu_offload=true"]) == 2  # under replicate
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert len(err) == 1 and "distributed.cpu_offload" in err[0]
+    assert len(err) == 1 and "distributed.cpu_offload: FSDP2 settings" in err[0]
     assert not out.exists()
+    # one process shards nothing: an HSDP run's config still evaluates or resumes there (grove eval, 2 -> 1)
+    hsdp = load_train_config({"domain": "toy", "distributed": {"strategy": "fsdp2", "replicate": 2,
+                                                               "cpu_offload": True}})
+    check_settings(hsdp, 1, torch.device("cpu"))
