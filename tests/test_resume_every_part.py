@@ -147,6 +147,9 @@ VISGEN: dict[str, tuple[str, dict]] = {
     "dgpo": ("shapes_dgpo", {"visgen": {"objective": {"timesteps_per_sample": 2, "trunc_steps": 2}}}),
     "dpo": ("shapes_dpo", {"visgen": {"objective": {"timesteps_per_sample": 2}}}),
     "flow_dppo": ("shapes_flowdppo", {}),  # its old copy (decay 0) is part of the state
+    # the teacher is frozen (never in the checkpoint): the base asset serves, the student's LoRA moves off it
+    "opd": ("shapes_opd", {"visgen": {"objective": {"teacher": "assets/shapes-sd3-tiny"}}}),
+    "crd": ("shapes_crd", {"visgen": {"objective": {"timesteps_per_sample": 2}}}),  # old and sampling snapshots
 }
 
 
