@@ -76,8 +76,8 @@ class LLMConfig(DomainConfig):
     train_forward: how the loss's log-probs are computed: ``hf`` (the model's own forward, one-pass or prefix-shared
         by ``share_prompt_forward``), ``fast`` (``fast_train.fast_token_log_probs``: a lean differentiable Llama /
         Mistral / Qwen2 forward on the packed real tokens, each prompt once, equal to ``hf`` up to float rounding;
-        a ``ConfigError`` names what a model lacks) or ``auto`` (fast where it runs the model, else hf, with a log
-        line). Behaviour, training and reference log-probs all use the chosen one.
+        a ``ConfigError`` names what a model lacks) or ``auto`` (fast where it runs the model on the CPU, else hf,
+        with a log line). Behaviour, training and reference log-probs all use the chosen one.
     """
 
     model: str = field(default="assets/llm-arith-tiny", metadata={"help": "causal LM directory or hub id"})
