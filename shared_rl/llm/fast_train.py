@@ -149,7 +149,7 @@ def fast_token_log_probs(model: torch.nn.Module, batch: SharedPrefixBatch, tempe
     cos_t, sin_t = base.model.rotary_emb(embed[None, :1].to(dtype), torch.arange(int(pos.max()) + 1, device=dev)[None])
     cos_t, sin_t = cos_t[0].to(dtype), sin_t[0].to(dtype)
     half = hd // 2
-    sin_t = torch.cat([-sin_t[:, :half], sin_t[:, half:]], -1)   # rotate_half(x)·sin == roll(x, hd/2)·[-sin₁, sin₂]
+    sin_t = torch.cat([-sin_t[:, :half], sin_t[:, half:]], -1)  # rotate_half(x)·sin = roll(x, hd/2)·[-sin₁, sin₂]
     cos_g, sin_g = cos_t.index_select(0, grid_pos), sin_t.index_select(0, grid_pos)   # [grid, hd]
     x = embed.index_select(0, grid_ids.index_select(0, flat)).to(dtype)             # [N, hidden]
     # keys: a row sees its prompt's real tokens, then its own real positions causally; a prompt token sees the real

@@ -311,9 +311,10 @@ def test_dropin_runs_grove_forward_and_trls_fused_adamw(tmp_path):
         model, tok = _model(seed=5)
         return GRPOTrainer(model=model, processing_class=tok, reward_funcs=lambda completions, **_: [
             float(len(c)) for c in completions], train_dataset=ROWS, log=lambda *_: None,
-            args=_cfg(tmp_path / ("_".join(kw) or "defaults"), **{"learning_rate": 0.05, "per_device_train_batch_size": 4,
-                                                   "num_generations": 4, "max_completion_length": 4, "max_steps": 1,
-                                                   "gradient_checkpointing": False, "seed": 0, **kw}))
+            args=_cfg(tmp_path / ("_".join(kw) or "defaults"),
+                      **{"learning_rate": 0.05, "per_device_train_batch_size": 4, "num_generations": 4,
+                         "max_completion_length": 4, "max_steps": 1, "gradient_checkpointing": False, "seed": 0,
+                         **kw}))
 
     fused, plain = make(), make(optim="adamw_torch")
     assert fused.trainer.domain._fast_train and plain.trainer.domain._fast_train
