@@ -147,6 +147,9 @@ def test_selection_by_config():
     with pytest.raises(ConfigError, match="train_forward: fast keeps every activation"):
         LLMConfig(train_forward="fast", gradient_checkpointing=True).check("llm")
     LLMConfig(train_forward="auto", gradient_checkpointing=True).check("llm")   # auto: the model's forward then
+    # FSDP2 gathers a unit's shards in its module's own forward, which the lean forward bypasses: back to hf
+    sharded = _domain(ASSET, train_forward="fast")
+    assert sharded.fsdp_modules() and not sharded._fast_train
 
 
 @pytest.mark.skipif(not (ASSET / "config.json").is_file(), reason="run: grove pretrain configs/llm/arith_sft.yaml")
