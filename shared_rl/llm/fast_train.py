@@ -8,14 +8,17 @@ the dynamic cache and its index copies, and separate q/k/v and gate/up products.
 log-probs from the same parameters (autograd reaches them through the same tensors) with:
 
 * **packed tokens**: the projections, the MLP, the output layer and the log-softmax run only on the positions
-  that score a real completion token (``len(completion)`` per row) and on the real prompt tokens, never on pads;
+  that score a real completion token (``len(completion)`` per row) and on the real prompt tokens, never on pads,
+  prompts and rows as one token set (one call per op for both);
 * **the prompt once** (as ``share_prompt_forward``): each distinct prompt's tokens but its last run once, and their
   keys / values are indexed out to the prompt's rows; in the last layer only the keys / values of the prompt are
   computed (nothing reads its outputs there);
 * **fused products**: q/k/v and gate/up as one product each (the weights concatenated per forward, so gradients
   reach the original parameters), ``F.rms_norm``, rotary tables looked up by position with one ``roll``;
-* **attention as two batched products** with an additive mask over the few keys (on a CPU cheaper than SDPA's
-  kernels at these lengths, forward and backward; SDPA elsewhere).
+* **attention as two batched products** over a head-major layout (contiguous ``[heads·rows]`` batches) with an
+  additive mask over the few keys and a whole-tensor softmax (on a CPU cheaper than SDPA's kernels at these
+  lengths, forward and backward; SDPA elsewhere, a branch not yet run against the HF forward, so
+  ``train_forward: auto`` picks this forward on the CPU only).
 
 The layout is ``collate_shared``'s (``policy.SharedPrefixBatch``): positions from the attention mask, the last
 prompt token run with the rows, so the mathematics is ``token_log_probs`` / ``token_log_probs_shared``'s; results
