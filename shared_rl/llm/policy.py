@@ -130,11 +130,13 @@ def collate_shared(prompt_ids: list[torch.Tensor], completion_ids: list[torch.Te
             index[key] = len(unique)
             unique.append(p)
         row_prompt.append(index[key])
-    # whole-batch padding (one call each, not a slice assignment per row: this runs for every micro-batch)
+    u = len(unique)
+    p_ids = torch.full((u, p_width), pad_id, dtype=torch.long)
+    for j, p in enumerate(unique):   # the distinct prompts only (a few); the rows below are padded in one call
+        p_ids[j, p_width - len(p):] = p
     p_len = torch.tensor([len(p) for p in unique], dtype=torch.long)
-    p_ids = pad_sequence([p.long() for p in unique], batch_first=True, padding_value=pad_id, padding_side="left")
-    p_ids = F.pad(p_ids, (p_width - p_ids.shape[1], 0), value=pad_id)
     p_mask = (torch.arange(p_width) >= (p_width - p_len)[:, None]).long()
+    # the completions' padding in one call (not a slice assignment per row: this runs for every micro-batch)
     c_len = torch.tensor([len(c) for c in completion_ids], dtype=torch.long)
     c_ids = pad_sequence([c.long() for c in completion_ids], batch_first=True, padding_value=pad_id)
     c_ids = F.pad(c_ids, (0, t_width - c_ids.shape[1]), value=pad_id)
