@@ -46,7 +46,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
-from ..api import load_config, merge
+from ..api import load_config, merge, removed_if_refused
 from ..config import ConfigError, TrainConfig, apply_overrides
 from ..trainer import Trainer
 from .rewards import BUILTIN_REWARDS
@@ -387,38 +387,39 @@ class GRPOTrainer:
             held["tokenizer"] = processing_class
         run_dir = None if run_dir is False else run_dir
         folder = Path(run_dir) / "datasets" if run_dir else Path(self._tmpdir())
-        rows = t_rows if t_rows is not None else _rows_of(train_dataset, "train_dataset")
-        dataset: dict[str, Any] = {"source": "jsonl", "path": str(_write_rows(rows, folder / "train.jsonl",
-                                                                             "train_dataset")),
-                                   "num_train": 0}
-        if trl_mode:
-            dataset.update(eval_fraction=0.0, num_eval=0, long_prompts="truncate")  # TRL trains on every row
-        elif eval_dataset is not None:
-            dataset["eval_path"] = str(_write_rows(_rows_of(eval_dataset, "eval_dataset"), folder / "eval.jsonl",
-                                                   "eval_dataset"))
-        section["dataset"] = dataset
-        self._folder = folder
-        base = {"domain": "llm", "llm": section}
-        if trl_mode:
-            data = merge(base, t.config)
-            self._t = t.trainer
-        else:
-            data = merge(base, args) if isinstance(args, Mapping) else apply_overrides(base, list(args or ()))
-            self._t = None
-        self.config = load_config(data)
-        self.run_dir = Path(run_dir) if run_dir else None
-        self._recorder = _Recorder(self.reward_weights, self.config.rollout.group_size)
-        if trl_mode:
-            from transformers import TrainerControl, TrainerState
+        with removed_if_refused(folder if run_dir else None):  # a refused config leaves no RUN/datasets
+            rows = t_rows if t_rows is not None else _rows_of(train_dataset, "train_dataset")
+            dataset: dict[str, Any] = {"source": "jsonl", "path": str(_write_rows(rows, folder / "train.jsonl",
+                                                                                 "train_dataset")),
+                                       "num_train": 0}
+            if trl_mode:
+                dataset.update(eval_fraction=0.0, num_eval=0, long_prompts="truncate")  # TRL trains on every row
+            elif eval_dataset is not None:
+                dataset["eval_path"] = str(_write_rows(_rows_of(eval_dataset, "eval_dataset"), folder / "eval.jsonl",
+                                                       "eval_dataset"))
+            section["dataset"] = dataset
+            self._folder = folder
+            base = {"domain": "llm", "llm": section}
+            if trl_mode:
+                data = merge(base, t.config)
+                self._t = t.trainer
+            else:
+                data = merge(base, args) if isinstance(args, Mapping) else apply_overrides(base, list(args or ()))
+                self._t = None
+            self.config = load_config(data)
+            self.run_dir = Path(run_dir) if run_dir else None
+            self._recorder = _Recorder(self.reward_weights, self.config.rollout.group_size)
+            if trl_mode:
+                from transformers import TrainerControl, TrainerState
 
-            self.state = TrainerState(max_steps=self._t["max_steps"], num_train_epochs=self._t["num_train_epochs"],
-                                      logging_steps=self._t["logging_steps"])
-            self.control = TrainerControl()
-            held["trainer_state"] = self.state
-            held["log_extra"] = self._log_extra
-            held["on_train_scores"] = self._recorder
-        self.trainer = _HookedTrainer(self.config, self.run_dir, log=log, objects=held, on_iteration=self._on_iteration,
-                                      fused_adamw=bool(trl_mode and self._t["fused_adamw"]))
+                self.state = TrainerState(max_steps=self._t["max_steps"], num_train_epochs=self._t["num_train_epochs"],
+                                          logging_steps=self._t["logging_steps"])
+                self.control = TrainerControl()
+                held["trainer_state"] = self.state
+                held["log_extra"] = self._log_extra
+                held["on_train_scores"] = self._recorder
+            self.trainer = _HookedTrainer(self.config, self.run_dir, log=log, objects=held, on_iteration=self._on_iteration,
+                                          fused_adamw=bool(trl_mode and self._t["fused_adamw"]))
         self.aux_loss_enabled = False
         self._entropy_bonus_enabled = self.config.loss.entropy.enabled  # TRL's flag, read by its helper above
         self._buffer: list[dict[str, float]] = []

@@ -74,6 +74,20 @@ def test_bad_inputs_are_one_line_errors():
                     args={**ARGS, "optim": {"lrr": 1.0}})
 
 
+def test_a_refused_config_leaves_no_run_dir_behind(tmp_path):
+    """The rows are written to RUN/datasets before the config check reads them; a refusal removes what it made."""
+    model, tok = _model()
+    with pytest.raises(ConfigError, match="unknown config key 'optim.lrr'"):
+        GRPOTrainer(model=model, processing_class=tok, reward_funcs="numeric_match", train_dataset=_rows(),
+                    args={**ARGS, "optim": {"lrr": 1.0}}, run_dir=tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+    (tmp_path / "kept").mkdir()  # a folder that was there before is the caller's: only what the call made goes
+    with pytest.raises(ConfigError):
+        GRPOTrainer(model=model, processing_class=tok, reward_funcs="numeric_match", train_dataset=_rows(),
+                    args={**ARGS, "optim": {"lrr": 1.0}}, run_dir=tmp_path / "kept")
+    assert (tmp_path / "kept").is_dir() and not (tmp_path / "kept" / "datasets").exists()
+
+
 def test_train_from_python_equals_the_cli(tmp_path):
     import json
 
