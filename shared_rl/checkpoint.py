@@ -391,10 +391,10 @@ def save_run(ckpt_root: Path, iteration: int, domain, optim, sampler, dist, fsdp
         model_state, opt_state = domain.state_dict(), optim.adamw.state_dict()
         if optim.ema is not None:
             model_state = {**model_state, **optim.ema.tensors()}
-    if not dist.is_main:
-        return None
-    return save_checkpoint(ckpt_root, iteration, model_state, opt_state, run_state(iteration, optim, sampler, domain),
-                           keep_last)
+    path = save_checkpoint(ckpt_root, iteration, model_state, opt_state, run_state(iteration, optim, sampler, domain),
+                           keep_last) if dist.is_main else None
+    dist.barrier()  # on every process the checkpoint exists once this returns (as after a sharded save)
+    return path
 
 
 def missing_state(domain, sampler, model_state: dict[str, torch.Tensor], state: dict[str, Any]) -> list[str]:
