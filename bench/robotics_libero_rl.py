@@ -409,7 +409,7 @@ def rl_row(out: Path, k: int, seed: int, variant: str, overrides: list[str], s: 
            "success": last["eval/success"], "paired_delta": delta, "paired_se": se, "verdict": verdict(delta, se),
            "env_steps": int(sum(r.get("env/steps", 0) for r in recs)),
            # the explorer's real steps in all: its world model's data + re-executions (+ co-evolution rollouts)
-           **({"real_env_steps": int(max(r["wm/real_env_steps"] for r in recs if "wm/real_env_steps" in r))}
+           **({"real_env_steps": int([r["wm/real_env_steps"] for r in recs if "wm/real_env_steps" in r][-1])}
               if any("wm/real_env_steps" in r for r in recs) else {}),
            "wall_min": round(sum(r.get("time/iteration", 0) + r.get("time/eval", 0) for r in recs) / 60, 1)}
     for t in TASKS:

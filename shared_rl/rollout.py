@@ -17,6 +17,8 @@ own bookkeeping (``origin``) is a field of its own, never a payload key.
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +51,31 @@ def _cat(values: list[Any]) -> Any:
     raise TypeError(f"cannot concatenate payload entries of type {type(first).__name__}")
 
 
+INFO_REDUCTIONS = ("sum", "mean", "last")
+
+
+def combine_info(parts: list["Rollout"], reduce: dict[str, str]) -> dict[str, Any]:
+    """The info of concatenated rollouts: each numeric key combined as ``reduce`` says (``Rollout.info_reduce``;
+    sum when unnamed), other values the last part's."""
+    out: dict[str, Any] = {}
+    for k in dict.fromkeys(k for p in parts for k in p.info):
+        vals = [(p.info[k], len(p)) for p in parts if k in p.info]
+        how = reduce.get(k, "sum")
+        if how not in INFO_REDUCTIONS:
+            raise ValueError(f"Rollout.info_reduce[{k!r}] is {how!r}; choose one of {INFO_REDUCTIONS}")
+        numeric = [(float(v), n) for v, n in vals if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        if len(numeric) != len(vals):
+            out[k] = vals[-1][0]
+        elif how == "last":
+            out[k] = vals[-1][0]
+        elif how == "mean":
+            finite = [(v, n) for v, n in numeric if math.isfinite(v)]
+            out[k] = sum(v * n for v, n in finite) / sum(n for _, n in finite) if finite else float("nan")
+        else:
+            out[k] = sum(v for v, _ in vals)
+    return out
+
+
 @dataclass
 class Rollout:
     """Sequences sampled in one call of ``Domain.rollout``.
@@ -66,7 +93,11 @@ class Rollout:
             For a tree rollout, sequence i is the edge into node i; a root node has an all-False mask.
         payload: domain data indexed along dim 0.
         nfe: model forward evaluations spent producing this rollout (one per sample per model call).
-        info: extra scalar metrics (summed on concatenation when numeric counts, else last wins).
+        info: extra scalar metrics. ``cat`` (rollout calls, refill rounds) combines a numeric value as
+            ``info_reduce`` says, summing by default (counts of this call: env steps, episodes, seconds).
+        info_reduce: info key -> how ``cat`` combines it: ``"mean"`` (a rate or score of the call's samples: the
+            mean over calls weighted by their sequences, NaN calls left out), ``"last"`` (a running total the
+            domain keeps: the newest call's value); keys not named are summed.
         logp_deferred: ``[N, T]`` bool, steps whose behaviour log-prob is *deferred*: the rollout was sampled by
             the current weights and the trainer takes ``logp_old`` from its first forward before any update (one
             forward saved, ratio exactly 1), or computes it up front when an iteration has several minibatches.
@@ -93,6 +124,7 @@ class Rollout:
     payload: dict[str, Any] = field(default_factory=dict)
     nfe: int = 0
     info: dict[str, float] = field(default_factory=dict)
+    info_reduce: dict[str, str] = field(default_factory=dict)
     logp_deferred: torch.Tensor | None = None
     key_index: torch.Tensor | None = None
     origin: torch.Tensor | None = None
@@ -194,6 +226,7 @@ class Rollout:
             payload=_index(self.payload, idx),
             nfe=self.nfe,
             info=dict(self.info),
+            info_reduce=dict(self.info_reduce),
             logp_deferred=self.logp_deferred[idx],
             key_index=self.key_index[torch.tensor(uniq, dtype=torch.long)] if self.key_index is not None else None,
             origin=self.origin[idx] if self.origin is not None else None,
@@ -221,8 +254,8 @@ class Rollout:
                 parents.append(torch.where(p.parent >= 0, p.parent + n_off, p.parent))
             g_off += len(p.keys)
             n_off += len(p)
-            for k, v in p.info.items():
-                info[k] = info.get(k, 0) + v if isinstance(v, (int, float)) else v
+        reduce = {k: how for p in parts for k, how in p.info_reduce.items()}
+        info = combine_info(parts, reduce)
         if parents and len(parents) != len(parts):
             raise ValueError("cannot concatenate tree and flat rollouts")
         fused = [p.fusion_logit for p in parts if p.fusion_logit is not None]
@@ -238,6 +271,7 @@ class Rollout:
             payload=_cat([p.payload for p in parts]),
             nfe=sum(p.nfe for p in parts),
             info=info,
+            info_reduce=reduce,
             logp_deferred=torch.cat([p.logp_deferred for p in parts]),
             origin=torch.cat([p.origin for p in parts]) if all(p.origin is not None for p in parts) else None,
             fusion_logit=torch.cat(fused) if fused else None,

@@ -182,7 +182,8 @@ class VisgenRollouts:
         return Rollout(keys=list(grown.group_keys), group_ids=grown.root_group[tree.group[rows]].clone(),
                        rewards={k: v[rows] for k, v in tree.rewards.items()}, logp_old=logp_old,
                        mask=rows_mask, parent=None if flat else tree.parent.clone(),
-                       payload=payload, nfe=forest.nfe, info=info, logp_deferred=deferred,
+                       payload=payload, nfe=forest.nfe, info=info, info_reduce=_info_reduce(info),
+                       logp_deferred=deferred,
                        key_index=grown.key_index.clone(),
                        fusion_logit=None if flat else method.fusion_logit(forest))
 
@@ -270,6 +271,12 @@ def _resume(steps, scores) -> Rollout:
 _SUMMED_INFO = ("tree/nodes", "tree/leaves", "tree/trained_edges")
 
 
+def _info_reduce(info: dict) -> dict[str, str]:
+    """How the trainer combines these metrics over the rollout calls of an iteration (``Rollout.info_reduce``):
+    times and tree sizes add up, the rest (scores, rank agreements, per-leaf NFE) is the mean over calls."""
+    return {k: "sum" if k.startswith("time/") or k in _SUMMED_INFO else "mean" for k in info}
+
+
 def _chunked_rollout(r: VisgenRollouts, keys: list[int], group_size: int, generator: torch.Generator,
                      iteration: int) -> Rollout:
     """One rollout call in ``r.score_chunks`` contiguous sub-chunks of ``keys``. Sub-chunk i samples with its own
@@ -334,4 +341,5 @@ def _chunked_rollout(r: VisgenRollouts, keys: list[int], group_size: int, genera
         info["nfe/rollout_per_leaf"] = merged.nfe / info["tree/leaves"]
     info.update({"time/reward": float(sum(compute)), "time/reward_wait": wait, "score_chunks": float(n)})
     merged.info = info
+    merged.info_reduce = _info_reduce(info)
     return merged

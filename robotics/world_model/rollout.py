@@ -47,6 +47,19 @@ from .model import WorldModel, WorldModelConfig
 from .reward import ReferenceSimilarity, SuccessModel, SuccessModelConfig, calibrate_threshold, fit_success_model
 from .train import calibrate_uncertainty, collect_policy_episodes, fit_world_model, resolve
 
+# How the world-model strategies' metrics combine over the rollout calls of an iteration (``Rollout.info_reduce``):
+# running totals are the newest call's, counts of a call are summed, every other metric (rates, scores, rank
+# agreements) is the mean over calls weighted by their episodes
+RUNNING_TOTALS = frozenset({"wm/model_steps", "wm/real_env_steps", "audit/env_steps_total", "probe/env_steps_total"})
+CALL_COUNTS = frozenset({"env/steps", "env/episodes", "wm/imagined_steps", "coevolve/real_steps", "coevolve/new_keyframes",
+                         "coevolve/refit_episodes", "coevolve/ranker_groups", "short/new_keyframes",
+                         "short/critic_boundaries"})
+
+
+def info_reduce(info: dict) -> dict[str, str]:
+    return {k: "last" if k in RUNNING_TOTALS else "sum" if k in CALL_COUNTS else "mean" for k in info}
+
+
 WM_STATE_PREFIX = "wm_rollout."  # the world-model strategies' packed learned state (robotics.domain names it too)
 KEYFRAME_ID_BASE = 300_000  # keyframe keys: make_key(task, "train", 300000 + n), apart from reset states and demos
 
@@ -225,6 +238,7 @@ class WorldModelRollout(RolloutStrategy):
         if w.audit_fraction > 0:
             info.update(self._audit(slots))
         ro.info.update(info)
+        ro.info_reduce.update(info_reduce(ro.info))
         return ro, None  # imagined episodes: no part learns from them directly
 
     def _uncertain(self, ro, leaves: np.ndarray, slots: np.ndarray) -> dict[str, float]:

@@ -46,7 +46,7 @@ from ..policies.value_head import ValueHead
 from ..rollouts import flat_rollout
 from .data import RecordingEnv
 from .env import WorldModelEnv
-from .rollout import WorldModelRollout
+from .rollout import WorldModelRollout, info_reduce
 from .train import collect_policy_episodes
 from .verified import RestoredEnv
 
@@ -197,6 +197,7 @@ class ShortHorizonRollout(WorldModelRollout):
             info.update(self._audit(keys, seeds, returns.view(G, n), generator))
         info["env/episodes"] = float(s.real_episodes)  # env/ counts real interaction; the branches are wm/
         ro.info.update(info)
+        ro.info_reduce.update(info_reduce(ro.info))
         return ro, None  # the branches are imagined: no part learns from them as episodes
 
     def _audit(self, keys, seeds, returns: torch.Tensor, generator) -> dict[str, float]:

@@ -49,7 +49,7 @@ from .data import RecordingEnv
 from .env import Keyframe
 from .probe import SiblingSets, imagined_scores, ranking_metrics, slot_features
 from .ranker import RankerConfig, SiblingRanker, fit_ranker, outcome, trajectories_from
-from .rollout import WorldModelRollout
+from .rollout import WorldModelRollout, info_reduce
 from .train import resolve
 
 
@@ -217,6 +217,7 @@ class VerifiedRollout(WorldModelRollout):
         if v.probe_every and iteration % v.probe_every == 0:
             info.update(self.probe(N, k))
         ro.info.update(info)
+        ro.info_reduce.update(info_reduce(ro.info))
         self.last = {"keys": keys, "seeds": seeds, "score": score_t, "keep": keep, "imagined": imagined, "real": real}
         return ro, real
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 import torch
 
@@ -206,3 +207,24 @@ def test_tree_estimator_needs_tree_rollouts():
         load_train_config({"domain": "llm", "advantage": {"estimator": "treerl"}})
     cfg = load_train_config({"domain": "llm", "advantage": {"estimator": "treerl"}, "llm": {"tree": {"enabled": True}}})
     assert cfg.domain_config.rollout_structure(cfg) == "tree" and LLMConfig().rollout_structure(cfg) == "flat"
+
+
+def test_cat_combines_info_as_each_key_declares():
+    """Counts of a call add up, rates are the sample-weighted mean over calls (NaN calls left out), running totals
+    are the newest call's; a key nobody declares is summed (the contract before info_reduce)."""
+    reduce = {"rate": "mean", "total": "last", "spearman": "mean"}
+    a = _rollout([1], [0, 0], info={"steps": 10, "rate": 0.5, "total": 100.0, "spearman": float("nan"), "tag": "a"},
+                 info_reduce=reduce)
+    b = _rollout([2, 3], [0, 0, 1, 1, 1, 1], info={"steps": 4, "rate": 0.2, "total": 104.0, "spearman": 0.3,
+                                                   "tag": "b"}, info_reduce=reduce)
+    both = Rollout.cat([a, b])
+    assert both.info["steps"] == 14 and isinstance(both.info["steps"], int)
+    assert both.info["rate"] == pytest.approx((0.5 * 2 + 0.2 * 6) / 8)
+    assert both.info["total"] == 104.0 and both.info["spearman"] == pytest.approx(0.3) and both.info["tag"] == "b"
+    assert both.info_reduce == reduce
+    again = Rollout.cat([both, a])  # the declaration travels with the concatenation (refill rounds)
+    assert again.info["total"] == 100.0 and again.info["steps"] == 24
+    all_nan = Rollout.cat([a, a])
+    assert np.isnan(all_nan.info["spearman"])
+    with pytest.raises(ValueError, match="info_reduce"):
+        Rollout.cat([_rollout([1], [0], info={"x": 1.0}, info_reduce={"x": "median"}), a])
