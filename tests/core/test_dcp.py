@@ -203,3 +203,21 @@ def test_plain_tensors_are_process_zeros(tmp_path):
     model, opt, state = load_sharded_checkpoint(ck, {}, [])
     assert torch.equal(model["history"], torch.zeros(2)) and torch.equal(model["w"], torch.arange(4.0))
     assert opt is None and state == {"iteration": 1}
+
+
+def _save_then_resume_worker(rank, world, port, tmp):
+    _init(rank, world, port)
+    for layout in ("full", "sharded"):
+        tr = Trainer(_config(NAME, "fsdp2", distributed={"strategy": "fsdp2", "checkpoint": layout}),
+                     tmp / layout, **QUIET)
+        tr.iteration(0)
+        tr.save(1)
+        # every process finds the checkpoint as soon as save returns (a resume reads it collectively)
+        assert tr.resume() and tr.start_iteration == 1, (rank, layout)
+    exit_distributed(0)
+
+
+def test_a_checkpoint_exists_on_every_process_when_save_returns(tmp_path):
+    for layout in ("full", "sharded"):
+        (tmp_path / layout).mkdir()
+    _spawn(_save_then_resume_worker, tmp_path)
