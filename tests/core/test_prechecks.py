@@ -89,8 +89,6 @@ CORPUS = {
 EARLY_ONLY = {
     "llm hub id typo offline": "shared_rl/llm/domain.py looks no hub id up: the Python API's loader retries for ~a "
                                "minute, then fails",
-    "robotics LeRobot policy path typo": "robotics/policies/lerobot/load.py's read_policy_config gives the same line "
-                                         "without the did-you-mean",
 }
 
 

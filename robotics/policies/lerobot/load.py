@@ -26,6 +26,9 @@ def make_tiny_command(path: str, env_kind: str = "metaworld") -> str:
 def read_policy_config(path: str, env_kind: str = "metaworld") -> dict:
     """The policy's ``config.json`` (a local directory, or a hub id resolved in the local cache only); also what
     ``RoboticsConfig.preflight`` reads, so ``--dry-run`` refuses a missing or uncached policy as the run does."""
+    from shared_rl.prechecks import check_lerobot_policy
+
+    check_lerobot_policy(path, env_kind, "lerobot")  # the CLI's early line, "did you mean" included, for the API too
     p = Path(path)
     if not p.is_dir() and local_path_meant(path):
         raise ConfigError(f"robotics.policy.path: {path} does not exist (a local path, not a hub id); make this "
