@@ -241,6 +241,10 @@ class RoboticsConfig(DomainConfig):
         hub id (its config.json), and ``eval_baseline``."""
         from .held import HELD_PREFIX
 
+        if train_cfg.distributed.strategy == "fsdp2":  # what FSDP2 refuses from the config alone, as the real run
+            from .fsdp import refuse_config
+
+            refuse_config(self)
         # a checkpoint path under held/ only labels a policy the caller holds (robotics.api): nothing to read
         path = check_vla_checkpoint(self.checkpoint, self.env.kind, self.policy.type)
         if path is not None:

@@ -171,7 +171,7 @@ def padding_forward(domain, rollout: Rollout | None, need_kl: bool) -> None:
     tree root) with loss weight 0, which adds exactly zero to every gradient, only to take part in the same
     all-gathers and reduce-scatters as the other ranks."""
     if rollout is None or len(rollout) == 0:
-        raise RuntimeError("FSDP2 padding forward: this process holds no sequence (see Trainer._setup_fsdp)")
+        raise RuntimeError("FSDP2 padding forward: this process holds no sequence (see shared_rl.sharding.setup_fsdp)")
     trained = torch.nonzero(rollout.mask.any(dim=1)).flatten()
     row = trained[:1] if trained.numel() else torch.zeros(1, dtype=torch.long)
     out = domain.log_probs(rollout, row, need_kl)

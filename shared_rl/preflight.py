@@ -97,6 +97,9 @@ def check_distributed(cfg) -> None:
         raise ConfigError(f"distributed.strategy: fsdp2 is not supported by domain {cfg.domain!r} (it lists no "
                           f"modules to shard); use distributed.strategy: replicate")
     world = launched_processes()
+    from .sharding import check_settings
+
+    check_settings(cfg, world, resolve_device(cfg.device))  # mesh, offload and precision: the trainer's own check
     if world < 2:
         return
     groups = cfg.rollout.groups_per_iteration

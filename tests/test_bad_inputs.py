@@ -293,9 +293,6 @@ FOUND_ONLY_BY_BUILDING = {
     "llm engine that does not import": "shared_rl/llm/domain.py",
     "llm engine named like a path": "shared_rl/llm/domain.py",
     "a domain size beyond memory": "the allocation itself is the check",
-    # robotics/fsdp.py's refuse_config runs when the trainer asks for the FSDP2 units; RoboticsConfig.preflight
-    # does not call it yet (visgen.preflight does the same for visgen's fsdp2 refusals)
-    "robotics fsdp2 with per-task adapter steps": "robotics/config.py",
 }
 
 
@@ -324,6 +321,10 @@ TRAINER_CASES = {
     "integer beyond int64": (_toy(**{"toy.num_contexts": 10**30}), "toy.num_contexts=" + str(10**30) + " is too large"),
     "a terabyte batch": (_toy(**{"rollout.group_size": 2**31}), "sequences per iteration; at most 16,777,216"),
     "a domain size beyond memory": (_toy(**{"toy.num_contexts": 10**14}), "asks for more memory than this machine"),
+    # the FSDP2 policies (shared_rl.sharding.check_settings): refused by --dry-run and the trainer alike
+    "fsdp2 precision without fsdp2": (_toy(**{"distributed.mixed_precision": "bf16"}),
+                                      "distributed.mixed_precision: FSDP2 settings, but distributed.strategy is "
+                                      "replicate"),
 }
 if not HAS_CUDA:
     TRAINER_CASES["cuda without a gpu"] = (_toy(device="cuda"), "torch sees no CUDA GPU")
