@@ -208,7 +208,7 @@ def check_vla_checkpoint(checkpoint: str, env_kind: str, policy_type: str) -> Pa
 
 def lerobot_tiny_command(path: str, env_kind: str = "metaworld") -> str:
     """The command that makes a tiny LeRobot policy at ``path`` for this env (the family read off the name), as
-    ``robotics.policies.lerobot.load.make_tiny_command`` writes it."""
+    the hint of every missing LeRobot policy path."""
     name = Path(path).name
     family = "pi05" if "pi05" in name else "pi0" if "pi0" in name else ""
     args = [f"--env {env_kind}"] if env_kind == "libero" else []

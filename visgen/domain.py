@@ -39,11 +39,11 @@ import torch
 from shared_rl.config import ConfigError
 from shared_rl.domain import DomainBase, DomainConfig, RunContext, StepLogProbs
 # the model's location is checked torch-free, so the CLI answers a typo'd path before importing this module
-from shared_rl.prechecks import resolve_visgen_model as resolve_model_location
 from shared_rl.rewards import RewardGuardConfig, guarded_reward
 from shared_rl.rollout import Rollout
 
 from .lowprec import TwoStageSettings
+from .pipelines.load import load_pipeline  # noqa: F401  (visgen.domain.load_pipeline, as before)
 from .pipelines.memory import MemorySettings
 from .policy import EmaSettings, FlowPolicy, LoraSettings
 from .rollout import VisgenRollouts
@@ -350,32 +350,6 @@ class VisgenConfig(DomainConfig):
 def _import_optional_rewards() -> None:
     """Register the reward-model rewards (they import nothing heavy until built)."""
     from .rewards import hps, pickscore, shapes_soft, video  # noqa: F401
-
-
-# ------------------------------------------------------------------------------------------------------ loading
-def load_pipeline(model: str, dtype: torch.dtype):
-    """A stock diffusers pipeline from a local directory or the hub, progress bars off."""
-    from diffusers import DiffusionPipeline
-
-    location, local = resolve_model_location(model)
-    kwargs: dict[str, Any] = {"dtype": dtype}  # torch_dtype is deprecated (diffusers 0.42, the pinned version)
-    if local:
-        kwargs["local_files_only"] = True
-        index_path = Path(location) / "model_index.json"
-        if not index_path.is_file():
-            raise ConfigError(f"model path {location!r} is not a diffusers pipeline (no model_index.json)")
-        index = json.loads(index_path.read_text())
-        # components saved as null (SD3 without T5) must be passed as None or diffusers refuses to build the pipeline
-        for name, value in index.items():
-            if not name.startswith("_") and (value is None or value == [None, None]):
-                kwargs[name] = None
-    try:
-        pipe = DiffusionPipeline.from_pretrained(location, **kwargs)
-    except (OSError, ValueError) as exc:
-        where = "directory" if local else "Hugging Face hub id"
-        raise ConfigError(f"could not load the diffusers pipeline from {where} {model!r}: {str(exc).splitlines()[0]}") from None
-    pipe.set_progress_bar_config(disable=True)
-    return pipe, location, local
 
 
 # ------------------------------------------------------------------------------------------------------ domain

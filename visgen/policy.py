@@ -294,7 +294,7 @@ class FlowPolicy:
         student's stored states on the student's noise grid, as verl-omni's worker init requires), keep its
         transformer frozen on the student's device in the student's base dtype. The old copy is then the teacher:
         ``old`` holds no lagging weights, ``sync_old_policy`` and ``old_policy_step`` never change it."""
-        from .domain import load_pipeline  # lazily: the domain module imports this one
+        from .pipelines.load import load_pipeline
 
         frozen = [p for p in self.transformer.parameters() if not p.requires_grad]
         if not frozen and self.reference_copy is not None:  # full tuning: the frozen copy keeps the load dtype

@@ -14,7 +14,7 @@ surface only after both. Everything here reads small files and builds no model:
 ``visgen.domain``'s config hooks call these with the domain module's own loaders (``read_prompt_file``, the
 reward-module import), so the checks read exactly what the domain will load, and this module never imports
 ``visgen.domain`` (which imports it). The model location is ``shared_rl.prechecks.check_visgen_model``: torch-free,
-run by the CLI before the typed validation too, and the resolver ``visgen.domain.load_pipeline`` loads with.
+run by the CLI before the typed validation too, and the resolver ``visgen.pipelines.load.load_pipeline`` loads with.
 """
 from __future__ import annotations
 

@@ -41,7 +41,6 @@ import math
 import tempfile
 import time
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch

@@ -201,11 +201,11 @@ def test_the_table_names_the_functions_the_domains_call_and_their_defaults():
         prechecks.resolve_llm_model = original
     assert {k.key: k.check for k in PATH_KEYS["llm"]} == {"model": prechecks.check_llm_model,
                                                          "tokenizer": prechecks.check_llm_tokenizer}
-    import visgen.domain
+    import visgen.pipelines.load
     import visgen.preflight
 
     assert visgen.preflight.check_visgen_model is prechecks.check_visgen_model
-    assert visgen.domain.resolve_model_location is prechecks.resolve_visgen_model
+    assert visgen.pipelines.load.resolve_model_location is prechecks.resolve_visgen_model
     assert visgen.preflight.HELD_PREFIX == prechecks.HELD_PREFIX
     domains = ["llm", "visgen"]
     if HAS_MUJOCO:

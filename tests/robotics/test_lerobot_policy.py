@@ -271,7 +271,7 @@ def test_config_errors_are_one_line(tiny_dir, tmp_path):
     with pytest.raises(ConfigError, match="does not exist .a local path, not a hub id.; make this recipe's tiny "
                                           "policy with `python scripts/robotics_lerobot_tiny.py --out "):
         _load(tmp_path / "missing")
-    from robotics.policies.lerobot.load import make_tiny_command
+    from shared_rl.prechecks import lerobot_tiny_command as make_tiny_command
 
     assert make_tiny_command("runs/lerobot/pi05-tiny-libero", "libero") == \
         "python scripts/robotics_lerobot_tiny.py --env libero --family pi05 --out runs/lerobot/pi05-tiny-libero"

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from shared_rl.errors import ConfigError
-from shared_rl.readers import local_path_meant, read_json
+from shared_rl.readers import read_json
 
 from .compat import FAMILIES, import_policies, policy_class
 from .settings import PolicySettings
@@ -14,30 +14,16 @@ from .settings import PolicySettings
 PROCESSOR_FILES = ("policy_preprocessor.json", "policy_postprocessor.json")
 
 
-def make_tiny_command(path: str, env_kind: str = "metaworld") -> str:
-    """The command that makes a tiny LeRobot policy at ``path`` for this env (the family read off the name)."""
-    name = Path(path).name
-    family = "pi05" if "pi05" in name else "pi0" if "pi0" in name else ""
-    args = [f"--env {env_kind}"] if env_kind == "libero" else []
-    args += [f"--family {family}"] if family else []
-    return " ".join(["python scripts/robotics_lerobot_tiny.py", *args, f"--out {path}"])
-
-
 def read_policy_config(path: str, env_kind: str = "metaworld") -> dict:
     """The policy's ``config.json`` (a local directory, or a hub id resolved in the local cache only); also what
     ``RoboticsConfig.preflight`` reads, so ``--dry-run`` refuses a missing or uncached policy as the run does."""
     from shared_rl.prechecks import check_lerobot_policy
 
-    check_lerobot_policy(path, env_kind, "lerobot")  # the CLI's early line, "did you mean" included, for the API too
+    # a missing local path, a directory without config.json, an uncached hub id: the CLI's early line ("did you
+    # mean" included), so the Python API and the CLI say the same
+    check_lerobot_policy(path, env_kind, "lerobot")
     p = Path(path)
-    if not p.is_dir() and local_path_meant(path):
-        raise ConfigError(f"robotics.policy.path: {path} does not exist (a local path, not a hub id); make this "
-                          f"recipe's tiny policy with `{make_tiny_command(path, env_kind)}`, your own with LeRobot's "
-                          f"`lerobot-train`")
     if p.is_dir():
-        if not (p / "config.json").is_file():
-            raise ConfigError(f"robotics.policy.path: {p} has no config.json; it must be a LeRobot policy directory "
-                              f"(policy.save_pretrained(dir))")
         config = read_json(p / "config.json", "a LeRobot policy config (policy.save_pretrained writes it)")
         if not isinstance(config, dict):
             raise ConfigError(f"robotics.policy.path: {p / 'config.json'} is not a JSON object; it should be a LeRobot "
