@@ -77,8 +77,9 @@ class RecordingEnv:
         idx = np.nonzero(live)[0].tolist()
         ended = [i for i in idx if res.done[i]]
         finals = dict(zip(ended, self.venv.render(ended))) if ended else {}
-        want = [i for i in idx if self.state_max_chunk is None or len(self._rec[i]["actions"]) < self.state_max_chunk]
-        states = dict(zip(want, self.venv.get_states(want))) if (self.record_states and want) else {}
+        want = [i for i in idx if self.state_max_chunk is None or len(self._rec[i]["actions"]) < self.state_max_chunk] \
+            if self.record_states else []
+        states = dict(zip(want, self.venv.get_states(want))) if want else {}
         for i in idx:
             r = self._rec[i]
             r["frames"].append(finals[i] if i in finals else res.image[i])
