@@ -84,6 +84,11 @@ RL_VARIANTS = {  # name -> overrides of RL_RECIPE (grove's defaults; each line s
     # ... and at the authors' 512 episodes an update (64 groups of 8; 256 an optimizer step), ~27 min an iteration here
     "ript-loop+batch512": ["advantage.estimator=rloo", "loss.clip_low=0.1", "loss.clip_high=0.1", "optim.lr=5e-5",
                            "optim.inner_epochs=8", "rollout.groups_per_iteration=64"],
+    # FPO (McAllister et al. 2025, akanazawa/fpo): LOOP's schedule with the SDE step's log-prob replaced by FPO's
+    # flow-matching surrogate on ODE rollouts (the policy explores with its start noise, as it is evaluated) and
+    # FPO's clip 0.05 -- the gradient-noise rows found the one-step SDE score's signal below its noise at 64 episodes
+    "fpo": ["robotics.head_mode=fpo", "advantage.estimator=rloo", "loss.clip_low=0.05", "loss.clip_high=0.05",
+            "optim.lr=5e-5", "optim.inner_epochs=8"],
     # RLinf's piRL (flow-SDE): Flow-GRPO noise 0.5 on one random denoising step per chunk, group 8
     "pirl": ["robotics.noise_level=0.5"],
     # a larger step: the first LIBERO runs' 3e-4 x 4 steps an iteration, now on 64 episodes an update with

@@ -7,7 +7,7 @@ Written as text: reading them from the config and the environments imports MuJoC
 """
 from __future__ import annotations
 
-HEAD_MODES = ("flow_sde", "flow_noise", "sde_one_step", "discrete")
+HEAD_MODES = ("flow_sde", "flow_noise", "sde_one_step", "fpo", "discrete")
 DEFAULT_TASKS = ("reach-v3", "push-v3", "door-open-v3", "button-press-topdown-v3", "drawer-close-v3")
 METAWORLD_V3_TASKS = (
     "assembly-v3", "basketball-v3", "bin-picking-v3", "box-close-v3", "button-press-topdown-v3",

@@ -22,6 +22,7 @@ from .adapters import VAL_FIRST_INDEX, AdaptersConfig
 from .balance import BalanceConfig
 from .critic import CriticConfig
 from .envs.vector import EnvConfig
+from .fpo import FPOConfig
 from .policies.lerobot.settings import PolicySettings
 from .policies.vla import VLAConfig
 from .replay import ReplayConfig
@@ -105,8 +106,12 @@ class RoboticsConfig(DomainConfig):
     policy: PolicySettings = field(default_factory=PolicySettings, metadata={
         "help": "which policy RL post-trains: {type: tiny_vla} (robotics.checkpoint, the default) or {type: lerobot, "
                 "path: DIR_OR_HUB_ID} (a LeRobot SmolVLA; docs/methods/lerobot_policies.md)"})
-    head_mode: Literal["flow_sde", "flow_noise", "sde_one_step", "discrete"] = field(
-        default="flow_sde", metadata={"help": "exploration: flow_sde | flow_noise (ReinFlow) | sde_one_step | discrete"})
+    head_mode: Literal["flow_sde", "flow_noise", "sde_one_step", "fpo", "discrete"] = field(
+        default="flow_sde", metadata={"help": "exploration: flow_sde | flow_noise (ReinFlow) | sde_one_step | fpo (FPO: "
+                                              "ODE rollouts from a random start, the flow-matching likelihood "
+                                              "surrogate; robotics.fpo) | discrete"})
+    fpo: FPOConfig = field(default_factory=FPOConfig, metadata={
+        "help": "head_mode fpo: the (ε, τ) pairs of its flow-matching likelihood surrogate (robotics/fpo.py)"})
     noise_level: float = field(default=DEFAULT_NOISE_LEVEL, metadata={
         "help": "Flow-GRPO SDE noise level a (flow_sde, sde_one_step)"})
     temperature: float = field(default=1.0, metadata={"help": "discrete head sampling temperature"})
@@ -177,6 +182,8 @@ class RoboticsConfig(DomainConfig):
             raise ConfigError(f"{where}.eval_seed must be in [0, 2^32 - eval_noise_draws), got {self.eval_seed}")
         if self.noise_level <= 0 and self.head_mode in ("flow_sde", "sde_one_step"):
             raise ConfigError(f"{where}.noise_level must be > 0 for {self.head_mode} (0 is the deterministic ODE)")
+        if self.head_mode == "fpo":
+            self._check_fpo(where)
         if self.group_start_noise == "shared" and self.rollout.name != "flat":
             raise ConfigError(f"{where}.group_start_noise: shared is drawn by the flat simulator rollout only; "
                               f"{where}.rollout.name is {self.rollout.name!r} (use flat or group_start_noise: independent)")
@@ -216,6 +223,20 @@ class RoboticsConfig(DomainConfig):
         elif self.critic.input != "prefix":
             raise ConfigError(f"{where}.critic.input: {self.critic.input} reads a LeRobot policy's action expert; the "
                               f"tiny VLA has one fused feature vector (critic.input: prefix)")
+
+    def _check_fpo(self, where: str) -> None:
+        """FPO explores with the ODE's start noise alone, in flat groups of the tiny VLA's flow head."""
+        if self.init_noise <= 0:
+            raise ConfigError(f"{where}.head_mode: fpo explores with the ODE's start noise only; {where}.init_noise "
+                              f"must be > 0 (1 = standard normal), got {self.init_noise}")
+        if self.group_start_noise == "shared":
+            raise ConfigError(f"{where}.head_mode: fpo samples the deterministic ODE, so members sharing their start "
+                              f"noise would run the same episode; set {where}.group_start_noise: independent")
+        if self.rollout.name != "flat" or self.policy.type != "tiny_vla":
+            what = (f"rollout.name: {self.rollout.name}" if self.rollout.name != "flat"
+                    else f"policy.type: {self.policy.type}")
+            raise ConfigError(f"{where}.head_mode: fpo runs flat groups of the tiny VLA in the simulator, not "
+                              f"{where}.{what}; use sde_one_step there")
 
     def _check_lerobot(self, where: str) -> None:
         """What a LeRobot policy runs with: flat groups in the simulator, Flow-GRPO's SDE steps or the learned noise

@@ -9,7 +9,9 @@ Contract mapping (``shared_rl/domain.py``):
 - sequences = episodes; steps = (chunk c, denoising step s) pairs flattened to t = c·S + s (S = denoising
   steps; S = 1 for the discrete head). ``logp_old[n, t]`` is the behaviour log-prob of that step and ``mask``
   marks stochastic steps of executed chunks (flow_sde: all but the last denoising step; flow_noise: all;
-  sde_one_step: the one random step per chunk; discrete: every chunk).
+  sde_one_step: the one random step per chunk; fpo: slot 0 of every executed chunk, which carries the chunk's
+  flow-matching likelihood surrogate, its ``logp_old`` deferred to the first forward (``fpo.py``); discrete: every
+  chunk).
 - rewards: ``success`` (0/1; "success once" or "success at end" per ``env.success_mode``) and, with
   ``dense_reward``, ``dense``: the best Meta-World shaped reward of the episode / 10, in [0, 1] (weight it via
   ``advantage.weights``). The *best*, not the mean: with "success once" a fast success has a short episode of
@@ -17,7 +19,7 @@ Contract mapping (``shared_rl/domain.py``):
 - ``evaluate``: deterministic (ODE / arg-max) episodes on held-out reset states -> ``eval/success`` and
   ``eval/success/<task>``; GIFs of one episode per task in ``run_dir/gifs``.
 - KL (``loss.kl_coef > 0``): flow_sde / sde_one_step return the Flow-GRPO mean KL ‖μ_θ − μ_ref‖²/(2σ²) per step;
-  flow_noise and discrete return reference log-probs (the trainer applies k1/k3). The reference is a frozen copy
+  flow_noise, fpo and discrete return reference log-probs (the trainer applies k1/k3). The reference is a frozen copy
   of the starting policy (1.3M parameters: a copy is cheaper than toggling adapters).
 
 Features beyond that are parts (``robotics.parts.Part``), each with its own config section and module: the value
@@ -53,6 +55,7 @@ from .held import episode_rewards, held_policy, score_episodes
 from .parts import Part
 from .policies.lerobot.load import load_lerobot_policy
 from .policies.vla import TinyVLA, libero_vocab
+from .fpo import log_likelihood as fpo_log_likelihood
 from .replay import DemoReplay, SuccessReplay
 from .rollouts import rollout_class
 
@@ -250,6 +253,15 @@ class RoboticsDomain(DomainBase):
         def ref_features():  # the reference policy's features of the same rows (no grad)
             return self._encode(p["images"][ep, ch], p["proprio"][ep, ch], text_ids, policy=self._ref)[rows]
 
+        if self.cfg.head_mode == "fpo":  # FPO: log p-hat = -(flow-matching loss of the executed chunk) on its pairs
+            actions = p["chain"][pe, pc, -1].to(self.device)
+            eps, tau = p["fpo_eps"][pe, pc].to(self.device), p["fpo_tau"][pe, pc].to(self.device)
+            target = self.cfg.fpo.target
+            logp = fpo_log_likelihood(policy.flow.velocity_at, h, actions, eps, tau, target)
+            if need_kl:  # the reference's surrogate on the same pairs (the k1 / k3 estimators read it)
+                with torch.no_grad():
+                    ref_logp = fpo_log_likelihood(self._ref.flow.velocity_at, ref_features(), actions, eps, tau, target)
+            return logp, torch.zeros_like(logp).detach(), kl, ref_logp
         if policy.cfg.head == "flow":
             chain = p["chain"].to(self.device)
             x, x_next = chain[pe, pc, ps], chain[pe, pc, ps + 1]

@@ -20,7 +20,7 @@ from shared_rl.flow_kernels import DEFAULT_NOISE_LEVEL
 from .envs.metaworld_env import instruction_for
 from .policies.vla import TinyVLA
 
-HeadMode = Literal["ode", "flow_sde", "flow_noise", "sde_one_step", "discrete", "greedy"]
+HeadMode = Literal["ode", "flow_sde", "flow_noise", "sde_one_step", "fpo", "discrete", "greedy"]
 
 
 @dataclass
@@ -103,13 +103,16 @@ def sample_chunk(policy: TinyVLA, h: torch.Tensor, s: SamplingSettings, generato
     cfg = policy.cfg
     b = h.shape[0]
     if cfg.head == "flow":
-        if s.mode not in ("ode", "flow_sde", "flow_noise", "sde_one_step"):
-            raise ValueError(f"a flow head samples with ode/flow_sde/flow_noise/sde_one_step, not {s.mode!r}")
+        if s.mode not in ("ode", "flow_sde", "flow_noise", "sde_one_step", "fpo"):
+            raise ValueError(f"a flow head samples with ode/flow_sde/flow_noise/sde_one_step/fpo, not {s.mode!r}")
+        mode = "ode" if s.mode == "fpo" else s.mode  # FPO samples the ODE: its start noise is the exploration
         if noise is not None:
-            out = policy.flow.sample(h, s.mode, generator, s.noise_level, s.logp_reduce, s.init_noise, noise.start,
+            out = policy.flow.sample(h, mode, generator, s.noise_level, s.logp_reduce, s.init_noise, noise.start,
                                      step_noise=noise.steps, one_step=noise.one_step)
         else:
-            out = policy.flow.sample(h, s.mode, generator, s.noise_level, s.logp_reduce, s.init_noise, start_noise)
+            out = policy.flow.sample(h, mode, generator, s.noise_level, s.logp_reduce, s.init_noise, start_noise)
+        if s.mode == "fpo":  # the whole chunk is what FPO trains: one slot per chunk (step 0) carries its log p-hat
+            out.stochastic[:, 0] = True
         acts = out.actions.view(b, cfg.chunk, cfg.action_dim)
         return acts, out.chain, out.stochastic, out.logp, cfg.num_denoise_steps
     if s.mode not in ("discrete", "greedy"):

@@ -36,6 +36,7 @@ from .branching import BranchConfig, run_branching_episodes, tree_rollout
 from .envs.metaworld_env import decode_key, make_key
 from .envs.vector import EnvConfig
 from .episodes import EpisodeBatch, SamplingSettings, run_episodes
+from .fpo import attach_pairs
 from .parts import Part
 from .policies.vla import TinyVLA
 from .world_model.settings import ImaginationSettings, ShortHorizonSettings, VerifySettings
@@ -150,8 +151,10 @@ class FlatRollout(RolloutStrategy):
                            for _ in range(group_size)]
         batch = run_episodes(self.policy, self.venv, env_keys, tasks, self.sampling, self.cfg.env.horizon, generator,
                              device=self.device, episode_noise_seed=start_seeds)
-        return flat_rollout(batch, keys, group_size, self.cfg.env.tasks, self.cfg.env.success_mode,
-                            self.cfg.dense_reward), batch
+        ro = flat_rollout(batch, keys, group_size, self.cfg.env.tasks, self.cfg.env.success_mode, self.cfg.dense_reward)
+        if self.sampling.mode == "fpo":  # the flow-matching pairs of FPO's likelihood surrogate (fpo.py)
+            attach_pairs(ro, self.cfg.fpo, self.policy.flow.sigmas, generator)
+        return ro, batch
 
 
 class TreeRollout(RolloutStrategy):
