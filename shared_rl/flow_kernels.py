@@ -50,6 +50,7 @@ __all__ = [
     "gaussian_entropy",
     "sde_mean_kl",
     "REDUCTIONS",
+    "dpm2_step",
 ]
 
 REDUCTIONS = ("mean", "sum")
@@ -355,3 +356,58 @@ def flow_step(
     sample = torch.where(deterministic, ode.next_sample, out.next_sample)
     log_prob = torch.where(deterministic.flatten(), torch.zeros_like(out.log_prob), out.log_prob)
     return StepOutput(sample, mean, std, log_prob)
+
+
+# --------------------------------------------------------------------------------------------- multistep ODE solver
+
+
+def dpm2_step(
+    x: torch.Tensor,
+    v: torch.Tensor,
+    sigma: torch.Tensor | float,
+    sigma_next: torch.Tensor | float,
+    sigma_prev: torch.Tensor | float | None = None,
+    x0_prev: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One deterministic step of the multistep DPM-Solver++(2M) in the flow parametrisation (alpha = 1 - sigma), the
+    ``dpm2`` rollout sampler of DiffusionOPSD (worldbench/DiffusionOPSD ``src/diffusers_patch/solver.py``
+    ``dpm_step(order=2)``). Returns ``(next_sample, x0)``; ``x0 = x - sigma v`` is the step's clean prediction, the
+    ``x0_prev`` of the next step.
+
+    - first step (``x0_prev`` None) and the final step (``sigma_next`` = 0): the first-order (DDIM, eta 0) update
+      ``x' = (1 - sigma') x0 + sigma' (x - (1 - sigma) x0) / sigma`` (at sigma' = 0: x' = x0);
+    - otherwise, with ``lambda = log(alpha) - log(sigma)``, ``h = lambda' - lambda``, ``h0 = lambda - lambda_prev``,
+      ``D1 = (h / h0) (x0 - x0_prev)`` (0 when ``sigma_prev`` >= 1: lambda_prev = -inf, h0 = inf):
+      ``x' = (sigma'/sigma) x - alpha' (e^{-h} - 1) (x0 + D1 / 2)``.
+
+    Coefficients in float64, the update in float32 (as the reference). ``sigma*``: scalars or ``[B]`` per row; a row
+    with ``sigma_prev`` NaN counts as a first step.
+    """
+    x = x.float()
+    x0 = x - _per_sample(sigma, x) * v.float()
+
+    def rows(value) -> torch.Tensor:
+        t = torch.as_tensor(value, dtype=torch.float64, device=x.device)
+        return t.expand(x.shape[0]) if t.dim() == 0 else t
+
+    s, s_next = rows(sigma), rows(sigma_next)
+    first = torch.ones_like(s, dtype=torch.bool) if x0_prev is None else torch.isnan(rows(sigma_prev))
+    first = first | (s_next <= 0)
+    # first order (DDIM eta 0)
+    eps_hat = (x - _per_sample((1 - s).float(), x) * x0) / _per_sample(s.float(), x)
+    ddim = _per_sample((1 - s_next).float(), x) * x0 + _per_sample(s_next.float(), x) * eps_hat
+    if x0_prev is None or bool(first.all()):
+        return ddim, x0
+    # second order, multistep (safe values on the rows that take the first-order update)
+    s_prev = torch.where(first, torch.full_like(s, 0.5), rows(sigma_prev))
+    s_n = torch.where(first, torch.full_like(s, 0.25), s_next)
+    s_c = torch.where(first, torch.full_like(s, 0.375), s)
+    lam = torch.log(1 - s_c) - torch.log(s_c)
+    lam_next = torch.log(1 - s_n) - torch.log(s_n)
+    h = lam_next - lam
+    d1_scale = torch.where(s_prev >= 1, torch.zeros_like(s),
+                           h / (lam - (torch.log((1 - s_prev).clamp(min=1e-300)) - torch.log(s_prev))))
+    coef = (1 - s_n) * (torch.exp(-h) - 1)
+    second = (_per_sample((s_n / s_c).float(), x) * x
+              - _per_sample(coef.float(), x) * (x0 + 0.5 * _per_sample(d1_scale.float(), x) * (x0 - x0_prev.float())))
+    return torch.where(_per_sample(first.float(), x) > 0, ddim, second), x0

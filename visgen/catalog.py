@@ -23,7 +23,7 @@ def _read(sources, decorator: str) -> tuple[str, ...]:
 
 
 # the flat methods are registered in a loop (visgen/methods/flat.py): their names are text
-METHODS = ("branch_grpo", "branch_grpo_mix", "dance_grpo", "egrpo", "explicit", "flow_grpo", "flow_grpo_fast",
+METHODS = ("branch_grpo", "branch_grpo_mix", "dance_grpo", "dpm2", "egrpo", "explicit", "flow_grpo", "flow_grpo_fast",
            "mix_grpo", "ode", "tree_grpo")
 # objectives and tasks are classes registered with a bare decorator and a literal `name`: read from the source, so a
 # new one is listed without an edit here (a few milliseconds of parsing)

@@ -29,7 +29,7 @@ from typing import Any, Sequence
 
 import torch
 
-from shared_rl.flow_kernels import flow_step
+from shared_rl.flow_kernels import StepOutput, dpm2_step, flow_step
 from shared_rl.tree import RolloutTree
 
 __all__ = ["StepSegment", "Level", "Forest", "Forwarder", "grow_forest", "forest_payload"]
@@ -213,6 +213,7 @@ def grow_forest(
     first_forward_id: int = 0,
     first_velocity: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     keep_means: bool = False,
+    ode_solver: str = "euler",
 ) -> Forest:
     """Grow one tree per root, level by level; each level is one batched forward per executed step.
 
@@ -228,7 +229,13 @@ def grow_forest(
             caller already computed it in a named forward (E-GRPO's anchor path); those forwards are not re-run.
         kernel: ``sde`` / ``cps`` / ``dance`` for SDE steps (ODE steps use the Euler formula); ``reduction``: how
             log-probs reduce over latent elements. ``keep_means``: also store every executed step's Gaussian mean.
+        ode_solver: ``euler`` (every ODE step the Euler formula) or ``dpm2`` (DiffusionOPSD's rollout sampler: the
+            multistep DPM-Solver++(2M) of ``shared_rl.flow_kernels.dpm2_step``, for all-ODE chains of one level).
     """
+    if ode_solver not in ("euler", "dpm2"):
+        raise ValueError(f"ode_solver must be 'euler' or 'dpm2', got {ode_solver!r}")
+    if ode_solver == "dpm2" and (len(levels) != 1 or not isinstance(levels[0], Level) or bool(levels[0].sde.any())):
+        raise ValueError("the dpm2 solver runs deterministic chains of one level (visgen.method dpm2), no SDE step")
 
     R = root_latents.shape[0]
     device = root_latents.device
@@ -299,6 +306,7 @@ def grow_forest(
         means = torch.zeros((C, L, *lat_shape), device=device) if keep_means else None
         x = par_lat[rep].clone()
         lat[:, 0] = x
+        x0_prev = None  # dpm2: the previous step's clean prediction
         for j in range(int(length.max())):
             noise = None
             if kernel != "ode":
@@ -315,9 +323,18 @@ def grow_forest(
                 v, ids, slots = fwd(x[rows], ts[rows, j].to(device), cond_ch[rows.to(device)])
                 fid[rows, j], fslot[rows, j] = ids, slots
             dev_rows = rows.to(device)
-            out = flow_step(kernel, x[dev_rows], v, sig[rows, j].to(device), sig_n[rows, j].to(device),
-                            lvl[rows, j].to(device), noise=None if noise is None else noise[dev_rows],
-                            stochastic=sde[rows, j].to(device), reduction=reduction)
+            if ode_solver == "dpm2":
+                prev = sig[rows, j - 1].to(device) if j > 0 else None
+                nxt, x0_now = dpm2_step(x[dev_rows], v, sig[rows, j].to(device), sig_n[rows, j].to(device), prev,
+                                        None if x0_prev is None else x0_prev[dev_rows])
+                x0_prev = torch.zeros_like(x) if x0_prev is None else x0_prev
+                x0_prev[dev_rows] = x0_now
+                zero = torch.zeros(rows.numel(), device=device)
+                out = StepOutput(nxt, nxt, zero, zero)
+            else:
+                out = flow_step(kernel, x[dev_rows], v, sig[rows, j].to(device), sig_n[rows, j].to(device),
+                                lvl[rows, j].to(device), noise=None if noise is None else noise[dev_rows],
+                                stochastic=sde[rows, j].to(device), reduction=reduction)
             x[dev_rows] = out.next_sample
             lat[dev_rows, j + 1] = out.next_sample
             logp[rows, j] = out.log_prob.float().cpu()
@@ -353,9 +370,10 @@ def forest_payload(forest: Forest, cond_tensors: dict[str, torch.Tensor], rows: 
 
 def flat_forest(adapter, cond, latents: torch.Tensor, sde: torch.Tensor, train: torch.Tensor, sigmas: torch.Tensor,
                 timesteps: torch.Tensor, generator, kernel: str, noise_level: float, reduction: str = "mean",
-                micro_batch: int = 0, first_forward_id: int = 0, keep_means: bool = False) -> Forest:
+                micro_batch: int = 0, first_forward_id: int = 0, keep_means: bool = False,
+                ode_solver: str = "euler") -> Forest:
     """A flat rollout: one unbranched chain per row of ``latents`` (``cond`` one row each) under a step plan's
     ``[B, T]`` masks — the depth-one forest of Flow-GRPO and its flat relatives (root ``b``, leaf ``B + b``)."""
     level = Level.from_plan(sde, train, sigmas, timesteps, noise_level)
     return grow_forest(adapter, cond, latents, [level], generator, kernel, reduction, micro_batch, first_forward_id,
-                       keep_means=keep_means)
+                       keep_means=keep_means, ode_solver=ode_solver)

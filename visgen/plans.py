@@ -39,6 +39,7 @@ __all__ = [
     "FlowGRPOFastPlan",
     "MixGRPOPlan",
     "ODEPlan",
+    "DPM2Plan",
     "ExplicitPlan",
     "PLANS",
     "plan_from_config",
@@ -110,10 +111,20 @@ class ODEPlan(PlanSpec):
     """Deterministic sampling: no SDE step, nothing trained."""
 
     name: ClassVar[str] = "ode"
+    ode_solver: ClassVar[str] = "euler"
 
     def build(self, num_steps, batch_size, generator=None, iteration=0) -> StepPlan:
         none = torch.zeros(batch_size, num_steps, dtype=torch.bool)
         return StepPlan(none, none.clone())
+
+
+@dataclass
+class DPM2Plan(ODEPlan):
+    """Deterministic sampling by the multistep DPM-Solver++(2M) (``shared_rl.flow_kernels.dpm2_step``): DiffusionOPSD's
+    and DiffusionNFT's reference rollout sampler (``solver: dpm2``); no SDE step, nothing trained."""
+
+    name: ClassVar[str] = "dpm2"
+    ode_solver: ClassVar[str] = "dpm2"
 
 
 @dataclass
@@ -309,7 +320,8 @@ class ExplicitPlan(PlanSpec):
 
 
 PLANS: dict[str, type[PlanSpec]] = {
-    cls.name: cls for cls in (FlowGRPOPlan, DanceGRPOPlan, FlowGRPOFastPlan, MixGRPOPlan, ODEPlan, ExplicitPlan)
+    cls.name: cls for cls in (FlowGRPOPlan, DanceGRPOPlan, FlowGRPOFastPlan, MixGRPOPlan, ODEPlan, DPM2Plan,
+                              ExplicitPlan)
 }
 
 

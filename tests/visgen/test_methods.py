@@ -49,7 +49,7 @@ def late_branch():
 def test_registry_lists_every_method_once_with_its_shape():
     assert {n: c.structure for n, c in METHODS.items() if n != "late_branch"} == {
         "flow_grpo": "flat", "dance_grpo": "flat", "flow_grpo_fast": "flat", "mix_grpo": "flat", "explicit": "flat",
-        "ode": "flat",
+        "ode": "flat", "dpm2": "flat",
         "branch_grpo": "tree", "branch_grpo_mix": "tree", "tree_grpo": "tree", "egrpo": "tree"}
     with pytest.raises(ValueError, match="already registered"):
         register_method(METHODS["egrpo"])

@@ -39,12 +39,14 @@ class FlatMethod(RolloutMethod):
             x = adapter.prepare_latents(B, cond, generator)
         plan = self.settings.build(int(timesteps.numel()), B, generator, iteration)
         forest = flat_forest(adapter, cond, x, plan.sde, plan.train, sigmas, timesteps, generator, k.kernel,
-                             k.noise_level, k.reduction, k.micro_batch, first_forward_id)
+                             k.noise_level, k.reduction, k.micro_batch, first_forward_id,
+                             ode_solver=getattr(self.settings, "ode_solver", "euler"))
         return Grown(forest, cond, torch.arange(P).repeat_interleave(group_size), list(keys), torch.arange(P))
 
 
-# ``ode``: deterministic chains, nothing stochastic — the sampler of the likelihood-free objectives (NFT, AWM)
+# ``ode``: deterministic chains, nothing stochastic — the sampler of the likelihood-free objectives (NFT, AWM);
+# ``dpm2``: the same by DPM-Solver++(2M) (DiffusionOPSD)
 for _plan in (plans.FlowGRPOPlan, plans.DanceGRPOPlan, plans.FlowGRPOFastPlan, plans.MixGRPOPlan, plans.ExplicitPlan,
-              plans.ODEPlan):
+              plans.ODEPlan, plans.DPM2Plan):
     register_method(type(f"{_plan.__name__[:-4]}Method", (FlatMethod,),
                          {"name": _plan.name, "settings_class": _plan, "__doc__": _plan.__doc__}))
