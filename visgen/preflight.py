@@ -32,7 +32,7 @@ CHEAP_REWARDS = ("shapes", "shapes_soft", "jpeg_compressibility", "jpeg_incompre
 # rewards that score a prompt through the shapes-task grammar (or PromptSpec metadata)
 SHAPES_GRAMMAR_REWARDS = ("shapes", "shapes_soft")
 # rewards whose outputs are fixed names; the others are named by their factory's ``name`` argument
-FIXED_OUTPUTS = {"shapes": ["shapes", "shapes_strict"], "shapes_soft": ["shapes_soft"],
+FIXED_OUTPUTS = {"shapes": ["shapes", "shapes_strict"], "shapes_soft": ["shapes_soft"], "shapes_colour": ["shapes_colour"],
                  "jpeg_compressibility": ["jpeg_compressibility"], "jpeg_incompressibility": ["jpeg_incompressibility"]}
 
 

@@ -48,5 +48,6 @@ from . import ocr as _ocr  # noqa: F401, E402
 from . import pickscore as _pickscore  # noqa: F401, E402
 from . import remote as _remote  # noqa: F401, E402
 from . import shapes as _shapes  # noqa: F401, E402
+from . import shapes_colour as _shapes_colour  # noqa: F401, E402
 from . import shapes_soft as _shapes_soft  # noqa: F401, E402
 from . import vlm_judge as _vlm_judge  # noqa: F401, E402

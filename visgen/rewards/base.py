@@ -34,6 +34,9 @@ class RewardInfo:
     range: str = ""  # the score's range as the reward returns it (after its configured scaling)
     extra: str = ""  # the pip extra / package it needs ("" = core install)
     summary: str = ""
+    # the reward object offers ``differentiable(images, prompts, metadata) -> {name: [B] with grad to images}``
+    # (DiffusionOPSD follows its gradient); the others score without gradients only
+    differentiable: bool = False
 
 
 _REGISTRY: dict[str, Callable[..., RewardFn]] = {}
@@ -50,7 +53,7 @@ def register(name: str, info: RewardInfo | None = None) -> Callable[[Callable[..
         summary = ((factory.__doc__ or "").strip().splitlines() or [""])[0]
         _INFO[name] = info or RewardInfo(summary=summary)
         if info is not None and not info.summary:
-            _INFO[name] = RewardInfo(info.weights, info.licence, info.range, info.extra, summary)
+            _INFO[name] = RewardInfo(info.weights, info.licence, info.range, info.extra, summary, info.differentiable)
         return factory
 
     return wrap

@@ -44,10 +44,20 @@ class PickScore:
             scores[idx] = logit_scale * (img * txt).sum(-1) * self.factor
         return {self.name: scores}
 
+    def differentiable(self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[dict] | None = None
+                       ) -> dict[str, torch.Tensor]:
+        """The score with the graph to ``images`` (torch pre-processing, ``ClipScorer.pixels_differentiable``), on
+        the images' device; the text side without grad (DiffusionOPSD's reward ascent)."""
+        check_batch(images, prompts, metadata)
+        img = self.clip.image_embeds_differentiable(images)
+        txt = self.clip.text_embeds(list(prompts)).to(img.device)
+        logit_scale = self.clip.model.logit_scale.exp().float().detach()
+        return {self.name: (logit_scale * (img * txt).sum(-1) * self.factor).to(images.device)}
+
 
 @register("pickscore", RewardInfo(weights=f"hub: {PICKSCORE_MODEL} (processor {PICKSCORE_PROCESSOR}) or a local dir",
                                   licence="MIT (PickScore model card); check the card before commercial use",
-                                  range="~18-24 raw (x1/26 with scaling: flow_grpo)",
+                                  range="~18-24 raw (x1/26 with scaling: flow_grpo)", differentiable=True,
                                   summary="CLIP-H preference model: exp(logit_scale) * cos(image, prompt)"))
 def build_pickscore(model: str = PICKSCORE_MODEL, processor: str | None = PICKSCORE_PROCESSOR,
                     device: str | None = None, dtype: str = "float32", batch_size: int = 32, scale: float = 1.0,
