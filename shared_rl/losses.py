@@ -1,4 +1,4 @@
-"""Policy losses (a registry: clipped / GSPO / CISPO / SAPO / Flow-DPPO / on-policy distillation, and the likelihood-free NFT / AWM / DGPO / DPO / CRD), aggregation modes
+"""Policy losses (a registry: clipped / GSPO / CISPO / SAPO / Flow-DPPO / on-policy distillation, and the likelihood-free NFT / DiffusionOPSD / AWM / DGPO / DPO / CRD), aggregation modes
 and KL estimators (a registry too).
 
 All losses take per-step tensors ``[n, T]`` with a step mask, so the same code trains denoising steps (visgen,
@@ -410,6 +410,39 @@ def nft_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tenso
     adv = advantages.to(pos.dtype)
     adv = adv[:, None].expand_as(pos) if adv.dim() == 1 else adv
     r = nft_optimality(adv, a_max, settings.adv_mode)
+    loss = a_max * (r * pos + (1 - r) * neg)
+    return loss * mask.to(loss.dtype), _no_ratio_stats(logp)
+
+
+@dataclass
+class DiffusionOPSDSettings:
+    adv_clip_max: float = field(default=5.0, metadata={
+        "help": "A clipped to +-adv_clip_max and mapped to r = clip(A/adv_clip_max/2 + 1/2, 0, 1); the loss is scaled "
+                "by adv_clip_max (worldbench/DiffusionOPSD train.adv_clip_max: 5)"})
+    dual_negative: bool = field(default=True, metadata={
+        "help": "train the negative branch toward the descended target (the reference's opa_dual_neg: 1); false: the "
+                "positive branch only (its ablation)"})
+
+    def check(self, where: str) -> None:
+        if not self.adv_clip_max > 0:
+            raise ConfigError(f"{where}.adv_clip_max must be > 0, got {self.adv_clip_max}")
+
+
+@register_policy_loss("diffusion_opsd", settings=DiffusionOPSDSettings)
+def diffusion_opsd_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, cfg,
+                        settings: DiffusionOPSDSettings, terms=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """DiffusionOPSD (worldbench/DiffusionOPSD ``scripts/train_opsd_ri_sd3.py``, its OPA loss): the domain's branch
+    losses toward the reward-moved targets, ``P = mean (ŷ⁺ − y⁺)²/w⁺`` and ``N = mean (ŷ⁻ − y⁻)²/w⁻``
+    (``objective_pos``/``objective_neg``: ŷ± the clean predictions of NFT's implicit velocities at the query state, w
+    their detached mean absolute errors clipped at 1e-5), mixed by the clipped advantage:
+    ``L = A_max · [r·P + (1 − r)·N]``, ``r = clip(clip(A, ±A_max)/A_max/2 + 1/2, 0, 1)`` (no ``adv_mode``; P and N are
+    not divided by NFT's β, unlike ``nft``). ``dual_negative: false`` drops N."""
+    pos, neg = _domain_terms("diffusion_opsd", terms, need_neg=True)
+    a_max = float(settings.adv_clip_max)
+    adv = advantages.to(pos.dtype)
+    adv = adv[:, None].expand_as(pos) if adv.dim() == 1 else adv
+    r = nft_optimality(adv, a_max, "all")
+    neg = neg if settings.dual_negative else neg * 0.0
     loss = a_max * (r * pos + (1 - r) * neg)
     return loss * mask.to(loss.dtype), _no_ratio_stats(logp)
 

@@ -330,6 +330,12 @@ class VisgenConfig(DomainConfig):
                               f"granularities {[1] + method.reward_granularities()} (the reference's "
                               "multi-granularity rewards): set advantage.multi_reward: normalize_then_sum, or "
                               "visgen.method.granularities: [1] for one granularity")
+        if objective.builds_targets:
+            self._check_differentiable_rewards(cfg, objective.name, method)
+        if objective.name == "dpo" and objective.settings.pairs:
+            from .offline_dpo import check_offline
+
+            check_offline(objective, cfg.rollout.group_size)
         if objective.name == "dpo" and (cfg.optim.minibatches_per_epoch != 1 or cfg.optim.micro_batch_size != 0):
             raise ConfigError("visgen.objective dpo pairs the best and the worst sample of each group, so one forward "
                               "call must hold whole groups: set optim.minibatches_per_epoch: 1 and "
@@ -345,6 +351,26 @@ class VisgenConfig(DomainConfig):
         if cfg.loss.kl_estimator not in ("domain",) and cfg.loss.kl_coef > 0:
             raise ConfigError("visgen computes its KL itself (Flow-GRPO Gaussian-mean or velocity KL); set "
                               "loss.kl_estimator: domain and choose visgen.kl_type")
+
+
+    def _check_differentiable_rewards(self, cfg, objective: str, method) -> None:
+        """DiffusionOPSD follows the trained reward's gradient: every reward with a trained output must offer one
+        (``RewardInfo.differentiable``), the rollout must be flat, the pipeline's decode differentiable."""
+        from .preflight import reward_outputs
+        from .rewards import reward_info
+
+        _import_optional_rewards()
+        weights = dict(cfg.advantage.weights or {})
+        for spec in self.rewards:
+            outputs = reward_outputs(spec.name, spec.kwargs)
+            trained = outputs is None or any(weights.get(o, 1.0) != 0 for o in outputs)
+            if trained and not reward_info(spec.name).differentiable:
+                raise ConfigError(f"visgen.objective {objective} follows the reward's gradient, but reward "
+                                  f"{spec.name!r} is not differentiable; train on a differentiable one (shapes_colour, "
+                                  f"pickscore) or give {spec.name!r}'s outputs weight 0 in advantage.weights")
+        if method.structure != "flat":
+            raise ConfigError(f"visgen.objective {objective} queries one state of each flat trajectory; visgen.method "
+                              f"{method.name!r} grows trees (use dpm2, ode or a flat method)")
 
 
 def _import_optional_rewards() -> None:
@@ -401,7 +427,8 @@ class VisgenDomain(DomainBase):
             fn = OffloadedReward(fn, ctx.device) if cfg.memory.offload_rewards else fn
             return guarded_reward(fn, name, cfg.reward_guard, lambda images, prompts, metas: len(prompts), log=ctx.log)
 
-        self.rewards = [(spec.name, guarded(spec.name, get_reward(spec.name, **spec.kwargs))) for spec in cfg.rewards]
+        raw = [(spec.name, get_reward(spec.name, **spec.kwargs)) for spec in cfg.rewards]
+        self.rewards = [(name, guarded(name, fn)) for name, fn in raw]
         self.eval_rewards = list(self.rewards)
         if self.task.eval_reward and not any(name == self.task.eval_reward[0] for name, _ in self.rewards):
             name, kwargs = self.task.eval_reward  # the task's own metric, always reported
@@ -417,8 +444,18 @@ class VisgenDomain(DomainBase):
                                                    self.train_prompts, self.train_meta, self.score,
                                                    self._sample_kwargs(),
                                                    granular_outputs=cfg.granular_base_outputs(ctx.train_cfg))
+        if getattr(self.objective.settings, "pairs", None):  # offline DPO: the stored pairs are the training data
+            from .offline_dpo import StoredPairRollouts, read_pairs
+
+            self.rollouts = StoredPairRollouts(self.rollouts, read_pairs(self.objective.settings.pairs))
+            self.train_prompts, self.train_meta = self.rollouts.prompts, self.rollouts.metas
         from .objectives import Objective
 
+        if self.objective.builds_targets:  # DiffusionOPSD: the trained reward with its gradient to the images
+            self.rollouts.grad_reward = self._grad_reward(raw)
+            vae = getattr(self.pipe, "vae", None)
+            if cfg.gradient_checkpointing and hasattr(vae, "enable_gradient_checkpointing"):
+                vae.enable_gradient_checkpointing()  # the reference's: the reward gradient runs through the decode
         if type(self.objective).select_rows is not Objective.select_rows:  # DPO ranks its pairs by the trained reward
             weights = dict(ctx.train_cfg.advantage.weights or {}) if ctx.train_cfg is not None else {}
             self.rollouts.reward_weights = {n: float(weights.get(n, 1.0)) for n in cfg.trained_outputs(ctx.train_cfg)}
@@ -428,6 +465,32 @@ class VisgenDomain(DomainBase):
         self._before_grid: torch.Tensor | None = None
         if not self.policy.has_base_switch and cfg.eval.grid_prompts:
             self._before_grid = self._grid_images()  # full tuning: no adapter to switch off later
+
+    def _grad_reward(self, raw: list[tuple[str, Any]]):
+        """``(images, prompts, metas) -> [n]``: the weighted sum of the trained outputs (``advantage.weights``) of the
+        rewards' ``differentiable`` calls, with the graph to the images (the reference's training-reward ascent)."""
+        weights = dict(self.ctx.train_cfg.advantage.weights or {}) if self.ctx.train_cfg is not None else {}
+        trained = set(self.cfg.trained_outputs(self.ctx.train_cfg))
+        from .preflight import reward_outputs
+
+        fns = []
+        for spec, (name, fn) in zip(self.cfg.rewards, raw):
+            outputs = reward_outputs(spec.name, spec.kwargs)
+            if outputs is not None and not trained.intersection(outputs):
+                continue  # logged only
+            if not hasattr(fn, "differentiable"):
+                raise ConfigError(f"visgen.objective {self.objective.name}: reward {name!r} has no differentiable call")
+            fns.append(fn)
+
+        def reward(images: torch.Tensor, prompts: list[str], metas: list[dict]) -> torch.Tensor:
+            total = images.new_zeros(images.shape[0])
+            for fn in fns:
+                for out, value in fn.differentiable(images, prompts, metas).items():
+                    if out in trained:
+                        total = total + float(weights.get(out, 1.0)) * value.to(total)
+            return total
+
+        return reward
 
     # -------------------------------------------------------------------------------------------- setup helpers
     def _asset_settings(self, local: bool) -> dict:

@@ -44,6 +44,11 @@
   centred per group with the mapped advantages and regressed (``crd`` loss), plus the velocity KL to the CFG-guided
   reference; both snapshots on their own decay schedules.
 
+- ``diffusion_opsd`` — DiffusionOPSD (worldbench/DiffusionOPSD ``train_opsd_ri_sd3.py``): the EMA behaviour policy
+  (the old copy, sampling by DPM-Solver++(2M)) predicts the clean image at one low-noise query state per
+  trajectory; moved up and down a differentiable reward's gradient inside a trust ball it gives the targets of
+  NFT-like positive/negative branch losses at that state, mixed by the clipped advantage.
+
 A likelihood-free objective is chosen once: it brings its policy loss (``VisgenConfig.policy_loss``, with its
 settings) and, unless ``visgen.method`` says otherwise, the deterministic ODE sampler (``default_method``; each
 reference samples deterministically, and all train on clean samples from any sampler).
@@ -58,6 +63,7 @@ deterministic and splitting a minibatch into micro-batches gives the same gradie
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import difflib
 from dataclasses import dataclass, field
@@ -71,9 +77,10 @@ from shared_rl.domain import StepLogProbs
 from .engine import stock_randn_tensor
 
 __all__ = ["OBJECTIVES", "Objective", "LogProbObjective", "NFTObjective", "AWMObjective", "DGPOObjective",
-           "DPOObjective", "FlowDPPOObjective", "OPDObjective", "CRDObjective", "logit_normal_sigmas",
+           "DPOObjective", "FlowDPPOObjective", "OPDObjective", "CRDObjective", "DiffusionOPSDObjective", "logit_normal_sigmas",
            "OldPolicySchedule", "objective_from_config", "nft_branch_losses", "flow_matching_loss",
-           "awm_log_likelihood", "stratified_steps", "AWM_WEIGHTINGS"]
+           "awm_log_likelihood", "stratified_steps", "AWM_WEIGHTINGS", "opsd_query_index", "trust_ball_targets",
+           "opsd_branch_losses"]
 
 
 def _mean_elements(x: torch.Tensor) -> torch.Tensor:
@@ -313,6 +320,10 @@ class DPOSettings:
     train_cfg: bool = field(default=False, metadata={
         "help": "train on CFG-combined velocities instead of the conditional branch alone (false: the reference's "
                 "plain transformer call, whatever CFG the rollout used)"})
+    pairs: Optional[str] = field(default=None, metadata={
+        "help": "offline DPO: a .jsonl/.csv/.parquet of stored pairs (prompt, chosen, rejected image paths; or "
+                "Pick-a-Pic's caption, jpg_0, jpg_1, label_0) trained instead of the policy's own samples "
+                "(visgen.offline_dpo; rollout.group_size 2); null: online"})
 
     def loss_settings(self):
         from shared_rl.losses import DPOSettings as DPOLossSettings
@@ -443,6 +454,108 @@ class CRDSettings:
                                   f"start {start}, max {top}, slope {slope}, flat {flat}")
 
 
+@dataclass
+class DiffusionOPSDSettings:
+    beta: float = field(default=1.0, metadata={
+        "help": "NFT's beta of the implicit velocities v+ = b v + (1 - b) v_old, v- = (1 + b) v_old - b v "
+                "(worldbench/DiffusionOPSD config.beta: 1.0; its open3 preset 0.1)"})
+    adv_clip_max: float = field(default=5.0, metadata={"help": "A clipped to +-adv_clip_max, r = clip(A/A_max/2 + "
+                                                               "1/2, 0, 1), the loss x A_max (reference 5)"})
+    query_sigma: float = field(default=0.278, metadata={
+        "help": "the query state: the rollout state at the grid step whose sigma is nearest this (at least step 1) "
+                "(reference opa_query_sigma: SD3.5-M 0.278, Z-Image-Turbo 0.273)"})
+    rho: float = field(default=0.10, metadata={
+        "help": "trust-ball radius relative to the anchor: ||y - y0|| <= rho ||y0|| per sample (reference opa_rho "
+                "0.10; 0: the targets are the EMA clean prediction y0 itself)"})
+    n_ascent: int = field(default=2, metadata={"help": "reward-gradient steps per target (reference opa_n_ascent 2)"})
+    eta: float = field(default=1.0, metadata={
+        "help": "each step's length is eta * rho ||y0|| / n_ascent before the ball's clamp (reference opa_eta 1.0: "
+                "the steps alone reach the ball's edge at most)"})
+    dual_negative: bool = field(default=True, metadata={
+        "help": "train the negative branch toward the descended target y- (reference opa_dual_neg 1)"})
+    target_micro_batch: int = field(default=6, metadata={
+        "help": "samples per reward-gradient call while building the targets (reference opa_mb 6; 0: all at once)"})
+    timestep_rounding: Literal["floor", "exact"] = field(default="floor", metadata={
+        "help": "the query forward's model timestep: floor(1000 sigma_q) as the reference's long cast, or the grid's "
+                "own (exact)"})
+    old_decay_max: float = field(default=0.5, metadata={"help": "the EMA behaviour policy: the largest decay "
+                                                                "(reference decay_type 1: 0.5)"})
+    old_decay_ramp: float = field(default=0.001, metadata={
+        "help": "d = min(old_decay_max, old_decay_ramp * optimizer steps), applied once per iteration before its "
+                "rollout (reference decay_type 1: 0.001)"})
+    old_decay_flat: int = field(default=0, metadata={"help": "d = 0 for the first this many optimizer steps"})
+
+    def loss_settings(self):
+        from shared_rl.losses import DiffusionOPSDSettings as OPSDLossSettings
+
+        return OPSDLossSettings(self.adv_clip_max, self.dual_negative)
+
+    def check(self, where: str) -> None:
+        self.loss_settings().check(where)
+        if not self.beta > 0:
+            raise ConfigError(f"{where}.beta must be > 0, got {self.beta}")
+        if not 0 < self.query_sigma < 1:
+            raise ConfigError(f"{where}.query_sigma must be in (0, 1), got {self.query_sigma}")
+        if not self.rho >= 0 or self.n_ascent < 0 or not self.eta >= 0 or self.target_micro_batch < 0:
+            raise ConfigError(f"{where}: rho, eta must be >= 0 and n_ascent, target_micro_batch >= 0; got rho "
+                              f"{self.rho}, eta {self.eta}, n_ascent {self.n_ascent}, target_micro_batch "
+                              f"{self.target_micro_batch}")
+        if not 0 <= self.old_decay_max < 1 or self.old_decay_ramp < 0 or self.old_decay_flat < 0:
+            raise ConfigError(f"{where}.old_decay_max must be in [0, 1), old_decay_ramp and old_decay_flat >= 0")
+
+
+def opsd_query_index(sigmas: torch.Tensor, num_steps: int, query_sigma: float) -> int:
+    """DiffusionOPSD's query step: the grid step of the rollout states ``0..num_steps-1`` whose sigma is nearest
+    ``query_sigma``, at least 1 (the reference's ``max(argmin |sigma - q|, 1)``)."""
+    sig = sigmas.detach().float().cpu()[:num_steps]
+    return max(int(torch.argmin((sig - float(query_sigma)).abs())), 1)
+
+
+def _row_norm(x: torch.Tensor) -> torch.Tensor:
+    return x.flatten(1).norm(dim=1).reshape(-1, *([1] * (x.dim() - 1)))
+
+
+def trust_ball_targets(y0: torch.Tensor, reward_grad: Callable[[torch.Tensor], torch.Tensor], rho: float,
+                       n_ascent: int, eta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """DiffusionOPSD's targets ``(y⁺, y⁻)`` (the reference's ``_opa_tr_step`` in both directions): from the anchor
+    y0, ``n_ascent`` steps of length ``eta·ρ‖y0‖/n_ascent`` along ±g/(‖g‖ + 1e-12), g = ∇R at the current point
+    (``reward_grad``; the first one at y0 is shared by both directions), each followed by the clamp into the ball
+    ‖y − y0‖ ≤ ρ‖y0‖ (``y0 + d·min(1, ρ‖y0‖/(‖d‖ + 1e-12))``). Norms per sample over all latent elements."""
+    y0 = y0.detach().float()
+    budget = rho * _row_norm(y0)
+    step = eta * budget / max(n_ascent, 1)
+    first = reward_grad(y0) if n_ascent > 0 else None
+    out = []
+    for sign in (1.0, -1.0):
+        y = y0.clone()
+        for i in range(n_ascent):
+            g = first if i == 0 else reward_grad(y)
+            y = y + sign * step * g / (_row_norm(g) + 1e-12)
+            d = y - y0
+            y = (y0 + d * torch.clamp(budget / (_row_norm(d) + 1e-12), max=1.0)).detach()
+        out.append(y)
+    return out[0], out[1]
+
+
+def opsd_branch_losses(z_q: torch.Tensor, sigma: torch.Tensor, v: torch.Tensor, v_old: torch.Tensor,
+                       y_plus: torch.Tensor, y_minus: torch.Tensor, beta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """DiffusionOPSD's per-sample branch losses ``(P, N)`` ``[m]`` at the query state z_q (noise level σ_q):
+    ``v⁺ = β v + (1 − β) v_old``, ``v⁻ = (1 + β) v_old − β v``, ``ŷ± = z_q − σ_q v±``;
+    ``P = mean (ŷ⁺ − y⁺)²/w⁺``, ``N = mean (ŷ⁻ − y⁻)²/w⁻``, ``w± = mean |ŷ± − y±|`` detached (float64), clipped at
+    1e-5; no division by β (the reference's OPA loss)."""
+    s = sigma.reshape(-1, *([1] * (z_q.dim() - 1))).to(z_q)
+    v_old = v_old.detach().float()
+    v = v.float()
+    pred_pos = z_q - s * (beta * v + (1.0 - beta) * v_old)
+    pred_neg = z_q - s * ((1.0 + beta) * v_old - beta * v)
+    w_pos = _mean_elements((pred_pos.detach().double() - y_plus.double()).abs()).clamp(min=1e-5)
+    w_neg = _mean_elements((pred_neg.detach().double() - y_minus.double()).abs()).clamp(min=1e-5)
+    shape = (-1, *([1] * (z_q.dim() - 1)))
+    pos = _mean_elements((pred_pos - y_plus) ** 2 / w_pos.reshape(shape).to(pred_pos))
+    neg = _mean_elements((pred_neg - y_minus) ** 2 / w_neg.reshape(shape).to(pred_neg))
+    return pos, neg
+
+
 def logit_normal_sigmas(n: int, mean: float, std: float, shift: float, num_train_timesteps: int,
                         generator: torch.Generator | None) -> torch.Tensor:
     """``[n]`` noise levels as flow_grpo's DPO trainer draws them (diffusers ``compute_density_for_timestep_sampling``
@@ -469,6 +582,8 @@ class Objective:
     needs_old_means: ClassVar[bool] = False
     # the policy loss needs every member of a group in one forward call (DGPO's group sums, DPO's pairs)
     whole_groups: ClassVar[bool] = False
+    # the rollout also calls ``rollout_targets`` with its states and a differentiable reward (DiffusionOPSD)
+    builds_targets: ClassVar[bool] = False
 
     def select_rows(self, scores: torch.Tensor, groups: torch.Tensor) -> torch.Tensor | None:
         """``[n]`` bool: the rows of a rollout that train, from each row's trained reward ``scores`` (the weighted sum
@@ -1080,6 +1195,137 @@ class CRDObjective(Objective):
                 nfe += per_forward * rows.numel()
         return StepLogProbs(logp=torch.zeros(n, L, device=dev), kl=kl, nfe=nfe, objective_pos=r_theta,
                             objective_neg=kl_ref)
+
+
+@register_objective
+class DiffusionOPSDObjective(Objective):
+    """DiffusionOPSD (worldbench/DiffusionOPSD ``scripts/train_opsd_ri_sd3.py``, its canonical OPA path): no teacher
+    — the EMA behaviour policy (the old copy, which samples the rollouts by DPM-Solver++(2M)) predicts the clean
+    image y0 = z_q − σ_q·v_old(z_q) at one low-noise query state z_q of each trajectory; y0 moved up and down the
+    reward's gradient (through the differentiable VAE decode) inside the trust ball ‖y − y0‖ ≤ ρ‖y0‖ gives the
+    targets y⁺ / y⁻ (``trust_ball_targets``, built once per rollout); training fits NFT's implicit positive /
+    negative clean predictions at z_q to them (``opsd_branch_losses``), mixed by the clipped advantage (the
+    ``diffusion_opsd`` loss). Needs a differentiable reward (``RewardInfo.differentiable``)."""
+
+    name = "diffusion_opsd"
+    settings_class = DiffusionOPSDSettings
+    likelihood_free = True
+    policy_loss = "diffusion_opsd"
+    default_method = {"name": "dpm2"}  # the reference's sample.solver: dpm2, deterministic
+    builds_targets = True
+
+    def loss_choice(self):
+        from shared_rl.config import PolicyLossChoice
+
+        return PolicyLossChoice(self.policy_loss, self.settings.loss_settings())
+
+    def old_policy(self) -> OldPolicySchedule:
+        s = self.settings
+        return OldPolicySchedule(s.old_decay_max, s.old_decay_ramp, s.old_decay_flat, "iteration")
+
+    @property
+    def samples_with_old(self) -> bool:
+        return True
+
+    def num_slots(self, num_steps: int) -> int:
+        return 1
+
+    def check_steps(self, num_steps: int, where: str) -> None:
+        if num_steps < 2:
+            raise ConfigError(f"{where}: the query state is a rollout state after step 0; use at least 2 denoising "
+                              "steps (visgen.num_inference_steps)")
+
+    def training_slots(self, is_leaf, node_latent, num_columns, sigmas, timesteps, generator, groups=None):
+        """One slot per leaf: the query step's noise level and model timestep (the targets come from
+        ``rollout_targets``, which needs the rollout's states)."""
+        T = int(timesteps.numel())
+        self.check_steps(T, f"visgen.objective {self.name}")
+        n = int(is_leaf.numel())
+        k = opsd_query_index(sigmas, T, self.settings.query_sigma)
+        sig_q = float(sigmas.detach().float().cpu()[k])
+        scale = float(timesteps.detach().float().cpu()[0] / sigmas.detach().float().cpu()[0])
+        t_q = math.floor(sig_q * scale) if self.settings.timestep_rounding == "floor" else float(timesteps[k])
+        mask = torch.zeros(n, max(num_columns, 1), dtype=torch.bool)
+        mask[is_leaf, 0] = True
+        return mask, {"x0": node_latent.float(), "obj_sigma": torch.full((n, 1), sig_q),
+                      "obj_timestep": torch.full((n, 1), float(t_q)), "obj_query_step": torch.full((n,), k)}
+
+    def rollout_targets(self, adapter, states: torch.Tensor, payload: dict[str, Any], mask: torch.Tensor, cond,
+                        old: Callable[[], ContextManager], reward: Callable, prompts: list[str], metas: list[dict],
+                        micro_batch: int = 0) -> tuple[dict[str, Any], dict[str, float]]:
+        """The query states z_q (``states`` ``[n, L+1, *latent]``: the rollout's states per row), the EMA anchor y0
+        and the targets y⁺ / y⁻ of every trained row, built under the old weights (no grad but the reward's);
+        ``reward(images, prompts, metas)`` is the trained reward with the graph to the images."""
+        s = self.settings
+        rows = torch.nonzero(mask[:, 0].cpu()).flatten()
+        k = int(payload["obj_query_step"][0]) if rows.numel() else 0
+        dev = states.device
+        z_q = torch.zeros_like(states[:, 0])
+        y_plus, y_minus = torch.zeros_like(z_q), torch.zeros_like(z_q)
+        size = s.target_micro_batch or max(rows.numel(), 1)
+        vsize = micro_batch or max(rows.numel(), 1)
+        nfe, res = 0, []
+        for start in range(0, rows.numel(), size):
+            r = rows[start:start + size]
+            d = r.to(dev)
+            zq = states[d, k].float()
+            sigma = payload["obj_sigma"][r, 0].to(dev)
+            t = payload["obj_timestep"][r, 0].to(dev)
+            with torch.no_grad(), old():
+                v_old = torch.cat([adapter.velocity(zq[i:i + vsize], t[i:i + vsize], cond[d[i:i + vsize]])
+                                   for i in range(0, r.numel(), vsize)])
+            nfe += adapter.forwards_per_step(cond) * r.numel()
+            y0 = zq - sigma.reshape(-1, *([1] * (zq.dim() - 1))) * v_old
+            c, p, m = cond[d], [prompts[i] for i in r.tolist()], [metas[i] for i in r.tolist()]
+
+            def grad(y: torch.Tensor, c=c, p=p, m=m) -> torch.Tensor:
+                with torch.enable_grad():
+                    y = y.detach().requires_grad_(True)
+                    value = reward(adapter.decode_differentiable(y, c), p, m)
+                    (g,) = torch.autograd.grad(value.sum(), y)
+                return g.detach().float()
+
+            yp, ym = trust_ball_targets(y0, grad, s.rho, s.n_ascent, s.eta)
+            z_q[d], y_plus[d], y_minus[d] = zq, yp, ym
+            res.append(((yp - y0).flatten(1).norm(dim=1) / (y0.flatten(1).norm(dim=1) + 1e-8)).cpu())
+        info = {"opsd/query_step": float(k), "opsd/query_sigma": float(payload["obj_sigma"][0, 0]) if rows.numel() else 0.0,
+                "opsd/delta_res": float(torch.cat(res).mean()) if res else 0.0, "nfe/opsd_targets": float(nfe),
+                "opsd/reward_grads": float(max(2 * s.n_ascent - 1, 0) * rows.numel())}
+        return {"obj_zq": z_q, "obj_y_plus": y_plus, "obj_y_minus": y_minus}, info
+
+    def terms(self, adapter, payload, mask, cond, reference, old, need_kl=False):
+        """Per trained row at its query state: the old copy's velocity (no grad) and the policy's (with grad), the
+        branch losses toward y⁺ / y⁻ (``objective_pos`` / ``objective_neg``, column 0); the velocity KL to the
+        reference when asked (``loss.kl_coef``; the reference's OPA path has none)."""
+        if old is None:
+            raise RuntimeError("the diffusion_opsd objective needs the old policy (FlowPolicy.enable_old_policy)")
+        s = self.settings
+        n, L = mask.shape
+        dev = payload["x0"].device
+        pos, neg = torch.zeros(n, L, device=dev), torch.zeros(n, L, device=dev)
+        kl = torch.zeros(n, L, device=dev) if need_kl else None
+        rows = torch.nonzero(mask[:, 0].cpu()).flatten()
+        if not rows.numel():
+            return StepLogProbs(logp=torch.zeros(n, L, device=dev), kl=kl, nfe=0, objective_pos=pos,
+                                objective_neg=neg)
+        d = rows.to(dev)
+        z_q = payload["obj_zq"][d].float()
+        sigma = payload["obj_sigma"][rows, 0].to(dev)
+        t = payload["obj_timestep"][rows, 0].to(dev)
+        c = cond[d]
+        with torch.no_grad(), old():
+            v_old = adapter.velocity(z_q, t, c)
+        v = adapter.velocity(z_q, t, c)
+        p, q = opsd_branch_losses(z_q, sigma, v, v_old, payload["obj_y_plus"][d].float(),
+                                  payload["obj_y_minus"][d].float(), s.beta)
+        cols = torch.zeros_like(d)
+        pos, neg = pos.index_put((d, cols), p), neg.index_put((d, cols), q)
+        nfe = 2 * adapter.forwards_per_step(cond) * rows.numel()
+        if kl is not None:
+            value, _ = _velocity_kl(adapter, z_q, t, c, v, reference)
+            kl = kl.index_put((d, cols), value)
+            nfe += adapter.forwards_per_step(cond) * rows.numel()
+        return StepLogProbs(logp=torch.zeros(n, L, device=dev), kl=kl, nfe=nfe, objective_pos=pos, objective_neg=neg)
 
 
 def objective_from_config(config: dict[str, Any] | str, where: str = "visgen.objective") -> Objective:

@@ -62,6 +62,9 @@ class VisgenRollouts:
         # the trained reward outputs and their advantage weights, for an objective that selects the rows that train
         # from the rewards (DPO's pairs; set by the domain); None: every leaf trains
         self.reward_weights: dict[str, float] | None = None
+        # the trained reward with the graph to the images, ``(images, prompts, metas) -> [n]`` (DiffusionOPSD; set by
+        # the domain)
+        self.grad_reward: Callable[..., torch.Tensor] | None = None
         self._cond_meta: dict[str, Any] | None = None
         self._next_forward = 0  # forward ids stay unique across rollout calls (refills concatenate payloads)
 
@@ -159,6 +162,17 @@ class VisgenRollouts:
             mask, extra = self.objective.training_slots(is_leaf[rows], forest.node_latent[rows.to(forest.node_latent.device)],
                                                         mask.shape[1], sigmas, timesteps, generator, groups)
             payload.update(extra)
+            if self.objective.builds_targets:  # DiffusionOPSD: targets from the rollout's states and the reward gradient
+                if self.grad_reward is None:
+                    raise RuntimeError(f"visgen.objective {self.objective.name} needs a differentiable reward "
+                                       "(VisgenRollouts.grad_reward, set by the domain)")
+                row_keys = [grown.group_keys[g] for g in groups.tolist()]
+                targets, target_info = self.objective.rollout_targets(
+                    self.adapter, forest.latents[rows.to(forest.latents.device)], payload, mask,
+                    Conditioning(node_cond, **self._cond_meta), self.old, self.grad_reward,
+                    [self.prompts[k] for k in row_keys], [self.metas[k] for k in row_keys], self.kernel.micro_batch)
+                payload.update(targets)
+                info.update(target_info)
             named = [n for n in (self.reward_weights or {}) if n in tree.rewards]
             if named:  # DPO: only each group's best and worst sample trains
                 score = sum(self.reward_weights[n] * tree.rewards[n][rows].float().cpu() for n in named)

@@ -233,3 +233,17 @@ class FlowPipelineAdapter:
         """Images ``[B, 3, H, W]`` (video: ``[B, F, 3, H, W]``) in [0, 1] (float32), decoded like the pipeline
         (no grad)."""
         raise NotImplementedError
+
+    def encode_images(self, images: torch.Tensor, cond: Conditioning, generator: Any = None) -> torch.Tensor:
+        """Clean latents of images in [0, 1] (offline DPO); families without it say so in one line."""
+        from shared_rl.config import ConfigError
+
+        raise ConfigError(f"{type(self).__name__} cannot encode stored images yet (offline DPO needs it: the SD3 family "
+                          "can)")
+
+    def decode_differentiable(self, latents: torch.Tensor, cond: Conditioning) -> torch.Tensor:
+        """``decode`` with the graph to ``latents`` kept (DiffusionOPSD); families without one say so in one line."""
+        from shared_rl.config import ConfigError
+
+        raise ConfigError(f"{type(self).__name__} has no differentiable VAE decode yet (DiffusionOPSD needs one: "
+                          "the SD3 family has it)")

@@ -108,3 +108,21 @@ class SD3Adapter(FlowPipelineAdapter):
             z = (latents / vae.config.scaling_factor) + (vae.config.shift_factor or 0.0)
             image = vae.decode(z.to(vae.dtype), return_dict=False)[0]
             return self.pipe.image_processor.postprocess(image, output_type="pt").float()
+
+    def encode_images(self, images, cond, generator=None):
+        """Clean latents of images ``[B, 3, H, W]`` in [0, 1] (offline DPO's stored pairs): the VAE posterior sampled
+        with ``generator`` (the Diffusion-DPO training script's ``latent_dist.sample()``), shifted and scaled as the
+        pipeline's decode undoes it; float32."""
+        vae = self.pipe.vae
+        with torch.no_grad():
+            dist = vae.encode((images * 2 - 1).to(vae.device, vae.dtype)).latent_dist
+            z = dist.sample(generator if generator is None or generator.device == dist.mean.device else None)
+            return ((z - (vae.config.shift_factor or 0.0)) * vae.config.scaling_factor).float()
+
+    def decode_differentiable(self, latents, cond):
+        """``decode`` with the graph to ``latents`` kept (DiffusionOPSD's reward gradient through the VAE):
+        ``(vae.decode(z) / 2 + 1/2).clamp(0, 1)``, the pipeline's post-processing in torch."""
+        vae = self.pipe.vae
+        z = (latents / vae.config.scaling_factor) + (vae.config.shift_factor or 0.0)
+        image = vae.decode(z.to(vae.dtype), return_dict=False)[0]
+        return (image.float() / 2 + 0.5).clamp(0, 1)
