@@ -310,7 +310,7 @@ def test_plan_from_config_validates():
     spec = plan_from_config({"name": "mix_grpo", "window_size": 2, "schedule": "random"})
     assert isinstance(spec, MixGRPOPlan) and spec.window_size == 2
     assert isinstance(plan_from_config("dance_grpo"), DanceGRPOPlan)
-    assert set(PLANS) == {"flow_grpo", "dance_grpo", "flow_grpo_fast", "mix_grpo", "ode", "explicit"}
+    assert set(PLANS) == {"flow_grpo", "dance_grpo", "flow_grpo_fast", "mix_grpo", "ode", "dpm2", "explicit"}
     with pytest.raises(ConfigError, match="window_sise"):
         plan_from_config({"name": "mix_grpo", "window_sise": 2})
     with pytest.raises(ConfigError, match="schedule"):
