@@ -143,6 +143,27 @@ def test_dpm2_step_by_hand():
     assert torch.allclose(out, x0d)
 
 
+def test_a_dpm2_chain_equals_diffusers_dpm_solver_multistep():
+    """A whole 10-step chain of ``dpm2_step`` against diffusers' own DPMSolverMultistepScheduler (flow sigmas, flow
+    prediction, DPM-Solver++ order 2, first-order last step, final sigma 0): the same latents to 1e-6."""
+    from diffusers import DPMSolverMultistepScheduler
+
+    sch = DPMSolverMultistepScheduler(use_flow_sigmas=True, prediction_type="flow_prediction",
+                                      algorithm_type="dpmsolver++", solver_order=2, lower_order_final=True,
+                                      final_sigmas_type="zero", flow_shift=3.0)
+    sch.set_timesteps(10)
+    sig = sch.sigmas.float()
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(2, 4, 3, 3, generator=g), torch.randn(4, 4, generator=g) * 0.3
+    velocity = lambda z, s: torch.einsum("ij,bjhw->bihw", w, z) * (1 + s)  # noqa: E731
+    a, b, x0 = x.clone(), x.clone(), None
+    for i, t in enumerate(sch.timesteps):
+        s = float(sig[i])
+        a = sch.step(velocity(a, s), t, a).prev_sample
+        b, x0 = dpm2_step(b, velocity(b, s), s, float(sig[i + 1]), float(sig[i - 1]) if i else None, x0)
+    assert (a - b).abs().max() < 1e-6
+
+
 # ------------------------------------------------------------------------------------------------ the tiny pipeline
 def test_anchor_targets_and_training_on_the_tiny_pipeline(tiny_dir):
     """The rollout samples with the old copy by dpm2; each leaf's query state is its rollout state at the step nearest
