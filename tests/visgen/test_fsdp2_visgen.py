@@ -7,7 +7,6 @@ The run makes the ranks' forwards uneven on purpose: 3 groups over 2 processes (
 the ranks run different numbers of velocity calls, padded by ``visgen.fsdp.ForwardPadding``). A forward that is not
 paired hangs the collective (the spawn join then times out) or diverges from the 1-process numbers.
 """
-import json
 import os
 import shutil
 
@@ -20,6 +19,7 @@ from shared_rl.checkpoint import export_full_checkpoint, is_sharded_checkpoint
 from shared_rl.config import ConfigError, load_train_config
 from shared_rl.distributed import exit_distributed, free_port, full_tensors, is_dtensor
 from shared_rl.trainer import Trainer
+from tests.fsdp_layout import assert_same_records, assert_same_weights
 
 METRICS = ("reward/mean", "groups/kept", "nfe/rollout", "nfe/train", "loss/policy", "loss/kl", "clip_frac",
            "ratio/mean", "grad_norm", "eval/score")
@@ -74,10 +74,6 @@ def _init(rank, world, port):
     torch.set_num_threads(1)
 
 
-def _records(run_dir):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 def _fsdp_worker(rank, world, port, model, run_dir, out, visgen=None, top=None):
     _init(rank, world, port)
     quiet = {"log": lambda *_: None}
@@ -109,20 +105,8 @@ def test_fsdp2_two_processes_match_one_and_resume_in_one(tmp_path, sd3_two_block
     assert got[0]["padding_forwards"] + got[1]["padding_forwards"] > 0
     assert got[0]["padded_velocity"] + got[1]["padded_velocity"] > 0
     live = single.domain.state_dict()
-    assert live.keys() == got[0]["state"].keys()
-    for k, v in live.items():
-        assert torch.allclose(v, got[0]["state"][k], atol=1e-5, rtol=1e-4), k
-        assert torch.equal(got[0]["state"][k], got[1]["state"][k]), k
-    one, two = _records(tmp_path / "one"), _records(tmp_path / "two")
-    assert [r["step"] for r in one] == [r["step"] for r in two]
-    compared = 0
-    for a, b in zip(one, two):
-        for k in METRICS:
-            if k in a:
-                assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-5), (a["step"], k, a[k], b[k])
-                compared += 1
-    assert compared >= 15 and "eval/score" in one[-1]
-    assert max(r.get("grad_norm", 0.0) for r in one) > 1e-3, "no update happened: the comparison would be vacuous"
+    assert_same_weights(live, [g["state"] for g in got])
+    one = assert_same_records(tmp_path / "one", tmp_path / "two", METRICS, 15, last="eval/score")
     assert max(abs(r.get("loss/kl", 0.0)) for r in one) > 0, "the reference pass never ran"
     # the FSDP2 checkpoint is sharded (each process wrote its own shards); exported, it holds the 1-process values
     last = f"checkpoints/step_{ITERATIONS:06d}"
@@ -198,14 +182,10 @@ def test_fsdp2_full_fine_tuning_matches_one(tmp_path, sd3_two_blocks):
     _spawn(_fsdp_worker, model, tmp_path / "two", str(out), FULL, top)
     got = torch.load(f"{out}.0", weights_only=True)
     live = single.domain.state_dict()
-    assert live.keys() == got["state"].keys() and len(live) > 20
-    for k, v in live.items():
-        assert torch.allclose(v, got["state"][k], atol=1e-5, rtol=1e-4), k
-    (a,), (b,) = _records(tmp_path / "one"), _records(tmp_path / "two")
-    for k in METRICS:
-        if k in a:
-            assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-5), (k, a[k], b[k])
-    assert a["grad_norm"] > 1e-3 and a["loss/kl"] > 0
+    assert len(live) > 20
+    assert_same_weights(live, [got["state"]])
+    (a,) = assert_same_records(tmp_path / "one", tmp_path / "two", METRICS, 8)
+    assert a["loss/kl"] > 0
     from diffusers import SD3Transformer2DModel
 
     exported = SD3Transformer2DModel.from_pretrained(str(tmp_path / "two" / "final" / "transformer"))
