@@ -430,7 +430,7 @@ def rl_row(out: Path, k: int, seed: int, variant: str, overrides: list[str], s: 
 
 # ``--only gradnoise``: the gradient noise scale of a variant's updates at the clone (``logging.grad_noise_scale``:
 # tr(Σ)/|G|², the episodes per update at which its noise equals its signal), GRADNOISE_ITERATIONS iterations a row
-GRADNOISE_VARIANTS = ("ript-loop", "ript-loop+shared-start")
+GRADNOISE_VARIANTS = ("ript-loop", "ript-loop+shared-start", "fpo")
 GRADNOISE_ITERATIONS = 6
 
 
