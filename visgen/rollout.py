@@ -282,7 +282,7 @@ def _resume(steps, scores) -> Rollout:
     raise RuntimeError("_rollout_steps yielded twice")
 
 
-_SUMMED_INFO = ("tree/nodes", "tree/leaves", "tree/trained_edges")
+_SUMMED_INFO = ("tree/nodes", "tree/leaves", "tree/trained_edges", "nfe/opsd_targets", "opsd/reward_grads")
 
 
 def _info_reduce(info: dict) -> dict[str, str]:
