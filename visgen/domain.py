@@ -481,11 +481,17 @@ class VisgenDomain(DomainBase):
             if not hasattr(fn, "differentiable"):
                 raise ConfigError(f"visgen.objective {self.objective.name}: reward {name!r} has no differentiable call")
             fns.append(fn)
+        from .rewards.video import OffloadedReward
+
+        # visgen.memory.offload_rewards: the models come to the device for each call, as the scoring path's
+        places = [OffloadedReward(fn, self.ctx.device).offload if self.cfg.memory.offload_rewards else None for fn in fns]
 
         def reward(images: torch.Tensor, prompts: list[str], metas: list[dict]) -> torch.Tensor:
             total = images.new_zeros(images.shape[0])
-            for fn in fns:
-                for out, value in fn.differentiable(images, prompts, metas).items():
+            for fn, place in zip(fns, places):
+                with place if place is not None else contextlib.nullcontext():
+                    outputs = fn.differentiable(images, prompts, metas)
+                for out, value in outputs.items():
                     if out in trained:
                         total = total + float(weights.get(out, 1.0)) * value.to(total)
             return total
