@@ -5,7 +5,7 @@ training forwards are kept paired across processes.
 classes named in its ``_no_split_modules``, e.g. SD3's ``JointTransformerBlock``; LoRA adapters inside a block are
 sharded with it), then the transformer itself as the root (patch embedding, time/text embedders, final norm and
 projection). With full fine-tuning and ``visgen.full_reference`` the frozen reference copy is sharded the same way,
-so no process holds a whole second transformer. Text encoders, the VAE and reward models stay replicated (frozen;
+so no process holds a whole second transformer; so is Wan 2.2's second expert (below). Text encoders, the VAE and reward models stay replicated (frozen;
 placed by the existing ``visgen.memory`` offload settings).
 
 **Paired forwards.** Under FSDP2 every transformer forward all-gathers the blocks' shards and every backward
@@ -21,9 +21,12 @@ nothing is reduced there.
 **Refused** (one-line ``ConfigError`` at trainer set-up, naming the setting): what would keep a full copy of the
 trained weights on every process and swap it into sharded parameters (``visgen.ema.enabled``, the NFT / AWM / DGPO /
 Flow-DPPO old copies), the likelihood-free objectives (their own forward loops are not padded), Sol-RL's
-low-precision explorer (``visgen.two_stage``: a second transformer built from the live weights) and Wan 2.2's two
-experts (which expert runs depends on each row's timestep, so the trained expert's forward count is data-dependent
-inside a velocity call).
+low-precision explorer (``visgen.two_stage``: a second transformer built from the live weights).
+
+**Wan 2.2's two experts** (``transformer`` trained, ``transformer_2`` frozen) are sharded each on its own (blocks,
+then root). Which expert a row goes to depends on its timestep, so under FSDP2 the adapter runs both experts in
+every velocity call, an expert without rows on one weight-0 row (``WanAdapter._velocity_both_experts``); with the
+padding above, every process then runs each expert equally often.
 """
 from __future__ import annotations
 
@@ -58,16 +61,13 @@ def refuse_config(cfg) -> None:
 
 
 def _refuse(domain) -> None:
-    """``refuse_config``, then what only the loaded pipeline shows (its LoRA saver, a second expert)."""
+    """``refuse_config``, then what only the loaded pipeline shows (its LoRA saver)."""
     cfg = domain.cfg
     refuse_config(cfg)
     pipe = domain.pipe
     if cfg.train_mode == "lora" and not hasattr(type(pipe), "save_lora_weights"):
         raise ConfigError(f"distributed.strategy: fsdp2 with {type(pipe).__name__} and visgen.train_mode: lora: this "
                           f"pipeline has no LoRA saver to write the gathered adapter with {_HOW}")
-    if getattr(pipe, "transformer_2", None) is not None and getattr(pipe, "transformer", None) is not None:
-        raise ConfigError("distributed.strategy: fsdp2 with a two-expert pipeline (Wan 2.2 transformer_2): which "
-                          f"expert runs depends on each row's timestep, so forwards cannot be paired {_HOW}")
 
 
 def _units(transformer: torch.nn.Module, where: str) -> list[torch.nn.Module]:
@@ -97,6 +97,9 @@ def fsdp_units(domain) -> list[torch.nn.Module]:
     units = _units(policy.transformer, "the transformer")
     if policy.reference_copy is not None:  # full tuning's KL reference: sharded too, never whole on every process
         units += _units(policy.reference_copy, "the reference copy of the transformer")
+    second = getattr(domain.pipe, "transformer_2", None)
+    if second is not None and getattr(domain.pipe, "transformer", None) is not None:  # Wan 2.2's frozen second expert
+        units += _units(second, "the second expert (transformer_2)")
     domain.rollouts.forward_pad = ForwardPadding()
     return units
 

@@ -22,6 +22,8 @@ other latent. What the pipeline does, and so does this adapter:
   decode bit for bit (tested), with a lower peak (``grove bench visgen-video``).
 
 Training adapts ``transformer`` (LoRA); with Wan 2.2 A14B the low-noise expert ``transformer_2`` stays frozen.
+Under FSDP2 both experts are sharded, each on its own (``visgen.fsdp``), and every velocity call runs both (an
+expert without rows on a weight-0 row), so the experts' collectives are paired across processes.
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ class WanAdapter(FlowPipelineAdapter):
     pipeline_class_names = ("WanPipeline",)
     is_video = True
     decode_frame_chunk: int = 0  # 0: the VAE's own decode
+    idle_expert_calls: int = 0  # FSDP2: expert forwards on a weight-0 row (``_velocity_both_experts``; tests)
 
     # ------------------------------------------------------------------------------------------------ sizes
     def _patch(self) -> tuple[int, int, int]:
@@ -139,6 +142,8 @@ class WanAdapter(FlowPipelineAdapter):
         if boundary is None:
             return self._guided(self.pipe.transformer, latents, t, cond, cond.guidance_scale).float()
         high = t >= boundary
+        if self._experts_paired():
+            return self._velocity_both_experts(latents, t, cond, high)
         if bool(high.all()) or bool((~high).all()):
             if bool(high.all()):
                 model, g = self.pipe.transformer, cond.guidance_scale
@@ -150,6 +155,31 @@ class WanAdapter(FlowPipelineAdapter):
                                (~high, self.pipe.transformer_2, cond.options["guidance_scale_2"])):
             rows = torch.nonzero(mask).flatten()
             out[rows] = self._guided(model, latents[rows], t[rows], cond[rows], g).float()
+        return out
+
+    def _experts_paired(self) -> bool:
+        """FSDP2 with the experts sharded (``visgen.fsdp``), outside ``FSDPShards.gathered()``: each expert's forward
+        is a collective (all-gather, and reduce-scatter in backward for the trained one), so every process must run
+        each expert equally often, whichever rows it holds."""
+        from shared_rl.distributed import is_dtensor, shards_gathered
+
+        two = self.pipe.transformer_2
+        return not shards_gathered() and is_dtensor(next(two.parameters(), None))
+
+    def _velocity_both_experts(self, latents, t, cond, high) -> torch.Tensor:
+        """The velocity with both experts run once per call (per CFG branch): an expert none of this call's rows go
+        to runs on the first row, its output weighted 0 (the value is unchanged bit for bit, its gradient is
+        exactly zero, and its backward still runs, so the trained expert's reduce-scatter is paired too)."""
+        out = torch.zeros(latents.shape, dtype=torch.float32, device=latents.device)
+        for mask, model, g in ((high, self.pipe.transformer, cond.guidance_scale),
+                               (~high, self.pipe.transformer_2, cond.options["guidance_scale_2"])):
+            rows = torch.nonzero(mask).flatten()
+            if len(rows):
+                out[rows] = self._guided(model, latents[rows], t[rows], cond[rows], g).float()
+            else:
+                idle = self._guided(model, latents[:1], t[:1], cond[:1], g).float()
+                out = out + 0.0 * idle.sum()
+                self.idle_expert_calls += 1
         return out
 
     # ------------------------------------------------------------------------------------------------ decoding
