@@ -7,6 +7,7 @@ its neighbours; docs/scaling.md describes the whole.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -78,15 +79,77 @@ def setup_fsdp(cfg, domain, d, device: torch.device, log):
                f"set rollout.groups_per_call <= {groups // d.world}")
         raise ConfigError(f"distributed.strategy: fsdp2 needs a rollout chunk on each of the {d.world} processes, "
                           f"but {groups} groups in calls of {per_call} make {chunks} chunks; {fix}")
-    from .distributed import FSDPShards
-
     dc = cfg.distributed
-    shards = FSDPShards(modules, d, device, dc.reshard_after_forward, replicate=dc.replicate, **policies(cfg))
+    shards = shard_from_rank0(modules, d, device, dc.reshard_after_forward, replicate=dc.replicate, **policies(cfg))
     local, full = shards.local_parameter_bytes()
     mesh = f"a {dc.replicate} x {d.world // dc.replicate} (replicate x shard) mesh" if dc.replicate > 1 else \
         f"{d.world} processes"
     log(f"fsdp2: {len(modules)} modules sharded over {mesh}; process {d.rank} holds {local:,} of their {full:,} "
         f"parameter bytes")
+    return shards
+
+
+@contextlib.contextmanager
+def meta_unless_rank0(rank: int):
+    """Build a model inside this block on the meta device on every process but process 0 (which builds / loads it
+    as usual): no process other than 0 ever holds the full weights. ``shard_from_rank0`` (``setup_fsdp``) then
+    gives every process its shards of process 0's weights. With one process (rank 0) a no-op."""
+    if rank == 0:
+        yield
+        return
+    with torch.device("meta"):
+        yield
+
+
+def _top_units(modules: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    """The units no other unit contains (the LLM's transformers model; each of the tiny VLA's units)."""
+    inside = {id(sub) for m in modules for sub in m.modules() if sub is not m}
+    return [m for m in modules if id(m) not in inside]
+
+
+def shard_from_rank0(modules: list[torch.nn.Module], d, device: torch.device, reshard_after_forward: bool = True,
+                     replicate: int = 1, roots: list[torch.nn.Module] = (), **fsdp_policies):
+    """``FSDPShards(modules, ...)``, where the modules may be on the meta device on processes other than 0
+    (``meta_unless_rank0``): process 0's full tensors are then broadcast with torch's
+    ``set_model_state_dict(..., full_state_dict=True, broadcast_from_rank0=True)`` after sharding, each process
+    keeping only its shards (``to_empty`` allocates them), and the buffers a state dict leaves out (rotary
+    frequencies, ...) are broadcast from process 0 too, as are the buffers of ``roots`` (the models the units are
+    part of) outside every unit (e.g. the tiny VLA flow head's noise levels). Every parameter must be in a unit.
+    When no process has a meta parameter this is plain ``FSDPShards`` (one all-reduce to agree)."""
+    from .distributed import FSDPShards
+
+    meta = torch.tensor([float(any(p.is_meta for m in modules for p in m.parameters()))])
+    if d.enabled:
+        d.all_reduce_(meta, "max")
+    if not meta.item():
+        return FSDPShards(modules, d, device, reshard_after_forward, replicate=replicate, **fsdp_policies)
+    if d.rank == 0 and any(p.is_meta for m in modules for p in m.parameters()):
+        raise RuntimeError("shard_from_rank0: process 0 must hold the real weights (build with meta_unless_rank0)")
+    tops = _top_units(modules)
+    # process 0's full state before sharding (fully_shard copies each parameter's own slice; these stay whole on 0)
+    full = [t.state_dict() if d.rank == 0 else {} for t in tops]
+    shards = FSDPShards(modules, d, device, reshard_after_forward, replicate=replicate, **fsdp_policies)
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    for top, state in zip(tops, full):
+        if d.rank != 0:
+            top.to_empty(device=device)  # the local shards (DTensors) and the buffers, uninitialised
+        set_model_state_dict(top, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        for module in top.modules():  # non-persistent buffers: not in a state dict, but part of the model
+            for name, buf in module.named_buffers(recurse=False):
+                if name in module._non_persistent_buffers_set:
+                    dist.broadcast(buf.data, src=0)
+    in_units = {id(sub) for m in modules for sub in m.modules()}
+    for root in roots:
+        for module in root.modules():
+            if id(module) in in_units:
+                continue
+            for name, buf in list(module.named_buffers(recurse=False)):
+                if buf.is_meta:
+                    module._buffers[name] = buf = torch.empty_like(buf, device=device)
+                dist.broadcast(buf.data, src=0)
+    del full
     return shards
 
 
