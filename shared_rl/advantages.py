@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import torch
 
-from .errors import ConfigError
+from .part_index import GAESettings, NoSettings  # noqa: F401  (torch-free: the config loader reads them)
 from .tree import is_leaf, leaf_counts, tree_depth, tree_roots
 
 
@@ -52,11 +52,6 @@ class AdvantageOutput:
     advantages: torch.Tensor  # [N] (flat, tree) or [N, C] (step)
     returns: torch.Tensor | None = None  # [N, C] value targets (step)
     metrics: dict[str, float] = field(default_factory=dict)
-
-
-@dataclass
-class NoSettings:
-    """The settings of an estimator that has none of its own."""
 
 
 @dataclass
@@ -442,44 +437,6 @@ def terminal_rewards(outcome: torch.Tensor, valid: torch.Tensor, step_rewards: t
     if step_rewards is not None:
         out = out + torch.where(m, step_rewards.float(), torch.zeros_like(out))
     return out
-
-
-@dataclass
-class GAESettings:
-    """The critic's settings, all in one place: how its values become advantages and how it is trained."""
-
-    gamma: float = field(default=1.0, metadata={"help": "discount per decision (action chunk), in (0, 1]"})
-    lam: float = field(default=0.95, metadata={"help": "lambda in [0, 1] (1 = Monte-Carlo return - value)"})
-    normalize: str = field(default="none", metadata={
-        "help": "none | batch (z-score the advantages over the iteration's taken decisions of every process, as PPO)"})
-    value_coef: float = field(default=0.0, metadata={
-        "help": "weight of the critic's value loss (losses.value_loss); 0 = the critic is not trained"})
-    value_clip: float | None = field(default=None, metadata={
-        "help": "clip the new value to V_old +- value_clip in the value loss (PPO2 / RL4VLA); null = no clip"})
-    warmup: int = field(default=0, metadata={
-        "help": "first iterations that train only the critic (policy loss and auxiliary losses weigh 0); needs "
-                "value_coef > 0"})
-    lr: float | None = field(default=None, metadata={
-        "help": "learning rate of the domain's critic_parameters() (a second AdamW group); null = optim.lr"})
-
-    def check(self, where: str) -> None:
-        if not 0 < self.gamma <= 1:
-            raise ConfigError(f"{where}.gamma must be in (0, 1], got {self.gamma}")
-        if not 0 <= self.lam <= 1:
-            raise ConfigError(f"{where}.lam must be in [0, 1], got {self.lam}")
-        if self.normalize not in ("none", "batch"):
-            raise ConfigError(f"{where}.normalize must be none or batch, got {self.normalize!r}")
-        if self.value_coef < 0:
-            raise ConfigError(f"{where}.value_coef must be >= 0, got {self.value_coef}")
-        if self.value_clip is not None and self.value_clip <= 0:
-            raise ConfigError(f"{where}.value_clip must be > 0 (null = no clip), got {self.value_clip}")
-        if self.warmup < 0:
-            raise ConfigError(f"{where}.warmup must be >= 0, got {self.warmup}")
-        if self.warmup and self.value_coef <= 0:
-            raise ConfigError(f"{where}.warmup={self.warmup} trains only the critic, but value_coef is 0; set "
-                              f"{where}.value_coef > 0 (e.g. 0.5)")
-        if self.lr is not None and self.lr <= 0:
-            raise ConfigError(f"{where}.lr must be > 0 (null = optim.lr), got {self.lr}")
 
 
 @register("gae", kind="step", settings=GAESettings)

@@ -40,12 +40,14 @@ class Choice:
         self.settings = settings if settings is not None else self.settings_class_of(name)()
 
     @staticmethod
-    def entries() -> dict[str, Any]:
+    def entries(needs: str | None = None) -> dict[str, Any]:
+        """name -> entry with ``settings_class`` (the registry; ``needs``: the one name the caller looks up, so a
+        torch-free index of the built-in entries may answer: ``shared_rl.part_index``)."""
         raise NotImplementedError
 
     @classmethod
     def settings_class_of(cls, name: str) -> type:
-        known = cls.entries()
+        known = cls.entries(str(name))
         if name not in known:
             close = difflib.get_close_matches(str(name), sorted(known), n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
@@ -68,7 +70,7 @@ class Choice:
     def _checked_name(cls, name: Any, where: str) -> str:
         if not isinstance(name, str):
             raise ConfigError(f"{where}.name: expected a string, got {type(name).__name__} {name!r}")
-        known = cls.entries()
+        known = cls.entries(name)
         if name not in known:
             close = difflib.get_close_matches(name, sorted(known), n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
@@ -93,10 +95,10 @@ class PolicyLossChoice(Choice):
     kind = "loss.policy_loss"
 
     @staticmethod
-    def entries() -> dict[str, Any]:
-        from .losses import POLICY_LOSSES
+    def entries(needs: str | None = None) -> dict[str, Any]:
+        from .part_index import policy_losses
 
-        return POLICY_LOSSES
+        return policy_losses(needs)
 
 
 class EstimatorChoice(Choice):
@@ -105,10 +107,10 @@ class EstimatorChoice(Choice):
     kind = "advantage.estimator"
 
     @staticmethod
-    def entries() -> dict[str, Any]:
-        from .advantages import ESTIMATORS
+    def entries(needs: str | None = None) -> dict[str, Any]:
+        from .part_index import estimators
 
-        return ESTIMATORS
+        return estimators(needs)
 
 
 def _coerce(value: Any, tp: Any, where: str) -> Any:
@@ -379,7 +381,7 @@ class AdvantageConfig:
     @property
     def kind(self) -> str:
         """flat | tree | step: what the estimator reads (group ids, the parent array, or a critic's values)."""
-        return EstimatorChoice.entries()[self.estimator.name].kind
+        return EstimatorChoice.entries(self.estimator.name)[self.estimator.name].kind
 
 
 @dataclass
@@ -458,8 +460,9 @@ class LossConfig:
     }
 
     def check(self, where: str) -> None:
-        from .losses import KL_ESTIMATORS
+        from .part_index import kl_estimator_names
 
+        KL_ESTIMATORS = kl_estimator_names()  # noqa: N806 — read from the source while torch is not imported
         if self.kl_estimator not in KL_ESTIMATORS:
             close = difflib.get_close_matches(self.kl_estimator, sorted(KL_ESTIMATORS), n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
@@ -718,20 +721,20 @@ def load_train_config(data: dict) -> TrainConfig:
     Cross-checks with the domain (its config's hooks, ``shared_rl.domain.DomainConfig``): the advantage estimator's
     kind against ``rollout_structure(train_cfg)`` (a tree estimator needs tree rollouts, a critic's needs flat
     ones); then the config's own ``check_with(train_cfg)``; then reward names. Nothing here changes the config."""
-    from .advantages import estimator_names
-    from .domain import DomainConfig
-    from .registry import resolve_domain
+    from .domain_config import DomainConfig
+    from .part_index import estimator_names
+    from .registry import resolve_domain_config
 
     data = dict(data)
     domain = data.get("domain", "toy")
     if not isinstance(domain, str):
         raise ConfigError(f"domain must be a name like 'visgen', got {domain!r}")
-    domain_cls = resolve_domain(domain)
-    if not (isinstance(domain_cls.config_class, type) and issubclass(domain_cls.config_class, DomainConfig)):
+    config_class = resolve_domain_config(domain)  # the built-ins' without importing the domain (torch)
+    if not (isinstance(config_class, type) and issubclass(config_class, DomainConfig)):
         raise TypeError(f"domain {domain!r}: its config_class must subclass shared_rl.domain.DomainConfig")
     domain_section = data.pop(domain, None)
     cfg = from_dict(TrainConfig, data)
-    cfg.domain_config = from_dict(domain_cls.config_class, domain_section or {}, domain)
+    cfg.domain_config = from_dict(config_class, domain_section or {}, domain)
     structure = cfg.domain_config.rollout_structure(cfg)
     if structure not in ("flat", "tree"):
         raise ConfigError(f"{type(cfg.domain_config).__name__}.rollout_structure returned {structure!r}; it must "

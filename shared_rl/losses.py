@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from .errors import ConfigError
+from .part_index import NoSettings  # noqa: F401  (torch-free: the config loader reads it)
 
 if TYPE_CHECKING:  # only for annotations: config imports this module lazily, never the other way at import time
     from .config import LossConfig
@@ -139,11 +140,6 @@ def clipped_surrogate(
 
 PolicyLoss = Callable[..., "tuple[torch.Tensor, dict[str, torch.Tensor]]"]
 POLICY_LOSSES: dict[str, PolicyLoss] = {}
-
-
-@dataclass
-class NoSettings:
-    """The settings of a loss that has none of its own."""
 
 
 def register_policy_loss(name: str, settings: type = NoSettings,

@@ -111,6 +111,23 @@ def check_llm_tokenizer(path: str) -> str:
     return check_llm_model(path, "llm.tokenizer")
 
 
+DATASET_SUFFIXES = (".jsonl", ".json", ".csv")
+
+
+def check_llm_dataset(path: str, source: str = "arith", where: str = "llm.dataset.path") -> None:
+    """``llm.dataset.path`` / ``eval_path`` of a file source (``jsonl`` / ``csv`` / ``json``; ``hf`` names a hub
+    dataset or a saved one, read later, and ``arith`` reads none): the file exists (relative paths: the working
+    directory, as ``shared_rl.llm.tasks`` reads it); else the line with the nearest data file beside it."""
+    if source not in ("jsonl", "csv", "json") or not path or Path(path).exists():
+        return
+    near = nearest_path(path, lambda c: c.is_file() and c.suffix in DATASET_SUFFIXES)
+    raise ConfigError(f"dataset file {path!r} not found ({where}){near}")
+
+
+def check_llm_eval_dataset(path: str, source: str = "arith") -> None:
+    check_llm_dataset(path, source, "llm.dataset.eval_path")
+
+
 # ------------------------------------------------------------------------------------------------------ visgen
 SHAPES_ASSET_HINT = ("build it with `python -m visgen.pretrain configs/visgen/shapes_pretrain.yaml --out "
                      "assets/shapes-sd3-tiny` (about 10 minutes on 2 CPU cores)")
@@ -268,7 +285,9 @@ class PathKey:
 # Among themselves in the order the domains' own validation checks them, so a config with two bad paths gets the
 # same first line from both passes (a path and another kind of mistake together: the early pass names the path).
 PATH_KEYS: dict[str, tuple[PathKey, ...]] = {
-    "llm": (PathKey("model", check_llm_model), PathKey("tokenizer", check_llm_tokenizer)),
+    "llm": (PathKey("model", check_llm_model), PathKey("tokenizer", check_llm_tokenizer),
+            PathKey("dataset.path", check_llm_dataset, {"source": ("dataset.source", "arith")}),
+            PathKey("dataset.eval_path", check_llm_eval_dataset, {"source": ("dataset.source", "arith")})),
     "visgen": (PathKey("model", check_visgen_model),
                PathKey("train_prompts", check_prompt_file, {"task": ("task", "shapes")}),
                PathKey("eval_prompts", check_prompt_file, {"task": ("task", "shapes")})),

@@ -22,6 +22,17 @@ DOMAINS: dict[str, str] = {
     "robotics": "robotics.domain:RoboticsDomain",
 }
 
+# Each built-in domain's settings class (its ``config_class``), importable without the domain's module, which
+# imports torch and the domain's packages: a config is read and checked (grove config show, the CLI's checks)
+# without them. tests/core/test_part_index.py checks each is the domain's config_class. Entry-point domains are
+# read through their domain class.
+DOMAIN_CONFIGS: dict[str, str] = {
+    "toy": "shared_rl.toy_config:ToyConfig",
+    "llm": "shared_rl.llm.config:LLMConfig",
+    "visgen": "visgen.domain:VisgenConfig",
+    "robotics": "robotics.config:RoboticsConfig",
+}
+
 SUPERVISED: dict[str, str] = {
     "llm": "shared_rl.llm.pretrain:run",
     "visgen": "visgen.pretrain:run",
@@ -147,6 +158,14 @@ def resolve_domain(name: str) -> type:
     if getattr(cls, "config_class", None) is None:
         raise ConfigError(f"domain {name!r} ({cls.__name__}) defines no config_class")
     return cls
+
+
+def resolve_domain_config(name: str) -> type:
+    """The settings class of domain ``name``: a built-in domain's from ``DOMAIN_CONFIGS`` (its domain module, which
+    imports torch, is not imported), any other's ``config_class`` (its domain class is imported)."""
+    if name in DOMAIN_CONFIGS and _table("domains").get(name) == DOMAINS.get(name):
+        return _load(DOMAIN_CONFIGS[name], "domain", name)
+    return resolve_domain(name).config_class
 
 
 def resolve_supervised(name: str) -> Any:

@@ -10,42 +10,14 @@ until a real domain exists.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
-from .domain import DomainBase, DomainConfig, RunContext, StepLogProbs
+from .domain import DomainBase, RunContext, StepLogProbs
 from .rollout import Rollout
-
-
-@dataclass
-class ToyConfig(DomainConfig):
-    num_contexts: int = field(default=8, metadata={"help": "contexts (keys) of the bandit"})
-    num_actions: int = field(default=4, metadata={"help": "actions per step"})
-    horizon: int = field(default=4, metadata={"help": "actions per sequence (per tree edge with tree_branch > 1)"})
-    tree_branch: int = field(default=1, metadata={
-        "help": "> 1: tree rollouts, this many children per node (group_size is then ignored)"})
-    tree_depth: int = field(default=2, metadata={"help": "tree rollouts: levels of branching"})
-    init_scale: float = field(default=0.0, metadata={"help": "std of the initial logits (0 = uniform policy)"})
-    reward_noise: float = field(default=0.0, metadata={"help": "std of Gaussian noise added to the reward"})
-    deferred_logp: bool = field(default=False, metadata={
-        "help": "leave logp_old NaN: the trainer fills it from its first forward"})
-
-    def rollout_structure(self, train_cfg) -> str:
-        """Tree rollouts when ``tree_branch > 1`` (the hook of ``shared_rl.domain``: tree estimators need them)."""
-        return "tree" if self.tree_branch > 1 else "flat"
-
-    def reward_names(self, train_cfg) -> list[str]:
-        """The one reward a rollout emits (the core checks ``advantage.weights`` names against it)."""
-        return ["correct"]
-
-    def check(self, where: str) -> None:
-        from .config import ConfigError
-
-        for name in ("num_contexts", "num_actions", "horizon", "tree_branch", "tree_depth"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{where}.{name} must be >= 1, got {getattr(self, name)}")
+from .toy_config import ToyConfig  # noqa: F401  (shared_rl.toy.ToyConfig, as before)
 
 
 class LogitTable(torch.nn.Module):

@@ -3,32 +3,17 @@ from a path or hub id, and optional LoRA through peft (the reference policy is t
 adapter disabled, as DESIGN §4 asks: no second model copy)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
+
+from .config import LLMLoraSettings  # noqa: F401  (shared_rl.llm.model.LLMLoraSettings, as before)
+from .tasks import load_tokenizer  # noqa: F401  (shared_rl.llm.model.load_tokenizer, as before)
 
 if TYPE_CHECKING:  # transformers is imported where a model is built: config checks stay free of its ~2 s import
     from transformers import LlamaForCausalLM, PreTrainedTokenizerBase
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass
-class LLMLoraSettings:
-    """LoRA adapter settings (Hu et al., "LoRA: Low-Rank Adaptation of Large Language Models"): the ``llm.lora``
-    section. ``LLM``-prefixed because the image domain has LoRA settings of its own; one name, one meaning."""
-
-    moved_keys = {"r": "use llm.lora.rank (the name every other LoRA section uses)"}
-
-    enabled: bool = field(default=False, metadata={"help": "train a peft LoRA adapter instead of all weights"})
-    rank: int = field(default=8, metadata={"help": "adapter rank (peft's r)"})
-    alpha: int = field(default=16, metadata={"help": "LoRA alpha (the update is scaled by alpha / rank)"})
-    dropout: float = field(default=0.0, metadata={"help": "dropout on the adapter input"})
-    target_modules: list[str] = field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-        metadata={"help": "names of the linear modules that get adapters"},
-    )
 
 
 def build_tiny_llama(
@@ -68,18 +53,6 @@ def resolve_model_path(path: str) -> str:
     from ..prechecks import resolve_llm_model  # torch-free: the CLI runs the same check before importing torch
 
     return resolve_llm_model(path)
-
-
-def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(resolve_model_path(path))
-    if tok.pad_token_id is None:
-        # Some hub tokenizers have no pad token; EOS as pad is safe here because attention masks, not ids,
-        # decide what is padding in every forward this package runs.
-        tok.pad_token = tok.eos_token
-    tok.padding_side = "left"
-    return tok
 
 
 def load_causal_lm(path: str, dtype: str = "float32", device: torch.device | str = "cpu", lora: LLMLoraSettings | None = None,

@@ -14,39 +14,9 @@ here padding is not part of a row, so a row's draw does not depend on how it was
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-
-@dataclass(frozen=True)
-class SamplingFilters:
-    """``top_k`` 0 = off, ``top_p`` 1 = off, ``min_p`` 0 = off, ``repetition_penalty`` 1 = off (TRL's defaults)."""
-
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-
-    @property
-    def active(self) -> bool:
-        return self.top_p < 1.0 or self.top_k > 0 or self.min_p > 0 or self.repetition_penalty != 1.0
-
-    @property
-    def penalises_repeats(self) -> bool:
-        return self.repetition_penalty != 1.0
-
-    def check(self, where: str) -> None:
-        from ..errors import ConfigError
-
-        if not 0 < self.top_p <= 1:
-            raise ConfigError(f"{where}.top_p must be in (0, 1] (1 = off), got {self.top_p}")
-        if self.top_k < 0:
-            raise ConfigError(f"{where}.top_k must be >= 0 (0 = off), got {self.top_k}")
-        if not 0 <= self.min_p <= 1:
-            raise ConfigError(f"{where}.min_p must be in [0, 1] (0 = off), got {self.min_p}")
-        if not self.repetition_penalty > 0:
-            raise ConfigError(f"{where}.repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}")
+from .config import SamplingFilters  # noqa: F401  (shared_rl.llm.sampling.SamplingFilters, as before)
 
 
 def seen_tokens(ids: torch.Tensor, mask: torch.Tensor, vocab_size: int) -> torch.Tensor:

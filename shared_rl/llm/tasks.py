@@ -12,9 +12,12 @@ import json
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from ..errors import ConfigError
+
+if TYPE_CHECKING:  # transformers is imported where a tokenizer is loaded
+    from transformers import PreTrainedTokenizerBase
 
 
 @dataclass
@@ -111,10 +114,11 @@ def arith_problems(split: str, count: int, digits: int = 3, seed: int = 0) -> li
     return out
 
 
-def _read_rows(path: str, fmt: str) -> list[dict[str, Any]]:
+def _read_rows(path: str, fmt: str, where: str = "llm.dataset.path") -> list[dict[str, Any]]:
+    from ..prechecks import check_llm_dataset  # the line the CLI's early pass gives, with the nearest data file
+
     p = Path(path)
-    if not p.exists():
-        raise ConfigError(f"dataset file {path!r} not found (llm.dataset.path / eval_path)")
+    check_llm_dataset(path, fmt, where)
     if fmt == "jsonl":
         rows = []
         for n, line in enumerate(p.read_text().splitlines(), 1):
@@ -199,7 +203,7 @@ def load_task(s: DatasetSettings) -> TaskData:
                         arith_problems("eval", s.num_eval, s.digits, s.seed))
     if s.source in ("jsonl", "csv", "json"):
         rows = _read_rows(s.path, s.source)
-        eval_rows = _read_rows(s.eval_path, s.source) if s.eval_path else None
+        eval_rows = _read_rows(s.eval_path, s.source, "llm.dataset.eval_path") if s.eval_path else None
     elif s.source == "hf":
         rows = _read_hf(s, s.split)
         eval_rows = _read_hf(s, s.eval_split) if s.eval_split else None
@@ -269,3 +273,19 @@ def prompt_token_ids(task: TaskData, tokenizer, settings: DatasetSettings, chat_
                 tokens, cut = tokens[-limit:], cut + 1
             ids[(split, i)] = tokens
     return ids, cut
+
+
+def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
+    """The tokenizer at ``path`` (a local directory, relative to the repository or the working directory, or a hub
+    id: ``prechecks.resolve_llm_model``), left-padded, EOS as pad when it has none."""
+    from transformers import AutoTokenizer
+
+    from ..prechecks import resolve_llm_model
+
+    tok = AutoTokenizer.from_pretrained(resolve_llm_model(path))
+    if tok.pad_token_id is None:
+        # Some hub tokenizers have no pad token; EOS as pad is safe here because attention masks, not ids,
+        # decide what is padding in every forward this package runs.
+        tok.pad_token = tok.eos_token
+    tok.padding_side = "left"
+    return tok

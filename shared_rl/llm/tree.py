@@ -20,22 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .config import LLMTreeSettings  # noqa: F401  (shared_rl.llm.tree.LLMTreeSettings, as before)
 from .engine import RolloutEngine
-
-
-@dataclass
-class LLMTreeSettings:
-    """The ``llm.tree`` section (``LLM``-prefixed: the image domain has tree settings of its own)."""
-
-    enabled: bool = field(default=False, metadata={"help": "tree rollouts (TreePO / TreeRL) instead of flat groups"})
-    branching: list[int] = field(default_factory=lambda: [2, 2, 2],
-                                 metadata={"help": "children per node at each depth (leaves = their product)"})
-    segment_tokens: int = field(default=2, metadata={"help": "new tokens per segment at most (last depth: to the cap)"})
-    branch_on: str = field(default="fixed", metadata={
-        "help": "fixed (at segment boundaries) | entropy (also before a high-entropy token)"})
-    entropy_threshold: float = field(default=1.0, metadata={
-        "help": "branch_on entropy: next-token entropy (nats) that ends a segment"})
-    min_segment_tokens: int = field(default=1, metadata={"help": "branch_on entropy: tokens before a segment may end"})
 
 
 @dataclass

@@ -35,6 +35,13 @@ CORPUS = {
     "llm hub id typo offline": ("configs/llm/arith_grpo.yaml", ["llm.model=Qwen/Qwen2.5-0.5B-Instrct"],
                                 "llm.model 'Qwen/Qwen2.5-0.5B-Instrct' is not in the local Hugging Face cache"),
     "llm missing local model": ("configs/llm/arith_grpo.yaml", ["llm.model=MISSING/model"], "does not exist"),
+    "llm dataset path typo": ("configs/llm/arith_grpo.yaml",
+                              ["llm.dataset.source=jsonl", "llm.dataset.path=TMP/data/train.jsnl"],
+                              "train.jsnl' not found (llm.dataset.path) (did you mean 'TMP/data/train.jsonl'?)"),
+    "llm eval dataset folder typo": ("configs/llm/arith_grpo.yaml",
+                                     ["llm.dataset.source=jsonl", "llm.dataset.path=TMP/data/train.jsonl",
+                                      "llm.dataset.eval_path=TMP/dat/eval.jsonl"],
+                                     "not found (llm.dataset.eval_path) (did you mean 'TMP/data/eval.jsonl'?)"),
     "visgen model path typo": ("configs/visgen/shapes_grpo.yaml", ["visgen.model=assets/shapes-sd3-tny"],
                                "model path 'assets/shapes-sd3-tny' does not exist (did you mean "
                                "'assets/shapes-sd3-tiny'?)"),
@@ -104,6 +111,9 @@ def _folders(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir(exist_ok=True)
     (tmp_path / "policies" / "smolvla-tiny").mkdir(parents=True, exist_ok=True)
     (tmp_path / "policies" / "smolvla-tiny" / "config.json").write_text("{}")
+    (tmp_path / "data").mkdir(exist_ok=True)  # rows the llm's numeric_match scores
+    for split in ("train", "eval"):
+        (tmp_path / "data" / f"{split}.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n' * 4)
     (tmp_path / "prompts").mkdir(exist_ok=True)  # prompts the shapes rewards score
     for split in ("train", "eval"):
         (tmp_path / "prompts" / f"shapes_{split}.txt").write_text("a red circle\na blue square\n")
@@ -200,7 +210,9 @@ def test_the_table_names_the_functions_the_domains_call_and_their_defaults():
     finally:
         prechecks.resolve_llm_model = original
     assert {k.key: k.check for k in PATH_KEYS["llm"]} == {"model": prechecks.check_llm_model,
-                                                         "tokenizer": prechecks.check_llm_tokenizer}
+                                                         "tokenizer": prechecks.check_llm_tokenizer,
+                                                         "dataset.path": prechecks.check_llm_dataset,
+                                                         "dataset.eval_path": prechecks.check_llm_eval_dataset}
     import visgen.pipelines.load
     import visgen.preflight
 

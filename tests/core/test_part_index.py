@@ -1,0 +1,65 @@
+"""``grove config show`` builds the typed config without torch where the classes allow it (issue 64: <= 3 s on a
+loaded 2-core machine, measured by ``grove bench cold-start``, docs/bench/cold_start.md, not here).
+
+The core's registries are read from their source while their torch modules are not imported
+(``shared_rl.part_index``); a built-in domain's settings class comes from ``shared_rl.registry.DOMAIN_CONFIGS``
+without its domain module. These tests check the index equals the live registries, that each table entry is the
+domain's own ``config_class``, and, in fresh processes, which domains' ``config show`` imports no torch.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from shared_rl import part_index, registry
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_index_of_the_core_registries_is_the_live_registries():
+    from shared_rl.advantages import ESTIMATORS
+    from shared_rl.losses import KL_ESTIMATORS, POLICY_LOSSES
+
+    estimators = part_index._indexed("advantages.py", "register")  # every estimator's settings class is torch-free
+    assert {n: (e.kind, e.settings_class) for n, e in estimators.items()} == {
+        n: (e.kind, e.settings_class) for n, e in ESTIMATORS.items() if n in estimators}
+    assert set(estimators) <= set(ESTIMATORS)
+    losses = part_index.registered_names(part_index.HERE / "losses.py", "register_policy_loss", refs=True)
+    assert set(losses) <= set(POLICY_LOSSES)
+    for name, kwargs in losses.items():  # a loss without settings: the index's NoSettings is the live one
+        assert (POLICY_LOSSES[name].settings_class is part_index.NoSettings) == ("settings" not in kwargs), name
+    assert part_index.kl_estimator_names() == sorted(KL_ESTIMATORS)
+
+
+def test_each_built_in_domain_config_is_its_domain_config_class():
+    for name, target in registry.DOMAIN_CONFIGS.items():
+        try:
+            domain = registry.resolve_domain(name)
+        except Exception as e:  # noqa: BLE001 — a domain whose optional packages are missing here
+            pytest.skip(f"domain {name}: {e}")
+        assert registry.resolve_domain_config(name) is domain.config_class, name
+
+
+CODE = ("import contextlib, io, sys\nfrom shared_rl.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n    code = main(['config', 'show', sys.argv[1]])\n"
+        "print(code, 'torch' in sys.modules)\n")
+
+# (recipe, whether its `config show` may import torch: visgen's and robotics' settings classes still live in
+# modules that import torch — visgen.domain, robotics.config's parts — see docs/bench/cold_start.md)
+RECIPES = [("configs/toy.yaml", False), ("configs/llm/arith_grpo.yaml", False),
+           ("configs/llm/arith_tree.yaml", False), ("configs/visgen/shapes_grpo.yaml", True),
+           ("configs/robotics/metaworld_grpo.yaml", True)]
+
+
+@pytest.mark.parametrize("recipe,torch_allowed", RECIPES)
+def test_config_show_imports_no_torch_where_its_classes_allow(recipe, torch_allowed):
+    proc = subprocess.run([sys.executable, "-c", CODE, recipe], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    code, imported = proc.stdout.split()[-2:]
+    assert code == "0", proc.stderr[-2000:]
+    if not torch_allowed:
+        assert imported == "False", f"grove config show {recipe} imported torch"
