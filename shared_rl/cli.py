@@ -38,6 +38,7 @@ from pathlib import Path
 
 from .config import apply_overrides, describe, dump_train_config, load_train_config, load_yaml, to_dict
 from .errors import ConfigError, NonFiniteError, ResourceError, RunDirectoryBusy, RunDirectoryLost, WorkerDied
+from .part_index import registered_names  # noqa: F401  (shared_rl.cli.registered_names, as before)
 from .rundir import RunLock, atomic_write_text, holder, is_empty_run_dir
 
 # This module imports no torch and no domain at import time: `grove list`, `grove --version`, `grove config show`
@@ -62,6 +63,38 @@ _Parser = ArgumentParser
 
 def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
+
+
+def _launch_marker() -> Path | None:
+    """Under ``torchrun`` / ``accelerate launch`` with several local workers: a file name shared by this launch's
+    workers on this machine (their launcher's pid, its run id and restart count), else None."""
+    try:
+        workers = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    except ValueError:
+        return None
+    if workers <= 1 or "LOCAL_RANK" not in os.environ:
+        return None
+    import tempfile
+
+    key = "-".join(os.environ.get(k, "") for k in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
+                                                   "MASTER_PORT"))
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in key)
+    return Path(tempfile.gettempdir()) / f"grove-error-{os.getppid()}-{safe}"
+
+
+def _error_line(text: str) -> None:
+    """``grove: error: ...`` on stderr, once per launch: with several workers on this machine (a config error is
+    the same on every rank), only the first worker to report prints it — the first, not rank 0, because the launcher
+    stops the others as soon as one exits. The others exit with the same code, silently."""
+    marker = _launch_marker()
+    if marker is not None:
+        try:
+            os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+        except FileExistsError:
+            return  # another worker of this launch has printed it
+        except OSError:
+            pass  # no shared temporary directory: print it, as a single process does
+    print(f"grove: error: {' '.join(str(text).split())}", file=sys.stderr, flush=True)
 
 
 def _default_run_dir(config_path: Path) -> Path:
@@ -649,38 +682,6 @@ def cmd_group(name: str, argv: list[str]) -> int:
     return int(resolve_command(name)(argv) or 0)
 
 
-def registered_names(source: Path, decorator: str) -> dict[str, dict]:
-    """The names a module registers with ``@decorator("name", key=value, ...)`` on its functions or classes, or with
-    a bare ``@decorator`` on a class that sets ``name = "..."`` in its body, read from its source with ``ast``
-    (nothing is imported), each with the keyword arguments written as literals.
-
-    The core's tensor registries (``shared_rl.advantages.ESTIMATORS``, ``shared_rl.losses.POLICY_LOSSES`` and
-    ``KL_ESTIMATORS``) and visgen's rewards import torch, seconds on a loaded 2-core machine, so `grove list` reads
-    their built-in names from the registering decorators instead; a new entry registered the same way is listed
-    without touching this module, and tests/core/test_cli_list.py checks the result equals the live registries.
-    Entries a Python caller registers live only in its own process, which `grove list` never is."""
-    import ast
-
-    def class_name(node) -> str | None:
-        for stmt in node.body:
-            if (isinstance(stmt, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "name" for t in stmt.targets)
-                    and isinstance(stmt.value, ast.Constant) and isinstance(stmt.value.value, str)):
-                return stmt.value.value
-        return None
-
-    found: dict[str, dict] = {}
-    for node in ast.walk(ast.parse(source.read_text(encoding="utf-8"), str(source))):
-        for deco in getattr(node, "decorator_list", ()):
-            if (isinstance(deco, ast.Call) and isinstance(deco.func, ast.Name) and deco.func.id == decorator
-                    and deco.args and isinstance(deco.args[0], ast.Constant) and isinstance(deco.args[0].value, str)):
-                found[deco.args[0].value] = {k.arg: k.value.value for k in deco.keywords
-                                             if k.arg and isinstance(k.value, ast.Constant)}
-            elif (isinstance(deco, ast.Name) and deco.id == decorator and isinstance(node, ast.ClassDef)
-                  and (name := class_name(node)) is not None):
-                found[name] = {}
-    return found
-
-
 def _core_names() -> dict[str, list[str]]:
     """The built-in estimators by kind, policy losses and KL estimators, sorted (``registered_names``)."""
     here = Path(__file__).resolve().parent
@@ -872,10 +873,10 @@ def _main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     except ConfigError as e:
-        print(f"grove: error: {' '.join(str(e).split())}", file=sys.stderr)
+        _error_line(str(e))
         return 2
     except (ResourceError, NonFiniteError, RunDirectoryLost, WorkerDied, *_loaded_failures()) as e:
-        print(f"grove: error: {' '.join(str(e).split())}", file=sys.stderr)
+        _error_line(str(e))
         return 1
     except KeyboardInterrupt:
         print("grove: interrupted", file=sys.stderr)
