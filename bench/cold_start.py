@@ -12,8 +12,10 @@ functions the domains' validation runs later; tests/core/test_prechecks.py), so 
 Each row also says whether the command imported torch (one more run, in-process through ``shared_rl.cli.main``, that
 reads ``sys.modules`` at the end) and the time issue 64 asks of it on a loaded 2-core machine: typo'd paths ~2 s,
 ``grove config show`` 3 s, ``grove list`` 2 s. ``grove list`` reads the torch-backed registries' names from their
-source (``shared_rl.cli.registered_names``); ``grove config show`` builds the typed config, whose classes live in
-modules that import torch and the domain's package, so it pays that import.
+source (``shared_rl.cli.registered_names``); ``grove config show`` builds the typed config from torch-free modules
+where the classes allow (the core's registries read by ``shared_rl.part_index``, the built-in domains' settings
+classes found by ``shared_rl.registry.DOMAIN_CONFIGS``): the toy and LLM sections import no torch; visgen's
+(``visgen.domain``) and robotics' (its parts in ``robotics.adapters``, ``robotics.policies.vla``, ...) still do.
 """
 from __future__ import annotations
 
@@ -52,6 +54,10 @@ ROWS = [
     ("typo'd llm hub id, offline (exit 2)",
      ["train", "configs/llm/arith_grpo.yaml", "llm.model=Qwen/Qwen2.5-0.5B-Instrct", "--dry-run"], 2,
      "did you mean 'Qwen/Qwen2.5-0.5B-Instruct'?", {"HF_HUB_OFFLINE": "1"}),
+    ("typo'd llm dataset path (exit 2)",
+     ["train", "configs/llm/arith_grpo.yaml", "llm.dataset.source=jsonl",
+      "llm.dataset.path=configs/visgen/prompts/video_shapes_trian.jsonl", "--dry-run"], 2,
+     "did you mean 'configs/visgen/prompts/video_shapes_train.jsonl'?", {}),
     ("typo'd robotics checkpoint (exit 2)",
      ["train", "configs/robotics/metaworld_grpo.yaml", "robotics.checkpoint=assets/metaworld-vla-tiy", "--dry-run"],
      2, "did you mean 'metaworld-vla-tiny'?", {}),
@@ -112,7 +118,8 @@ def run(out_dir: Path, quick: bool = False, log=print) -> dict:
              f"{load_before:.2f}, after: {_load():.2f}, on {os.cpu_count()} cores), whether the command imports "
              f"torch, and the time issue 64 asks for (target_s). The typo'd-path rows are answered by "
              f"`shared_rl.prechecks` and `grove list` by text read from the registries' source, both before torch "
-             f"is imported; `grove config show` builds the typed config, whose classes live in modules that import "
-             f"torch and the domain's package. Reproduce: `grove bench cold-start` (this page), `--quick` for 1 run "
+             f"is imported; `grove config show` builds the typed config, from torch-free modules for the toy and LLM "
+             f"sections (shared_rl.part_index, registry.DOMAIN_CONFIGS), through modules that import torch for "
+             f"visgen and robotics. Reproduce: `grove bench cold-start` (this page), `--quick` for 1 run "
              f"a row (no page).")
     return write_results(out_dir, "cold-start", rows, notes, doc_path=None if quick else DOC)
