@@ -214,14 +214,18 @@ def _meta_parameters() -> dict[str, tuple[int, str]]:
 
 def memory_table() -> str:
     """Markdown: per-GPU bytes of the persistent training state under FSDP2 on 1 / 8 / 16 GPUs, from parameter
-    counts. Full fine-tuning: fp32 shards (4 B/parameter) + fp32 gradients (4) + AdamW's two fp32 moments (8) + the
-    frozen KL reference copy, sharded (4) = 20 B/parameter; LoRA: the frozen base in bf16 (2 B/parameter), adapters
-    and their state negligible. Divided by the number of GPUs sharing the shards (under HSDP: per replica group)."""
+    counts (``shared_rl.memory_estimate``, the arithmetic ``grove train --dry-run`` prints). Full fine-tuning: fp32
+    shards (4 B/parameter) + fp32 gradients (4) + AdamW's two fp32 moments (8) + the frozen KL reference copy,
+    sharded (4) = 20 B/parameter; LoRA: the frozen base in bf16 (2 B/parameter), adapters and their state
+    negligible. Divided by the number of GPUs sharing the shards (under HSDP: per replica group)."""
+    from shared_rl.memory_estimate import ParameterGroup, full_finetune_groups, per_process_bytes
+
     rows = ["| model | parameters | full fine-tuning, 1 / 8 / 16 GPUs | LoRA (bf16 base), 1 / 8 / 16 GPUs |",
             "|---|---|---|---|"]
     for name, (n, what) in _meta_parameters().items():
-        full = " / ".join(f"{20 * n / g / 2**30:,.1f}" for g in GPUS)
-        lora = " / ".join(f"{2 * n / g / 2**30:,.1f}" for g in GPUS)
+        full = " / ".join(f"{per_process_bytes(full_finetune_groups(n), 'fsdp2', g) / 2**30:,.1f}" for g in GPUS)
+        lora = " / ".join(f"{per_process_bytes([ParameterGroup('base', n, False, 2)], 'fsdp2', g) / 2**30:,.1f}"
+                          for g in GPUS)
         rows.append(f"| {name} | {n / 1e9:.2f} B ({what}) | {full} GiB | {lora} GiB |")
     return "\n".join(rows)
 

@@ -337,7 +337,22 @@ def _dry_run(cfg, config_path: Path, run_dir: Path, what: str) -> int:
     print("# batch arithmetic:")
     print("\n".join(f"#   {line}" for line in batch_arithmetic(cfg)))
     print(f"#   device: {resolve_device(cfg.device)}; run directory: {run_dir}")
+    print(f"#   memory: {memory_estimate_line(cfg)}")
     return 0
+
+
+def memory_estimate_line(cfg) -> str:
+    """``--dry-run``'s estimate of the persistent training state per process (``shared_rl.memory_estimate``, from
+    the domain's ``parameter_groups``: parameter counts on the meta device), or why there is none."""
+    from .memory_estimate import describe
+    from .preflight import launched_processes
+
+    groups = cfg.domain_config.parameter_groups(cfg)
+    if not groups:
+        return (f"no estimate (the {cfg.domain} domain counts no parameters before loading; its run logs a "
+                f"'memory (...)' line once loaded)")
+    return (f"estimate from parameter counts, {describe(groups, cfg.distributed.strategy, launched_processes())}; "
+            f"activations, rollout buffers and caches not included")
 
 
 def _dry_run_supervised(data: dict, domain: str, body: dict, config_path: Path, run_dir: Path) -> int:

@@ -34,6 +34,12 @@ class DomainConfig:
         """Reward name -> weight when ``advantage.weights`` is empty (e.g. ``llm.rewards[].weight``)."""
         return {}
 
+    def parameter_groups(self, train_cfg):
+        """The parameters the domain will hold, as ``shared_rl.memory_estimate.ParameterGroup`` s (trained or
+        frozen, their dtype, whether fsdp2 shards them), counted without reading weights (on the meta device, from
+        the model's config), for ``--dry-run``'s memory estimate; None when the domain cannot count them here."""
+        return None
+
     def policy_loss(self, train_cfg):
         """The policy loss (a ``config.PolicyLossChoice``) the domain's own method implies, or None. Used when
         ``loss.policy_loss`` is null (``TrainConfig.policy_loss_choice``): visgen's likelihood-free objectives (NFT,

@@ -28,6 +28,13 @@ class ToyConfig(DomainConfig):
         """The one reward a rollout emits (the core checks ``advantage.weights`` names against it)."""
         return ["correct"]
 
+    def parameter_groups(self, train_cfg) -> list:
+        """The logit table (trained, fsdp2 shards it) and its frozen start copy (the KL reference), float32."""
+        from .memory_estimate import ParameterGroup
+
+        n = self.num_contexts * self.num_actions
+        return [ParameterGroup("logit table", n, True), ParameterGroup("reference copy", n, False, sharded=False)]
+
     def check(self, where: str) -> None:
         from .config import ConfigError
 

@@ -267,6 +267,32 @@ class LLMConfig(DomainConfig):
         if limit is not None and self.dataset.long_prompts == "error":
             prompt_token_ids(task, tokenizer, self.dataset, self.chat_template, limit, why)
 
+    def parameter_groups(self, cfg: Any) -> list | None:
+        """The model built from its ``config.json`` on the meta device (no weights read; a local model only — a hub
+        id is counted once loaded): trained whole, or LoRA adapters (``rank x (in + out)`` per targeted linear
+        layer) over the frozen base, plus the frozen copy ``keep_reference`` makes (not sharded: copied before)."""
+        from ..memory_estimate import DTYPE_BYTES, ParameterGroup
+        from ..prechecks import resolve_llm_model
+
+        path = Path(resolve_llm_model(self.model))
+        if not (path / "config.json").is_file():
+            return None
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path, local_files_only=True))
+        n, size = sum(p.numel() for p in model.parameters()), DTYPE_BYTES[self.dtype]
+        if self.lora.enabled:
+            adapters = sum(self.lora.rank * (m.in_features + m.out_features) for name, m in model.named_modules()
+                           if isinstance(m, torch.nn.Linear) and name.rsplit(".", 1)[-1] in self.lora.target_modules)
+            return [ParameterGroup("LoRA adapters", adapters, True, size),
+                    ParameterGroup("frozen base (also the KL reference)", n, False, size)]
+        groups = [ParameterGroup("model", n, True, size)]
+        if self.keep_reference:
+            groups.append(ParameterGroup("reference copy", n, False, size, sharded=False))
+        return groups
+
     def rollout_structure(self, cfg: Any) -> str:
         """Tree rollouts when ``tree.enabled`` (the hook of ``shared_rl.domain``: tree estimators need them)."""
         return "tree" if self.tree.enabled else "flat"
