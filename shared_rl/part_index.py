@@ -5,10 +5,10 @@ the time the interpreter takes to start (issue 64).
 The registries themselves live beside their tensor code (``shared_rl.advantages.ESTIMATORS``,
 ``shared_rl.losses.POLICY_LOSSES`` / ``KL_ESTIMATORS``). Here their built-in entries are read from the registering
 decorators in the modules' source (``registered_names``, ``ast``: nothing is imported); a settings class named there
-is taken from this module when it lives here (``NoSettings``, ``GAESettings``: the same class objects the
-registries hold, which import them from here), and any other name — a settings class defined beside its torch code,
-an entry the source does not show — makes the lookup import the live registry, so the answer is always the live
-one. Once a registry's module is imported (a Python caller that registered its own entry, a training run), the
+is taken from this module or ``shared_rl.loss_settings`` when it lives there (``NoSettings``, ``GAESettings``, the
+losses' settings: the same class objects the registries hold, which import them from there), and any other name
+— a settings class defined beside its torch code, an entry the source does not show — makes the lookup import the
+live registry, so the answer is always the live one. Once a registry's module is imported (a Python caller that registered its own entry, a training run), the
 live registry is used directly. tests/core/test_part_index.py checks the index equals the live registries.
 """
 from __future__ import annotations
@@ -126,7 +126,9 @@ class _Unindexed(Exception):
 
 
 def _indexed(source: str, decorator: str) -> dict[str, IndexedPart]:
-    here = globals()
+    from . import loss_settings
+
+    here = {**vars(loss_settings), **globals()}
     parts = {}
     for name, kwargs in registered_names(HERE / source, decorator, refs=True).items():
         settings = kwargs.get("settings", "NoSettings")

@@ -28,10 +28,10 @@ def test_the_index_of_the_core_registries_is_the_live_registries():
     assert {n: (e.kind, e.settings_class) for n, e in estimators.items()} == {
         n: (e.kind, e.settings_class) for n, e in ESTIMATORS.items() if n in estimators}
     assert set(estimators) <= set(ESTIMATORS)
-    losses = part_index.registered_names(part_index.HERE / "losses.py", "register_policy_loss", refs=True)
+    losses = part_index._indexed("losses.py", "register_policy_loss")  # settings in shared_rl.loss_settings
+    assert {n: e.settings_class for n, e in losses.items()} == {
+        n: POLICY_LOSSES[n].settings_class for n in losses}
     assert set(losses) <= set(POLICY_LOSSES)
-    for name, kwargs in losses.items():  # a loss without settings: the index's NoSettings is the live one
-        assert (POLICY_LOSSES[name].settings_class is part_index.NoSettings) == ("settings" not in kwargs), name
     assert part_index.kl_estimator_names() == sorted(KL_ESTIMATORS)
 
 
@@ -51,7 +51,8 @@ CODE = ("import contextlib, io, sys\nfrom shared_rl.cli import main\n"
 # (recipe, whether its `config show` may import torch: visgen's and robotics' settings classes still live in
 # modules that import torch — visgen.domain, robotics.config's parts — see docs/bench/cold_start.md)
 RECIPES = [("configs/toy.yaml", False), ("configs/llm/arith_grpo.yaml", False),
-           ("configs/llm/arith_tree.yaml", False), ("configs/visgen/shapes_grpo.yaml", True),
+           ("configs/llm/arith_gspo.yaml", False), ("configs/llm/arith_tree.yaml", False),
+           ("configs/visgen/shapes_grpo.yaml", True),
            ("configs/robotics/metaworld_grpo.yaml", True)]
 
 
