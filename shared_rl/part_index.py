@@ -8,8 +8,9 @@ decorators in the modules' source (``registered_names``, ``ast``: nothing is imp
 is taken from this module or ``shared_rl.loss_settings`` when it lives there (``NoSettings``, ``GAESettings``, the
 losses' settings: the same class objects the registries hold, which import them from there), and any other name
 — a settings class defined beside its torch code, an entry the source does not show — makes the lookup import the
-live registry, so the answer is always the live one. Once a registry's module is imported (a Python caller that registered its own entry, a training run), the
-live registry is used directly. tests/core/test_part_index.py checks the index equals the live registries.
+live registry, so the answer is always the live one. Once a registry's module is imported (a Python caller that
+registered its own entry, a training run), the live registry is used directly. tests/core/test_part_index.py
+checks the index equals the live registries.
 """
 from __future__ import annotations
 
