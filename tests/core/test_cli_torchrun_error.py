@@ -1,7 +1,7 @@
 """A config error under ``torchrun --nproc_per_node 2`` is one ``grove: error:`` line, not one per worker, and each
 worker exits 2 without a traceback of its own (issue 64). What torchrun's launcher prints after a worker's non-zero
 exit (its ``ChildFailedError`` summary) is its own: grove does not launch torchrun, so ``grove train --dry-run``
-before the launch is where a config error is one line alone (docs/distributed.md)."""
+before the launch is where a config error is one line alone (docs/scaling.md)."""
 from __future__ import annotations
 
 import os
