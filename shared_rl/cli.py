@@ -94,7 +94,18 @@ def _error_line(text: str) -> None:
             return  # another worker of this launch has printed it
         except OSError:
             pass  # no shared temporary directory: print it, as a single process does
+        else:
+            _remove_stale_markers(marker.parent)
     print(f"grove: error: {' '.join(str(text).split())}", file=sys.stderr, flush=True)
+
+
+def _remove_stale_markers(folder: Path, age_s: float = 3600.0) -> None:
+    """The empty marker files of launches more than ``age_s`` old (their workers are long gone)."""
+    now = time.time()
+    for old in folder.glob("grove-error-*"):
+        with contextlib.suppress(OSError):
+            if now - old.stat().st_mtime > age_s:
+                old.unlink()
 
 
 def _default_run_dir(config_path: Path) -> Path:
