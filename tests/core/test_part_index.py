@@ -48,19 +48,18 @@ CODE = ("import contextlib, io, sys\nfrom shared_rl.cli import main\n"
         "with contextlib.redirect_stdout(io.StringIO()):\n    code = main(['config', 'show', sys.argv[1]])\n"
         "print(code, 'torch' in sys.modules)\n")
 
-# (recipe, whether its `config show` may import torch: visgen's and robotics' settings classes still live in
-# modules that import torch — visgen.domain, robotics.config's parts — see docs/bench/cold_start.md)
-RECIPES = [("configs/toy.yaml", False), ("configs/llm/arith_grpo.yaml", False),
-           ("configs/llm/arith_gspo.yaml", False), ("configs/llm/arith_tree.yaml", False),
-           ("configs/visgen/shapes_grpo.yaml", True),
-           ("configs/robotics/metaworld_grpo.yaml", True)]
+# visgen's and robotics' settings classes still live in modules that import torch (VisgenConfig in visgen.domain;
+# RoboticsConfig's parts in robotics.adapters, robotics.critic, robotics.policies.vla, robotics.replay,
+# robotics.rollouts): strict xfails, so the day they import none these rows fail and become plain ones.
+STILL_TORCH = pytest.mark.xfail(strict=True, reason="its settings classes live in modules that import torch")
+RECIPES = ["configs/toy.yaml", "configs/llm/arith_grpo.yaml", "configs/llm/arith_gspo.yaml",
+           "configs/llm/arith_tree.yaml", pytest.param("configs/visgen/shapes_grpo.yaml", marks=STILL_TORCH),
+           pytest.param("configs/robotics/metaworld_grpo.yaml", marks=STILL_TORCH)]
 
 
-@pytest.mark.parametrize("recipe,torch_allowed", RECIPES)
-def test_config_show_imports_no_torch_where_its_classes_allow(recipe, torch_allowed):
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_config_show_imports_no_torch(recipe):
     proc = subprocess.run([sys.executable, "-c", CODE, recipe], cwd=ROOT, capture_output=True, text=True,
                           env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
-    code, imported = proc.stdout.split()[-2:]
-    assert code == "0", proc.stderr[-2000:]
-    if not torch_allowed:
-        assert imported == "False", f"grove config show {recipe} imported torch"
+    assert proc.returncode == 0 and proc.stdout.split()[-2:][0] == "0", proc.stderr[-2000:]
+    assert proc.stdout.split()[-1] == "False", f"grove config show {recipe} imported torch"
