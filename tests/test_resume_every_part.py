@@ -150,6 +150,9 @@ VISGEN: dict[str, tuple[str, dict]] = {
     # the teacher is frozen (never in the checkpoint): the base asset serves, the student's LoRA moves off it
     "opd": ("shapes_opd", {"visgen": {"objective": {"teacher": "assets/shapes-sd3-tiny"}}}),
     "crd": ("shapes_crd", {"visgen": {"objective": {"timesteps_per_sample": 2}}}),  # old and sampling snapshots
+    # its old copy (soft-updated each iteration), the EMA and the dpm2 sampler's rollouts
+    "diffusion_opsd": ("shapes_diffusion_opsd", {"visgen": {"method": {"name": "dpm2"},
+                                                            "objective": {"n_ascent": 1, "target_micro_batch": 2}}}),
 }
 
 
