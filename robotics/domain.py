@@ -256,11 +256,11 @@ class RoboticsDomain(DomainBase):
         if self.cfg.head_mode == "fpo":  # FPO: log p-hat = -(flow-matching loss of the executed chunk) on its pairs
             actions = p["chain"][pe, pc, -1].to(self.device)
             eps, tau = p["fpo_eps"][pe, pc].to(self.device), p["fpo_tau"][pe, pc].to(self.device)
-            target = self.cfg.fpo.target
-            logp = fpo_log_likelihood(policy.flow.velocity_at, h, actions, eps, tau, target)
+            how = (self.cfg.fpo.target, self.cfg.fpo.reduce)
+            logp = fpo_log_likelihood(policy.flow.velocity_at, h, actions, eps, tau, *how)
             if need_kl:  # the reference's surrogate on the same pairs (the k1 / k3 estimators read it)
                 with torch.no_grad():
-                    ref_logp = fpo_log_likelihood(self._ref.flow.velocity_at, ref_features(), actions, eps, tau, target)
+                    ref_logp = fpo_log_likelihood(self._ref.flow.velocity_at, ref_features(), actions, eps, tau, *how)
             return logp, torch.zeros_like(logp).detach(), kl, ref_logp
         if policy.cfg.head == "flow":
             chain = p["chain"].to(self.device)

@@ -47,6 +47,11 @@ class FPOConfig:
         "help": "the error of each pair: epsilon = on the noise the velocity implies, (1-τ)²·‖v − (ε − a)‖² (the "
                 "reference's output_mode u_but_supervise_as_eps); velocity = ‖v − (ε − a)‖² (output_mode u)"})
 
+    reduce: Literal["mean", "sum"] = field(default="mean", metadata={
+        "help": "how ℓ reduces over the chunk's action dims: mean (the reference's) or sum (the chunk's ELBO is a "
+                "sum over dims: D times as sensitive a ratio, so the PPO clip binds at D times smaller a move; the "
+                "gradient's direction is the same)"})
+
     def check(self, where: str = "robotics.fpo") -> None:
         if self.samples < 1:
             raise ConfigError(f"{where}.samples must be >= 1 (the reference's 8), got {self.samples}")
@@ -69,15 +74,16 @@ def draw_pairs(cfg: FPOConfig, shape: tuple[int, ...], dim: int, sigmas: torch.T
 
 
 def log_likelihood(velocity_at, h: torch.Tensor, actions: torch.Tensor, eps: torch.Tensor, tau: torch.Tensor,
-                   target: str = "epsilon") -> torch.Tensor:
+                   target: str = "epsilon", reduce: str = "mean") -> torch.Tensor:
     """log p̂ = −ℓ of each row: ``velocity_at(h, x, τ)`` the head's velocity, ``h`` [B, F] features, ``actions`` [B, D]
-    the executed chunks, ``eps`` [B, N, D], ``tau`` [B, N]. Returns [B] (with grad through ``velocity_at``)."""
+    the executed chunks, ``eps`` [B, N, D], ``tau`` [B, N]; ``reduce`` over the D dims. Returns [B] (with grad)."""
     b, n, d = eps.shape
     a = actions.float()[:, None, :]
     t = tau.to(a)[..., None]
     x = (1 - t) * a + t * eps.to(a)
     v = velocity_at(h.repeat_interleave(n, 0), x.reshape(b * n, d), t.reshape(b * n)).view(b, n, d)
-    err = ((v - (eps.to(a) - a)) ** 2).mean(-1)  # [B, N]
+    sq = (v - (eps.to(a) - a)) ** 2
+    err = sq.sum(-1) if reduce == "sum" else sq.mean(-1)  # [B, N]
     if target == "epsilon":
         err = err * (1 - tau.to(err)) ** 2
     return -err.mean(-1)

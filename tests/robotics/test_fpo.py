@@ -53,6 +53,8 @@ def test_log_likelihood_by_hand():
         got = log_likelihood(velocity_at, h, a, eps, tau, target)
         assert got.shape == (1,) and math.isclose(got.item(), expected[target], rel_tol=1e-6), (target, got)
     assert expected["epsilon"] > expected["velocity"]  # (1 − τ)² < 1 weighs every pair down
+    summed = log_likelihood(velocity_at, h, a, eps, tau, "epsilon", reduce="sum")
+    assert math.isclose(summed.item(), 2 * expected["epsilon"], rel_tol=1e-6)  # D = 2 dims summed, not averaged
 
 
 def test_pairs_on_the_schedule_or_uniform():
