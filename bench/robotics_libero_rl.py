@@ -53,6 +53,8 @@ RL_K = 5
 BC_SEEDS = (0,)
 RL_SEEDS = (0, 1, 2)
 NOISE_SEEDS = (1, 2)  # the clone's own evaluation is start-noise seed 0
+FPO_LOOP = ["robotics.head_mode=fpo", "advantage.estimator=rloo", "loss.clip_low=0.05", "loss.clip_high=0.05",
+            "optim.inner_epochs=8"]  # FPO on LOOP's schedule; each FPO row adds its step size
 RL_VARIANTS = {  # name -> overrides of RL_RECIPE (grove's defaults; each line says whose recipe it is)
     "grove": [],
     # SimpleVLA-RL (PRIME-RL/SimpleVLA-RL): groups kept when 10-90 % of their episodes succeed, the batch refilled until
@@ -87,16 +89,13 @@ RL_VARIANTS = {  # name -> overrides of RL_RECIPE (grove's defaults; each line s
     # FPO (McAllister et al. 2025, akanazawa/fpo): LOOP's schedule with the SDE step's log-prob replaced by FPO's
     # flow-matching surrogate on ODE rollouts (the policy explores with its start noise, as it is evaluated) and
     # FPO's clip 0.05 -- the gradient-noise rows found the one-step SDE score's signal below its noise at 64 episodes
-    "fpo": ["robotics.head_mode=fpo", "advantage.estimator=rloo", "loss.clip_low=0.05", "loss.clip_high=0.05",
-            "optim.lr=5e-5", "optim.inner_epochs=8"],
+    "fpo": FPO_LOOP + ["optim.lr=5e-5"],
     # ... at LOOP+lr2e-4's 4x step: at 5e-5 FPO's clip stayed idle (ratios within 1 +- 0.004, approx_kl ~1e-8)
-    "fpo+lr2e-4": ["robotics.head_mode=fpo", "advantage.estimator=rloo", "loss.clip_low=0.05", "loss.clip_high=0.05",
-                   "optim.lr=2e-4", "optim.inner_epochs=8"],
+    "fpo+lr2e-4": FPO_LOOP + ["optim.lr=2e-4"],
     # ... with the surrogate summed over the chunk's 56 action dims: at 2e-4 the mean's ratio stayed within 1 +- 0.036
     # (the clip idle) while the policy collapsed (-0.21); summed, the same move is 56x as large a log-ratio, so the
     # clip binds (the gradient's direction is the same, and Adam's step size does not see its scale)
-    "fpo-sum+lr2e-4": ["robotics.head_mode=fpo", "robotics.fpo.reduce=sum", "advantage.estimator=rloo",
-                       "loss.clip_low=0.05", "loss.clip_high=0.05", "optim.lr=2e-4", "optim.inner_epochs=8"],
+    "fpo-sum+lr2e-4": FPO_LOOP + ["robotics.fpo.reduce=sum", "optim.lr=2e-4"],
     # RLinf's piRL (flow-SDE): Flow-GRPO noise 0.5 on one random denoising step per chunk, group 8
     "pirl": ["robotics.noise_level=0.5"],
     # a larger step: the first LIBERO runs' 3e-4 x 4 steps an iteration, now on 64 episodes an update with

@@ -46,7 +46,6 @@ class FPOConfig:
     target: Literal["epsilon", "velocity"] = field(default="epsilon", metadata={
         "help": "the error of each pair: epsilon = on the noise the velocity implies, (1-τ)²·‖v − (ε − a)‖² (the "
                 "reference's output_mode u_but_supervise_as_eps); velocity = ‖v − (ε − a)‖² (output_mode u)"})
-
     reduce: Literal["mean", "sum"] = field(default="mean", metadata={
         "help": "how ℓ reduces over the chunk's action dims: mean (the reference's) or sum (the chunk's ELBO is a "
                 "sum over dims: D times as sensitive a ratio, so the PPO clip binds at D times smaller a move; the "

@@ -34,6 +34,21 @@ def read_json(path: str | Path, what: str) -> Any:
         raise ConfigError(f"{p}: not valid JSON ({e.msg} at line {e.lineno}); it should be {what}") from None
 
 
+def read_jsonl(path: str | Path, where: str = "") -> list[Any]:
+    """One JSON value per non-blank line of ``path``; a line that is not JSON is one ConfigError line naming the
+    file, the line and (``where``) the setting that named it."""
+    p = Path(path)
+    rows = []
+    for n, line in enumerate(p.read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{where + ' ' if where else ''}{p}: line {n} is not valid JSON ({e.msg} at column "
+                                  f"{e.colno})") from None
+    return rows
+
+
 def read_parquet(path: str | Path, what: str, columns: list[str] | tuple[str, ...] = ()):
     """The Parquet table in ``path`` (pyarrow): ConfigError (one line) when it is missing, not Parquet (truncated,
     another format) or lacks one of ``columns``."""

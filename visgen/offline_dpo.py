@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from shared_rl.config import ConfigError
+from shared_rl.readers import read_jsonl
 from shared_rl.rollout import Rollout
 
 from .rollout import VisgenRollouts
@@ -44,14 +45,7 @@ class StoredPair:
 def _records(path: Path) -> list[dict]:
     suffix = path.suffix.lower()
     if suffix in (".jsonl", ".json"):
-        rows = []
-        for i, line in enumerate(path.read_text().splitlines(), start=1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as exc:
-                    raise ConfigError(f"visgen.objective.pairs {path}: line {i} is not JSON ({exc.msg})") from None
-        return rows
+        return read_jsonl(path, "visgen.objective.pairs")
     if suffix in (".csv", ".parquet"):
         import pandas as pd
 

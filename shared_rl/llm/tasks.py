@@ -120,14 +120,9 @@ def _read_rows(path: str, fmt: str, where: str = "llm.dataset.path") -> list[dic
     p = Path(path)
     check_llm_dataset(path, fmt, where)
     if fmt == "jsonl":
-        rows = []
-        for n, line in enumerate(p.read_text().splitlines(), 1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise ConfigError(f"{p}: line {n} is not valid JSON ({e.msg} at column {e.colno})") from None
-        return rows
+        from ..readers import read_jsonl
+
+        return read_jsonl(p)
     if fmt == "json":
         try:
             data = json.loads(p.read_text())

@@ -53,7 +53,7 @@ def test_pair_files_read_and_refuse_in_one_line(tmp_path, pair_file):
     bad = tmp_path / "bad.jsonl"
     for text, message in [('{"prompt": "x"}', "need prompt, chosen, rejected"),
                           ('{"prompt": "x", "chosen": "no.png", "rejected": "no.png"}', "does not exist"),
-                          ("not json", "is not JSON")]:
+                          ("not json", "is not valid JSON")]:
         bad.write_text(text)
         with pytest.raises(ConfigError, match=message) as info:
             read_pairs(bad)
