@@ -96,6 +96,14 @@ RL_VARIANTS = {  # name -> overrides of RL_RECIPE (grove's defaults; each line s
     # (the clip idle) while the policy collapsed (-0.21); summed, the same move is 56x as large a log-ratio, so the
     # clip binds (the gradient's direction is the same, and Adam's step size does not see its scale)
     "fpo-sum+lr2e-4": FPO_LOOP + ["robotics.fpo.reduce=sum", "optim.lr=2e-4"],
+    # filtered BC (ReST-EM, Singh et al. 2024; RAFT, Dong et al. 2023; iRe-VLA's supervised phase on successes): no
+    # policy gradient -- each iteration's 64 episodes (every state drawn uniformly, nothing filtered) add their
+    # successes to a growing set, and 32 BC steps on it follow; the gradient-noise rows found one 64-episode policy
+    # gradient below its noise, while the BC term averages over every success so far
+    "filtered-bc": ["loss.policy_coef=0", "robotics.replay.coef=1.0", "robotics.replay.source=successes",
+                    "robotics.replay.success_window=100", "robotics.adapters.steps=equal", "selection.filter=none",
+                    "selection.max_refill_rounds=0", "selection.sampler=uniform", "optim.lr=1e-4",
+                    "optim.inner_epochs=32", "optim.minibatches_per_epoch=1"],
     # RLinf's piRL (flow-SDE): Flow-GRPO noise 0.5 on one random denoising step per chunk, group 8
     "pirl": ["robotics.noise_level=0.5"],
     # a larger step: the first LIBERO runs' 3e-4 x 4 steps an iteration, now on 64 episodes an update with

@@ -135,6 +135,10 @@ class RoboticsDomain(DomainBase):
             self.critic = Critic(cfg.critic, m.expert_hidden if expert else m.hidden, self.n_chunks, self.device,
                                  self._encode_tasks, self.policy.expert_value_features if expert else vector)
         self.replay = self._make_replay()  # demos are loaded before the env workers start: a bad file fails in a second
+        if cfg.adapters.steps == "by_episodes" and ctx.train_cfg is not None and ctx.train_cfg.loss.policy_coef == 0:
+            raise ConfigError("robotics.adapters.steps: by_episodes counts each step's policy-gradient episodes, and "
+                              "loss.policy_coef: 0 has none, so no adapter would move; set robotics.adapters.steps: "
+                              "equal")
         self.adapter_steps = (AdapterSteps(cfg.adapters, self.policy, len(cfg.env.tasks), ctx.num_processes)
                               if cfg.adapters.rank else None)
         self.venv = make_vector_env(cfg.env)
@@ -288,6 +292,9 @@ class RoboticsDomain(DomainBase):
                 rq = ref_logq.gather(-1, bins[..., None]).squeeze(-1)
                 ref_logp = rq.sum(-1) if reduce == "sum" else rq.mean(-1)
         return logp, ent, kl, ref_logp
+
+    def auxiliary_loss_names(self) -> list[str]:
+        return ["replay"] if self.replay is not None and self.cfg.replay.coef > 0 else []
 
     def auxiliary_losses(self, iteration: int, step: int, rank: int, world: int) -> dict[str, tuple[float, torch.Tensor]]:
         """``replay``: the BC loss of ``robotics.replay`` (demonstrations or the run's successes) on a batch drawn from

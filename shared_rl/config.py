@@ -430,6 +430,9 @@ class LossConfig:
                 "DAPO) | gspo (sequence ratio) | cispo (clipped IS weight) | {name: sapo, tau_pos, tau_neg} (soft "
                 "gate) | {name: guard, scale, center, step_weight} (GRPO-Guard); null = the loss the domain's method implies "
                 "(visgen objective nft / awm), else clipped"})
+    policy_coef: float = field(default=1.0, metadata={
+        "help": "weight of the policy-gradient term; 0 = none: each optimizer step trains the domain's auxiliary "
+                "losses alone (filtered BC / ReST-EM: robotics.replay.source successes, the run's own successes)"})
     clip_low: float = field(default=0.2, metadata={"help": "ratio clip below: 1 - clip_low (clipped, gspo, cispo)"})
     clip_high: Optional[float] = field(default=None, metadata={
         "help": "ratio clip above: 1 + clip_high; null = clip_low, larger = DAPO clip-higher"})
@@ -461,6 +464,8 @@ class LossConfig:
 
     def check(self, where: str) -> None:
         from .part_index import kl_estimator_names
+        if self.policy_coef < 0:
+            raise ConfigError(f"{where}.policy_coef must be >= 0 (0 = no policy-gradient term), got {self.policy_coef}")
 
         KL_ESTIMATORS = kl_estimator_names()  # noqa: N806 — read from the source while torch is not imported
         if self.kl_estimator not in KL_ESTIMATORS:

@@ -162,6 +162,11 @@ class DomainBase:
         weighted by their fraction) so that the sum over ranks is the global mean. The trainer logs ``loss/<name>``."""
         return {}
 
+    def auxiliary_loss_names(self) -> list[str]:
+        """The names ``auxiliary_losses`` returns terms for in this run (none by default); ``loss.policy_coef: 0``
+        needs at least one, since nothing else would train."""
+        return []
+
     def before_optimizer_step(self) -> None:
         """Called right before each optimizer step, after the gradients are summed and clipped (a domain that
         rescales the step of some weights snapshots them here and rescales in ``after_optimizer_step``)."""

@@ -124,6 +124,8 @@ class Trainer:
         self.domain = resolve_domain(cfg.domain)(cfg.domain_config, ctx)
         self.fsdp = setup_fsdp(cfg, self.domain, self.dist, self.device, log) if (
             cfg.distributed.strategy == "fsdp2") else None
+        if cfg.loss.policy_coef == 0 and not self.domain.auxiliary_loss_names():
+            raise ConfigError(f"loss.policy_coef: 0 trains the auxiliary losses alone; domain {cfg.domain!r} has none")
         params = [p for p in self.domain.parameters() if p.requires_grad]
         if not params:
             raise ConfigError(f"domain {cfg.domain!r} exposes no trainable parameters")
@@ -226,7 +228,7 @@ class Trainer:
         # 6. inner epochs of minibatches; each minibatch is one optimizer step (its loss: Trainer.loss), accumulated
         #    over micro-batches and normalised by the minibatch's global step counts
         t1 = time.perf_counter()
-        nfe_train = self._prefill_deferred_logp(local, to_local)
+        nfe_train = self._prefill_deferred_logp(local, to_local) if cfg.loss.policy_coef > 0 else 0
         stats = StepStats()
         trainable = torch.nonzero(view.mask.any(dim=1)).flatten()
         for _epoch in range(cfg.optim.inner_epochs):
@@ -361,7 +363,7 @@ class Trainer:
         for part_idx, part_adv in ((local_idx[:half], adv[:half]), (local_idx[half:], adv[half:])):
             splits += [(i, a) for i, a in zip(torch.split(part_idx, micro), torch.split(part_adv, micro)) if i.numel()]
             boundary = boundary or len(splits)
-        n_calls = len(splits)
+        n_calls = len(splits) if cfg.loss.policy_coef > 0 else 0  # policy_coef 0: the auxiliary losses alone
         if self.fsdp is not None:
             n_calls = int(self.dist.all_reduce_(torch.tensor([len(splits)]), "max"))
         for call in range(n_calls):
@@ -386,7 +388,7 @@ class Trainer:
                             else self._behaviour_logp(rollout, idx, out, mask))
                 parts = self.loss(out, logp_old, a.to(out.logp), mask, norm, row_steps=full.sum(1).to(out.logp))
                 st = parts.stats
-                loss = parts.total * self._policy_weight  # 0 while the critic warms up
+                loss = parts.total * (self._policy_weight * cfg.loss.policy_coef)  # 0 while the critic warms up
                 if value_norm > 0:
                     loss = loss + self.critic.value_coef * self._value_loss(out, idx, value_norm, stats)
                 stats.add("loss/policy", float(parts.policy.detach()), 0.0)

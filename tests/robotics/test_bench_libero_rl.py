@@ -73,6 +73,10 @@ def test_the_variants_are_valid_configs_with_their_settings():
     assert ex.domain_config.env.tasks == bl.TASKS and ex.domain_config.checkpoint == g.domain_config.checkpoint
     assert (ex.advantage.estimator.name, ex.loss.clip_low, ex.optim.lr, ex.optim.inner_epochs) == \
         (ript.advantage.estimator.name, ript.loss.clip_low, ript.optim.lr, ript.optim.inner_epochs), "LOOP, as ript-loop"
+    fbc = cfgs["filtered-bc"]  # no policy gradient: the BC term on the run's successes, every state, nothing dropped
+    assert fbc.loss.policy_coef == 0 and g.loss.policy_coef == 1.0 and fbc.domain_config.replay.source == "successes"
+    assert fbc.domain_config.replay.coef == 1.0 and fbc.domain_config.adapters.steps == "equal"
+    assert (fbc.selection.filter, fbc.selection.max_refill_rounds, fbc.optim.inner_epochs) == ("none", 0, 32)
     replay = cfgs["grove+replay"].domain_config.replay
     assert replay.coef == 1.0 and replay.data == "d.npz" and g.domain_config.replay.coef == 0
 
