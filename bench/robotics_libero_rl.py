@@ -571,7 +571,9 @@ def run(out_dir: Path, quick: bool = False, only: str = "", assemble: bool = Fal
         return s if only in ("", name) else {**s, "assemble": True}
 
     for k in s["ks"]:
-        need = (only not in ("", "demos", "bc") or (ks and k not in ks)) and not (only == "rl" and k == s["rl_k"])
+        # --only rl needs the K demos only to make its clone (a row that replays them collects them itself)
+        own_clone = only == "rl" and k == s["rl_k"] and rl_clone(out, k) != ASSET_CLONE
+        need = (only not in ("", "demos", "bc") or (ks and k not in ks)) and not own_clone
         files = demo_files(out, 1 if quick else pool_size(k), {**s, "assemble": assemble or need})
         for seed in s["bc_seeds"]:
             if only == "rl" and k == s["rl_k"] and rl_clone(out, k) == ASSET_CLONE:
