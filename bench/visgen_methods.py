@@ -75,8 +75,21 @@ VARIANTS: dict[str, dict[str, Any]] = {
              "advantage": {"estimator": "grpo_population", "eps": 1.0e-4}},
     "guard": {"loss": {"policy_loss": "guard"}},
 }
+# issue 63's five methods: each row is its own shapes recipe (configs/visgen/shapes_<recipe>.yaml, the authors'
+# defaults at the demo's scale) with the bench's fixed settings; no overrides of their own
+RECIPES: dict[str, str] = {"dpo": "shapes_dpo.yaml", "flowdppo": "shapes_flowdppo.yaml",
+                           "opsd": "shapes_diffusion_opsd.yaml", "opd": "shapes_opd.yaml", "crd": "shapes_crd.yaml"}
+VARIANTS.update({name: {} for name in RECIPES})
+# on-policy distillation needs a teacher: flat Flow-GRPO's seed-0 run at the budget, its LoRA merged
+# (``run`` makes it under OUT/teacher; a stream with --flat-seeds 0 names one with --teacher)
+TEACHER_OF = {"opd": "visgen.objective.teacher"}
 # per-method learning rates (docs/bench/visgen_methods.md records the sweep); absent: the demo's 1e-3
 LR: dict[str, float] = {}
+
+
+def recipe_of(name: str) -> Path:
+    """The recipe a variant starts from: its own (``RECIPES``) or the demo's."""
+    return RECIPE.parent / RECIPES[name] if name in RECIPES else RECIPE
 
 
 def _merge(base: dict, over: dict) -> dict:
@@ -94,7 +107,7 @@ def variant_config(name: str, seed: int, iterations: int, quick: bool, model: st
     ``logging.step_clip_frac=true`` survives the bench's own logging section)."""
     from shared_rl.config import apply_overrides, load_yaml
 
-    data = _merge(load_yaml(RECIPE), (variants or VARIANTS)[name])
+    data = _merge(load_yaml(recipe_of(name)), (variants or VARIANTS)[name])
     data.update(seed=seed, iterations=iterations)
     if name in LR:
         data["optim"]["lr"] = LR[name]
@@ -115,9 +128,10 @@ def variant_config(name: str, seed: int, iterations: int, quick: bool, model: st
 
 def run_variant(name: str, seed: int, nfe_budget: float | None, max_iters: int, eval_every: int, quick: bool,
                 log, model: str | None = None, variants: dict[str, dict] | None = None,
-                overrides: list[str] | None = None) -> dict[str, Any]:
+                overrides: list[str] | None = None, save_final: Path | None = None) -> dict[str, Any]:
     """Train until the (full-precision) NFE budget is spent (or ``max_iters``), evaluating every ``eval_every``
-    iterations. A two-stage explorer's forwards are counted apart (``explore_nfe``)."""
+    iterations. A two-stage explorer's forwards are counted apart (``explore_nfe``). ``save_final``: the trained
+    policy merged into a full pipeline there (a teacher for on-policy distillation, ``visgen.tiny.merge_teacher``)."""
     from shared_rl.config import load_train_config
     from shared_rl.trainer import Trainer
 
@@ -151,6 +165,11 @@ def run_variant(name: str, seed: int, nfe_budget: float | None, max_iters: int, 
                 f"held-out strict {ev['eval/strict']:.3f}")
         if done:
             break
+    if save_final is not None:
+        from visgen.tiny import merge_teacher
+
+        trainer.domain.save_pretrained(Path(save_final) / "final")
+        merge_teacher(Path(save_final) / "final", Path(save_final) / "teacher")
     out = {"points": points, "iterations": it + 1, "images": images, "nfe": nfe, "time": wall, "explore_nfe": explore,
            "rank_spearman": statistics.mean(spearman) if spearman else None}
     if clip_by_step:  # each denoising step's clipped fraction, averaged over iterations
@@ -229,7 +248,8 @@ def _plot(results: dict[str, list[dict]], path: Path, budget: float) -> None:
 
 
 def load_runs(paths: list[Path | str], flat_iters: int, eval_every: int) -> dict[str, list[dict]]:
-    """Runs measured earlier (``--reuse``: results.json or partial.json files of this bench or visgen-two-stage, the
+    """Runs measured earlier (``--reuse``: results.json or partial.json files of this bench or visgen-two-stage, or
+    one ``--probe``'s JSON (its one run, e.g. a flat seed run in its own process), the
     same recipe), by variant, so a stopped bench resumes and one flat measurement serves both pages. Every run must
     have been evaluated every ``eval_every`` iterations, and flat's must have run ``flat_iters``; otherwise a
     ConfigError says what was found."""
@@ -240,7 +260,8 @@ def load_runs(paths: list[Path | str], flat_iters: int, eval_every: int) -> dict
     out: dict[str, list[dict]] = {}
     for path in paths:
         data = json.loads(Path(path).read_text())
-        runs = data.get("runs") or ({FLAT: data["flat_runs"]} if data.get("flat_runs") else {})
+        runs = data.get("runs") or ({FLAT: data["flat_runs"]} if data.get("flat_runs") else {}) \
+            or ({data["variant"]: [data]} if data.get("variant") and data.get("points") else {})  # a --probe's file
         if not runs:
             raise ConfigError(f"--reuse {path}: no runs in it (made by an older version of the bench?)")
         for name, rs in runs.items():
@@ -258,14 +279,16 @@ def load_runs(paths: list[Path | str], flat_iters: int, eval_every: int) -> dict
 def run(out_dir: Path, quick: bool = False, variants: list[str] | None = None, log=print, flat_iters: int | None = None,
         flat_seeds: int | None = None, eval_every: int | None = None, best_seeds: int | None = None,
         write_doc: bool | None = None, model: str | None = None, reuse: list[Path | str] | None = None,
-        budget_nfe: float | None = None, variant_seed: int = 0) -> dict[str, Any]:
+        budget_nfe: float | None = None, variant_seed: int = 0, teacher: Path | str | None = None) -> dict[str, Any]:
     """The benchmark (``variants``, ``flat_iters``, ``flat_seeds``, ``eval_every``, ``best_seeds`` size it).
 
     ``reuse``: earlier results.json / partial.json files whose runs are taken instead of re-run (``load_runs``).
     ``budget_nfe`` with ``flat_seeds=0``: run only ``variants`` at that budget and keep them in partial.json (a
     second stream next to one running flat; a later call with ``reuse`` of both makes the table). ``variant_seed``:
     the seed of the non-flat variants run here (a stream that runs the best method's second seed while the others
-    finish; reuse its partial.json after the seed-0 runs')."""
+    finish; reuse its partial.json after the seed-0 runs'). ``teacher``: the pipeline on-policy distillation
+    (``TEACHER_OF``) distils; by default flat seed 0's policy at the budget, merged into ``out_dir/teacher`` when
+    this call runs that seed."""
     from shared_rl.bench import markdown_table, write_results
 
     out_dir = Path(out_dir)
@@ -287,7 +310,11 @@ def run(out_dir: Path, quick: bool = False, variants: list[str] | None = None, l
         results: dict[str, list[dict]] = {FLAT: earlier.get(FLAT, [])[:max(flat_seeds, 1)]}
         for seed in range(len(results[FLAT]), flat_seeds):
             log(f"visgen-methods: flat seed {seed} sets the budget")
-            results[FLAT].append(run_variant(FLAT, seed, None, flat_iters, eval_every, quick, log, model))
+            save = out_dir if seed == 0 and teacher is None and any(n in TEACHER_OF for n in names) else None
+            results[FLAT].append(run_variant(FLAT, seed, None, flat_iters, eval_every, quick, log, model,
+                                             save_final=save))
+            if save is not None:
+                teacher = out_dir / "teacher"
             _save_partial(out_dir, results)
         if not results[FLAT] and budget_nfe is None:
             raise ValueError("no flat runs (flat_seeds=0 and nothing reused): give budget_nfe")
@@ -297,7 +324,8 @@ def run(out_dir: Path, quick: bool = False, variants: list[str] | None = None, l
                 results[name] = earlier[name]
                 continue
             log(f"visgen-methods: {name}")
-            results[name] = [run_variant(name, variant_seed, budget, 3 * flat_iters, eval_every, quick, log, model)]
+            results[name] = [run_variant(name, variant_seed, budget, 3 * flat_iters, eval_every, quick, log, model,
+                                         overrides=teacher_overrides(name, teacher))]
             _save_partial(out_dir, results)
         if not results[FLAT]:  # a second stream: its runs wait in partial.json for the call that makes the table
             log(f"visgen-methods: {len(names)} variant(s) at {budget:.0f} NFE kept in {out_dir / 'partial.json'}")
@@ -309,7 +337,8 @@ def run(out_dir: Path, quick: bool = False, variants: list[str] | None = None, l
             for seed in range(1, best_seeds):
                 log(f"visgen-methods: {best} seed {seed} (the best other method)")
                 if len(results[best]) <= seed:
-                    results[best].append(run_variant(best, seed, budget, 3 * flat_iters, eval_every, quick, log, model))
+                    results[best].append(run_variant(best, seed, budget, 3 * flat_iters, eval_every, quick, log, model,
+                                                     overrides=teacher_overrides(best, teacher)))
                     _save_partial(out_dir, results)
             rows, summary = rows_from(results, budget)
     total = time.perf_counter() - t0
@@ -336,6 +365,17 @@ def run(out_dir: Path, quick: bool = False, variants: list[str] | None = None, l
     return result
 
 
+def teacher_overrides(name: str, teacher: Path | str | None) -> list[str] | None:
+    """The dotted override that names a distilling variant's teacher (none for the others)."""
+    if name not in TEACHER_OF:
+        return None
+    if teacher is None:
+        from shared_rl.errors import ConfigError
+
+        raise ConfigError(f"variant {name} distils a teacher: run flat seed 0 in the same call, or give --teacher")
+    return [f"{TEACHER_OF[name]}={teacher}"]
+
+
 def time_note(results: dict[str, list[dict]], total_s: float, reused: bool) -> str:
     """What the page says the bench took: this call's wall time, and with runs reused from earlier calls (which
     this call did not time) the rollout + training seconds its runs recorded, summed."""
@@ -356,7 +396,7 @@ def _save_partial(out_dir: Path, results: dict[str, list[dict]]) -> None:
 
 
 def probe(name: str, overrides: list[str], iterations: int, eval_every: int, out: Path, seed: int = 0,
-          log=print) -> dict[str, Any]:
+          log=print, save_final: Path | None = None) -> dict[str, Any]:
     """One sweep point: variant ``name`` of the demo recipe with dotted ``overrides``, ``iterations`` iterations,
     held-out strict every ``eval_every``; the curve is written to ``out`` (JSON) and returned. The page's sweep
     tables are made of these (``python -m bench.visgen_methods --probe nft --set optim.lr=3e-3 ...``)."""
@@ -364,7 +404,7 @@ def probe(name: str, overrides: list[str], iterations: int, eval_every: int, out
 
     torch.set_num_threads(1)
     _quiet()
-    res = run_variant(name, seed, None, iterations, eval_every, False, log, overrides=overrides)
+    res = run_variant(name, seed, None, iterations, eval_every, False, log, overrides=overrides, save_final=save_final)
     res.update(variant=name, overrides=list(overrides), seed=seed)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=1))
@@ -388,12 +428,15 @@ if __name__ == "__main__":
     p.add_argument("--probe", help="run ONE variant as a sweep point (with --set, --iters) instead of the bench")
     p.add_argument("--set", nargs="*", default=[], help="dotted overrides of the probe, e.g. optim.lr=3e-3")
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--teacher", help="the pipeline the distilling variants (opd) distil; default flat seed 0's, merged")
+    p.add_argument("--save-final", help="with --probe: merge the trained policy into SAVE_FINAL/teacher")
     p.add_argument("--seed", type=int, default=0, help="the probe's seed, or with --flat-seeds 0 the variants' seed")
     a = p.parse_args()
     if a.probe:
-        probe(a.probe, a.set, a.iters, a.eval_every or 5, Path(a.out) / f"{a.probe}_{'_'.join(a.set) or 'base'}_s{a.seed}.json",
-              a.seed)
+        probe(a.probe, a.set + (teacher_overrides(a.probe, a.teacher) or []), a.iters, a.eval_every or 5,
+              Path(a.out) / f"{a.probe}_{'_'.join(a.set) or 'base'}_s{a.seed}.json", a.seed,
+              save_final=Path(a.save_final) if a.save_final else None)
         raise SystemExit(0)
     run(Path(a.out), a.quick, a.variants, flat_iters=a.flat_iters, flat_seeds=a.flat_seeds, eval_every=a.eval_every,
         best_seeds=a.best_seeds, write_doc=False if a.no_doc else None, reuse=a.reuse, budget_nfe=a.budget_nfe,
-        variant_seed=a.seed)
+        variant_seed=a.seed, teacher=a.teacher)

@@ -6,12 +6,16 @@ from bench.visgen_methods import MIN_BAND, VARIANTS, first_reach, noise_band, ro
 from shared_rl.config import load_train_config
 
 SHORT_NAMES = {"flat", "dance", "fast", "mix", "branch", "branch-prune", "branch-mix", "tree", "egrpo", "nft", "awm",
-               "dgpo", "guard"}
+               "dgpo", "guard", "dpo", "flowdppo", "opsd", "opd", "crd"}
+# issue 63's five: the bench row's short name -> (its shapes recipe, the policy loss it builds)
+ISSUE_63 = {"dpo": ("shapes_dpo.yaml", "dpo"), "flowdppo": ("shapes_flowdppo.yaml", "flow_dppo"),
+            "opsd": ("shapes_diffusion_opsd.yaml", "diffusion_opsd"), "opd": ("shapes_opd.yaml", "opd"),
+            "crd": ("shapes_crd.yaml", "crd")}
 
 
 def test_every_method_is_a_valid_demo_config():
     assert set(VARIANTS) == SHORT_NAMES
-    for name in VARIANTS:
+    for name in set(VARIANTS) - set(ISSUE_63):
         cfg = load_train_config(variant_config(name, 0, 3, quick=False))
         assert cfg.rollout.groups_per_iteration == 32, name  # the demo's 512-image scale for every method
         assert cfg.domain_config.eval.samples_per_prompt == 4
@@ -134,3 +138,41 @@ def test_a_table_assembled_from_reused_runs_says_what_they_took_not_this_call(tm
     assert "2 runs, most reused from earlier calls: their rollout + training time sums to 30 min" in notes
     assert "--reuse" in notes and "total 0.0 min" not in notes
     assert vm.time_note({"flat": [run]}, 90.0, reused=False) == "total 1.5 min"
+
+
+def test_issue_63_rows_are_their_own_shapes_recipes():
+    """Online DPO, Flow-DPPO, DiffusionOPSD, diffusion OPD and CRD are bench rows; each row is its shapes recipe as
+    shipped (the authors' defaults at the demo's scale) with only the bench's fixed settings, and OPD's teacher is
+    the one the bench names (flat seed 0's policy, merged)."""
+    import bench.visgen_methods as vm
+    from shared_rl.config import load_yaml
+    from shared_rl.errors import ConfigError
+
+    assert {n: vm.RECIPES[n] for n in ISSUE_63} == {n: r for n, (r, _) in ISSUE_63.items()}
+    for name, (recipe, loss) in ISSUE_63.items():
+        shipped = load_yaml(vm.RECIPE.parent / recipe)
+        data = variant_config(name, 0, 3, quick=False, overrides=vm.teacher_overrides(name, "T/teacher"))
+        assert data["visgen"]["objective"] == {**shipped["visgen"]["objective"],
+                                                **({"teacher": "T/teacher"} if name == "opd" else {})}, name
+        for part in ("rollout", "advantage", "loss", "optim"):
+            assert data[part] == shipped[part], (name, part)
+        assert data["iterations"] == 3 and data["eval"] == {"at_start": False} and data["checkpoint"] == {"every": 0}
+        cfg = load_train_config(data)
+        assert cfg.policy_loss_choice().name == loss, name
+        assert cfg.domain_config.eval.samples_per_prompt == 4 and cfg.domain_config.model == "assets/shapes-sd3-tiny"
+    assert vm.teacher_overrides("dpo", None) is None
+    with pytest.raises(ConfigError, match="--teacher"):
+        vm.teacher_overrides("opd", None)
+
+
+def test_a_probe_file_is_reused_as_its_variants_run(tmp_path):
+    """A flat seed run as ``--probe flat`` in its own process joins the table through --reuse."""
+    import json
+
+    from bench.visgen_methods import load_runs
+
+    run = {"points": [{"iteration": 0, "nfe": 0, "time": 0, "score": 0.5},
+                      {"iteration": 5, "nfe": 50, "time": 5, "score": 0.55}],
+           "iterations": 5, "images": 10, "nfe": 50, "time": 5, "variant": "flat", "overrides": [], "seed": 1}
+    (tmp_path / "flat_base_s1.json").write_text(json.dumps(run))
+    assert load_runs([tmp_path / "flat_base_s1.json"], 5, 5) == {"flat": [run]}
