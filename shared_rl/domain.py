@@ -209,3 +209,11 @@ class DomainBase:
         Rollouts, evaluation and ``on_train_end`` run with the shards gathered, so they may use the modules freely
         (but not ``Module.state_dict()``)."""
         return []
+
+    def fsdp_roots(self) -> list[torch.nn.Module]:
+        """The models the ``fsdp_modules()`` units belong to, with whatever lies outside every unit (buffers such
+        as the tiny VLA's noise levels, a whole frozen reference copy): where a process built its models on the
+        meta device (``shared_rl.sharding.meta_unless_rank0``), ``setup_fsdp`` broadcasts those tensors from process
+        0. Default: the domain's ``torch.nn.Module`` attributes, in the order they were set (the same on every
+        process)."""
+        return [v for v in vars(self).values() if isinstance(v, torch.nn.Module)]

@@ -80,12 +80,15 @@ def setup_fsdp(cfg, domain, d, device: torch.device, log):
         raise ConfigError(f"distributed.strategy: fsdp2 needs a rollout chunk on each of the {d.world} processes, "
                           f"but {groups} groups in calls of {per_call} make {chunks} chunks; {fix}")
     dc = cfg.distributed
-    shards = shard_from_rank0(modules, d, device, dc.reshard_after_forward, replicate=dc.replicate, **policies(cfg))
+    roots = list(domain.fsdp_roots()) if hasattr(domain, "fsdp_roots") else []
+    shards = shard_from_rank0(modules, d, device, dc.reshard_after_forward, replicate=dc.replicate, roots=roots,
+                              **policies(cfg))
     local, full = shards.local_parameter_bytes()
     mesh = f"a {dc.replicate} x {d.world // dc.replicate} (replicate x shard) mesh" if dc.replicate > 1 else \
         f"{d.world} processes"
     log(f"fsdp2: {len(modules)} modules sharded over {mesh}; process {d.rank} holds {local:,} of their {full:,} "
-        f"parameter bytes")
+        f"parameter bytes" + ("; loaded by process 0 alone (the others built on the meta device and received "
+                              "their shards)" if shards.from_rank0 else ""))
     return shards
 
 
@@ -101,6 +104,22 @@ def meta_unless_rank0(rank: int):
         yield
 
 
+def loads_on_meta(ctx) -> bool:
+    """Whether this process of the run builds its model on the meta device (``meta_unless_rank0``): under
+    ``distributed.strategy: fsdp2`` with several processes, on every process but 0 (``setup_fsdp`` then fills the
+    shards from process 0). A domain's loader wraps its model's construction in
+    ``meta_unless_rank0(ctx.process_index if loads_on_meta(ctx) else 0)`` (equivalently ``rank0_build(ctx)``)."""
+    cfg = getattr(ctx, "train_cfg", None)
+    return bool(cfg is not None and cfg.distributed.strategy == "fsdp2" and ctx.num_processes > 1
+                and ctx.process_index != 0)
+
+
+def rank0_build(ctx):
+    """``meta_unless_rank0`` for a run's context: the meta device on processes > 0 of an FSDP2 run with several
+    processes (``loads_on_meta``), a no-op otherwise."""
+    return meta_unless_rank0(ctx.process_index if loads_on_meta(ctx) else 0)
+
+
 def _top_units(modules: list[torch.nn.Module]) -> list[torch.nn.Module]:
     """The units no other unit contains (the LLM's transformers model; each of the tiny VLA's units)."""
     inside = {id(sub) for m in modules for sub in m.modules() if sub is not m}
@@ -113,17 +132,25 @@ def shard_from_rank0(modules: list[torch.nn.Module], d, device: torch.device, re
     (``meta_unless_rank0``): process 0's full tensors are then broadcast with torch's
     ``set_model_state_dict(..., full_state_dict=True, broadcast_from_rank0=True)`` after sharding, each process
     keeping only its shards (``to_empty`` allocates them), and the buffers a state dict leaves out (rotary
-    frequencies, ...) are broadcast from process 0 too, as are the buffers of ``roots`` (the models the units are
-    part of) outside every unit (e.g. the tiny VLA flow head's noise levels). Every parameter must be in a unit.
-    When no process has a meta parameter this is plain ``FSDPShards`` (one all-reduce to agree)."""
+    frequencies, ...) are broadcast from process 0 too, as is every tensor of ``roots`` (the domain's models:
+    ``DomainBase.fsdp_roots``) outside every unit — e.g. the tiny VLA flow head's noise levels, or the whole frozen
+    KL reference of ``llm.keep_reference``, which stays a full copy per process (parameters tied within a root stay
+    tied). When no process has a meta tensor this is plain ``FSDPShards`` (one all-reduce to agree)."""
     from .distributed import FSDPShards
 
-    meta = torch.tensor([float(any(p.is_meta for m in modules for p in m.parameters()))])
+    in_units = {id(sub) for m in modules for sub in m.modules()}
+    outside = [(module, name, t) for root in roots for module in root.modules() if id(module) not in in_units
+               for name, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]]
+    meta = torch.tensor([float(any(p.is_meta for m in modules for p in m.parameters())
+                               or any(t.is_meta for _, _, t in outside))])
     if d.enabled:
         d.all_reduce_(meta, "max")
     if not meta.item():
-        return FSDPShards(modules, d, device, reshard_after_forward, replicate=replicate, **fsdp_policies)
-    if d.rank == 0 and any(p.is_meta for m in modules for p in m.parameters()):
+        shards = FSDPShards(modules, d, device, reshard_after_forward, replicate=replicate, **fsdp_policies)
+        shards.from_rank0 = False
+        return shards
+    if d.rank == 0 and (any(p.is_meta for m in modules for p in m.parameters()) or
+                        any(t.is_meta for _, _, t in outside)):
         raise RuntimeError("shard_from_rank0: process 0 must hold the real weights (build with meta_unless_rank0)")
     tops = _top_units(modules)
     # process 0's full state before sharding (fully_shard copies each parameter's own slice; these stay whole on 0)
@@ -140,16 +167,20 @@ def shard_from_rank0(modules: list[torch.nn.Module], d, device: torch.device, re
             for name, buf in module.named_buffers(recurse=False):
                 if name in module._non_persistent_buffers_set:
                     dist.broadcast(buf.data, src=0)
-    in_units = {id(sub) for m in modules for sub in m.modules()}
-    for root in roots:
-        for module in root.modules():
-            if id(module) in in_units:
-                continue
-            for name, buf in list(module.named_buffers(recurse=False)):
-                if buf.is_meta:
-                    module._buffers[name] = buf = torch.empty_like(buf, device=device)
-                dist.broadcast(buf.data, src=0)
     del full
+    done: dict[int, torch.Tensor] = {}  # a tensor met twice (tied weights): allocated and broadcast once
+    for module, name, t in outside:
+        if id(t) not in done:
+            new = t
+            if t.is_meta:
+                new = torch.empty_like(t, device=device)
+                if isinstance(t, torch.nn.Parameter):
+                    new = torch.nn.Parameter(new, requires_grad=t.requires_grad)
+            dist.broadcast(new.data, src=0)
+            done[id(t)] = new
+        slot = module._parameters if name in module._parameters else module._buffers
+        slot[name] = done[id(t)]
+    shards.from_rank0 = True  # the weights came from process 0 (setup_fsdp's log line says so)
     return shards
 
 

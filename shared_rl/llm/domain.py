@@ -21,6 +21,7 @@ import torch
 from ..config import ConfigError
 from ..domain import DomainBase, RunContext, StepLogProbs
 from ..rewards import guarded_reward
+from ..sharding import loads_on_meta
 from ..rollout import Rollout
 from .engine import RolloutEngine, TorchRolloutEngine
 from .fast_train import fast_token_log_probs
@@ -58,8 +59,10 @@ class LLMDomain(DomainBase):
             self.model = prepare_causal_lm(held_model, self.device, cfg.lora, cfg.gradient_checkpointing, cfg.model,
                                            cfg.lm_head_fp32)
         else:
+            # under fsdp2 with several processes only process 0 reads the weights; the others build on the meta
+            # device and receive their shards (and the reference copy) from it in the trainer's setup_fsdp
             self.model = load_causal_lm(cfg.model, cfg.dtype, self.device, cfg.lora, cfg.gradient_checkpointing,
-                                        cfg.lm_head_fp32)
+                                        cfg.lm_head_fp32, meta=loads_on_meta(ctx))
         self.reference = None
         if cfg.keep_reference and not cfg.lora.enabled:
             self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)

@@ -56,10 +56,25 @@ def resolve_model_path(path: str) -> str:
 
 
 def load_causal_lm(path: str, dtype: str = "float32", device: torch.device | str = "cpu", lora: LLMLoraSettings | None = None,
-                   gradient_checkpointing: bool = False, lm_head_fp32: bool = False) -> torch.nn.Module:
-    """Load any ``AutoModelForCausalLM``; wrap it with a peft LoRA adapter when ``lora.enabled``."""
-    from transformers import AutoModelForCausalLM
+                   gradient_checkpointing: bool = False, lm_head_fp32: bool = False,
+                   meta: bool = False) -> torch.nn.Module:
+    """Load any ``AutoModelForCausalLM``; wrap it with a peft LoRA adapter when ``lora.enabled``. ``meta``: build
+    it on the meta device from its ``config.json`` instead (no weight read or allocated; LoRA added there too), for
+    a process of an FSDP2 run that receives its shards from process 0 (``shared_rl.sharding.shard_from_rank0``)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
+    if meta:
+        config = AutoConfig.from_pretrained(resolve_model_path(path))
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype]).eval()  # as from_pretrained
+        try:  # what from_pretrained reads besides the weights (the domain's EOS ids come from it)
+            from transformers import GenerationConfig
+
+            model.generation_config = GenerationConfig.from_pretrained(resolve_model_path(path))
+        except OSError:
+            pass
+        with torch.device("meta"):
+            return prepare_causal_lm(model, "meta", lora, gradient_checkpointing, path, lm_head_fp32)
     model = AutoModelForCausalLM.from_pretrained(resolve_model_path(path), dtype=DTYPES[dtype])
     return prepare_causal_lm(model, device, lora, gradient_checkpointing, path, lm_head_fp32)
 

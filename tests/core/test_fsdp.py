@@ -109,6 +109,8 @@ def _fit_worker(rank, world, port, name, model, run_dir, out):
     _init(rank, world, port)
     tr = Trainer(_config(name, "fsdp2", model), run_dir, log=lambda *_: None)
     assert tr.fsdp is not None and all(is_dtensor(p) for p in tr.domain.parameters())
+    # the LLM domain loads on process 0 alone: process 1 built its model on the meta device (load_causal_lm)
+    assert tr.fsdp.from_rank0 == name.startswith("llm")
     tr.fit()
     state = full_tensors(tr.domain.state_dict())
     # the final checkpoint (gathered, one-process layout) loads back into fresh shards exactly
@@ -143,6 +145,9 @@ def test_fsdp2_two_processes_match_one(tmp_path, name, tiny_llama):
     out = tmp_path / "two.pt"
     _spawn(_fit_worker, name, model, tmp_path / "two", str(out))
     got = [torch.load(f"{out}.{r}", weights_only=True) for r in range(2)]
+    # process 1 (built on the meta device for the LLM) gathers the same weights, ties kept (no extra output layer)
+    assert got[1]["state"].keys() == got[0]["state"].keys()
+    assert all(torch.equal(v, got[1]["state"][k]) for k, v in got[0]["state"].items())
     for k, v in single.domain.state_dict().items():
         assert torch.allclose(v, got[0]["state"][k], atol=1e-5, rtol=1e-4), k
     # 3 groups over 2 processes: the rank with fewer sequences padded its micro-batches with weight-0 forwards
