@@ -22,56 +22,8 @@ from shared_rl.errors import ConfigError
 
 from .envs.metaworld_env import instruction_for
 from .parts import Part
+from .part_settings import VAL_FIRST_INDEX, AdaptersConfig  # noqa: F401  (torch-free, re-exported here)
 from .policies.vla import TinyVLA
-
-# keep_best's validation states: training-split indices from here on. RL's keys are 0 .. train_states_per_task and
-# the demonstrations' 100_000 + attempt (collect.DEMO_INDEX_OFFSET), so validation shares a state with neither (nor
-# with the held-out "eval" split); the BC asset never saw these states either.
-VAL_FIRST_INDEX = 300_000
-
-
-@dataclass
-class AdaptersConfig:
-    """``robotics.adapters``: per-task adapters and how they train."""
-
-    rank: int = field(default=0, metadata={
-        "help": "rank of a per-task low-rank adapter on the fused features, the only weights RL then trains (each "
-                "task's update cannot move another task's actions); 0 = none, train the shared fusion and head"})
-    steps: Literal["equal", "by_episodes"] = field(default="equal", metadata={
-        "help": "equal = every task's adapter takes AdamW's full step whenever its task has episodes in the "
-                "minibatch (AdamW normalises each weight's step, so a task informed by 8 episodes moves as far as one "
-                "informed by 40); by_episodes = each task adapter's step is scaled by its episodes in the minibatch / "
-                "the most any task has there (as one shared step would weigh them)"})
-    keep_best: bool = field(default=False, metadata={
-        "help": "at every evaluation score each task's adapter by ODE success on val_states_per_task validation "
-                "reset states (training-split states the rollouts never draw, disjoint from the held-out ones) and "
-                "end the run with each task's best-scoring adapter, ties to the later one: early stopping per task, "
-                "so a task that regresses late ends where it scored best (the final checkpoint holds the kept "
-                "adapters: extending a finished run with --resume iterations=N trains on from them, not from the "
-                "last ones)"})
-    val_states_per_task: int = field(default=20, metadata={
-        "help": "validation reset states per task for keep_best (ODE episodes at every evaluation)"})
-    report_last: bool = field(default=True, metadata={
-        "help": "with keep_best: before the kept adapters replace the last ones, evaluate the last ones on the "
-                "held-out states too (eval_last/success, eval_last/success/<task>: what the run would have ended at "
-                "without the selection; one more evaluation)"})
-
-    def check(self, where: str = "robotics.adapters") -> None:
-        if self.rank < 0:
-            raise ConfigError(f"{where}.rank is a rank (0 = no adapters), got {self.rank}")
-        if self.steps == "by_episodes" and not self.rank:
-            raise ConfigError(f"{where}.steps: by_episodes scales per-task adapter steps; set {where}.rank (16 in "
-                              f"the five-task recipe) or steps: equal")
-        if self.keep_best and not self.rank:
-            raise ConfigError(f"{where}.keep_best selects per-task adapters; set {where}.rank (16 in the five-task "
-                              f"recipe) or keep_best: false")
-        if self.keep_best and self.val_states_per_task < 1:
-            raise ConfigError(f"{where}.val_states_per_task must be >= 1, got {self.val_states_per_task}")
-
-    def check_with(self, train_cfg, where: str = "robotics.adapters") -> None:
-        if self.keep_best and train_cfg.optim.ema_decay > 0:
-            raise ConfigError(f"{where}.keep_best selects the live adapters, optim.ema_decay evaluates an average of "
-                              f"them; use one or the other")
 
 
 def add_adapters(policy: TinyVLA, cfg: AdaptersConfig, tasks: list[str], seed: int) -> None:

@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 from typing import Callable, Literal
 
 from shared_rl.errors import ConfigError
-from shared_rl.selection import StratifiedSampler
 
 
 @dataclass
@@ -45,5 +44,7 @@ class BalanceConfig:
         """``sampler`` drawing per task (``task_of(key)``), or ``sampler`` itself when balance is off."""
         if not self.enabled:
             return sampler
+        from shared_rl.selection import StratifiedSampler  # torch: imported when a run builds its sampler
+
         return StratifiedSampler(sampler, task_of, by_need=self.by == "need", need_decay=self.need_decay,
                                  need_floor=self.need_floor)

@@ -31,40 +31,8 @@ from shared_rl.rollout import Rollout
 
 from .episodes import SamplingSettings, sample_chunk
 from .envs.metaworld_env import instruction_for
+from .part_settings import BranchConfig  # noqa: F401  (torch-free, re-exported here)
 from .policies.vla import TinyVLA
-
-
-@dataclass
-class BranchConfig:
-    """``robotics.rollout.branch``: where a group branches. Empty ``at_chunks`` = flat groups (G independent
-    episodes)."""
-
-    at_chunks: list[int] = field(default_factory=list, metadata={
-        "help": "chunk boundaries where every live episode of a group branches, increasing, e.g. [0, 8, 16]"})
-    factors: list[int] = field(default_factory=list, metadata={
-        "help": "children per branch point, e.g. [2, 2, 2]; their product = rollout.group_size leaves"})
-
-    def check(self, where: str = "robotics.rollout.branch") -> None:
-        if len(self.at_chunks) != len(self.factors):
-            raise ConfigError(f"{where}: at_chunks {self.at_chunks} and factors {self.factors} need the same length")
-        if any(c < 0 for c in self.at_chunks) or any(b <= a for a, b in zip(self.at_chunks, self.at_chunks[1:])):
-            raise ConfigError(f"{where}.at_chunks must be increasing chunk indices >= 0, got {self.at_chunks}")
-        if any(f < 1 for f in self.factors):
-            raise ConfigError(f"{where}.factors must be >= 1, got {self.factors}")
-
-    @property
-    def enabled(self) -> bool:
-        return bool(self.at_chunks)
-
-    @property
-    def leaves(self) -> int:
-        return int(math.prod(self.factors)) if self.factors else 1
-
-    def spawn_schedule(self) -> dict[int, int]:
-        """chunk -> children per live node spawned before that chunk (a shared prefix is a factor-1 spawn at 0)."""
-        out = {} if (self.at_chunks and self.at_chunks[0] == 0) else {0: 1}
-        out.update(dict(zip(self.at_chunks, self.factors)))
-        return out
 
 
 @dataclass

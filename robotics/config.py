@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from shared_rl.domain import DomainConfig
+from shared_rl.domain_config import DomainConfig
 from shared_rl.errors import ConfigError
 # the path checks are torch-free so the CLI runs them before importing this module; ``resolve`` and
 # ``missing_checkpoint_hint`` keep their names here (robotics.domain loads with them)
@@ -16,17 +16,16 @@ from shared_rl.prechecks import check_eval_baseline, check_vla_checkpoint
 from shared_rl.prechecks import missing_checkpoint_hint  # noqa: F401
 from shared_rl.prechecks import resolve_repo_path as resolve
 
-from shared_rl.flow_kernels import DEFAULT_NOISE_LEVEL
+from shared_rl.kernel_settings import DEFAULT_NOISE_LEVEL
 
-from .adapters import VAL_FIRST_INDEX, AdaptersConfig
+# every section's class comes from a module that imports no torch (nor MuJoCo): grove config show and the config's
+# checks build this config without them (issue 64; tests/core/test_part_index.py)
 from .balance import BalanceConfig
-from .critic import CriticConfig
-from .envs.vector import EnvConfig
+from .envs.settings import EnvConfig
 from .fpo import FPOConfig
+from .part_settings import VAL_FIRST_INDEX, AdaptersConfig, CriticConfig, ReplayConfig, RolloutSettings
 from .policies.lerobot.settings import PolicySettings
-from .policies.vla import VLAConfig
-from .replay import ReplayConfig
-from .rollouts import RolloutSettings
+from .policies.vla_config import VLAConfig
 
 
 def _saved_vla_config(path: Path) -> VLAConfig | None:

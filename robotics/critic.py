@@ -17,40 +17,8 @@ import torch
 from shared_rl.errors import ConfigError
 
 from .parts import Part
+from .part_settings import CriticConfig  # noqa: F401  (torch-free, re-exported here)
 from .policies.value_head import ValueHead
-
-
-@dataclass
-class CriticConfig:
-    """``robotics.critic``: the value head's architecture (its training settings are the gae estimator's)."""
-
-    enabled: bool = field(default=False, metadata={
-        "help": "a value head V(features, time) per action chunk (PPO: advantage.estimator {name: gae, value_coef, "
-                "...})"})
-    hidden: int = field(default=256, metadata={"help": "critic MLP width"})
-    detach: bool = field(default=True, metadata={
-        "help": "the critic reads the policy's fused features without gradient (true) or trains them too (false)"})
-    init: float = field(default=0.0, metadata={"help": "the critic's initial value (its last layer starts at 0)"})
-    input: Literal["prefix", "expert"] = field(default="prefix", metadata={
-        "help": "a LeRobot policy's value input: prefix = the mean of the VLM's final prefix tokens (πRL's "
-                "value_after_vlm, its π0.5 setting) | expert = the mean of the action expert's output tokens over the "
-                "executed chunk (πRL's default, its π0 setting; read at the chain's start with the noise at its mean, "
-                "so the value is a function of the observation). The tiny VLA has one fused feature vector: prefix"})
-
-    def check(self, where: str = "robotics.critic") -> None:
-        if self.hidden < 1:
-            raise ConfigError(f"{where}.hidden is the MLP width, >= 1; got {self.hidden}")
-
-    def check_with(self, train_cfg, where: str = "robotics.critic") -> None:
-        """A critic estimator (gae) needs the value head; a value head without one would never be trained."""
-        est = train_cfg.advantage.estimator.name
-        if train_cfg.advantage.kind == "step" and not self.enabled:
-            raise ConfigError(f"advantage.estimator {est!r} needs the policy's value head: set {where}.enabled: true "
-                              f"(and the estimator's value_coef > 0 to train it)")
-        if self.enabled and train_cfg.advantage.kind != "step":
-            raise ConfigError(f"{where}.enabled: the value head is trained by a critic estimator, and "
-                              f"advantage.estimator {est!r} is not one; use advantage.estimator: {{name: gae, "
-                              f"value_coef: 0.5, ...}} or {where}.enabled: false")
 
 
 def vector(h) -> torch.Tensor:

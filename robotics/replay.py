@@ -23,54 +23,8 @@ import torch
 from shared_rl.errors import ConfigError
 
 from .parts import Part
+from .part_settings import ReplayConfig  # noqa: F401  (torch-free, re-exported here)
 from .policies.vla import TinyVLA
-
-
-@dataclass
-class ReplayConfig:
-    """``robotics.replay``: the BC term added at every optimizer step, and what it imitates."""
-
-    coef: float = field(default=0.0, metadata={
-        "help": "weight of the replay BC term at every optimizer step (loss/replay); 0 = off"})
-    source: Literal["demos", "successes"] = field(default="demos", metadata={
-        "help": "what the replay BC term imitates: demos = robotics.replay.data (an anchor to the BC data, "
-                "DAPG); successes = the run's own successful rollout episodes (success_window iterations), every "
-                "executed chunk, drawn equally per task (self-imitation: SIL, Oh et al. 2018; iRe-VLA's supervised "
-                "phase on successes)"})
-    data: str = field(default="", metadata={
-        "help": "source demos: demonstrations (.npz of `grove robotics collect`) replayed with weight coef: the BC "
-                "flow-matching / bin loss on them at every optimizer step, an anchor to the BC policy; '' = none"})
-    batch: int = field(default=256, metadata={"help": "chunks per replay minibatch"})
-    tasks: list[str] = field(default_factory=list, metadata={
-        "help": "source demos: the tasks whose demos are replayed (e.g. [push-v3]: imitate the task the clone "
-                "underfits, leave the others to RL alone); [] = every trained task"})
-    success_window: int = field(default=1, metadata={
-        "help": "source successes: iterations whose successful chunks are kept (1 = the current one; N = it and the "
-                "N-1 before it, a growing set of successes of a rarely solved task; kept in checkpoints)"})
-
-    def check(self, where: str = "robotics.replay") -> None:
-        """Besides the ranges, refuse what would do nothing: a replay without its data, data or tasks unused."""
-        if self.coef < 0:
-            raise ConfigError(f"{where}.coef must be >= 0 (0 = off), got {self.coef}")
-        if self.batch < 1:
-            raise ConfigError(f"{where}.batch must be >= 1, got {self.batch}")
-        if self.success_window < 1:
-            raise ConfigError(f"{where}.success_window counts iterations (1 = the current one), got {self.success_window}")
-        if self.source == "successes" and self.data:
-            raise ConfigError(f"{where}.source: successes imitates the run's own successful episodes, so {where}.data "
-                              f"({self.data!r}) would be unused; set it to '' or source: demos")
-        coef, coef_key = self.coef, f"{where}.coef"
-        if self.source == "successes" and coef <= 0:
-            raise ConfigError(f"{where}.source: successes is the data of {coef_key}'s BC term; set {coef_key} > 0 "
-                              f"(1.0 in the measured runs) or source: demos")
-        if self.source == "demos" and coef > 0 and not self.data:
-            raise ConfigError(f"{coef_key}={coef} replays demonstrations, but {where}.data is empty; give the demos "
-                              f".npz (make one with `grove robotics collect --labels expert --out "
-                              f"runs/robotics-demos/demos40_dart.npz`) or set {where}.source: successes "
-                              f"(self-imitation of the run's successful episodes)")
-        if self.tasks and (self.source != "demos" or coef <= 0):
-            raise ConfigError(f"{where}.tasks {self.tasks} picks the demos {coef_key} replays; set {coef_key} > 0 "
-                              f"with {where}.source: demos, or tasks: []")
 
 
 def _generator(seed: list[int]) -> torch.Generator:

@@ -38,80 +38,12 @@ from .envs.vector import EnvConfig
 from .episodes import EpisodeBatch, SamplingSettings, run_episodes
 from .fpo import attach_pairs
 from .parts import Part
+from .part_settings import ROLLOUTS, WORLD_MODEL_ROLLOUTS, RolloutSettings  # noqa: F401  (torch-free, re-exported)
 from .policies.vla import TinyVLA
 from .world_model.settings import ImaginationSettings, ShortHorizonSettings, VerifySettings
 
 if TYPE_CHECKING:
     from .config import RoboticsConfig
-
-ROLLOUTS: dict[str, str] = {
-    "flat": "robotics.rollouts:FlatRollout",
-    "tree": "robotics.rollouts:TreeRollout",
-    "world_model": "robotics.world_model.rollout:WorldModelRollout",
-    "verified": "robotics.world_model.verified:VerifiedRollout",
-    "short_horizon": "robotics.world_model.short_horizon:ShortHorizonRollout",
-}
-WORLD_MODEL_ROLLOUTS = ("world_model", "verified", "short_horizon")  # the strategies that read rollout.world_model
-
-
-@dataclass
-class RolloutSettings:
-    """``robotics.rollout``: the strategy and its settings."""
-
-    name: Literal["flat", "tree", "world_model", "verified", "short_horizon"] = field(default="flat", metadata={
-        "help": "flat = independent episodes per reset state in the simulator | tree = branching groups in the "
-                "simulator (branch) | world_model = imagined episodes in the learned world model (world_model; "
-                "branching when branch is set) | verified = imagined candidates from keyframes, the selected ones "
-                "re-executed in the simulator and trained on their real rewards (world_model, verify) | "
-                "short_horizon = imagined branches of a few chunks from real states, their return bootstrapped by a "
-                "critic of real returns (world_model, short_horizon)"})
-    branch: BranchConfig = field(default_factory=BranchConfig, metadata={
-        "help": "tree and world_model: branch points and factors (their product = rollout.group_size leaves)"})
-    world_model: ImaginationSettings = field(default_factory=ImaginationSettings, metadata={
-        "help": "world_model and verified: the world model, its keyframes, rewards, co-evolution and audits"})
-    verify: VerifySettings = field(default_factory=VerifySettings, metadata={
-        "help": "verified: imagined candidates per keyframe, the shared selector, the imagined score"})
-    short_horizon: ShortHorizonSettings = field(default_factory=ShortHorizonSettings, metadata={
-        "help": "short_horizon: branch length, fresh real rollouts, the critic of real returns, the audit"})
-
-    def check(self, where: str = "robotics.rollout") -> None:
-        if self.name in ("flat", "verified", "short_horizon") and self.branch.enabled:
-            raise ConfigError(f"{where}.branch makes tree groups; set {where}.name: tree (or world_model), or leave "
-                              f"branch empty for flat groups")
-        if self.name == "tree" and not self.branch.enabled:
-            raise ConfigError(f"{where}.name: tree branches at {where}.branch.at_chunks with branch.factors; set them "
-                              f"(e.g. at_chunks: [0, 8], factors: [2, 4]) or use name: flat")
-        if self.name not in WORLD_MODEL_ROLLOUTS and self.world_model != ImaginationSettings():
-            raise ConfigError(f"{where}.world_model is read by name: {' | '.join(WORLD_MODEL_ROLLOUTS)} only; set "
-                              f"{where}.name or remove the world_model settings")
-        for section, owner, default in (("verify", "verified", VerifySettings()),
-                                        ("short_horizon", "short_horizon", ShortHorizonSettings())):
-            if self.name != owner and getattr(self, section) != default:
-                raise ConfigError(f"{where}.{section} is read by name: {owner} only; set {where}.name: {owner} or "
-                                  f"remove the {section} settings")
-
-        if self.name == "verified" and self.verify.probe_states >= self.world_model.keyframe_states:
-            raise ConfigError(f"{where}.verify.probe_states ({self.verify.probe_states}) must be below "
-                              f"{where}.world_model.keyframe_states ({self.world_model.keyframe_states}): training "
-                              f"needs keyframes too")
-
-    def check_with(self, train_cfg, where: str = "robotics.rollout") -> None:
-        if self.branch.enabled and self.branch.leaves != train_cfg.rollout.group_size:
-            raise ConfigError(f"{where}.branch.factors {self.branch.factors} make {self.branch.leaves} leaves per group "
-                              f"but rollout.group_size is {train_cfg.rollout.group_size}; make them equal")
-        if self.name == "verified" and self.verify.candidates < train_cfg.rollout.group_size:
-            raise ConfigError(f"{where}.verify.candidates ({self.verify.candidates}) must be >= rollout.group_size "
-                              f"({train_cfg.rollout.group_size}): a group is the k re-executed of the N imagined")
-
-    def structure(self) -> str:
-        return "tree" if self.branch.enabled else "flat"
-
-    def horizon(self, env: EnvConfig) -> int:
-        """Env steps of one episode: the imagined horizon from a keyframe (imagined, or re-executed from it in the
-        simulator), else the env's."""
-        if self.name == "short_horizon":
-            return self.short_horizon.horizon
-        return self.world_model.horizon if self.name in WORLD_MODEL_ROLLOUTS else env.horizon
 
 
 def rollout_class(name: str) -> type[RolloutStrategy]:

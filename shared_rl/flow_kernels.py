@@ -36,6 +36,9 @@ from typing import Callable, NamedTuple
 
 import torch
 
+# the settings a config names live torch-free (grove config show); re-exported here, where the kernels use them
+from .kernel_settings import DEFAULT_NOISE_LEVEL, KERNEL_NOISE_LEVELS, REDUCTIONS  # noqa: F401
+
 __all__ = [
     "StepOutput",
     "KERNELS",
@@ -53,13 +56,9 @@ __all__ = [
     "dpm2_step",
 ]
 
-REDUCTIONS = ("mean", "sum")
 _HALF_LOG_2PI = 0.5 * math.log(2.0 * math.pi)
 
 
-#: the Flow-GRPO SDE's noise level ``a`` when none is given: Flow-GRPO's own default (Liu et al. 2025, its configs'
-#: ``config.sample.noise_level = 0.7``). Written once here: visgen's kernels and robotics' flow head default to it.
-DEFAULT_NOISE_LEVEL = 0.7
 
 
 class StepOutput(NamedTuple):
@@ -309,10 +308,6 @@ def dance_step(
 
 Kernel = Callable[..., StepOutput]
 KERNELS: dict[str, Kernel] = {"ode": ode_step, "sde": sde_step, "cps": cps_step, "dance": dance_step}
-
-#: the noise level each kernel uses when none is given (cps reuses Flow-GRPO's a; DanceGRPO eta = 0.3 for FLUX)
-KERNEL_NOISE_LEVELS: dict[str, float] = {"ode": 0.0, "sde": DEFAULT_NOISE_LEVEL, "cps": DEFAULT_NOISE_LEVEL,
-                                         "dance": 0.3}
 
 
 def get_kernel(name: str) -> Kernel:

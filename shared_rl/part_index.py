@@ -177,3 +177,19 @@ def kl_estimator_names() -> list[str]:
 def estimator_names(kind: str) -> list[str]:
     """The registered estimators of one kind, sorted (``shared_rl.advantages.estimator_names`` without torch)."""
     return sorted(n for n, e in estimators().items() if e.kind == kind)
+
+
+def selector_names() -> list[str]:
+    """The names of ``shared_rl.two_stage.SELECTORS`` (the two-stage rollouts' candidate selectors), sorted: the live
+    registry when the module is imported, else the keys of its ``SELECTORS = {...}`` literal read from the source
+    (``ast``: nothing is imported), so a config's ``selector`` is checked without torch."""
+    mod = sys.modules.get("shared_rl.two_stage")
+    if mod is not None:
+        return sorted(mod.SELECTORS)
+    tree = ast.parse((HERE / "two_stage.py").read_text(encoding="utf-8"))
+    for node in tree.body:
+        if (isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "SELECTORS" for t in node.targets)
+                and isinstance(node.value, ast.Dict)
+                and all(isinstance(k, ast.Constant) and isinstance(k.value, str) for k in node.value.keys)):
+            return sorted(k.value for k in node.value.keys)
+    return sorted(importlib.import_module("shared_rl.two_stage").SELECTORS)  # not a literal: the live registry

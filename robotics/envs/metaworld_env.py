@@ -30,30 +30,9 @@ from typing import Any, Literal
 import mujoco  # the headless backend (MUJOCO_GL) is chosen in robotics/__init__.py, which runs first
 import numpy as np
 
-# Task name -> natural-language instruction (the VLA's language input).
-TASK_INSTRUCTIONS: dict[str, str] = {
-    "reach-v3": "reach the red goal with the gripper",
-    "push-v3": "push the puck to the green goal",
-    "door-open-v3": "open the door by pulling the handle",
-    "button-press-topdown-v3": "press the button from the top",
-    "drawer-close-v3": "close the drawer",
-    "drawer-open-v3": "open the drawer",
-    "window-open-v3": "slide the window open",
-    "window-close-v3": "slide the window closed",
-    "pick-place-v3": "pick up the puck and place it at the goal",
-    "peg-insert-side-v3": "insert the peg into the hole from the side",
-    "button-press-v3": "press the button from the front",
-    "door-close-v3": "close the door",
-    "plate-slide-v3": "slide the plate into the goal",
-    "handle-press-v3": "press the handle down",
-    "faucet-open-v3": "turn the faucet open",
-    "faucet-close-v3": "turn the faucet closed",
-    "coffee-button-v3": "press the coffee machine button",
-    "lever-pull-v3": "pull the lever up",
-    "dial-turn-v3": "turn the dial",
-    "sweep-into-v3": "sweep the puck into the hole",
-    "point-reach": "move the white point to the red goal",  # the synthetic env in point.py
-}
+# the task table and proprio sizes import no simulator (grove config show); re-exported here
+from .settings import TASK_INSTRUCTIONS, RenderSettings, proprio_dim  # noqa: F401
+
 
 SPLITS = {"train": 0, "eval": 1}
 # key = task_index * TASK_STRIDE + split * SPLIT_STRIDE + index, index < SPLIT_STRIDE
@@ -96,15 +75,6 @@ def reset_seed(task: str, split: str, index: int) -> int:
 
 # -------------------------------------------------------------------------------------------------------------
 # Rendering
-
-
-@dataclass
-class RenderSettings:
-    """How frames are rendered. ``tuned=False`` keeps MuJoCo's default scene (the slow baseline of the bench)."""
-
-    size: int = 64
-    cameras: list[str] = field(default_factory=lambda: ["corner"])
-    tuned: bool = True
 
 
 _LIVE_RENDERERS: weakref.WeakSet = weakref.WeakSet()  # TaskRenderer / LiberoRenderer
@@ -349,10 +319,6 @@ def proprio_from_obs(obs: np.ndarray, include_goal: bool = False, include_object
     if include_goal:
         parts.append(obs[..., GOAL_XYZ])
     return np.concatenate(parts, axis=-1).astype(np.float32)
-
-
-def proprio_dim(include_goal: bool, include_object: bool = False) -> int:
-    return 4 + 3 * int(include_object) + 3 * int(include_goal)
 
 
 SuccessMode = Literal["once", "end"]

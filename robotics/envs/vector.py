@@ -29,115 +29,20 @@ from .metaworld_env import (
     RenderSettings,
     TaskRenderer,
     decode_key,
-    proprio_dim,
     proprio_from_obs,
 )
 from .results import ChunkResult
+# the env section and its constants import no simulator (grove config show); re-exported here
+from .settings import (  # noqa: F401
+    DEFAULT_TASKS,
+    LIBERO_ACTION_DIM,
+    LIBERO_CAMERAS,
+    LIBERO_STATE_DIM,
+    EnvConfig,
+)
 
-LIBERO_CAMERAS = ("image", "image2")  # = libero_env.CAMERAS' keys (that module imports the simulator)
-LIBERO_STATE_DIM = 8
-LIBERO_ACTION_DIM = 7
 
 __all__ = ["DEFAULT_TASKS", "EnvConfig", "ChunkResult", "BatchedMetaWorld", "SubprocMetaWorld", "make_vector_env"]
-
-DEFAULT_TASKS = ["reach-v3", "push-v3", "door-open-v3", "button-press-topdown-v3", "drawer-close-v3"]
-
-
-@dataclass
-class EnvConfig:
-    """Simulator settings (the ``env`` section of a robotics config)."""
-
-    kind: Literal["metaworld", "libero", "point"] = field(
-        default="metaworld", metadata={"help": "metaworld | libero (LIBERO in LeRobot's conventions: 7-d actions, "
-                                               "cameras image / image2, 8-d state) | point (the synthetic reaching "
-                                               "env: tests, templates)"})
-    tasks: list[str] = field(default_factory=lambda: list(DEFAULT_TASKS),
-                             metadata={"help": "Meta-World v3 task names, e.g. [reach-v3, push-v3]; LIBERO: "
-                                               "<suite>/<index or name>, or an index / name of env.suite"})
-    suite: str = field(default="", metadata={
-        "help": "LIBERO suite the tasks belong to when they name none (libero_spatial, libero_object, libero_goal, "
-                "libero_10, libero_90)"})
-    horizon: int = field(default=150, metadata={"help": "env steps per episode at most"})
-    success_mode: Literal["once", "end"] = field(default="once", metadata={
-        "help": "once: any successful step (ends the episode) | end: the last step succeeded"})
-    image_size: int = field(default=64, metadata={"help": "rendered frame side in pixels"})
-    cameras: list[str] = field(default_factory=lambda: ["corner"],
-                               metadata={"help": "Meta-World cameras; their frames are stacked as channels"})
-    render_tuned: bool = field(default=True, metadata={
-        "help": "fast scene (no shadows, reflections, skybox); false = MuJoCo's default scene"})
-    include_goal: bool = field(default=False, metadata={
-        "help": "append the goal xyz to proprio (the reach goal is ~1 pixel at 64x64)"})
-    include_object: bool = field(default=False, metadata={
-        "help": "append the object's xyz (Meta-World state 4:7: puck, handle, button) to proprio, before the goal"})
-    num_workers: int = field(default=0, metadata={
-        "help": "env worker processes; 0 = in-process batched execution"})
-    eval_batch: int = field(default=0, metadata={
-        "help": "episodes an evaluation runs at once at most (0 = all): a LIBERO env holds ~0.35 GB (the first of a "
-                "process ~1.1 GB), so 40 held-out episodes at once want ~15 GB; the results are the same either way"})
-
-    def check(self, where: str = "env") -> None:
-        from shared_rl.config import ConfigError
-
-        if self.kind == "point" and self.tasks != ["point-reach"]:
-            raise ConfigError(f"{where}.tasks must be [point-reach] when {where}.kind is point, got {self.tasks}")
-        if not self.tasks:
-            raise ConfigError(f"{where}.tasks must list at least one Meta-World task, e.g. [reach-v3]")
-        if self.horizon < 1:
-            raise ConfigError(f"{where}.horizon must be >= 1, got {self.horizon}")
-        if not self.cameras:
-            raise ConfigError(f"{where}.cameras must name at least one camera, e.g. [corner]")
-        if self.num_workers < 0 or self.eval_batch < 0:
-            raise ConfigError(f"{where}.num_workers and {where}.eval_batch must be >= 0, got {self.num_workers} and "
-                              f"{self.eval_batch}")
-        if self.kind == "point" and self.include_object:
-            raise ConfigError(f"{where}.include_object needs Meta-World (the point env has no object); set it false")
-        if self.kind == "libero":
-            self._check_libero(where)
-
-    def check_eval_states(self, per_task: int, where: str) -> None:
-        """LIBERO's held-out states are the benchmark's 50 fixed init states per task."""
-        from shared_rl.config import ConfigError
-
-        if self.kind == "libero" and per_task > 50:
-            raise ConfigError(f"{where}.eval_states_per_task is {per_task}; LIBERO holds out its 50 fixed init states "
-                              f"per task (training draws fresh scenes), so at most 50")
-
-    def _check_libero(self, where: str) -> None:
-        from shared_rl.config import ConfigError
-
-        from .libero_tasks import LiberoUnavailable, canonical_task, check_assets
-
-        check_assets()
-        try:
-            self.tasks = [canonical_task(t, self.suite) for t in self.tasks]
-        except LiberoUnavailable:
-            raise
-        except ValueError as e:
-            raise ConfigError(f"{where}.tasks: {e}") from None
-        unknown = [c for c in self.cameras if c not in LIBERO_CAMERAS]
-        if unknown:
-            raise ConfigError(f"{where}.cameras: LIBERO has no camera {unknown[0]!r}; its cameras are image (agentview) "
-                              f"and image2 (the wrist), LeRobot's names")
-        if self.include_goal or self.include_object:
-            raise ConfigError(f"{where}.include_goal / include_object are Meta-World's; LIBERO's state is LeRobot's 8-d "
-                              f"one (end-effector position, axis-angle, gripper)")
-    @property
-    def image_channels(self) -> int:
-        return 3 * len(self.cameras)
-
-    @property
-    def proprio_dim(self) -> int:
-        if self.kind == "libero":
-            return LIBERO_STATE_DIM
-        return proprio_dim(self.include_goal, self.include_object)
-
-    @property
-    def action_dim(self) -> int:
-        """Meta-World and the point env: hand displacement xyz + gripper; LIBERO: LeRobot's 7-d OSC_POSE delta."""
-        return LIBERO_ACTION_DIM if self.kind == "libero" else 4
-
-    def render_settings(self) -> RenderSettings:
-        return RenderSettings(size=self.image_size, cameras=list(self.cameras), tuned=self.render_tuned)
 
 
 def make_task_env(cfg: EnvConfig, task: str):

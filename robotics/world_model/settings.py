@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from shared_rl.errors import ConfigError
-from shared_rl.two_stage import SELECTORS
+from shared_rl.part_index import selector_names
 
 
 @dataclass
@@ -104,8 +104,8 @@ class VerifySettings:
     def check(self, where: str = "robotics.rollout.verify") -> None:
         if self.candidates < 1:
             raise ConfigError(f"{where}.candidates must be >= 1, got {self.candidates}")
-        if self.selector not in SELECTORS:
-            raise ConfigError(f"{where}.selector {self.selector!r} is unknown; choose one of {sorted(SELECTORS)}")
+        if self.selector not in selector_names():
+            raise ConfigError(f"{where}.selector {self.selector!r} is unknown; choose one of {selector_names()}")
         if min(self.ranker_refit_steps, self.probe_every, self.probe_states) < 0 or self.probe_keys < 1:
             raise ConfigError(f"{where}: ranker_refit_steps, probe_every and probe_states must be >= 0, probe_keys >= 1")
         if self.ranker_from == "own_groups" and (self.score != "ranker" or self.ranker_refit_steps < 1):
