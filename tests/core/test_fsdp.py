@@ -60,6 +60,11 @@ VARIANTS["llm_tree_fast_engine"] = {
 # full fine-tuning: every weight of the tiny Llama trained and sharded, KL to the frozen (replicated) starting copy
 VARIANTS["llm_full"] = {**VARIANTS["llm_lora"],
                         "llm": {**VARIANTS["llm_lora"]["llm"], "lora": {"enabled": False}, "keep_reference": True}}
+# gradient checkpointing under FSDP2 (LoRA: the frozen embeddings' output made to require grad): the 2-process run
+# checkpoints its decoder layers, the 1-process run it is compared with does not (same gradients, same metrics)
+VARIANTS["llm_lora_checkpointed"] = {**VARIANTS["llm_lora"],
+                                     "llm": {**VARIANTS["llm_lora"]["llm"], "gradient_checkpointing": True}}
+ONE_PROCESS_LLM = {"llm_lora_checkpointed": {"gradient_checkpointing": False}}
 METRICS = ("reward/mean", "groups/drawn", "groups/kept", "nfe/rollout", "nfe/train", "loss/policy", "loss/kl",
            "clip_frac", "ratio/mean", "grad_norm", "entropy", "eval/greedy_accuracy", "eval/expected_reward",
            "eval/accuracy", "eval/reward")
@@ -80,6 +85,8 @@ def tiny_llama(tmp_path_factory):
 def _config(name, strategy, model=None, **top):
     data = json.loads(json.dumps(VARIANTS[name]))
     data["distributed"] = {"strategy": strategy}
+    if strategy == "replicate" and name in ONE_PROCESS_LLM:
+        data["llm"].update(ONE_PROCESS_LLM[name])
     if model:
         data["llm"]["model"] = model
     data.update(top)
@@ -111,6 +118,10 @@ def _fit_worker(rank, world, port, name, model, run_dir, out):
     assert tr.fsdp is not None and all(is_dtensor(p) for p in tr.domain.parameters())
     # the LLM domain loads on process 0 alone: process 1 built its model on the meta device (load_causal_lm)
     assert tr.fsdp.from_rank0 == name.startswith("llm")
+    recomputed = [0]  # forwards of the first decoder layer's MLP run inside backward: checkpointing's recomputation
+    if name.startswith("llm"):  # (transformers checkpoints a layer's forward, inside FSDP2's hooks on the layer)
+        tr.fsdp.modules[0].mlp.register_forward_pre_hook(
+            lambda *_: recomputed.__setitem__(0, recomputed[0] + (torch._C._current_graph_task_id() != -1)))
     tr.fit()
     state = full_tensors(tr.domain.state_dict())
     # the final checkpoint (gathered, one-process layout) loads back into fresh shards exactly
@@ -119,7 +130,8 @@ def _fit_worker(rank, world, port, name, model, run_dir, out):
     assert all(torch.equal(v, state[k]) for k, v in full_tensors(again.domain.state_dict()).items())
     opt, opt_again = (full_optimizer_state(t.optimizer.state_dict()) for t in (tr, again))
     assert all(torch.equal(v, opt_again["state"][i][k]) for i, s in opt["state"].items() for k, v in s.items())
-    torch.save({"state": state, "padding_forwards": tr.padding_forwards}, f"{out}.{rank}")
+    torch.save({"state": state, "padding_forwards": tr.padding_forwards, "recomputed": recomputed[0]},
+               f"{out}.{rank}")
     exit_distributed(0)  # barrier + destroy + os._exit: gloo can SIGABRT at interpreter teardown
 
 
@@ -136,7 +148,8 @@ def _assert_same_records(one, two, where):
     assert max(r.get("grad_norm", 0.0) for r in one) > 1e-3, "no update happened: the comparison would be vacuous"
 
 
-@pytest.mark.parametrize("name", ["llm_lora", "llm_full", "llm_tree_fast_engine", "toy_tree"])
+@pytest.mark.parametrize("name", ["llm_lora", "llm_full", "llm_tree_fast_engine", "toy_tree",
+                                  pytest.param("llm_lora_checkpointed", marks=pytest.mark.slow)])
 def test_fsdp2_two_processes_match_one(tmp_path, name, tiny_llama):
     model = tiny_llama if name.startswith("llm") else None
     torch.set_num_threads(1)
@@ -152,6 +165,8 @@ def test_fsdp2_two_processes_match_one(tmp_path, name, tiny_llama):
         assert torch.allclose(v, got[0]["state"][k], atol=1e-5, rtol=1e-4), k
     # 3 groups over 2 processes: the rank with fewer sequences padded its micro-batches with weight-0 forwards
     assert got[0]["padding_forwards"] + got[1]["padding_forwards"] > 0
+    # checkpointed layers re-run their forward in backward (and only then)
+    assert (got[0]["recomputed"] > 0) == name.endswith("_checkpointed"), got[0]["recomputed"]
     _assert_same_records(_records(tmp_path / "one"), _records(tmp_path / "two"), name)
     # the FSDP2 run wrote sharded checkpoints (distributed.checkpoint: auto); exported, they hold the 1-process values
     last = f"checkpoints/step_{single.cfg.iterations:06d}"
