@@ -39,6 +39,21 @@ def _saved_vla_config(path: Path) -> VLAConfig | None:
         return None
 
 
+def policy_vla_config(cfg: "RoboticsConfig") -> VLAConfig | None:
+    """The ``VLAConfig`` the domain builds its tiny VLA from: the checkpoint's ``config.json``, or a fresh
+    ``robotics.model`` sized for the env (``robotics.domain.load_policy``); None when the checkpoint cannot be
+    read here."""
+    if cfg.checkpoint:
+        return _saved_vla_config(resolve(cfg.checkpoint))
+    mc = copy.deepcopy(cfg.model)
+    mc.image_channels, mc.proprio_dim, mc.image_size = cfg.env.image_channels, cfg.env.proprio_dim, cfg.env.image_size
+    if cfg.env.kind == "libero":
+        from .policies.vla_config import libero_vocab
+
+        mc.vocab = libero_vocab(mc.vocab)
+    return mc
+
+
 def check_policy_fits_env(m: VLAConfig, cfg: "RoboticsConfig") -> None:
     """The tiny VLA's sizes (``m``: its ``config.json``, or ``robotics.model`` for a fresh one) against the env and
     the head mode, and the Meta-World task names: what ``RoboticsConfig.preflight`` reads before any weights load
@@ -282,6 +297,13 @@ class RoboticsConfig(DomainConfig):
             path = resolve(self.policy.path)  # as the domain resolves it: a local folder, else a hub id in the cache
             read_policy_config(str(path) if path.exists() else self.policy.path, self.env.kind)
         check_eval_baseline(self.eval_baseline)
+
+    def parameter_groups(self, train_cfg):
+        """The tiny VLA counted on the meta device, its KL reference and the value head, as the domain holds them
+        (``robotics.parameter_count``; None for a LeRobot policy and the world-model strategies)."""
+        from .parameter_count import parameter_groups
+
+        return parameter_groups(self, policy_vla_config(self))
 
     def check_with(self, train_cfg) -> None:
         self.rollout.check_with(train_cfg)
