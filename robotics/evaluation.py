@@ -238,6 +238,8 @@ def policy_digest(policy: TinyVLA) -> str:
     import hashlib
 
     state = policy.state_dict()
+    if any(t.is_meta for t in state.values()):  # built on the meta device (an FSDP2 process other than 0: its
+        return "meta"  # weights come from process 0, which digests them and alone evaluates)
     fresh = policy.adapters is not None and not bool(policy.adapters.up.detach().any())
     h = hashlib.sha256()
     for name in sorted(state):
