@@ -289,6 +289,13 @@ class VisgenConfig(DomainConfig):
         strides = self.rollout_method().reward_granularities()
         return names + [f"{n}@g{g}" for n in self.granular_base_outputs(train_cfg) for g in strides]
 
+    def parameter_groups(self, train_cfg):
+        """The pipeline's components counted on the meta device, split as ``FlowPolicy`` holds them (LoRA adapters
+        or the whole transformer trained, the rest frozen; ``visgen.parameter_count``)."""
+        from .parameter_count import parameter_groups
+
+        return parameter_groups(self)
+
     def preflight(self, train_cfg) -> None:
         """Prompt files, reward arguments and reward/prompt fit, before a pipeline loads (``visgen.preflight``)."""
         from .preflight import preflight

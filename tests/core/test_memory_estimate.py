@@ -46,5 +46,8 @@ def test_dry_run_prints_the_estimate(capsys):
     assert line == ["#   memory: estimate from parameter counts, ~640 B per process (replicate, 1 process) = logit "
                     "table 32 x 16 B (weights, gradients, AdamW moments) + reference copy 32 x 4 B (weights); "
                     "activations, rollout buffers and caches not included"]
-    assert main(["train", "configs/visgen/shapes_grpo.yaml", "--dry-run"]) == 0
-    assert "#   memory: no estimate (the visgen domain counts no parameters" in capsys.readouterr().out
+    for recipe in ("configs/visgen/shapes_grpo.yaml", "configs/robotics/metaworld_grpo.yaml"):  # tests/visgen,
+        assert main(["train", recipe, "--dry-run"]) == 0  # tests/robotics: test_memory_estimate.py (by hand)
+        assert "#   memory: estimate from parameter counts, ~" in capsys.readouterr().out
+    assert main(["train", "configs/robotics/world_model_grpo.yaml", "--dry-run"]) == 0  # the world model uncounted
+    assert "#   memory: no estimate (the robotics domain counts no parameters" in capsys.readouterr().out
