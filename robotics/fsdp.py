@@ -31,8 +31,13 @@ evaluation run with the shards gathered.
 or holds untested state per process — the value head (``robotics.critic.enabled``), BC replay
 (``robotics.replay.coef``), ``robotics.adapters.keep_best`` (swaps adapters in and out),
 ``robotics.adapters.steps: by_episodes`` (per-task step scaling), the world-model rollout strategies, and for a
-LeRobot policy ``robotics.policy.gradient_checkpointing`` (its checkpointed attention re-runs units inside
-LeRobot's own layer loop: untested under FSDP2).
+SmolVLA policy ``robotics.policy.gradient_checkpointing`` (its checkpointed attention re-runs units — the
+projections — inside LeRobot's own layer loop: untested under FSDP2).
+
+**Gradient checkpointing** (``robotics.policy.gradient_checkpointing``) on π0 / π0.5: grove checkpoints each Gemma
+layer's attention and MLP (inside the layer's unit) and each SigLIP layer (the unit itself, its FSDP2 hooks outside
+the checkpoint), so the backward's recomputation runs on the parameters FSDP2's pre-backward hook already gathered
+and issues no collective of its own.
 """
 from __future__ import annotations
 
@@ -46,11 +51,31 @@ _HOW = "or use distributed.strategy: replicate"
 FLAT_ROLLOUTS = ("flat", "tree")
 
 
-def refuse_config(cfg) -> None:
-    """The one-line ConfigError for each robotics setting FSDP2 does not run (see the module docstring)."""
+CHECKPOINTED_FAMILIES = ("pi0", "pi05")  # gradient checkpointing under FSDP2: inside each unit (module docstring)
+
+
+def _lerobot_family(cfg) -> str | None:
+    """The LeRobot policy's type from its config.json (None when it cannot be read yet: the preflight says why)."""
+    from .config import resolve
+    from .policies.lerobot.load import read_policy_config
+
+    path = resolve(cfg.policy.path)
+    try:
+        return read_policy_config(str(path) if path.exists() else cfg.policy.path, cfg.env.kind).get("type")
+    except ConfigError:
+        return None
+
+
+def refuse_config(cfg, family: str | None = None) -> None:
+    """The one-line ConfigError for each robotics setting FSDP2 does not run (see the module docstring); ``family``:
+    the LeRobot policy's (``pi0`` / ``pi05`` / ``smolvla``; None: read from its config.json, the check left to the
+    loaded policy's when that cannot be read)."""
     lerobot = cfg.policy.type == "lerobot"
-    refused = [(lerobot and cfg.policy.gradient_checkpointing, "robotics.policy.gradient_checkpointing on a LeRobot "
-                "policy (its checkpointed layer parts are untested under FSDP2)",
+    if lerobot and cfg.policy.gradient_checkpointing and family is None:
+        family = _lerobot_family(cfg) or CHECKPOINTED_FAMILIES[0]
+    refused = [(lerobot and cfg.policy.gradient_checkpointing and family not in CHECKPOINTED_FAMILIES,
+                f"robotics.policy.gradient_checkpointing on a {family or 'SmolVLA'} policy (its checkpointed "
+                f"attention runs FSDP2 units inside the recomputation: untested; π0 / π0.5 are supported)",
                 "set robotics.policy.gradient_checkpointing: false"),
                (cfg.critic.enabled, "robotics.critic.enabled: the value head's forwards are not paired",
                 "set robotics.critic.enabled: false"),
@@ -87,8 +112,9 @@ def _prefixes(policy: torch.nn.Module, units: list[torch.nn.Module]) -> list[str
 def fsdp_units(domain) -> list[torch.nn.Module]:
     """The modules to shard: the policy's units, then the KL reference copy's (none for a LoRA LeRobot policy, whose
     reference is the adapter-off policy itself)."""
-    refuse_config(domain.cfg)
-    if domain.cfg.policy.type == "lerobot":
+    lerobot = domain.cfg.policy.type == "lerobot"
+    refuse_config(domain.cfg, domain.policy.cfg.family if lerobot else "")
+    if lerobot:
         ref = domain._ref if isinstance(domain._ref, torch.nn.Module) else None
         return lerobot_units(domain.policy) + (lerobot_units(ref) if ref is not None else [])
     return _units(domain.policy) + _units(domain._ref)

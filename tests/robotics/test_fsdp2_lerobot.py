@@ -3,7 +3,8 @@ reference copy) and a tiny π0.5 (LoRA, KL to the adapter-off policy), built fro
 download), sharded per transformer layer (``robotics.fsdp.lerobot_units``) on 2 CPU processes (gloo): the same
 metrics, weights and exported LeRobot directory as one process for the same global batch (3 groups over 2
 processes, so one rank pads whole micro-batches); a tiny π0 with LoRA likewise; the SmolVLA run's sharded checkpoint
-resumes in one process to the uninterrupted weights. The 2-process runs are ``slow``; the wrap plan of the released
+resumes in one process to the uninterrupted weights; a tiny π0.5 (LoRA) with gradient checkpointing on the 2
+processes equals one process without it (the recomputation seen inside backward). The 2-process runs are ``slow``; the wrap plan of the released
 π0.5 (on the meta device) and of the tiny SmolVLA, and the refused setting, are fast.
 """
 import os
@@ -58,9 +59,14 @@ def _worker(rank, world, port, policy, run_dir, out, iterations):
     assert all(is_dtensor(p) for p in tr.domain.policy.parameters())
     local, full = tr.fsdp.local_parameter_bytes()
     assert local < 0.6 * full  # each process holds about half (frozen base and reference included)
+    recomputed = [0]  # forwards inside the layers' MLPs run during backward: checkpointing's recomputation
+    for layer in (m for m in tr.fsdp.modules if hasattr(m, "mlp")):
+        inner = next(m for m in layer.mlp.modules() if isinstance(m, torch.nn.Linear))
+        inner.register_forward_pre_hook(
+            lambda *_: recomputed.__setitem__(0, recomputed[0] + (torch._C._current_graph_task_id() != -1)))
     tr.fit()
-    torch.save({"state": full_tensors(tr.domain.state_dict()), "padding_forwards": tr.padding_forwards},
-               f"{out}.{rank}")
+    torch.save({"state": full_tensors(tr.domain.state_dict()), "padding_forwards": tr.padding_forwards,
+                "recomputed": recomputed[0]}, f"{out}.{rank}")
     tr.domain.close()
     exit_distributed(0)
 
@@ -70,6 +76,8 @@ CASES = [  # (family, policy settings, iterations): the first also resumes its s
     pytest.param("smolvla", {}, 2, id="smolvla-full"),
     pytest.param("pi05", {"lora": {"rank": 2}}, 1, id="pi05-lora"),
     pytest.param("pi0", {"lora": {"rank": 2}}, 1, id="pi0-lora"),
+    # gradient checkpointing on the 2 processes only: the 1-process run it equals does not checkpoint
+    pytest.param("pi05", {"lora": {"rank": 2}, "gradient_checkpointing": True}, 1, id="pi05-lora-checkpointed"),
 ]
 
 
@@ -78,7 +86,8 @@ CASES = [  # (family, policy settings, iterations): the first also resumes its s
 def test_fsdp2_lerobot_two_processes_match_one(tmp_path, family, extra, iterations):
     policy = {"type": "lerobot", "path": _tiny_dir(tmp_path / family, family), **extra}
     torch.set_num_threads(1)
-    single = Trainer(_config("replicate", policy, iterations), tmp_path / "one", log=lambda *_: None)
+    plain = {k: v for k, v in policy.items() if k != "gradient_checkpointing"}
+    single = Trainer(_config("replicate", plain, iterations), tmp_path / "one", log=lambda *_: None)
     single.fit()
     single.domain.close()
     import multiprocessing
@@ -88,6 +97,7 @@ def test_fsdp2_lerobot_two_processes_match_one(tmp_path, family, extra, iteratio
                        nprocs=2, join=True, start_method="forkserver")
     got = [torch.load(tmp_path / f"two.pt.{r}", weights_only=True) for r in range(2)]
     assert got[0]["padding_forwards"] + got[1]["padding_forwards"] > 0
+    assert (got[0]["recomputed"] > 0) == bool(extra.get("gradient_checkpointing")), got[0]["recomputed"]
     live = single.domain.state_dict()
     trained = [n for n, p in single.domain.policy.named_parameters() if p.requires_grad]
     assert all("lora_" in n for n in trained) if extra else len(trained) > 50
@@ -186,13 +196,15 @@ def test_lerobot_wrap_plan_of_smolvla_and_the_lora_layers(tmp_path):
     assert len(ids) == len(set(ids)) == len(list(policy.parameters()))
 
 
-def test_fsdp2_refuses_lerobot_gradient_checkpointing_with_one_line(tmp_path):
+def test_fsdp2_refuses_smolvla_gradient_checkpointing_with_one_line(tmp_path):
     from robotics.fsdp import refuse_config
 
     cfg = _config("fsdp2", {"type": "lerobot", "path": str(tmp_path)}).domain_config
-    refuse_config(cfg)
+    refuse_config(cfg, "smolvla")
     cfg.policy.gradient_checkpointing = True
+    refuse_config(cfg, "pi05")  # π0 / π0.5 checkpoint inside their units (the slow pi05-lora-checkpointed case)
+    refuse_config(cfg, "pi0")
     with pytest.raises(ConfigError) as err:
-        refuse_config(cfg)
+        refuse_config(cfg, "smolvla")
     msg = str(err.value)
     assert "robotics.policy.gradient_checkpointing" in msg and "distributed.strategy: fsdp2" in msg and "\n" not in msg
