@@ -4,8 +4,9 @@ download), sharded per transformer layer (``robotics.fsdp.lerobot_units``) on 2 
 metrics, weights and exported LeRobot directory as one process for the same global batch (3 groups over 2
 processes, so one rank pads whole micro-batches); a tiny π0 with LoRA likewise; the SmolVLA run's sharded checkpoint
 resumes in one process to the uninterrupted weights; a tiny π0.5 (LoRA) with gradient checkpointing on the 2
-processes equals one process without it (the recomputation seen inside backward). The 2-process runs are ``slow``; the wrap plan of the released
-π0.5 (on the meta device) and of the tiny SmolVLA, and the refused setting, are fast.
+processes equals one process without it (the recomputation seen inside backward). The 2-process runs are
+``slow``; the wrap plan of the released π0.5 (on the meta device) and of the tiny SmolVLA, and the refused setting
+(SmolVLA's gradient checkpointing), are fast.
 """
 import os
 
