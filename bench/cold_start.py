@@ -14,8 +14,9 @@ reads ``sys.modules`` at the end) and the time issue 64 asks of it on a loaded 2
 ``grove config show`` 3 s, ``grove list`` 2 s. ``grove list`` reads the torch-backed registries' names from their
 source (``shared_rl.cli.registered_names``); ``grove config show`` builds the typed config from torch-free modules
 where the classes allow (the core's registries read by ``shared_rl.part_index``, the built-in domains' settings
-classes found by ``shared_rl.registry.DOMAIN_CONFIGS``): the toy and LLM sections import no torch; visgen's
-(``visgen.domain``) and robotics' (its parts in ``robotics.adapters``, ``robotics.policies.vla``, ...) still do.
+classes found by ``shared_rl.registry.DOMAIN_CONFIGS``): the toy, LLM and robotics sections import no torch
+(robotics' from ``robotics.part_settings``, ``robotics.envs.settings``, ``robotics.policies.vla_config``, ...);
+visgen's (``visgen.domain``, whose checks build the rollout method, the objective and the rewards) still does.
 """
 from __future__ import annotations
 
@@ -118,8 +119,8 @@ def run(out_dir: Path, quick: bool = False, log=print) -> dict:
              f"{load_before:.2f}, after: {_load():.2f}, on {os.cpu_count()} cores), whether the command imports "
              f"torch, and the time issue 64 asks for (target_s). The typo'd-path rows are answered by "
              f"`shared_rl.prechecks` and `grove list` by text read from the registries' source, both before torch "
-             f"is imported; `grove config show` builds the typed config, from torch-free modules for the toy and LLM "
-             f"sections (shared_rl.part_index, registry.DOMAIN_CONFIGS), through modules that import torch for "
-             f"visgen and robotics. Reproduce: `grove bench cold-start` (this page), `--quick` for 1 run "
+             f"is imported; `grove config show` builds the typed config, from torch-free modules for the toy, LLM and "
+             f"robotics sections (shared_rl.part_index, registry.DOMAIN_CONFIGS, robotics.part_settings), through "
+             f"modules that import torch for visgen. Reproduce: `grove bench cold-start` (this page), `--quick` for 1 run "
              f"a row (no page).")
     return write_results(out_dir, "cold-start", rows, notes, doc_path=None if quick else DOC)

@@ -85,7 +85,7 @@ def test_each_built_in_domain_config_is_its_domain_config_class():
 
 CODE = ("import contextlib, io, sys\nfrom shared_rl.cli import main\n"
         "with contextlib.redirect_stdout(io.StringIO()):\n    code = main(['config', 'show', sys.argv[1]])\n"
-        "print(code, 'torch' in sys.modules)\n")
+        "print(code, 'torch' in sys.modules, [m for m in ('mujoco', 'metaworld', 'lerobot') if m in sys.modules])\n")
 
 # visgen's settings classes still live in modules that import torch (VisgenConfig in visgen.domain; its checks build
 # the rollout method, the objective and the reward registry, visgen.methods / visgen.objectives / visgen.rewards):
@@ -103,5 +103,8 @@ RECIPES = ["configs/toy.yaml", "configs/llm/arith_grpo.yaml", "configs/llm/arith
 def test_config_show_imports_no_torch(recipe):
     proc = subprocess.run([sys.executable, "-c", CODE, recipe], cwd=ROOT, capture_output=True, text=True,
                           env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
-    assert proc.returncode == 0 and proc.stdout.split()[-2:][0] == "0", proc.stderr[-2000:]
-    assert proc.stdout.split()[-1] == "False", f"grove config show {recipe} imported torch"
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    code, torch, simulators = proc.stdout.strip().splitlines()[-1].split(" ", 2)
+    assert code == "0", proc.stderr[-2000:]
+    assert torch == "False", f"grove config show {recipe} imported torch"
+    assert simulators == "[]", f"grove config show {recipe} imported {simulators}"  # robotics: no MuJoCo either
