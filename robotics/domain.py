@@ -56,6 +56,7 @@ from .parts import Part
 from .policies.lerobot.load import load_lerobot_policy
 from .policies.vla import TinyVLA, libero_vocab
 from .fpo import log_likelihood as fpo_log_likelihood
+from .fsdp import load_policy_on_rank0
 from .replay import DemoReplay, SuccessReplay
 from .rollouts import rollout_class
 
@@ -115,7 +116,7 @@ class RoboticsDomain(DomainBase):
         torch.set_num_threads(max(1, cfg.threads))
         self.device = ctx.device
         self.episode_rewards = episode_rewards(cfg.rewards, ctx.objects)  # robotics.rewards (from robotics.api)
-        self.policy = load_policy(cfg, ctx.seed, ctx.objects).to(self.device)
+        self.policy = load_policy_on_rank0(cfg, ctx, load_policy)  # processes > 0 build on meta under fsdp2 (robotics/fsdp.py)
         if cfg.adapters.rank:  # seeded, and added before a resume loads the trained adapters
             add_adapters(self.policy, cfg.adapters, cfg.env.tasks, ctx.seed)
         if cfg.policy.type == "tiny_vla":  # a LeRobot policy keeps its own choice (its config's, or LoRA's)

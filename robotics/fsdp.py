@@ -56,7 +56,7 @@ CHECKPOINTED_FAMILIES = ("pi0", "pi05")  # gradient checkpointing under FSDP2: i
 
 def _lerobot_family(cfg) -> str | None:
     """The LeRobot policy's type from its config.json (None when it cannot be read yet: the preflight says why)."""
-    from .config import resolve
+    from shared_rl.prechecks import resolve_repo_path as resolve
     from .policies.lerobot.load import read_policy_config
 
     path = resolve(cfg.policy.path)
@@ -166,21 +166,19 @@ def lerobot_units(vla: torch.nn.Module, family: str = "") -> list[torch.nn.Modul
     return units
 
 
-def load_policy_on_rank0(cfg, ctx, load=None):
+def load_policy_on_rank0(cfg, ctx, load):
     """The run's policy (``robotics.domain.load_policy``), under ``distributed.strategy: fsdp2`` with several
     processes loaded by process 0 alone: the tiny VLA (fresh, or ``robotics.checkpoint``, whose small file the
     others still read) is built on the meta device on every other process (``shared_rl.sharding.rank0_build``), and
     the trainer's ``setup_fsdp`` fills their shards, the KL reference copy's and the flow head's buffers from process
-    0 (``shard_from_rank0``; task adapters added after it are overwritten the same way). A LeRobot policy (its pre-
+    0 (``shard_from_rank0``; task adapters added after it are overwritten the same way). ``load``: the domain's
+    ``load_policy`` (passed in: this module never imports the domain). A LeRobot policy (its pre-
     and post-processors' statistics are not module tensors), a policy the caller holds, and a run with
     ``robotics.eval_baseline`` (every process checks the starting weights' digest) load on every process as
     before. With one process, or under ``replicate``, plain ``load_policy``. Returned on ``ctx.device`` (a policy on
-    the meta device stays there: ``Module.to`` cannot move it). ``load``: the loader to call in place of
-    ``load_policy`` (same signature)."""
+    the meta device stays there: ``Module.to`` cannot move it)."""
     from shared_rl.sharding import rank0_build
 
-    if load is None:
-        from .domain import load_policy as load
     if cfg.policy.type == "lerobot" or (ctx.objects or {}).get("policy") is not None or cfg.eval_baseline:
         return load(cfg, ctx.seed, ctx.objects).to(ctx.device)
     with rank0_build(ctx):

@@ -80,7 +80,7 @@ def setup_fsdp(cfg, domain, d, device: torch.device, log):
         raise ConfigError(f"distributed.strategy: fsdp2 needs a rollout chunk on each of the {d.world} processes, "
                           f"but {groups} groups in calls of {per_call} make {chunks} chunks; {fix}")
     dc = cfg.distributed
-    roots = list(domain.fsdp_roots()) if hasattr(domain, "fsdp_roots") else []
+    roots = list(domain.fsdp_roots())
     shards = shard_from_rank0(modules, d, device, dc.reshard_after_forward, replicate=dc.replicate, roots=roots,
                               **policies(cfg))
     local, full = shards.local_parameter_bytes()

@@ -48,39 +48,10 @@ def _config(strategy, robotics=None, **top):
     return load_train_config(_data(strategy, robotics, **top))
 
 
-def _load_on_rank0(rank, world):
-    """``RoboticsDomain`` loading through ``robotics.fsdp.load_policy_on_rank0`` (under fsdp2 process 0 alone loads
-    the weights), as ``robotics/domain.py`` would with ``self.policy = load_policy_on_rank0(cfg, ctx)...``; until
-    that line is in, its ``load_policy`` is routed through it here (and the domain's ``.to(device)`` after it is
-    skipped once on a meta policy, as that line has no ``.to``)."""
-    import types
-
-    import robotics.domain
-    from robotics.fsdp import load_policy_on_rank0
-
-    if "load_policy_on_rank0" in open(robotics.domain.__file__).read():
-        return
-    load = robotics.domain.load_policy
-    fsdp2 = types.SimpleNamespace(distributed=types.SimpleNamespace(strategy="fsdp2"))
-
-    def routed(cfg, seed, objects=None):
-        policy = load_policy_on_rank0(cfg, types.SimpleNamespace(process_index=rank, num_processes=world, seed=seed,
-                                                                  train_cfg=fsdp2, objects=objects,
-                                                                  device=torch.device("cpu")), load)
-        if any(p.is_meta for p in policy.parameters()):
-            def to_once(*_a, **_k):
-                del policy.to  # an instance attribute: gone before the KL reference is deep-copied
-                return policy
-            policy.to = to_once
-        return policy
-    robotics.domain.load_policy = routed
-
-
 def _worker(rank, world, port, robotics, run_dir, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
-    _load_on_rank0(rank, world)
     tr = Trainer(_config("fsdp2", robotics), run_dir, log=lambda *_: None)
     assert tr.fsdp.from_rank0  # process 1 built the tiny VLA on the meta device, its shards came from process 0
     policy = tr.domain.policy
