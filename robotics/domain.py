@@ -52,6 +52,7 @@ from .envs.vector import make_vector_env
 from .episodes import SamplingSettings
 from .evaluation import EvalOutcomes, eval_keys, eval_settings, evaluate_policy, paired_delta, policy_digest
 from .held import episode_rewards, held_policy, score_episodes
+from .parameter_count import ENCODER_MODULES, trains as trainable  # noqa: F401 — the one rule
 from .parts import Part
 from .policies.lerobot.load import load_lerobot_policy
 from .policies.vla import TinyVLA, libero_vocab
@@ -63,9 +64,6 @@ from .rollouts import rollout_class
 SHORT_HORIZON_PREFIX = "short_horizon."  # the short-horizon strategy's critic (world_model/short_horizon.py; loaded
 # on demand, so its prefix is named here rather than imported)
 WORLD_MODEL_PREFIX = "wm_rollout."  # the world-model strategies' learned state (world_model/rollout.py, likewise)
-
-ENCODER_MODULES = ("cnn", "image_proj", "text", "proprio")
-
 
 def load_policy(cfg: RoboticsConfig, seed: int, objects: dict | None = None) -> TinyVLA:
     """The checkpoint's VLA, or a fresh ``cfg.model`` sized for the env (seeded), checked against the env; with
@@ -96,16 +94,6 @@ def load_policy(cfg: RoboticsConfig, seed: int, objects: dict | None = None) -> 
         policy = TinyVLA(mc)
     check_policy_fits_env(policy.cfg, cfg)  # what the preflight checked from config.json, for a held policy too
     return policy
-
-
-def trainable(name: str, cfg: RoboticsConfig) -> bool:
-    """Whether RL trains the policy's parameter ``name``: with task adapters only they (and ReinFlow's std), else
-    everything but the encoders when ``train_encoder`` is off; the learned std only exists in ReinFlow mode."""
-    if cfg.head_mode != "flow_noise" and name.startswith("flow.noise_std"):
-        return False
-    if cfg.adapters.rank:
-        return name.startswith(("adapters.", "flow.noise_std"))
-    return cfg.train_encoder or name.split(".")[0] not in ENCODER_MODULES
 
 
 class RoboticsDomain(DomainBase):

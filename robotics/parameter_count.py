@@ -21,12 +21,13 @@ if TYPE_CHECKING:
     from .policies.vla_config import VLAConfig
 
 
-ENCODER_MODULES = ("cnn", "image_proj", "text", "proprio")  # = robotics.domain.ENCODER_MODULES
+ENCODER_MODULES = ("cnn", "image_proj", "text", "proprio")  # frozen unless robotics.train_encoder
 
 
 def trains(name: str, cfg: RoboticsConfig) -> bool:
-    """Whether RL trains the tiny VLA's parameter ``name`` (``robotics.domain.trainable``'s rule, read here without
-    importing the domain: robotics.domain imports this config)."""
+    """Whether RL trains the tiny VLA's parameter ``name``: with task adapters only they (and ReinFlow's std), else
+    everything but the encoders when ``train_encoder`` is off; the learned std only exists in ReinFlow mode. The one
+    rule: the domain (``robotics.domain.trainable``) and the dry-run's memory estimate both use it."""
     if cfg.head_mode != "flow_noise" and name.startswith("flow.noise_std"):
         return False
     if cfg.adapters.rank:

@@ -17,7 +17,7 @@ from tests.golden import runs
 # from moving the flow action head onto the shared Flow-GRPO kernel (shared_rl.flow_kernels: the same formulas in
 # another op order), which needed a per-run 1e-5 before.
 CROSS_MACHINE_REL = 1e-3
-CROSS_MACHINE_ABS = 1e-9
+CROSS_MACHINE_ABS = 1e-7  # session 30's Xeon (AVX-512 / AMX): a loss/policy of 3.1e-5 off by 4.5e-8
 OUTCOME_REL = 1e-5
 
 

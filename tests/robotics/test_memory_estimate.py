@@ -82,6 +82,15 @@ def test_the_count_trains_what_the_domain_trains(robotics):
     policy = domain.load_policy(cfg, 0)
     if cfg.adapters.rank:
         add_adapters(policy, cfg.adapters, cfg.env.tasks, 0)
-    assert parameter_count.ENCODER_MODULES == domain.ENCODER_MODULES
-    assert {n: parameter_count.trains(n, cfg) for n, _ in policy.named_parameters()} == {
-        n: domain.trainable(n, cfg) for n, _ in policy.named_parameters()}
+    assert domain.trainable is parameter_count.trains  # one rule, not a copy
+    trained = {n for n, _ in policy.named_parameters() if parameter_count.trains(n, cfg)}
+    noise_std = {n for n in trained if n.startswith("flow.noise_std")}
+    assert bool(noise_std) == (cfg.head_mode == "flow_noise" and any(
+        n.startswith("flow.noise_std") for n, _ in policy.named_parameters()))
+    if cfg.adapters.rank:  # the adapters alone (and ReinFlow's std)
+        assert trained - noise_std and all(n.startswith("adapters.") for n in trained - noise_std)
+    else:  # everything but the encoders, unless they train
+        frozen = {n for n, _ in policy.named_parameters() if n not in trained}
+        assert {n.split(".")[0] for n in frozen - {n for n, _ in policy.named_parameters()
+                                                    if n.startswith("flow.noise_std")}} <= (
+            set() if cfg.train_encoder else set(parameter_count.ENCODER_MODULES))

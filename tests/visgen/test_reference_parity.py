@@ -231,14 +231,14 @@ def test_dgpo_ema_old_policy_is_the_reference_schedule_and_the_clip_acts(tiny_di
     """The reference's ema_ref: after optimizer step k (k = 0, 1, ... steps before it) θ_old ← d·θ_old + (1 − d)·θ
     with d = min(0.3, 0.001·k), computed here by hand from the weights after each step. The clip ratio's old policy
     is that copy (one more forward per timestep): ratio exactly 1 at the first two optimizer steps (the copy starts
-    at the weights, and the first update copies them, d = 0), off 1 from the third, where a tight clip acts."""
+    at the weights, and the first update copies them, d = 0), off 1 once the copy lags, where a tight clip acts."""
     obj = {"name": "dgpo", "timesteps_per_sample": 2, "trunc_steps": 2, "clip_range": 1e-9}
     tr = Trainer(_visgen_cfg(tiny_dir, obj), None, log=lambda *_: None)
     policy = tr.domain.policy
     names = [n for n, _ in policy._named_trainable()]
     weights = lambda: {n: p.detach().clone() for n, p in policy._named_trainable()}  # noqa: E731
     expected, metrics = weights(), []
-    for it in range(3):
+    for it in range(5):
         metrics.append(tr.iteration(it))
         d = min(0.3, 0.001 * it)
         now = weights()
@@ -246,7 +246,9 @@ def test_dgpo_ema_old_policy_is_the_reference_schedule_and_the_clip_acts(tiny_di
         for n in names:
             assert torch.allclose(policy.old[n], expected[n], rtol=1e-6, atol=1e-8), (it, n)
     assert metrics[0]["ratio/mean"] == 1.0 and metrics[1]["ratio/mean"] == 1.0
-    assert metrics[2]["ratio/mean"] != 1.0 and metrics[2]["clip_frac"] > 0
+    # from the third step the copy lags by d·(its last step): a log-prob shift of ~1e-8 at d = 0.001, which float32
+    # resolves on some CPUs and rounds away on others (session 30's Xeon), so the clip must act by the fifth (d = 0.003)
+    assert any(m["ratio/mean"] != 1.0 and m["clip_frac"] > 0 for m in metrics[2:]), [m["ratio/mean"] for m in metrics]
     assert metrics[0]["clip_frac"] == 0.0
     assert metrics[0]["nfe/train"] == 8 * 2 * 3  # policy + reference + the EMA copy per sample and timestep
     s = tr.cfg.domain_config.training_objective().settings
