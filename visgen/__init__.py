@@ -9,8 +9,7 @@ Public sampling API (imported lazily so ``import visgen.tasks`` stays light):
 """
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from shared_rl.lazy import lazy_attributes
 
 _LAZY = {
     "sample": "visgen.trajectory",
@@ -26,7 +25,4 @@ _LAZY = {
 __all__ = sorted(_LAZY)
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'visgen' has no attribute {name!r}")
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY, __all__)

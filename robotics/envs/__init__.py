@@ -7,8 +7,7 @@ simulator, so ``grove config show`` reads a robotics config without MuJoCo or to
 """
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from shared_rl.lazy import lazy_attributes
 
 _LAZY = {
     **dict.fromkeys(["EnvState", "MetaWorldTaskEnv", "RenderSettings", "TaskRenderer", "decode_key",
@@ -27,13 +26,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY, __all__)

@@ -6,8 +6,7 @@ show`` reads a robotics config without it (issue 64).
 """
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from shared_rl.lazy import lazy_attributes
 
 _LAZY = {
     **dict.fromkeys(["MODES", "FlowActionHead", "FlowSample", "sigma_schedule"], "flow_head"),
@@ -18,13 +17,4 @@ _LAZY = {
 __all__ = ["MODES", "FlowActionHead", "FlowSample", "sigma_schedule", "TinyVLA", "VLAConfig", "tokenize"]
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY, __all__)
