@@ -83,14 +83,12 @@ def test_the_count_trains_what_the_domain_trains(robotics):
     if cfg.adapters.rank:
         add_adapters(policy, cfg.adapters, cfg.env.tasks, 0)
     assert domain.trainable is parameter_count.trains  # one rule, not a copy
-    trained = {n for n, _ in policy.named_parameters() if parameter_count.trains(n, cfg)}
-    noise_std = {n for n in trained if n.startswith("flow.noise_std")}
-    assert bool(noise_std) == (cfg.head_mode == "flow_noise" and any(
-        n.startswith("flow.noise_std") for n, _ in policy.named_parameters()))
-    if cfg.adapters.rank:  # the adapters alone (and ReinFlow's std)
-        assert trained - noise_std and all(n.startswith("adapters.") for n in trained - noise_std)
+    names = [n for n, _ in policy.named_parameters()]
+    trained = {n for n in names if parameter_count.trains(n, cfg)}
+    std = {n for n in names if n.startswith("flow.noise_std")}  # ReinFlow's learned std: trained in its mode only
+    assert (std <= trained) if cfg.head_mode == "flow_noise" else not (std & trained)
+    if cfg.adapters.rank:  # the adapters alone
+        assert trained - std and all(n.startswith("adapters.") for n in trained - std)
     else:  # everything but the encoders, unless they train
-        frozen = {n for n, _ in policy.named_parameters() if n not in trained}
-        assert {n.split(".")[0] for n in frozen - {n for n, _ in policy.named_parameters()
-                                                    if n.startswith("flow.noise_std")}} <= (
-            set() if cfg.train_encoder else set(parameter_count.ENCODER_MODULES))
+        frozen_modules = {n.split(".")[0] for n in set(names) - trained - std}
+        assert frozen_modules <= (set() if cfg.train_encoder else set(parameter_count.ENCODER_MODULES))
