@@ -30,14 +30,17 @@ evaluation run with the shards gathered.
 **Refused** (one-line ``ConfigError`` at trainer set-up): what runs forwards or changes weights outside that pattern
 or holds untested state per process — the value head (``robotics.critic.enabled``), BC replay
 (``robotics.replay.coef``), ``robotics.adapters.keep_best`` (swaps adapters in and out),
-``robotics.adapters.steps: by_episodes`` (per-task step scaling), the world-model rollout strategies, and for a
-SmolVLA policy ``robotics.policy.gradient_checkpointing`` (its checkpointed attention re-runs units — the
-projections — inside LeRobot's own layer loop: untested under FSDP2).
+``robotics.adapters.steps: by_episodes`` (per-task step scaling) and the world-model rollout strategies.
 
 **Gradient checkpointing** (``robotics.policy.gradient_checkpointing``) on π0 / π0.5: grove checkpoints each Gemma
 layer's attention and MLP (inside the layer's unit) and each SigLIP layer (the unit itself, its FSDP2 hooks outside
 the checkpoint), so the backward's recomputation runs on the parameters FSDP2's pre-backward hook already gathered
-and issues no collective of its own.
+and issues no collective of its own. On SmolVLA the checkpoint sits *around* units: its attention half
+(``forward_attn_layer``, a method of the non-unit ``SmolVLMWithExpertModel``) calls the norm and projection units,
+and the MLP units are checkpointed whole (their hooks inside the checkpoint). The recomputation therefore runs
+those units' FSDP2 forward hooks again inside backward — one more all-gather per unit — in the order autograd
+reaches the checkpointed regions, which is the same on every process because every process runs the same paired
+forwards (the 2-process test equals one process without checkpointing).
 """
 from __future__ import annotations
 
@@ -51,33 +54,11 @@ _HOW = "or use distributed.strategy: replicate"
 FLAT_ROLLOUTS = ("flat", "tree")
 
 
-CHECKPOINTED_FAMILIES = ("pi0", "pi05")  # gradient checkpointing under FSDP2: inside each unit (module docstring)
-
-
-def _lerobot_family(cfg) -> str | None:
-    """The LeRobot policy's type from its config.json (None when it cannot be read yet: the preflight says why)."""
-    from shared_rl.prechecks import resolve_repo_path as resolve
-    from .policies.lerobot.load import read_policy_config
-
-    path = resolve(cfg.policy.path)
-    try:
-        return read_policy_config(str(path) if path.exists() else cfg.policy.path, cfg.env.kind).get("type")
-    except ConfigError:
-        return None
-
-
-def refuse_config(cfg, family: str | None = None) -> None:
-    """The one-line ConfigError for each robotics setting FSDP2 does not run (see the module docstring); ``family``:
-    the LeRobot policy's (``pi0`` / ``pi05`` / ``smolvla``; None: read from its config.json, the check left to the
-    loaded policy's when that cannot be read)."""
-    lerobot = cfg.policy.type == "lerobot"
-    if lerobot and cfg.policy.gradient_checkpointing and family is None:
-        family = _lerobot_family(cfg) or CHECKPOINTED_FAMILIES[0]
-    refused = [(lerobot and cfg.policy.gradient_checkpointing and family not in CHECKPOINTED_FAMILIES,
-                f"robotics.policy.gradient_checkpointing on a {family or 'SmolVLA'} policy (its checkpointed "
-                f"attention runs FSDP2 units inside the recomputation: untested; π0 / π0.5 are supported)",
-                "set robotics.policy.gradient_checkpointing: false"),
-               (cfg.critic.enabled, "robotics.critic.enabled: the value head's forwards are not paired",
+def refuse_config(cfg) -> None:
+    """The one-line ConfigError for each robotics setting FSDP2 does not run (see the module docstring), from the
+    config alone (``--dry-run`` and the sharding both call it). Gradient checkpointing is not among them: it runs
+    under FSDP2 for the LeRobot policies (π0, π0.5 and SmolVLA)."""
+    refused = [(cfg.critic.enabled, "robotics.critic.enabled: the value head's forwards are not paired",
                 "set robotics.critic.enabled: false"),
                (cfg.replay.coef > 0, "robotics.replay.coef: the replay loss's forwards are not paired",
                 "set robotics.replay.coef: 0"),
@@ -113,7 +94,7 @@ def fsdp_units(domain) -> list[torch.nn.Module]:
     """The modules to shard: the policy's units, then the KL reference copy's (none for a LoRA LeRobot policy, whose
     reference is the adapter-off policy itself)."""
     lerobot = domain.cfg.policy.type == "lerobot"
-    refuse_config(domain.cfg, domain.policy.cfg.family if lerobot else "")
+    refuse_config(domain.cfg)
     if lerobot:
         ref = domain._ref if isinstance(domain._ref, torch.nn.Module) else None
         return lerobot_units(domain.policy) + (lerobot_units(ref) if ref is not None else [])
@@ -168,18 +149,21 @@ def lerobot_units(vla: torch.nn.Module, family: str = "") -> list[torch.nn.Modul
 
 def load_policy_on_rank0(cfg, ctx, load):
     """The run's policy (``robotics.domain.load_policy``), under ``distributed.strategy: fsdp2`` with several
-    processes loaded by process 0 alone: the tiny VLA (fresh, or ``robotics.checkpoint``, whose small file the
-    others still read) is built on the meta device on every other process (``shared_rl.sharding.rank0_build``), and
-    the trainer's ``setup_fsdp`` fills their shards, the KL reference copy's and the flow head's buffers from process
-    0 (``shard_from_rank0``; task adapters added after it are overwritten the same way). ``load``: the domain's
-    ``load_policy`` (passed in: this module never imports the domain). A LeRobot policy (its pre-
-    and post-processors' statistics are not module tensors), a policy the caller holds, and a run with
+    processes loaded by process 0 alone: every other process builds it on the meta device
+    (``shared_rl.sharding.rank0_build``) and the trainer's ``setup_fsdp`` fills its shards, the KL reference copy's
+    and the buffers outside the units (the flow head's noise levels, a LeRobot policy's flow times) from process 0
+    (``shard_from_rank0``; adapters added after it are overwritten the same way). The tiny VLA: fresh, or
+    ``robotics.checkpoint`` (whose small file the others still read). A LeRobot policy (SmolVLA, π0, π0.5): built
+    from its config on the meta device, no weight file read (``policies.lerobot.load._meta_policy``); its pre- and
+    post-processors, which hold the normalisation statistics, are read from the policy directory's processor files
+    on every process (they are not module tensors, so no broadcast is needed). ``load``: the domain's
+    ``load_policy`` (passed in: this module never imports the domain). A policy the caller holds and a run with
     ``robotics.eval_baseline`` (every process checks the starting weights' digest) load on every process as
     before. With one process, or under ``replicate``, plain ``load_policy``. Returned on ``ctx.device`` (a policy on
     the meta device stays there: ``Module.to`` cannot move it)."""
     from shared_rl.sharding import rank0_build
 
-    if cfg.policy.type == "lerobot" or (ctx.objects or {}).get("policy") is not None or cfg.eval_baseline:
+    if (ctx.objects or {}).get("policy") is not None or cfg.eval_baseline:
         return load(cfg, ctx.seed, ctx.objects).to(ctx.device)
     with rank0_build(ctx):
         policy = load(cfg, ctx.seed, ctx.objects)

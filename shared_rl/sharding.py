@@ -153,6 +153,7 @@ def shard_from_rank0(modules: list[torch.nn.Module], d, device: torch.device, re
                         any(t.is_meta for _, _, t in outside)):
         raise RuntimeError("shard_from_rank0: process 0 must hold the real weights (build with meta_unless_rank0)")
     tops = _top_units(modules)
+    _same_layout_as_rank0(tops, outside, d)
     # process 0's full state before sharding (fully_shard copies each parameter's own slice; these stay whole on 0)
     full = [t.state_dict() if d.rank == 0 else {} for t in tops]
     shards = FSDPShards(modules, d, device, reshard_after_forward, replicate=replicate, **fsdp_policies)
@@ -182,6 +183,27 @@ def shard_from_rank0(modules: list[torch.nn.Module], d, device: torch.device, re
         slot[name] = done[id(t)]
     shards.from_rank0 = True  # the weights came from process 0 (setup_fsdp's log line says so)
     return shards
+
+
+def _same_layout_as_rank0(tops: list[torch.nn.Module], outside: list, d) -> None:
+    """Every process built the same tensors as process 0 (names, shapes, dtypes): a meta skeleton that differs (a
+    dtype the loader sets, a layer count) would otherwise receive process 0's values cast or sliced silently, and
+    FSDP2's all-gathers would mix shapes. One broadcast of process 0's sha256 of that list."""
+    import hashlib
+
+    import torch.distributed as dist
+
+    rows = [f"{i}.{n}:{tuple(t.shape)}:{t.dtype}" for i, top in enumerate(tops)
+            for n, t in [*top.named_parameters(), *top.named_buffers()]]
+    rows += [f"out.{n}:{tuple(t.shape)}:{t.dtype}" for _, n, t in outside]
+    mine = torch.tensor(list(hashlib.sha256("\n".join(rows).encode()).digest()), dtype=torch.uint8)
+    theirs = mine.clone()
+    dist.broadcast(theirs, src=0)
+    bad = torch.tensor([float(not torch.equal(mine, theirs))])
+    d.all_reduce_(bad, "max")  # every process raises, none waits in a collective the others left
+    if bad.item():
+        raise RuntimeError("shard_from_rank0: a process built its model (on the meta device) with other parameter "
+                           "names, shapes or dtypes than process 0 loaded; its loader must build the same module tree")
 
 
 def memory_line(strategy: str, rank: int, params, optimizer: torch.optim.Optimizer, fsdp) -> str:

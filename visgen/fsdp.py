@@ -23,8 +23,16 @@ trained weights on every process and swap it into sharded parameters (``visgen.e
 Flow-DPPO old copies), the likelihood-free objectives (their own forward loops are not padded), Sol-RL's
 low-precision explorer (``visgen.two_stage``: a second transformer built from the live weights).
 
-**Wan 2.2's two experts** (``transformer`` trained, ``transformer_2`` frozen) are sharded each on its own (blocks,
-then root). Which expert a row goes to depends on its timestep, so under FSDP2 the adapter runs both experts in
+**Loading.** Only process 0 reads the transformers' weights: on every other process ``load_pipeline(...,
+meta_transformers=True)`` builds ``transformer`` (and Wan 2.2's ``transformer_2``) on the meta device from their
+configs, in the dtypes ``from_pretrained`` gives them, and ``from_pretrained`` loads the other components from a
+view of the pipeline directory with the transformers marked null (``place_pipeline`` moves those to the device and
+leaves the meta ones); LoRA and the full-tuning reference copy are then added on meta too, and ``setup_fsdp``
+(``shared_rl.sharding.shard_from_rank0``) fills every process's shards from process 0's weights after checking that
+every process built the same names, shapes and dtypes.
+
+**Wan 2.2's two experts** (``transformer`` trained, LoRA or full fine-tuning, ``transformer_2`` frozen) are sharded
+each on its own (blocks, then root; under full fine-tuning the reference copy of ``transformer`` too). Which expert a row goes to depends on its timestep, so under FSDP2 the adapter runs both experts in
 every velocity call, an expert without rows on one weight-0 row (``WanAdapter._velocity_both_experts``); with the
 padding above, every process then runs each expert equally often.
 """
@@ -36,7 +44,7 @@ import torch
 
 from shared_rl.config import ConfigError
 
-__all__ = ["ForwardPadding", "fsdp_units", "is_sharded", "refuse_config", "save_sharded"]
+__all__ = ["ForwardPadding", "fsdp_units", "is_sharded", "place_pipeline", "refuse_config", "save_sharded"]
 
 _HOW = "or use distributed.strategy: replicate"
 
@@ -123,6 +131,19 @@ class ForwardPadding:
         agreed = int(self.dist.all_reduce_(torch.tensor([n]), "max"))
         self.padded += agreed - n
         return agreed
+
+
+def place_pipeline(pipe, device: torch.device) -> None:
+    """``pipe.to(device)``, except that components on the meta device (the transformers of an FSDP2 process > 0,
+    ``load_pipeline(meta_transformers=True)``) stay there: ``setup_fsdp`` allocates their shards on ``device``."""
+    meta = {name for name, c in pipe.components.items()
+            if isinstance(c, torch.nn.Module) and any(t.is_meta for t in c.parameters())}
+    if not meta:
+        pipe.to(device)
+        return
+    for name, c in pipe.components.items():
+        if isinstance(c, torch.nn.Module) and name not in meta:
+            c.to(device)
 
 
 def is_sharded(module: torch.nn.Module) -> bool:

@@ -118,3 +118,34 @@ def test_rank0_load_of_a_llama_equals_every_process_loading(tmp_path):
 
 def test_rank0_load_of_the_tiny_vla_equals_every_process_building(tmp_path):
     _run(tmp_path, "vla")
+
+
+def _mismatch_worker(rank, world, port, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    d = Dist()
+    with meta_unless_rank0(rank):
+        model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 2))
+    if rank == 1:  # a meta skeleton whose loader forgot a dtype the real load sets
+        model[1].to(torch.bfloat16)
+    try:
+        shard_from_rank0([model[0], model[1], model], d, torch.device("cpu"), roots=[model])
+        message = ""
+    except RuntimeError as exc:
+        message = str(exc)
+    torch.save(message, f"{out}.{rank}")
+    exit_distributed(0)
+
+
+def test_a_meta_skeleton_unlike_rank0s_model_is_refused_on_every_process(tmp_path):
+    """Process 1 built its meta model with another dtype than process 0 loaded: without the check, process 0's
+    values would be cast into its shards silently; with it, every process raises (none is left in a collective)."""
+    import multiprocessing
+
+    multiprocessing.set_forkserver_preload(["torch", "shared_rl.sharding"])
+    mp.start_processes(_mismatch_worker, args=(2, free_port(), str(tmp_path / "msg")), nprocs=2, join=True,
+                       start_method="forkserver")
+    for rank in range(2):
+        message = torch.load(tmp_path / f"msg.{rank}", weights_only=True)
+        assert "shapes or dtypes than process 0" in message, (rank, message)

@@ -78,6 +78,9 @@ def _fsdp_worker(rank, world, port, model, run_dir, out, visgen=None, top=None):
     _init(rank, world, port)
     quiet = {"log": lambda *_: None}
     tr = Trainer(_config(model, "fsdp2", visgen, **(top or {})), run_dir, **quiet)
+    # process 0 alone loaded the transformer (and the full-tuning reference copy); process 1 built it on the meta
+    # device from its config (no weight file read) and received its shards
+    assert tr.fsdp.from_rank0 and not any(t.is_meta for t in tr.domain.policy.transformer.parameters())
     blocks = [m for m in tr.fsdp.modules if type(m).__name__.endswith("JointTransformerBlock")]  # FSDP2 renames FSDP<cls>
     policy = tr.domain.policy
     roots = [policy.transformer] + ([policy.reference_copy] if policy.reference_copy is not None else [])

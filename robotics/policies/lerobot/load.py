@@ -118,11 +118,24 @@ def load_lerobot_policy(settings: PolicySettings, env_cfg, path: str, seed: int,
 
     from .local_files import policy_config_here, preprocessor_overrides_here
 
+    # inside shared_rl.sharding.meta_unless_rank0 (robotics.fsdp.load_policy_on_rank0: processes > 0 of an FSDP2
+    # run): the policy is built on the meta device from its config alone, no weight file read; process 0's weights
+    # reach this process's shards in setup_fsdp
+    import torch
+
+    meta = torch.empty(0).is_meta
     with sizes_context(path):  # a tiny π0 / π0.5 (tests, the CPU recipe) builds at its own sizes
         # a directory that carries its VLM / tokenizer (grove's exports) reads them where it is now
-        policy = policy_class(family).from_pretrained(path, local_files_only=True, config=policy_config_here(path))
-    pre, post = make_pre_post_processors(policy.config, pretrained_path=path,
-                                         preprocessor_overrides=preprocessor_overrides_here(path))
+        if meta:
+            policy = _meta_policy(family, path)
+        else:
+            policy = policy_class(family).from_pretrained(path, local_files_only=True, config=policy_config_here(path))
+    # the processors hold the normalisation statistics, read from the directory's processor files (not from the
+    # model), so every process has them; built outside the meta device so that no tensor a step creates rather
+    # than reads lands there (the test compares them with one process's)
+    with torch.device("cpu"):
+        pre, post = make_pre_post_processors(policy.config, pretrained_path=path,
+                                             preprocessor_overrides=preprocessor_overrides_here(path))
     vla = LeRobotVLA(policy, pre, post, cameras, sizes, k, env_action_dim)
     vla.tiny = read_tiny(path) if Path(path).is_dir() else None
     if settings.lora.rank:
@@ -133,3 +146,31 @@ def load_lerobot_policy(settings: PolicySettings, env_cfg, path: str, seed: int,
     if settings.gradient_checkpointing:
         vla.enable_gradient_checkpointing()
     return vla
+
+
+def _meta_policy(family: str, path: str):
+    """The LeRobot policy of ``path`` on the meta device, as ``from_pretrained`` would build it but without reading
+    a weight: its config (the carried VLM's location kept), constructed with ``device`` = meta (π0 / π0.5 move
+    themselves to ``config.device`` in ``__init__``) and SmolVLA's VLM from its config (``load_vlm_weights`` off; its
+    bf16 dtype kept, as ``from_pretrained`` of the VLM gives it), then the config's own values put back: the policy
+    and the processors see the run's device. The dtypes must equal process 0's (``shard_from_rank0`` checks)."""
+    import torch
+    from lerobot.configs.policies import PreTrainedConfig
+
+    from .local_files import policy_config_here
+
+    config = policy_config_here(path) or PreTrainedConfig.from_pretrained(path, local_files_only=True)
+    device, vlm_weights = config.device, getattr(config, "load_vlm_weights", None)
+    config.device = "meta"
+    if vlm_weights:
+        config.load_vlm_weights = False
+    try:
+        with torch.device("meta"):
+            policy = policy_class(family)(config)
+    finally:
+        config.device = device
+        if vlm_weights is not None:
+            config.load_vlm_weights = vlm_weights
+    if vlm_weights:  # SmolVLMWithExpertModel loads its VLM with torch_dtype="bfloat16"
+        policy.model.vlm_with_expert.vlm.to(torch.bfloat16)
+    return policy.eval()
