@@ -127,6 +127,48 @@ def check_image_size(cfg, model_dir: Path) -> None:
                           f"pixels; use visgen.resolution <= {table * multiple}")
 
 
+def check_teacher(cfg, student: Path) -> None:
+    """An objective's frozen teacher (on-policy distillation, ``visgen.objective.teacher``) against the student's
+    pipeline, from their files, before either loads: the same pipeline family (``model_index.json``'s class) and the
+    same scheduler config, the comparison ``FlowPolicy._enable_teacher`` makes when the weights load, with its
+    message, so ``--dry-run`` refuses what the run would. A teacher that is no local directory yet (a recipe names
+    the run that makes it; a hub id) is left to the load."""
+    import json
+
+    teacher = getattr(cfg.training_objective().settings, "teacher", None)
+    if not teacher:
+        return
+    p = Path(str(teacher)).expanduser()
+    here = next((c for c in ([p] if p.is_absolute() else [Path.cwd() / p, Path(__file__).resolve().parents[1] / p])
+                 if (c / "model_index.json").is_file()), None)
+    if here is None or not (student / "model_index.json").is_file():
+        return
+    try:
+        mine, theirs = (json.loads((d / "model_index.json").read_text()) for d in (student, here))
+    except (OSError, ValueError):
+        return  # a damaged file is the loader's to name
+    if mine.get("_class_name") != theirs.get("_class_name"):
+        raise ConfigError(f"the teacher {teacher!r} is a {theirs.get('_class_name')}, the student a "
+                          f"{mine.get('_class_name')}: on-policy distillation needs a teacher of the student's "
+                          "pipeline family")
+    import diffusers
+
+    from .policy import _scheduler_config
+
+    configs = []
+    for d, index in ((student, mine), (here, theirs)):
+        try:
+            cls = getattr(diffusers, index["scheduler"][1])
+            scheduler = cls.from_pretrained(str(d), subfolder="scheduler")
+        except Exception:  # noqa: BLE001 - no scheduler, an unknown class, a damaged config: the load names it
+            return
+        configs.append({**_scheduler_config(scheduler), "class": type(scheduler).__name__})
+    diff = sorted(k for k in set(configs[0]) | set(configs[1]) if configs[0].get(k) != configs[1].get(k))
+    if diff:
+        raise ConfigError(f"the teacher {teacher!r} has another scheduler than the student (differs in {diff}): it "
+                          "must replay the student's states on the same noise schedule")
+
+
 def preflight(cfg, train_cfg, read_prompt_file, import_rewards) -> None:
     """The checks of the module docstring for ``VisgenConfig`` ``cfg``; raises ConfigError."""
     if train_cfg.distributed.strategy == "fsdp2":  # what FSDP2 refuses from the config alone, as the real run
@@ -137,6 +179,7 @@ def preflight(cfg, train_cfg, read_prompt_file, import_rewards) -> None:
     location, local = check_visgen_model(cfg.model)
     if local:
         check_image_size(cfg, Path(location))
+        check_teacher(cfg, Path(location))
     import_rewards()
     for i, spec in enumerate(cfg.rewards):
         _check_reward_arguments(f"visgen.rewards[{i}]", spec.name, spec.kwargs)

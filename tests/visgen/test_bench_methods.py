@@ -176,3 +176,30 @@ def test_a_probe_file_is_reused_as_its_variants_run(tmp_path):
            "iterations": 5, "images": 10, "nfe": 50, "time": 5, "variant": "flat", "overrides": [], "seed": 1}
     (tmp_path / "flat_base_s1.json").write_text(json.dumps(run))
     assert load_runs([tmp_path / "flat_base_s1.json"], 5, 5) == {"flat": [run]}
+
+
+def test_quick_bench_runs_issue_63_rows_end_to_end(tmp_path, tiny_dir):
+    """``grove bench visgen-methods --quick``'s path in one process for the five rows (flat 1 iteration on the tiny
+    pipeline): flat seed 0 sets the budget and, merged, is OPD's teacher; each row trains to that budget and is
+    evaluated; results.json holds every row and the page is not rewritten (quick never writes the doc)."""
+    import json
+
+    import bench.visgen_methods as vm
+
+    page = vm.DOC.read_text()
+    lines: list[str] = []
+    res = vm.run(tmp_path, quick=True, variants=list(ISSUE_63), flat_iters=1, model=str(tiny_dir), log=lines.append)
+    rows = {r["variant"]: r for r in res["rows"]}
+    assert set(rows) == {"flat", *ISSUE_63}
+    assert (tmp_path / "teacher" / "model_index.json").is_file()  # flat seed 0 merged: OPD's teacher
+    budget = res["budget_nfe"]
+    assert budget == res["runs"]["flat"][0]["nfe"] > 0
+    for name in ISSUE_63:
+        run = res["runs"][name][0]
+        # trained until the budget was spent (or 3x flat's iterations), evaluated before and at the end
+        assert run["nfe"] >= budget or run["iterations"] == 3, name
+        assert len(run["points"]) == run["iterations"] + 1 and 0 <= rows[name]["strict_at_budget"] <= 1, name
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved["quick"] and {r["variant"] for r in saved["rows"]} == set(rows)
+    assert "grove bench visgen-methods --quick" in saved["notes"] and vm.DOC.read_text() == page
+    assert any(line.startswith("visgen-methods: done in") for line in lines)

@@ -3,7 +3,7 @@ mean ‖μ_θ − μ_T‖²/(2σ_t²) and its gradient worked out by hand, alone
 the tiny pipeline a second tiny model as the frozen teacher: its replay of the student's stored states equals the
 Gaussian-mean formula, the teacher never moves, is never checkpointed, a teacher equal to the student gives 0 at the
 first step; a micro-batch split = the same gradient; a teacher of another family or scheduler and bad settings one
-line (exit 2); the shapes and SD3.5-M recipes on the tiny pipeline."""
+line (exit 2, from ``--dry-run`` too); the shapes and SD3.5-M recipes on the tiny pipeline."""
 from __future__ import annotations
 
 import math
@@ -190,11 +190,19 @@ def test_a_teacher_of_another_family_or_scheduler_is_one_line(tiny_dir, tmp_path
     shifted = tiny.build_pipeline(vocabulary(), **TINY)
     shifted.scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)
     shifted_dir = tiny.save_pipeline(shifted, tmp_path / "shifted")
+    from shared_rl.preflight import preflight
+
     for path, message in ((flux, "is a FluxPipeline, the student a StableDiffusion3Pipeline"),
                           (shifted_dir, r"another scheduler than the student \(differs in \['shift'\]\)")):
-        with pytest.raises(ConfigError, match=message) as info:
-            Trainer(_cfg(tiny_dir, {"name": "opd", "teacher": str(path)}), None, log=lambda *_: None)
+        cfg = _cfg(tiny_dir, {"name": "opd", "teacher": str(path)})
+        with pytest.raises(ConfigError, match=message) as info:  # from the files, before anything loads (--dry-run)
+            preflight(cfg)
         assert "\n" not in str(info.value)
+        with pytest.raises(ConfigError, match=message) as info:  # and when the weights load
+            Trainer(cfg, None, log=lambda *_: None)
+        assert "\n" not in str(info.value)
+    preflight(_cfg(tiny_dir, {"name": "opd", "teacher": str(tiny_dir)}))  # the same family and scheduler pass
+    preflight(_cfg(tiny_dir, {"name": "opd", "teacher": str(tmp_path / "not-made-yet")}))  # left to the load
 
 
 def test_cli_exits_2_with_one_line(tiny_dir, tmp_path):
@@ -206,6 +214,11 @@ def test_cli_exits_2_with_one_line(tiny_dir, tmp_path):
 
     flux = tmp_path / "flux"
     ready(build_flux()).save_pretrained(flux)
+    dry = subprocess.run([sys.executable, "-m", "shared_rl.cli", "train", "configs/visgen/shapes_opd.yaml", "--dry-run",
+                          f"visgen.model={tiny_dir}", f"visgen.objective.teacher={flux}"], cwd=REPO,
+                         capture_output=True, text=True)
+    assert dry.returncode == 2 and "is a FluxPipeline" in dry.stderr, dry.stderr[-2000:]
+    assert len(dry.stderr.strip().splitlines()) == 1
     run = subprocess.run([sys.executable, "-m", "shared_rl.cli", "train", "configs/visgen/shapes_opd.yaml",
                           "--out", str(tmp_path / "run"), f"visgen.model={tiny_dir}", f"visgen.objective.teacher={flux}",
                           "iterations=1"], cwd=REPO, capture_output=True, text=True)
