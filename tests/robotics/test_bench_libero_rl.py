@@ -156,3 +156,27 @@ def test_the_gradient_noise_row_is_the_ratio_of_the_iterations_means(tmp_path):
     assert row["signal_sq_se"] == pytest.approx(se) and row["noise_scale_min"] == pytest.approx(0.2 / (2e-4 + 2 * se))
     assert row["per_iteration"] == [2000, 667] and row["episodes_per_update"] == 64 and row["env_steps"] == 17000
     assert bl.gradnoise_row(tmp_path, 5, 0, "ript-loop+shared-start", [], {"assemble": True, "quick": False}) is None
+
+
+def test_a_fresh_output_directory_assembles_every_kept_row_and_runs_none_of_them_again(tmp_path, monkeypatch):
+    """A fresh machine has no run directories: --assemble must still table every row of earlier sittings (from the
+    committed rows file), list none of them as not run, and a part run must read a kept row back, not re-measure it."""
+    kept = [{"variant": "BC, K=5", "kind": "bc", "K": 5, "seed": 0, "success": 0.62},
+            {"variant": "RL grove from K=5, 6 iterations", "kind": "rl", "K": 5, "run_dir": "rl-grove-K5-s0-it6",
+             "seed": 0, "success_before": 0.62, "success": 0.635, "paired_delta": 0.015, "paired_se": 0.03},
+            {"variant": "BC K=5 clone: sd over 2 start-noise seeds", "kind": "noise_sd", "K": 5, "success": 0.03}]
+    rows_file = tmp_path / "page.rows.json"
+    rows_file.write_text(json.dumps(kept))
+    monkeypatch.setattr(bl, "DOC", tmp_path / "page.md")
+    monkeypatch.setattr(bl, "_run", lambda *a, **k: pytest.fail(f"a kept row was measured again: {a}"))
+    res = bl.run(tmp_path / "out", assemble=True, rows_file=rows_file)
+    by = {r["variant"]: r for r in res["rows"]}
+    assert by["RL grove from K=5, 6 iterations"]["success"] == 0.635 and by["BC, K=5"]["success"] == 0.62
+    assert "BC K=5 clone: sd over 2 start-noise seeds" in by
+    assert "| RL grove from K=5, 6 iterations |" in (tmp_path / "page.md").read_text()
+    assert "BC K=5 seed 0" not in res["notes"], "a kept row is not 'not run yet'"
+    written = json.loads(rows_file.read_text())
+    assert all(r in written for r in kept), "the rows file keeps every row"
+    # the same row asked for again in a part run: read back from the kept rows, no process started
+    part = bl.run(tmp_path / "out", only="rl", variants=("grove",), seeds=(0,), iterations=6, rows_file=rows_file)
+    assert [r["success"] for r in part["rows"] if r.get("run_dir") == "rl-grove-K5-s0-it6"] == [0.635]
