@@ -211,14 +211,14 @@ def test_imagereward_from_original_checkpoint_matches_a_direct_forward(bert_dir,
         get_reward("imagereward", checkpoint=None, tokenizer=str(bert_dir), config={"depth": 3})
 
 
-def test_pickscore_differentiable_call_is_close_to_the_scored_one_and_has_a_gradient(clip_dir):
-    """DiffusionOPSD's path: the torch pre-processing (no uint8 rounding, antialiased bicubic) gives the PIL path's
-    score to a small tolerance, and a gradient reaches the pixels."""
+def test_pickscore_differentiable_call_is_the_scored_one_and_has_a_gradient(clip_dir):
+    """DiffusionOPSD's path: the scored value (straight-through from the PIL path) with the torch pre-processing's
+    gradient reaching the pixels (the other neural rewards: tests/visgen/test_rewards_differentiable.py)."""
     reward = get_reward("pickscore", model=str(clip_dir), processor=None, device="cpu")
     images = _images()
     scored = reward(images, PROMPTS)["pickscore"]
     x = images.clone().requires_grad_(True)
     value = reward.differentiable(x, PROMPTS)["pickscore"]
-    assert torch.allclose(value.detach(), scored, atol=0.02)  # measured: at most 0.013 on scores of 4 to 9
+    assert torch.allclose(value.detach(), scored, atol=1e-4)
     (grad,) = torch.autograd.grad(value.sum(), x)
     assert grad.abs().sum() > 0

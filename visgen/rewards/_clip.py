@@ -7,7 +7,7 @@ from typing import Sequence
 import torch
 
 from .base import RewardInputError, check_positive, resolve_device_dtype
-from .preprocess import clip_preprocess, processor_geometry
+from .preprocess import clip_preprocess, differentiable_preprocess, processor_geometry
 
 
 def features(output) -> torch.Tensor:
@@ -34,34 +34,23 @@ class ClipScorer:
         self.model.to(self.device).eval().requires_grad_(False)
         self.size, self.mean, self.std = processor_geometry(self.processor)
         self.batch_size, self.crop = batch_size, crop
+        self.straight_through = True  # the differentiable path's value is the scored one's (pixels_differentiable)
 
     def pixels(self, images: torch.Tensor) -> torch.Tensor:
         return clip_preprocess(images, self.size, self.mean, self.std, self.crop)
 
     def pixels_differentiable(self, images: torch.Tensor) -> torch.Tensor:
-        """The same geometry in torch, with the graph to ``images`` kept: antialiased bicubic resize of the shorter
-        side (the long side truncated), centre crop, normalisation; no uint8 rounding (the PIL path's values to a
-        few hundredths in normalised units)."""
-        from .preprocess import resized_size
-
-        h, w = images.shape[-2:]
-        nw, nh = resized_size(w, h, self.size)
-        x = images.float()
-        if (nw, nh) != (w, h):
-            x = torch.nn.functional.interpolate(x, size=(nh, nw), mode="bicubic", align_corners=False, antialias=True)
-        if self.crop == "round":
-            top, left = int(round((nh - self.size) / 2.0)), int(round((nw - self.size) / 2.0))
-        else:
-            top, left = (nh - self.size) // 2, (nw - self.size) // 2
-        x = x[..., top:top + self.size, left:left + self.size].clamp(0, 1)
-        mean = torch.tensor(self.mean, device=x.device).view(1, 3, 1, 1)
-        std = torch.tensor(self.std, device=x.device).view(1, 3, 1, 1)
-        return (x - mean) / std
+        """The model input with the graph to ``images`` (``preprocess.differentiable_preprocess``): the PIL path's
+        values, the gradient of the same geometry in torch (Pillow's bicubic weights, no uint8 roundings);
+        ``self.straight_through = False`` gives the smooth function itself (finite-difference checks)."""
+        return differentiable_preprocess(images, self.size, self.mean, self.std, self.crop, self.straight_through)
 
     def image_embeds_differentiable(self, images: torch.Tensor) -> torch.Tensor:
-        """``[B, D]`` L2-normalised float32 image embeddings on the model's device, with grad to ``images``."""
+        """``[B, D]`` L2-normalised image embeddings on the model's device, with grad to ``images`` (float32; float64
+        when the model runs in float64)."""
         x = self.pixels_differentiable(images.to(self.device)).to(self.dtype)
-        return torch.nn.functional.normalize(features(self.model.get_image_features(pixel_values=x)).float(), dim=-1)
+        emb = features(self.model.get_image_features(pixel_values=x))
+        return torch.nn.functional.normalize(emb.to(torch.promote_types(emb.dtype, torch.float32)), dim=-1)
 
     @torch.no_grad()
     def image_embeds(self, images: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,8 @@ copy TRL's DDPO example uses, ``trl-lib/ddpo-aesthetic-predictor:aesthetic-model
 and the CLIP from ``clip_model`` (default ``openai/clip-vit-large-patch14``). The MLP is the predictor's
 Linear(768,1024) -> Dropout -> Linear(1024,128) -> Dropout -> Linear(128,64) -> Dropout -> Linear(64,16) ->
 Linear(16,1), no activations (as published), evaluated in eval mode. ``hidden`` overrides the widths (tests).
+``differentiable`` is the same score with the graph to the pixels (the scored value, the gradient of the torch
+pre-processing, ``preprocess.differentiable_preprocess``).
 """
 from __future__ import annotations
 
@@ -64,13 +66,25 @@ class Aesthetic:
         scores = torch.full((images.shape[0],), float("nan"))
         idx = torch.nonzero(finite_rows(images)).flatten()
         if idx.numel():
-            scores[idx] = self.mlp(self.clip.image_embeds(images[idx])).squeeze(-1) * self.scale
+            scores[idx] = self._head(self.clip.image_embeds(images[idx])).float().cpu() * self.scale
         return {self.name: scores}
+
+    def differentiable(self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[dict] | None = None
+                       ) -> dict[str, torch.Tensor]:
+        """The score with the graph to ``images``, on their device (prompt-independent; DiffusionOPSD)."""
+        check_batch(images, prompts, metadata)
+        return {self.name: (self._head(self.clip.image_embeds_differentiable(images)) * self.scale).to(images.device)}
+
+    def _head(self, emb: torch.Tensor) -> torch.Tensor:
+        """The MLP on ``emb`` where the MLP is (the CPU, or the device while ``visgen.memory.offload_rewards`` holds it
+        there), in its dtype."""
+        w = self.mlp.layers[0].weight
+        return self.mlp(emb.to(w.device, w.dtype)).squeeze(-1)
 
 
 @register("aesthetic", RewardInfo(weights=f"MLP: hub {AESTHETIC_CHECKPOINT}; CLIP: hub {CLIP_MODEL}",
                                   licence="Apache-2.0 (improved-aesthetic-predictor); MIT (OpenAI CLIP)",
-                                  range="~1-10 (human rating scale)",
+                                  range="~1-10 (human rating scale)", differentiable=True,
                                   summary="LAION aesthetic predictor v2: MLP on the CLIP ViT-L/14 image embedding"))
 def build_aesthetic(checkpoint: str | None = AESTHETIC_CHECKPOINT, clip_model: str = CLIP_MODEL,
                     processor: str | None = None, device: str | None = None, dtype: str = "float32",

@@ -7,7 +7,8 @@ cosine similarity of CLIP's image and text embeddings, clipped at 0 and scaled. 
 
 ``text_prefix`` is prepended to every prompt (the paper prefixes captions with ``"A photo depicts "``; default
 none). transformers ``CLIPModel`` from a hub id (default ``openai/clip-vit-large-patch14``) or a local directory.
-Output name: ``clipscore``.
+Output name: ``clipscore``. ``differentiable`` gives the same score with the graph to the pixels (the scored value,
+the gradient of the torch pre-processing, ``preprocess.differentiable_preprocess``; zero where the clip at 0 bites).
 """
 from __future__ import annotations
 
@@ -50,10 +51,18 @@ class ClipScore:
             scores[idx] = scale_cosine(cos, self.scaling)
         return {self.name: scores}
 
+    def differentiable(self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[dict] | None = None
+                       ) -> dict[str, torch.Tensor]:
+        """The score with the graph to ``images``, on their device; the text side without grad (DiffusionOPSD)."""
+        check_batch(images, prompts, metadata)
+        img = self.clip.image_embeds_differentiable(images)
+        txt = self.clip.text_embeds([self.text_prefix + p for p in prompts]).to(img.device)
+        return {self.name: scale_cosine((img * txt).sum(-1), self.scaling).to(images.device)}
+
 
 @register("clipscore", RewardInfo(weights=f"hub: {CLIP_MODEL} (any transformers CLIP id or dir)",
                                   licence="MIT (OpenAI CLIP weights)",
-                                  range="[0, 2.5] hessel | [0, 100] torchmetrics | [-1, 1] cosine",
+                                  range="[0, 2.5] hessel | [0, 100] torchmetrics | [-1, 1] cosine", differentiable=True,
                                   summary="CLIP image-prompt cosine, clipped and scaled (Hessel et al. 2021)"))
 def build_clipscore(model: str = CLIP_MODEL, processor: str | None = None, device: str | None = None,
                     dtype: str = "float32", batch_size: int = 32, scaling: str = "hessel", text_prefix: str = "",

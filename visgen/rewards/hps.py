@@ -8,7 +8,9 @@ checkpoint is a local ``.pt`` file or ``"<hub repo>:<file>"`` (default ``xswu/HP
 fetched with ``huggingface_hub`` only when the reward is built. ``arch`` is the open_clip model name; a local JSON
 model config may be passed instead (it is registered with ``open_clip.add_model_config``). Pre-processing is
 open_clip's eval transform on uint8 PIL images, as the anchors feed it (``visgen.rewards.preprocess``: bicubic
-shorter-side resize, centre crop with torchvision rounding, CLIP mean/std). HPSv3 (Ma et al., 2025) is a
+shorter-side resize, centre crop with torchvision rounding, CLIP mean/std). ``differentiable`` is the same score
+with the graph to the pixels (DiffusionOPSD): the scored value, the gradient of that pre-processing in torch
+(``preprocess.differentiable_preprocess``), the text side without grad. HPSv3 (Ma et al., 2025) is a
 Qwen2-VL-7B reward model with its own inference wrapper; it is not built in (see docs/rewards.md) — serve it
 and use ``vlm_judge`` or ``remote``.
 """
@@ -20,7 +22,7 @@ from typing import Sequence
 import torch
 
 from .base import RewardInfo, RewardInputError, check_batch, register
-from .preprocess import clip_preprocess
+from .preprocess import clip_preprocess, differentiable_preprocess
 
 HPS_CHECKPOINT = "xswu/HPSv2:HPS_v2.1_compressed.pt"
 OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -91,6 +93,7 @@ class HPSv2:
         self.mean = torch.tensor(cfg.get("mean", OPENAI_MEAN)).view(1, 3, 1, 1)
         self.std = torch.tensor(cfg.get("std", OPENAI_STD)).view(1, 3, 1, 1)
         self.batch_size, self.name = batch_size, name
+        self.straight_through = True  # differentiable's value: the scored one's (differentiable_preprocess)
 
     def preprocess(self, images: torch.Tensor) -> torch.Tensor:
         """open_clip's eval transform: uint8 -> PIL bicubic shorter-side resize -> centre crop -> normalise."""
@@ -117,10 +120,28 @@ class HPSv2:
             scores[idx] = (image_emb * text_emb).sum(-1).cpu()
         return {self.name: scores}
 
+    def differentiable(self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[dict] | None = None
+                       ) -> dict[str, torch.Tensor]:
+        """The score with the graph to ``images``, on their device; the text side without grad (DiffusionOPSD)."""
+        check_batch(images, prompts, metadata)
+        th, tw = self.image_size
+        if th != tw:
+            raise RewardInputError(f"hps: non-square model input {self.image_size} is not supported")
+        dtype = next(self.model.parameters()).dtype
+        pixels = differentiable_preprocess(images.to(self.device), th, tuple(self.mean.flatten().tolist()),
+                                           tuple(self.std.flatten().tolist()), "round", self.straight_through)
+        image = self.model.encode_image(pixels.to(dtype))
+        image_emb = torch.nn.functional.normalize(image.to(torch.promote_types(image.dtype, torch.float32)), dim=-1)
+        with torch.no_grad():
+            tokens = self.tokenizer(list(prompts)).to(self.device)
+            text_emb = torch.nn.functional.normalize(self.model.encode_text(tokens).float(), dim=-1)
+        return {self.name: (image_emb * text_emb).sum(-1).to(images.device)}
+
 
 @register("hps", RewardInfo(weights=f"hub: {HPS_CHECKPOINT} (open_clip ViT-H-14) or a local .pt/.safetensors",
                             licence="Apache-2.0 (HPSv2 repository); check the model card",
                             range="~0.2-0.35 (cosine similarity)", extra="rewards (open_clip_torch)",
+                            differentiable=True,
                             summary="HPS v2.1: preference-tuned open_clip ViT-H-14, cos(image, prompt)"))
 def build_hps(checkpoint: str | None = HPS_CHECKPOINT, arch: str = "ViT-H-14", device: str | None = None,
               batch_size: int = 32, name: str = "hps") -> HPSv2:

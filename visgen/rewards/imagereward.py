@@ -7,7 +7,10 @@ truncated) is encoded against the image; the [CLS] state goes through a five-lay
 aesthetic MLP shape) and the result is standardised by ImageReward's published statistics,
 ``(r - 0.16717362830052426) / 1.0333394966054072`` (``scaling: normalised``, default; ``raw``: the head's
 output). Images: uint8 -> PIL bicubic shorter side 224 -> centre crop (torchvision rounding) -> CLIP mean/std,
-exactly ImageReward's ``_transform``. Output name: ``imagereward`` (about -2..2).
+exactly ImageReward's ``_transform``. Output name: ``imagereward`` (about -2..2). The model call (BLIP's ViT, the
+cross-attending BERT, the head) is a torch function of the pixel values, so ``differentiable`` is the same score with
+the graph to the pixels (DiffusionOPSD): the scored value, the gradient of that pre-processing in torch
+(``preprocess.differentiable_preprocess``); the tokens carry no gradient.
 
 Built here on transformers' ``BlipVisionModel`` + ``BlipTextModel`` (same computation as BLIP's ``med.py``:
 pre-norm ViT with LayerNorm eps 1e-6, BERT with cross-attention, no token-type embeddings). The released
@@ -25,7 +28,8 @@ import torch
 
 from .aesthetic import AestheticMLP
 from .base import RewardInfo, RewardInputError, check_batch, check_positive, finite_rows, register, resolve_device_dtype
-from .preprocess import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, clip_preprocess, load_checkpoint_file
+from .preprocess import (OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, clip_preprocess, differentiable_preprocess,
+                         load_checkpoint_file)
 
 IMAGEREWARD_CHECKPOINT = "THUDM/ImageReward:ImageReward.pt"
 BERT_TOKENIZER = "bert-base-uncased"
@@ -101,7 +105,8 @@ class ImageRewardModel(torch.nn.Module):
         image_mask = torch.ones(image.shape[:-1], dtype=torch.long, device=image.device)
         text = self.text(input_ids=input_ids, attention_mask=attention_mask, encoder_hidden_states=image,
                          encoder_attention_mask=image_mask).last_hidden_state
-        return self.mlp(text[:, 0, :].float()).squeeze(-1)
+        w = self.mlp.layers[0].weight  # the [CLS] state in the head's dtype (a bfloat16 model: a bfloat16 head)
+        return self.mlp(text[:, 0, :].to(w.dtype)).squeeze(-1)
 
 
 class ImageReward:
@@ -132,6 +137,7 @@ class ImageReward:
                                        f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
         self.model.to(self.device, self.dtype).eval().requires_grad_(False)
         self.batch_size, self.scaling, self.name = batch_size, scaling, name
+        self.straight_through = True  # differentiable's value: the scored one's (differentiable_preprocess)
 
     def preprocess(self, images: torch.Tensor) -> torch.Tensor:
         return clip_preprocess(images, self.config["image_size"], OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, crop="round")
@@ -156,10 +162,24 @@ class ImageReward:
             scores[rows] = ((raw - MEAN) / STD if self.scaling == "normalised" else raw).float().cpu()
         return {self.name: scores}
 
+    def differentiable(self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[dict] | None = None
+                       ) -> dict[str, torch.Tensor]:
+        """The score with the graph to ``images``, on their device (DiffusionOPSD)."""
+        check_batch(images, prompts, metadata)
+        dtype = next(self.model.parameters()).dtype
+        pixels = differentiable_preprocess(images.to(self.device), self.config["image_size"], OPENAI_CLIP_MEAN,
+                                           OPENAI_CLIP_STD, "round", self.straight_through)
+        tokens = self.tokenizer(list(prompts), padding="max_length", truncation=True, max_length=TEXT_LENGTH,
+                                return_tensors="pt")
+        raw = self.model(pixels.to(dtype), tokens["input_ids"].to(self.device),
+                         tokens["attention_mask"].to(self.device))
+        raw = raw.to(torch.promote_types(raw.dtype, torch.float32))
+        return {self.name: ((raw - MEAN) / STD if self.scaling == "normalised" else raw).to(images.device)}
+
 
 @register("imagereward", RewardInfo(weights=f"hub: {IMAGEREWARD_CHECKPOINT} (+ tokenizer {BERT_TOKENIZER}); no "
                                             "image-reward package", licence="Apache-2.0 (ImageReward repository)",
-                                    range="~-2..2 (standardised by the published mean/std)",
+                                    range="~-2..2 (standardised by the published mean/std)", differentiable=True,
                                     summary="BLIP ViT-L + cross-attending BERT + MLP head, human-preference reward"))
 def build_imagereward(checkpoint: str | None = IMAGEREWARD_CHECKPOINT, tokenizer: str = BERT_TOKENIZER,
                       config: dict | None = None, device: str | None = None, dtype: str = "float32",

@@ -6,7 +6,9 @@ Output name: ``pickscore``.
 
 Loaded with transformers' ``CLIPModel`` + ``AutoProcessor`` from a hub id or a local directory; no download
 happens at import time. Images are quantised to uint8 and pre-processed with PIL like the anchors
-(``visgen.rewards.preprocess``), scored without gradients, in batches of ``batch_size``.
+(``visgen.rewards.preprocess``), scored without gradients, in batches of ``batch_size``. ``differentiable`` (what
+DiffusionOPSD follows) is the same score with the graph to the pixels: its value the scored one's, its gradient that
+of the same pre-processing in torch (``preprocess.differentiable_preprocess``), the text side without grad.
 """
 from __future__ import annotations
 
@@ -46,8 +48,8 @@ class PickScore:
 
     def differentiable(self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[dict] | None = None
                        ) -> dict[str, torch.Tensor]:
-        """The score with the graph to ``images`` (torch pre-processing, ``ClipScorer.pixels_differentiable``), on
-        the images' device; the text side without grad (DiffusionOPSD's reward ascent)."""
+        """The score with the graph to ``images`` (``ClipScorer.pixels_differentiable``: the scored value, the
+        torch pre-processing's gradient), on the images' device; the text side without grad (DiffusionOPSD)."""
         check_batch(images, prompts, metadata)
         img = self.clip.image_embeds_differentiable(images)
         txt = self.clip.text_embeds(list(prompts)).to(img.device)
