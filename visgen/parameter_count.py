@@ -8,10 +8,15 @@ device from its ``config.json``, so no weight is read, and split as ``visgen.pol
 - ``train_mode: full``: the transformer trained in float32, its frozen copy with ``full_reference``;
 - ``ema.enabled``: a copy of the trained weights (of their shards under fsdp2);
 - every other component frozen in ``visgen.dtype``, replicated under fsdp2 (``visgen.fsdp`` shards the transformer,
-  its reference copy and Wan 2.2's second expert).
+  its reference copy and Wan 2.2's second expert);
+- an objective's frozen teacher (on-policy distillation, ``visgen.objective.teacher``): the teacher pipeline's
+  transformer, built on the meta device from its own ``transformer/config.json`` (its other components are dropped
+  when it loads, ``FlowPolicy._enable_teacher``), frozen in ``visgen.dtype`` and replicated under fsdp2; a teacher
+  that is not readable here yet (a recipe names the run that makes it, an uncached hub id) is counted at the
+  student transformer's size, and its group's name says so.
 
-Not counted: the old-policy, teacher and snapshot copies some objectives keep (DiffusionNFT, CRD, OPD) and the
-reward models. A hub id is counted from its local Hugging Face cache, or not at all (None) when it is not cached.
+Not counted: the old-policy and snapshot copies some objectives keep (DiffusionNFT, CRD) and the reward models. A
+hub id is counted from its local Hugging Face cache, or not at all (None) when it is not cached.
 """
 from __future__ import annotations
 
@@ -43,9 +48,10 @@ def pipeline_directory(model: str) -> Path | None:
         return None
 
 
-def meta_components(directory: Path) -> dict[str, "torch.nn.Module"]:
+def meta_components(directory: Path, only: tuple[str, ...] | None = None) -> dict[str, "torch.nn.Module"]:
     """The pipeline's model components (``torch.nn.Module`` classes of diffusers or transformers named in
-    ``model_index.json``), each built on the meta device from its folder's ``config.json``."""
+    ``model_index.json``; those named in ``only`` when given), each built on the meta device from its folder's
+    ``config.json``."""
     import importlib
 
     import torch
@@ -54,6 +60,8 @@ def meta_components(directory: Path) -> dict[str, "torch.nn.Module"]:
     built = {}
     for name, spec in index.items():
         if not (isinstance(spec, list) and len(spec) == 2 and spec[0] in ("diffusers", "transformers")):
+            continue
+        if only is not None and name not in only:
             continue
         folder = directory / name
         if not (folder / "config.json").is_file():
@@ -80,6 +88,25 @@ def lora_parameters(transformer: "torch.nn.Module", rank: int, targets: list[str
                if isinstance(m, torch.nn.Linear) and any(n == t or n.endswith(f".{t}") for t in targets))
 
 
+def teacher_transformer_parameters(teacher: str) -> int | None:
+    """Parameters of the transformer of the teacher pipeline ``teacher`` (a directory, as given or relative to the
+    working directory or the repository, or a cached hub id), built on the meta device; None when it cannot be read
+    here."""
+    from shared_rl.errors import ConfigError
+
+    try:
+        directory = pipeline_directory(teacher)
+    except ConfigError:  # a local path that does not exist yet: the run that makes it comes first
+        return None
+    if directory is None or not (directory / "model_index.json").is_file():
+        return None
+    try:
+        built = meta_components(directory, only=("transformer",))
+    except (OSError, ValueError):  # a damaged config is the loader's to name
+        return None
+    return sum(p.numel() for p in built["transformer"].parameters()) if "transformer" in built else None
+
+
 def parameter_groups(cfg) -> list[ParameterGroup] | None:
     """The groups of ``cfg`` (a ``VisgenConfig``); None when the pipeline cannot be read here."""
     directory = pipeline_directory(cfg.model)
@@ -104,4 +131,10 @@ def parameter_groups(cfg) -> list[ParameterGroup] | None:
         groups.append(ParameterGroup("EMA of the trained weights", trained, False, DTYPE_BYTES["float32"]))
     for name in sorted(set(components) - {"transformer"}):
         groups.append(ParameterGroup(name, count[name], False, size, sharded=name in SHARDED))
+    teacher = getattr(cfg.training_objective().settings, "teacher", None)
+    if teacher:
+        t = teacher_transformer_parameters(str(teacher))
+        label = "teacher transformer (frozen)" if t is not None else \
+            "teacher transformer (frozen; not readable here: counted at the student's size)"
+        groups.append(ParameterGroup(label, n if t is None else t, False, size, sharded=False))
     return groups
