@@ -14,9 +14,10 @@ reads ``sys.modules`` at the end) and the time issue 64 asks of it on a loaded 2
 ``grove config show`` 3 s, ``grove list`` 2 s. ``grove list`` reads the torch-backed registries' names from their
 source (``shared_rl.cli.registered_names``); ``grove config show`` builds the typed config from torch-free modules
 where the classes allow (the core's registries read by ``shared_rl.part_index``, the built-in domains' settings
-classes found by ``shared_rl.registry.DOMAIN_CONFIGS``): the toy, LLM and robotics sections import no torch
-(robotics' from ``robotics.part_settings``, ``robotics.envs.settings``, ``robotics.policies.vla_config``, ...);
-visgen's (``visgen.domain``, whose checks build the rollout method, the objective and the rewards) still does.
+classes found by ``shared_rl.registry.DOMAIN_CONFIGS``): no domain's section imports torch (robotics' from
+``robotics.part_settings``, ``robotics.envs.settings``, ``robotics.policies.vla_config``, ...; visgen's from
+``visgen.config`` with the methods' and objectives' torch-free specs, ``visgen.method_settings`` and
+``visgen.objective_settings``, and the reward names read from the reward modules' source).
 """
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ ROWS = [
     ("config show toy", ["config", "show", "configs/toy.yaml"], 0, "", {}),
     ("config show llm", ["config", "show", "configs/llm/arith_grpo.yaml"], 0, "", {}),
     ("config show visgen", ["config", "show", "configs/visgen/shapes_grpo.yaml"], 0, "", {}),
+    ("config show visgen SD3.5 + PickScore", ["config", "show", "configs/visgen/sd35_pickscore.yaml"], 0, "", {}),
     ("config show robotics", ["config", "show", "configs/robotics/metaworld_grpo.yaml"], 0, "", {}),
     ("config show robotics LIBERO", ["config", "show", "configs/robotics/libero_grpo.yaml"], 0, "", {}),
     ("typo'd llm model path (exit 2)",
@@ -52,6 +54,9 @@ ROWS = [
      ["train", "configs/visgen/sd35_pickscore.yaml", "device=cpu",
       "visgen.model=stabilityai/stable-diffusion-3.5-mediun", "--dry-run"], 2,
      "did you mean 'stabilityai/stable-diffusion-3.5-medium'?", {"HF_HUB_OFFLINE": "1"}),
+    ("typo'd visgen reward name (exit 2)",
+     ["config", "show", "configs/visgen/shapes_grpo.yaml", "visgen.rewards=[{name: shapes_sof}]"], 2,
+     "(did you mean 'shapes_soft'?)", {}),
     ("typo'd llm hub id, offline (exit 2)",
      ["train", "configs/llm/arith_grpo.yaml", "llm.model=Qwen/Qwen2.5-0.5B-Instrct", "--dry-run"], 2,
      "did you mean 'Qwen/Qwen2.5-0.5B-Instruct'?", {"HF_HUB_OFFLINE": "1"}),
@@ -119,8 +124,8 @@ def run(out_dir: Path, quick: bool = False, log=print) -> dict:
              f"{load_before:.2f}, after: {_load():.2f}, on {os.cpu_count()} cores), whether the command imports "
              f"torch, and the time issue 64 asks for (target_s). The typo'd-path rows are answered by "
              f"`shared_rl.prechecks` and `grove list` by text read from the registries' source, both before torch "
-             f"is imported; `grove config show` builds the typed config, from torch-free modules for the toy, LLM and "
-             f"robotics sections (shared_rl.part_index, registry.DOMAIN_CONFIGS, robotics.part_settings), through "
-             f"modules that import torch for visgen. Reproduce: `grove bench cold-start` (this page), `--quick` for 1 run "
+             f"is imported; `grove config show` builds the typed config from torch-free modules for every domain "
+             f"(shared_rl.part_index, registry.DOMAIN_CONFIGS, robotics.part_settings, visgen.config with "
+             f"visgen.method_settings / visgen.objective_settings). Reproduce: `grove bench cold-start` (this page), `--quick` for 1 run "
              f"a row (no page).")
     return write_results(out_dir, "cold-start", rows, notes, doc_path=None if quick else DOC)

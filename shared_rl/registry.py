@@ -29,7 +29,7 @@ DOMAINS: dict[str, str] = {
 DOMAIN_CONFIGS: dict[str, str] = {
     "toy": "shared_rl.toy_config:ToyConfig",
     "llm": "shared_rl.llm.config:LLMConfig",
-    "visgen": "visgen.domain:VisgenConfig",
+    "visgen": "visgen.config:VisgenConfig",
     "robotics": "robotics.config:RoboticsConfig",
 }
 

@@ -1,10 +1,11 @@
 """The visgen domain's names for ``grove list`` (registered as ``shared_rl.registry.CATALOGS["visgen"]``).
 
-The method and pipeline registries import diffusers (seconds), so their names are written here as text or read from
-the registering source, and ``grove list`` imports neither diffusers nor torch; ``tests/core/test_docs_match.py``
+The method and pipeline registries import diffusers (seconds), so their names come from the torch-free specs
+(``visgen.method_settings.METHOD_SPECS``, ``visgen.objective_settings.OBJECTIVE_SPECS``), are written here as text or
+read from the registering source, and ``grove list`` imports neither diffusers nor torch; ``tests/core/test_docs_match.py``
 checks each list against its registry (``visgen.methods.METHODS``, ``visgen.objectives.OBJECTIVES``,
 ``visgen.tasks.TASKS``, ``visgen.pipelines.ADAPTERS``, ``VisgenConfig.kernel``).
-The rewards are read from their modules' ``@register("name", ...)`` lines (``shared_rl.cli.registered_names``):
+The rewards are read from their modules' ``@register("name", ...)`` lines (``shared_rl.part_index.registered_names``):
 registering them imports no model library but does import torch (seconds), which ``grove list`` must not wait for;
 ``tests/core/test_cli_list.py`` checks ``reward_names()`` against ``register_rewards()``.
 """
@@ -12,22 +13,25 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from shared_rl.cli import registered_names
+from shared_rl.part_index import registered_names
+
+from .method_settings import METHOD_SPECS
+from .objective_settings import OBJECTIVE_SPECS
 
 _HERE = Path(__file__).resolve().parent
 
 
 def _read(sources, decorator: str) -> tuple[str, ...]:
-    """The names ``@decorator`` registers in ``sources`` (``shared_rl.cli.registered_names``: read, not imported)."""
+    """The names ``@decorator`` registers in ``sources`` (``shared_rl.part_index.registered_names``: read, not
+    imported)."""
     return tuple(sorted({name for path in sources for name in registered_names(path, decorator)}))
 
 
-# the flat methods are registered in a loop (visgen/methods/flat.py): their names are text
-METHODS = ("branch_grpo", "branch_grpo_mix", "dance_grpo", "dpm2", "egrpo", "explicit", "flow_grpo", "flow_grpo_fast",
-           "mix_grpo", "ode", "tree_grpo")
-# objectives and tasks are classes registered with a bare decorator and a literal `name`: read from the source, so a
-# new one is listed without an edit here (a few milliseconds of parsing)
-OBJECTIVES = _read([_HERE / "objectives.py"], "register_objective")
+# the built-in methods and objectives: their torch-free specs (each live entry subclasses its spec)
+METHODS = tuple(sorted(METHOD_SPECS))
+OBJECTIVES = tuple(sorted(OBJECTIVE_SPECS))
+# tasks are classes registered with a bare decorator and a literal `name`: read from the source, so a new one is
+# listed without an edit here (a few milliseconds of parsing)
 TASKS = _read(sorted((_HERE / "tasks").glob("*.py")), "register_task")
 KERNELS = ("cps", "dance", "sde")
 PIPELINE_FAMILIES = ("flux", "flux2", "flux2_klein", "hunyuan_video15", "ltx2", "qwen_image", "sana", "sd3", "wan",

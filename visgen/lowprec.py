@@ -29,43 +29,18 @@ whose dimensions are not multiples of the format's block (16 for NVFP4, 32 for M
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
 from shared_rl.config import ConfigError
 
+# torch-free, so the config reads them without this module (visgen.lowprec.X as before)
+from .part_settings import PRECISIONS, TwoStageSettings  # noqa: F401
+
 __all__ = ["PRECISIONS", "check_precision", "merged_copy", "fake_quantize", "LowPrecisionExplorer", "TwoStageSettings"]
 
-PRECISIONS = ("full", "bf16", "fp8", "mxfp8", "mxfp4", "nvfp4")
 _BLOCK = {"fp8": 1, "mxfp8": 32, "mxfp4": 32, "nvfp4": 16}
-
-
-@dataclass
-class TwoStageSettings:
-    """``visgen.two_stage``: Sol-RL's low-precision explore / full-precision train rollout (flat methods)."""
-
-    enabled: bool = field(default=False, metadata={"help": "sample candidates with a low-precision explorer, "
-                                                           "regenerate only a contrastive subset at full precision"})
-    precision: str = field(default="nvfp4", metadata={"help": "explorer format: full, bf16, fp8 (SM >= 8.9), mxfp8, "
-                                                              "mxfp4, nvfp4 (emulated off Blackwell)"})
-    candidates: int = field(default=64, metadata={"help": "stage-1 candidates per prompt (ODE from recorded seeds); "
-                                                          "rollout.group_size of them are kept"})
-    selector: str = field(default="top_bottom", metadata={"help": "which candidates to keep: top_bottom (half the "
-                                                                  "best, half the worst) or max_variance"})
-    select_reward: Optional[str] = field(default=None, metadata={"help": "reward output the selector ranks by "
-                                                                         "(null: the first)"})
-
-    def check(self, where: str) -> None:
-        from shared_rl.two_stage import SELECTORS
-
-        if self.precision not in PRECISIONS:
-            raise ConfigError(f"{where}.precision {self.precision!r} is unknown; choose one of {list(PRECISIONS)}")
-        if self.selector not in SELECTORS:
-            raise ConfigError(f"{where}.selector {self.selector!r} is unknown; choose one of {sorted(SELECTORS)}")
-        if self.candidates < 2:
-            raise ConfigError(f"{where}.candidates must be >= 2, got {self.candidates}")
 
 
 def _capability(device: torch.device) -> tuple[int, int] | None:

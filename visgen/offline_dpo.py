@@ -27,6 +27,8 @@ from shared_rl.config import ConfigError
 from shared_rl.readers import read_jsonl
 from shared_rl.rollout import Rollout
 
+# torch-free: the config checks with it (offline_dpo.check_offline as before)
+from .objective_settings import check_offline  # noqa: F401
 from .rollout import VisgenRollouts
 
 __all__ = ["StoredPair", "read_pairs", "load_image", "StoredPairRollouts", "PREFERENCE", "check_offline",
@@ -143,18 +145,6 @@ class StoredPairRollouts(VisgenRollouts):
                        logp_old=torch.zeros(mask.shape), mask=mask, parent=None, payload=payload, nfe=0, info=info,
                        info_reduce={k: "sum" if k.startswith("time/") or k == "dpo/stored_pairs" else "mean" for k in info},
                        key_index=torch.arange(P))
-
-
-def check_offline(objective, group_size: int) -> None:
-    """The config checks of offline DPO (one line each, before weights load): two rows per group, a pair file of a
-    known format; a file that does not exist yet is reported when the domain loads (a recipe names the file a user
-    makes or downloads first, so it parses before it exists)."""
-    if group_size != 2:
-        raise ConfigError(f"visgen.objective dpo with pairs trains one stored pair per group: set rollout.group_size: 2, "
-                          f"got {group_size}")
-    path = Path(str(objective.settings.pairs))
-    if path.suffix.lower() not in (".jsonl", ".json", ".csv", ".parquet"):
-        raise ConfigError(f"visgen.objective.pairs {str(path)!r}: expected a .jsonl, .csv or .parquet file")
 
 
 def write_shapes_pairs(out_dir: str | Path, count: int | None = None, seed: int = 0) -> Path:

@@ -24,12 +24,17 @@ Specs (method -> name):
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from shared_rl.config import ConfigError, from_dict
+
+# each plan's fields and their checks are torch-free (visgen.method_settings: the config checks a plan without this
+# module); the classes here add ``build``, the tensors
+from .method_settings import (DanceGRPOPlanSettings, DPM2PlanSettings, ExplicitPlanSettings, FlowGRPOFastPlanSettings,
+                              FlowGRPOPlanSettings, MixGRPOPlanSettings, ODEPlanSettings, PlanSettings)
 
 __all__ = [
     "StepPlan",
@@ -82,74 +87,33 @@ class StepPlan:
         return StepPlan(sde_steps.bool().expand(batch_size, -1).clone(), train_steps.bool().expand(batch_size, -1).clone())
 
 
-def _check(condition: bool, message: str) -> None:
-    if not condition:
-        raise ConfigError(message)
-
-
 def _randint(low: int, high_inclusive: int, generator: torch.Generator | None, size: tuple[int, ...] = ()) -> torch.Tensor:
     return torch.randint(low, high_inclusive + 1, size, generator=generator)
 
 
-class PlanSpec:
-    """Base class of plan specs: a dataclass with a registered ``name`` and a ``build`` method."""
-
-    name: ClassVar[str] = ""
+class PlanSpec(PlanSettings):
+    """Base class of plan specs: the plan's settings (``visgen.method_settings.PlanSettings``) with ``build``."""
 
     def build(
         self, num_steps: int, batch_size: int, generator: torch.Generator | None = None, iteration: int = 0
     ) -> StepPlan:
         raise NotImplementedError
 
-    @staticmethod
-    def _need_steps(num_steps: int, minimum: int = 2) -> None:
-        _check(num_steps >= minimum, f"a step plan needs at least {minimum} denoising steps, got {num_steps}")
 
-
-@dataclass
-class ODEPlan(PlanSpec):
+class ODEPlan(ODEPlanSettings, PlanSpec):
     """Deterministic sampling: no SDE step, nothing trained."""
-
-    name: ClassVar[str] = "ode"
-    ode_solver: ClassVar[str] = "euler"
 
     def build(self, num_steps, batch_size, generator=None, iteration=0) -> StepPlan:
         none = torch.zeros(batch_size, num_steps, dtype=torch.bool)
         return StepPlan(none, none.clone())
 
 
-@dataclass
-class DPM2Plan(ODEPlan):
-    """Deterministic sampling by the multistep DPM-Solver++(2M) (``shared_rl.flow_kernels.dpm2_step``): DiffusionOPSD's
-    and DiffusionNFT's reference rollout sampler (``solver: dpm2``); no SDE step, nothing trained."""
-
-    name: ClassVar[str] = "dpm2"
-    ode_solver: ClassVar[str] = "dpm2"
+class DPM2Plan(DPM2PlanSettings, ODEPlan):
+    """Deterministic sampling by DPM-Solver++(2M) (``DPM2PlanSettings``); ``build`` as ``ODEPlan``'s."""
 
 
-@dataclass
-class FlowGRPOPlan(PlanSpec):
-    """All steps SDE; train ``min(int(train_fraction * T), T - 1)`` steps per sample.
-
-    select: ``"first"`` trains the first (high-noise) steps as Flow-GRPO's ``timestep_fraction`` does;
-    ``"random"`` trains a random subset per sample (drawn from the first T - 1 steps).
-    """
-
-    name: ClassVar[str] = "flow_grpo"
-    train_fraction: float = field(default=1.0,
-                                  metadata={"help": "fraction of the T denoising steps trained per sample (capped at "
-                                                    "T-1)"})
-    select: Literal["first", "random"] = field(default="first",
-                                               metadata={"help": "'first': the first (high-noise) steps, as "
-                                                                 "Flow-GRPO's timestep_fraction; 'random': a random "
-                                                                 "subset per sample"})
-
-    def __post_init__(self) -> None:
-        _check(0.0 < self.train_fraction <= 1.0, f"flow_grpo.train_fraction must be in (0, 1], got {self.train_fraction}")
-        _check(self.select in ("first", "random"), f"flow_grpo.select must be 'first' or 'random', got {self.select!r}")
-
-    def num_trained(self, num_steps: int) -> int:
-        return max(1, min(int(self.train_fraction * num_steps), num_steps - 1))
+class FlowGRPOPlan(FlowGRPOPlanSettings, PlanSpec):
+    """All steps SDE; train the first (or random) ``num_trained`` steps per sample."""
 
     def build(self, num_steps, batch_size, generator=None, iteration=0) -> StepPlan:
         self._need_steps(num_steps)
@@ -171,17 +135,8 @@ def _random_subsets(batch_size: int, num_steps: int, k: int, generator: torch.Ge
     return train
 
 
-@dataclass
-class DanceGRPOPlan(PlanSpec):
-    """All steps SDE; each sample trains its own random ``train_fraction`` of the steps (DanceGRPO: 0.6)."""
-
-    name: ClassVar[str] = "dance_grpo"
-    train_fraction: float = field(default=0.6,
-                                  metadata={"help": "fraction of the steps trained, a fresh random subset per sample "
-                                                    "(DanceGRPO: 0.6)"})
-
-    def __post_init__(self) -> None:
-        _check(0.0 < self.train_fraction <= 1.0, f"dance_grpo.train_fraction must be in (0, 1], got {self.train_fraction}")
+class DanceGRPOPlan(DanceGRPOPlanSettings, PlanSpec):
+    """All steps SDE; each sample trains its own random ``train_fraction`` of the steps."""
 
     def build(self, num_steps, batch_size, generator=None, iteration=0) -> StepPlan:
         self._need_steps(num_steps)
@@ -195,35 +150,8 @@ def _window_masks(batch_size: int, num_steps: int, starts: torch.Tensor, sizes: 
     return (steps >= starts.view(-1, 1)) & (steps < (starts + sizes).view(-1, 1))
 
 
-@dataclass
-class FlowGRPOFastPlan(PlanSpec):
-    """SDE (trained) only in a random window of ``min_window..max_window`` steps, ODE elsewhere.
-
-    The window lies inside ``[range_start, range_end)`` (``range_end`` None: the first half of the schedule, at
-    least ``max_window`` steps) and never touches the final step.
-    """
-
-    name: ClassVar[str] = "flow_grpo_fast"
-    min_window: int = field(default=1, metadata={"help": "smallest SDE window (consecutive steps)"})
-    max_window: int = field(default=3, metadata={"help": "largest SDE window"})
-    range_start: int = field(default=0, metadata={"help": "first grid step a window may start at"})
-    range_end: int | None = field(default=None,
-                                  metadata={"help": "windows end before this grid step (null: half the schedule)"})
-    per_sample: bool = field(default=False,
-                             metadata={"help": "draw a window per sample instead of one per rollout call"})
-
-    def __post_init__(self) -> None:
-        _check(1 <= self.min_window <= self.max_window,
-               f"flow_grpo_fast needs 1 <= min_window <= max_window, got {self.min_window}, {self.max_window}")
-        _check(self.range_start >= 0, f"flow_grpo_fast.range_start must be >= 0, got {self.range_start}")
-
-    def bounds(self, num_steps: int) -> tuple[int, int]:
-        end = self.range_end if self.range_end is not None else max(num_steps // 2, self.range_start + self.max_window)
-        end = min(end, num_steps - 1)  # the final step is never in the window
-        _check(end - self.range_start >= self.max_window,
-               f"flow_grpo_fast: range [{self.range_start}, {end}) of {num_steps} steps cannot hold a window of "
-               f"{self.max_window}; lower max_window or widen the range")
-        return self.range_start, end
+class FlowGRPOFastPlan(FlowGRPOFastPlanSettings, PlanSpec):
+    """SDE (trained) only in a random window of ``min_window..max_window`` steps."""
 
     def build(self, num_steps, batch_size, generator=None, iteration=0) -> StepPlan:
         self._need_steps(num_steps)
@@ -235,43 +163,8 @@ class FlowGRPOFastPlan(PlanSpec):
         return StepPlan(mask, mask.clone())
 
 
-@dataclass
-class MixGRPOPlan(PlanSpec):
-    """MixGRPO sliding window: SDE (trained) inside ``[start, start + window_size)``, ODE elsewhere.
-
-    The window moves inside ``[left_boundary, right_boundary)`` (None: the last step is excluded).
-    progressive: ``start = left + shift * (iteration // iters_per_shift)``, clamped at the right end (or wrapped
-    back to the left boundary with ``roll_back``); random: a uniform start drawn from ``generator`` per iteration.
-    """
-
-    name: ClassVar[str] = "mix_grpo"
-    window_size: int = field(default=4, metadata={"help": "SDE steps in the sliding window"})
-    shift: int = field(default=1, metadata={"help": "steps the window moves toward low noise per move"})
-    iters_per_shift: int = field(default=25, metadata={"help": "iterations between moves (progressive schedule)"})
-    schedule: Literal["progressive", "random"] = field(default="progressive",
-                                                       metadata={"help": "'progressive': slide with the iteration; "
-                                                                         "'random': a uniform start every iteration"})
-    left_boundary: int = field(default=0, metadata={"help": "the window's first possible start step"})
-    right_boundary: int | None = field(default=None,
-                                       metadata={"help": "the window's last possible end step (null: T-1)"})
-    roll_back: bool = field(default=False,
-                            metadata={"help": "restart at the left boundary after reaching the right one (else stay "
-                                              "there)"})
-
-    def __post_init__(self) -> None:
-        _check(self.window_size >= 1, f"mix_grpo.window_size must be >= 1, got {self.window_size}")
-        _check(self.shift >= 1, f"mix_grpo.shift must be >= 1, got {self.shift}")
-        _check(self.iters_per_shift >= 1, f"mix_grpo.iters_per_shift must be >= 1, got {self.iters_per_shift}")
-        _check(self.schedule in ("progressive", "random"),
-               f"mix_grpo.schedule must be 'progressive' or 'random', got {self.schedule!r}")
-        _check(self.left_boundary >= 0, f"mix_grpo.left_boundary must be >= 0, got {self.left_boundary}")
-
-    def bounds(self, num_steps: int) -> tuple[int, int]:
-        right = num_steps - 1 if self.right_boundary is None else min(self.right_boundary, num_steps - 1)
-        _check(right - self.left_boundary >= self.window_size,
-               f"mix_grpo: window_size {self.window_size} does not fit in steps [{self.left_boundary}, {right}) of "
-               f"{num_steps} (the final step is never trained); lower window_size or raise num_inference_steps")
-        return self.left_boundary, right
+class MixGRPOPlan(MixGRPOPlanSettings, PlanSpec):
+    """MixGRPO sliding window: SDE (trained) inside ``[start, start + window_size)``."""
 
     def window_start(self, num_steps: int, iteration: int, generator: torch.Generator | None = None) -> int:
         left, right = self.bounds(num_steps)
@@ -291,32 +184,12 @@ class MixGRPOPlan(PlanSpec):
         return StepPlan.broadcast(mask, mask, batch_size)
 
 
-@dataclass
-class ExplicitPlan(PlanSpec):
-    """Given step indices: ``sde_steps`` (None: all) and ``train_steps`` (None: all SDE steps but the last)."""
-
-    name: ClassVar[str] = "explicit"
-    sde_steps: list[int] | None = field(default=None, metadata={"help": "grid steps that are SDE (null: all)"})
-    train_steps: list[int] | None = field(default=None,
-                                          metadata={"help": "grid steps that are trained (null: every SDE step but the "
-                                                            "last)"})
+class ExplicitPlan(ExplicitPlanSettings, PlanSpec):
+    """Given step indices (``ExplicitPlanSettings.masks``)."""
 
     def build(self, num_steps, batch_size, generator=None, iteration=0) -> StepPlan:
-        sde = torch.zeros(num_steps, dtype=torch.bool)
-        if self.sde_steps is None:
-            sde[:] = True
-        else:
-            _check(all(0 <= s < num_steps for s in self.sde_steps), f"explicit.sde_steps out of range 0..{num_steps - 1}")
-            sde[list(self.sde_steps)] = True
-        train = torch.zeros(num_steps, dtype=torch.bool)
-        if self.train_steps is None:
-            train = sde.clone()
-            train[-1] = False
-        else:
-            _check(all(0 <= s < num_steps for s in self.train_steps),
-                   f"explicit.train_steps out of range 0..{num_steps - 1}")
-            train[list(self.train_steps)] = True
-        return StepPlan.broadcast(sde, train, batch_size)
+        sde, train = self.masks(num_steps)  # the config check's own lists: one rule
+        return StepPlan.broadcast(torch.tensor(sde, dtype=torch.bool), torch.tensor(train, dtype=torch.bool), batch_size)
 
 
 PLANS: dict[str, type[PlanSpec]] = {

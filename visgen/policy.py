@@ -27,85 +27,17 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Literal
+from typing import Iterator
 
 import torch
 
 from shared_rl.config import ConfigError
 
-#: attention projections of the MM-DiT blocks (SD3, FLUX) and of SANA's attention; peft matches name suffixes.
-DEFAULT_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
-
-
-@dataclass
-class LoraSettings:
-    rank: int = field(default=8, metadata={"help": "LoRA rank r"})
-    alpha: float = field(default=16.0, metadata={"help": "LoRA alpha (the update is scaled by alpha / r)"})
-    dropout: float = field(default=0.0,
-                           metadata={"help": "LoRA dropout (non-zero makes recomputed log-probs differ from the "
-                                             "rollout's: ratio != 1)"})
-    target_modules: list[str] = field(default_factory=lambda: list(DEFAULT_LORA_TARGETS),
-                                      metadata={"help": "transformer module names that get an adapter"})
-    init: Literal["default", "gaussian"] = field(default="default",
-                                                 metadata={"help": "adapter init: 'default' or 'gaussian' (both start "
-                                                                   "with B = 0, the adapter is the identity)"})
-
-    def check(self, where: str) -> None:
-        if self.rank < 1:
-            raise ConfigError(f"{where}.rank must be >= 1, got {self.rank}")
-        if self.alpha <= 0:
-            raise ConfigError(f"{where}.alpha must be > 0, got {self.alpha}")
-        if not 0 <= self.dropout < 1:
-            raise ConfigError(f"{where}.dropout must be in [0, 1), got {self.dropout}")
-        if not self.target_modules:
-            raise ConfigError(f"{where}.target_modules must name at least one module, e.g. ['to_q', 'to_v']")
-
-
-@dataclass
-class EmaSettings:
-    enabled: bool = field(default=False,
-                          metadata={"help": "keep an EMA of the trained weights (evaluated and exported when "
-                                            "eval.use_ema)"})
-    decay: float = field(default=0.9, metadata={"help": "EMA decay per update"})
-    update_every: int = field(default=1, metadata={"help": "optimizer steps between EMA updates"})
-
-    def check(self, where: str) -> None:
-        if not 0 <= self.decay < 1:
-            raise ConfigError(f"{where}.decay must be in [0, 1), got {self.decay}")
-        if self.update_every < 1:
-            raise ConfigError(f"{where}.update_every must be >= 1, got {self.update_every}")
-
-
-@dataclass(frozen=True)
-class TeacherSource:
-    """The ``update`` of an old-policy schedule whose "old" copy is a frozen teacher loaded from ``model`` (a diffusers
-    pipeline directory or hub id of the student's family and scheduler): only its transformer is kept."""
-
-    model: str
-
-    def enable(self, policy: "FlowPolicy", decay_max: float, decay_ramp, decay_flat: int) -> None:
-        policy._enable_teacher(self.model)
-
-
-@dataclass
-class Snapshots:
-    """The ``update`` of an old-policy schedule that keeps, beside the old copy (updated once per iteration on the
-    schedule's own decay, from ``main_start`` before its flat steps), further named snapshots each on its own decay
-    (name -> (decay_max, ramp, flat, start)): CRD's "sampling" (the old copy) and "old" models. After ``enable`` it
-    holds the policy (``self.policy``), so that the objective that made it reaches its snapshots."""
-
-    extra: dict
-    main_start: float = 0.0
-    policy: "FlowPolicy | None" = None
-
-    def enable(self, policy: "FlowPolicy", decay_max: float, decay_ramp, decay_flat: int) -> None:
-        policy.enable_old_policy(decay_max, decay_ramp, decay_flat, "iteration")
-        policy._old_start = float(self.main_start)
-        for name, schedule in self.extra.items():
-            policy.add_snapshot(name, *schedule)
-        self.policy = policy
+# torch-free, so the config reads them without this module (visgen.policy.X as before)
+from .part_settings import DEFAULT_LORA_TARGETS, EmaSettings, LoraSettings  # noqa: F401
+# an old-policy schedule's ``update`` hooks: torch-free, the objectives' config-time half builds them
+from .objective_settings import Snapshots, TeacherSource  # noqa: F401
 
 
 def _scheduler_config(scheduler) -> dict:

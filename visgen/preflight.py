@@ -18,10 +18,12 @@ run by the CLI before the typed validation too, and the resolver ``visgen.pipeli
 """
 from __future__ import annotations
 
-from pathlib import Path
-
+import ast
+import functools
 import inspect
+import sys
 import typing
+from pathlib import Path
 
 from shared_rl.errors import ConfigError
 # HELD_PREFIX (re-exported for visgen.api): the name of a pipeline the caller holds, a label with nothing to look up
@@ -36,12 +38,86 @@ FIXED_OUTPUTS = {"shapes": ["shapes", "shapes_strict"], "shapes_soft": ["shapes_
                  "jpeg_compressibility": ["jpeg_compressibility"], "jpeg_incompressibility": ["jpeg_incompressibility"]}
 
 
+REWARDS_DIR = Path(__file__).resolve().parent / "rewards"
+
+
+@functools.lru_cache(maxsize=1)
+def reward_source_index() -> dict[str, dict]:
+    """What the config checks ask of each built-in reward, read from the reward modules' source (``ast``: nothing is
+    imported, so a config's rewards are checked without torch): ``{reward: {"name": the factory's ``name`` default
+    (its output's name) or None (it has none: its outputs are unknowable before it runs), "differentiable": its
+    RewardInfo's flag}}``. A reward whose factory is not a plain function with literal defaults (a class, a computed
+    default) is left out: its questions go to the live registry. tests/core/test_part_index.py checks the index
+    answers as the live registry does."""
+    index: dict[str, dict] = {}
+    for path in sorted(REWARDS_DIR.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+            if not isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                continue
+            for deco in node.decorator_list:
+                if not (isinstance(deco, ast.Call) and isinstance(deco.func, ast.Name) and deco.func.id == "register"
+                        and deco.args and isinstance(deco.args[0], ast.Constant)):
+                    continue
+                entry = _source_entry(node, deco)
+                if entry is not None:
+                    index[deco.args[0].value] = entry
+    return index
+
+
+def _source_entry(node, deco) -> dict | None:
+    if not isinstance(node, ast.FunctionDef):
+        return None
+    info = deco.args[1] if len(deco.args) > 1 else next((k.value for k in deco.keywords if k.arg == "info"), None)
+    differentiable = False
+    if info is not None:
+        if not (isinstance(info, ast.Call) and isinstance(info.func, ast.Name) and info.func.id == "RewardInfo"):
+            return None
+        flag = next((k.value for k in info.keywords if k.arg == "differentiable"), None)
+        if flag is not None and not (isinstance(flag, ast.Constant) and isinstance(flag.value, bool)):
+            return None
+        differentiable = bool(flag.value) if flag is not None else False
+    a = node.args
+    positional = a.posonlyargs + a.args
+    defaults = dict(zip([x.arg for x in positional][len(positional) - len(a.defaults):], a.defaults))
+    defaults.update({x.arg: d for x, d in zip(a.kwonlyargs, a.kw_defaults) if d is not None})
+    default = defaults.get("name")
+    if default is not None and not (isinstance(default, ast.Constant) and isinstance(default.value, str)):
+        return None  # a computed (or None) default: the live signature says what it is
+    # no ``name`` argument, or one without a default: the outputs are unknowable before the reward runs
+    return {"name": default.value if default is not None else None, "differentiable": differentiable}
+
+
+def _indexed(name: str) -> dict | None:
+    """``reward_source_index()[name]`` while ``visgen.rewards`` is not imported (afterwards: None, the live registry
+    answers, with what a caller registered)."""
+    return None if "visgen.rewards" in sys.modules else reward_source_index().get(name)
+
+
+def needs_live_registry(names) -> bool:
+    """Whether the questions about rewards ``names`` need the reward modules imported."""
+    return any(n not in FIXED_OUTPUTS and _indexed(n) is None for n in names)
+
+
+def reward_differentiable(name: str) -> bool:
+    """``visgen.rewards.reward_info(name).differentiable``, from the source index while the rewards are not imported
+    (the caller imports them first when ``needs_live_registry``)."""
+    entry = _indexed(name)
+    if entry is not None:
+        return entry["differentiable"]
+    from .rewards import reward_info
+
+    return reward_info(name).differentiable
+
+
 def reward_outputs(name: str, kwargs: dict) -> list[str] | None:
     """The output names the reward ``name`` built with ``kwargs`` returns, or None when they cannot be known."""
+    if name in FIXED_OUTPUTS:  # known without the reward modules (torch): the config check of a shapes recipe
+        return list(FIXED_OUTPUTS[name])
+    entry = _indexed(name)
+    if entry is not None:
+        return None if entry["name"] is None else [str(kwargs.get("name", entry["name"]))]
     from .rewards.base import _REGISTRY
 
-    if name in FIXED_OUTPUTS:
-        return list(FIXED_OUTPUTS[name])
     factory = _REGISTRY.get(name)
     param = inspect.signature(factory).parameters.get("name") if factory is not None else None
     if param is not None and param.default is not inspect.Parameter.empty:
@@ -50,7 +126,8 @@ def reward_outputs(name: str, kwargs: dict) -> list[str] | None:
 
 
 def reward_names(cfg, import_rewards) -> list[str] | None:
-    import_rewards()
+    if needs_live_registry(spec.name for spec in cfg.rewards):
+        import_rewards()  # a reward the source index cannot answer for: the live registry
     outputs = [reward_outputs(spec.name, spec.kwargs) for spec in cfg.rewards]
     return None if any(o is None for o in outputs) else [name for names in outputs for name in names]
 

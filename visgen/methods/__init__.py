@@ -29,6 +29,8 @@ groups per key (one per consolidated step), and the trainer counts, filters and 
 
 Adding a method: subclass :class:`RolloutMethod` (``base.py``) in a new file, decorate it with
 :func:`register_method`, import the file in this module, and write a YAML (``docs/architecture.md`` works one through).
+Each built-in's settings and config-time checks live in its torch-free spec (``visgen.method_settings``, listed in
+``METHOD_SPECS``), which the class here subclasses, so the config is checked without torch.
 """
 from .base import METHODS, Grown, KernelSettings, RolloutMethod, method_from_config, register_method
 from . import branch, egrpo, flat, tree_grpo  # noqa: E402,F401  (register the built-in methods)

@@ -27,8 +27,6 @@ summed over the consolidated steps (a constant factor).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 
@@ -36,58 +34,12 @@ from shared_rl.config import ConfigError
 from shared_rl.flow_kernels import flow_step, gaussian_entropy, get_kernel
 
 from ..engine import Forwarder, Level, StepSegment, grow_forest
+# the settings and the config-time checks are torch-free (visgen.method_settings); their names stay here
+from ..method_settings import EGRPOSettings, EGRPOSpec
 from .base import Grown, RolloutMethod, register_method
 
 __all__ = ["EGRPOSettings", "EGRPO", "step_entropy", "grid_entropies", "merge_schedule", "egrpo_forest",
            "coarse_tail", "granular_tails"]
-
-
-@dataclass
-class EGRPOSettings:
-    threshold: Optional[float] = field(default=None,
-                                       metadata={"help": "per-element entropy tau in nats a merged step must reach "
-                                                         "(null: the first eligible step's entropy)"})
-    max_merge: int = field(default=4, metadata={"help": "at most this many grid steps per consolidated step"})
-    start: int = field(default=0, metadata={"help": "first eligible grid step"})
-    train_fraction: float = field(default=0.5,
-                                  metadata={"help": "consolidated steps start in the first ceil(fraction * T) grid "
-                                                    "steps"})
-    max_groups: int = field(default=0, metadata={"help": "keep only the first N consolidated steps (0: all)"})
-    schedule: list[list[int]] = field(default_factory=list,
-                                      metadata={"help": "manual [[i, k], ...]: SDE step sigma_i -> sigma_{i+k} "
-                                                        "(overrides the threshold)"})
-    granularities: list[int] = field(default_factory=lambda: [1, 2], metadata={
-        "help": "ODE strides of the tails each member is scored by (the reference's granular_list [1, 2]): 1 is "
-                "the image itself, g > 1 a coarser tail scored as <output>@g<g>; the advantage sums their z-scores "
-                "(advantage.multi_reward: normalize_then_sum). [1]: one granularity"})
-
-    def check(self, where: str) -> None:
-        if self.max_merge < 1:
-            raise ConfigError(f"{where}.max_merge must be >= 1, got {self.max_merge}")
-        if not 0 < self.train_fraction <= 1:
-            raise ConfigError(f"{where}.train_fraction must be in (0, 1], got {self.train_fraction}")
-        if self.start < 0 or self.max_groups < 0:
-            raise ConfigError(f"{where}.start and max_groups must be >= 0")
-        for item in self.schedule:
-            if len(item) != 2 or item[0] < 0 or item[1] < 1:
-                raise ConfigError(f"{where}.schedule entries must be [grid step i >= 0, merged steps k >= 1], got {item}")
-        g = list(self.granularities)
-        if not g or g[0] != 1 or len(set(g)) != len(g) or any(x < 1 for x in g):
-            raise ConfigError(f"{where}.granularities must start with 1 (the image itself) and list distinct strides "
-                              f">= 1, e.g. [1, 2]; got {self.granularities}")
-
-    def check_steps(self, num_steps: int, where: str) -> None:
-        if self.schedule:
-            end = -1
-            for i, k in self.schedule:
-                if i < end:
-                    raise ConfigError(f"{where}.schedule steps overlap or are out of order: {self.schedule}")
-                if i + k > num_steps - 1:
-                    raise ConfigError(f"{where}.schedule step {[i, k]} reaches the final grid step {num_steps - 1}, "
-                                      "which is never trained")
-                end = i + k
-        elif self.start >= num_steps - 1:
-            raise ConfigError(f"{where}.start must be < {num_steps - 1}, got {self.start}")
 
 
 def step_entropy(sigma: torch.Tensor | float, sigma_next: torch.Tensor | float, kernel: str, noise_level: float,
@@ -212,16 +164,8 @@ def granular_tails(adapter, cond, latents: torch.Tensor, starts: torch.Tensor, s
 
 
 @register_method
-class EGRPO(RolloutMethod):
+class EGRPO(EGRPOSpec, RolloutMethod):
     """E-GRPO: one group of ``rollout.group_size`` members per (prompt, consolidated SDE step)."""
-
-    name = "egrpo"
-    settings_class = EGRPOSettings
-
-    def check(self, num_steps: int, group_size: int, where: str) -> None:
-        self.settings.check_steps(num_steps, where)
-        if group_size is not None and group_size < 2:
-            raise ConfigError(f"rollout.group_size must be >= 2 (members per consolidated step), got {group_size}")
 
     def grow(self, adapter, cond, keys, group_size, sigmas, timesteps, generator, iteration, k, first_forward_id):
         forest, root_cond, root_keys, info = egrpo_forest(
@@ -242,6 +186,3 @@ class EGRPO(RolloutMethod):
         # roots are prompt-major (root p * J + j: prompt p at consolidated step j); one group per root
         return Grown(forest, root_cond, torch.arange(R), root_keys, torch.arange(len(keys)).repeat_interleave(J), info,
                      granular)
-
-    def reward_granularities(self) -> list[int]:
-        return [g for g in self.settings.granularities if g > 1]

@@ -12,21 +12,14 @@ import torch
 
 from .. import plans
 from ..engine import flat_forest
+# check / trains_steps come from the torch-free FlatSpec (the plan's own check_fits / trains_any)
+from ..method_settings import FLAT_SPECS, FlatSpec
 from .base import Grown, RolloutMethod, register_method
 
 
-class FlatMethod(RolloutMethod):
+class FlatMethod(FlatSpec, RolloutMethod):
     """``group_size`` chains per prompt from independent initial noise (or one shared noise per prompt with
     ``visgen.shared_noise``, DanceGRPO's choice), every chain running the plan's SDE/ODE steps."""
-
-    structure = "flat"
-
-    def check(self, num_steps: int, group_size: int, where: str) -> None:
-        self.settings.build(num_steps, 1, torch.Generator().manual_seed(0), 0)  # raises if it cannot fit
-
-    def trains_steps(self, num_steps: int) -> bool:
-        """Whether the plan trains any SDE step (the log-prob objective needs one; NFT/AWM do not)."""
-        return bool(self.settings.build(num_steps, 1, torch.Generator().manual_seed(0), 0).train.any())
 
     def grow(self, adapter, cond, keys, group_size, sigmas, timesteps, generator, iteration, k, first_forward_id):
         P = len(keys)
@@ -44,9 +37,10 @@ class FlatMethod(RolloutMethod):
         return Grown(forest, cond, torch.arange(P).repeat_interleave(group_size), list(keys), torch.arange(P))
 
 
-# ``ode``: deterministic chains, nothing stochastic — the sampler of the likelihood-free objectives (NFT, AWM);
-# ``dpm2``: the same by DPM-Solver++(2M) (DiffusionOPSD)
+# one method per plan, each the subclass of its torch-free spec (visgen.method_settings.FLAT_SPECS) whose settings are
+# the plan with ``build`` (``ode``: deterministic chains, nothing stochastic — the sampler of the likelihood-free
+# objectives, NFT / AWM; ``dpm2``: the same by DPM-Solver++(2M), DiffusionOPSD)
 for _plan in (plans.FlowGRPOPlan, plans.DanceGRPOPlan, plans.FlowGRPOFastPlan, plans.MixGRPOPlan, plans.ExplicitPlan,
               plans.ODEPlan, plans.DPM2Plan):
-    register_method(type(f"{_plan.__name__[:-4]}Method", (FlatMethod,),
-                         {"name": _plan.name, "settings_class": _plan, "__doc__": _plan.__doc__}))
+    register_method(type(f"{_plan.__name__[:-4]}Method", (FLAT_SPECS[_plan.name], FlatMethod),
+                         {"name": _plan.name, "settings_class": _plan, "__doc__": FLAT_SPECS[_plan.name].__doc__}))

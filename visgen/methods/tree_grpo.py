@@ -9,45 +9,12 @@ per forward, leaf rewards backed up the tree. The window start is drawn per roll
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
-from typing import Optional
-
 import torch
 
-
 from ..engine import StepSegment, grow_forest
-from .base import Grown, RolloutMethod, register_method, require
-
-
-@dataclass
-class TreeGRPOSettings:
-    branch: list[int] = field(default_factory=lambda: [2, 2, 2, 2],
-                              metadata={"help": "branch factor of each SDE-window step (leaves = their product = "
-                                                "rollout.group_size)"})
-    window_start: Optional[int] = field(default=None,
-                                        metadata={"help": "first window step (null: random per rollout call within the "
-                                                          "range)"})
-    range_start: int = field(default=0, metadata={"help": "first grid step a random window may start at"})
-    range_end: Optional[int] = field(default=None,
-                                     metadata={"help": "random windows end before this grid step (null: the first half "
-                                                       "of the schedule)"})
-
-    def check(self, where: str) -> None:
-        require(len(self.branch) >= 1 and all(b >= 1 for b in self.branch),
-             f"{where}.branch must list factors >= 1 (one per window step), got {self.branch}")
-        require(self.range_start >= 0, f"{where}.range_start must be >= 0, got {self.range_start}")
-
-    def leaves(self) -> int:
-        return math.prod(self.branch)
-
-    def bounds(self, num_steps: int, where: str = "visgen.method[tree_grpo]") -> tuple[int, int]:
-        size = len(self.branch)
-        end = self.range_end if self.range_end is not None else max(num_steps // 2, self.range_start + size)
-        end = min(end, num_steps - 1)
-        require(end - self.range_start >= size, f"{where}: a window of {size} steps does not fit in grid steps "
-             f"[{self.range_start}, {end}) of {num_steps} (the final step is never trained)")
-        return self.range_start, end
+# the settings and the config-time checks are torch-free (visgen.method_settings); their names stay here
+from ..method_settings import TreeGRPOSettings, TreeGRPOSpec  # noqa: F401
+from .base import Grown, RolloutMethod, register_method
 
 
 def treegrpo_window(s: TreeGRPOSettings, num_steps: int, generator: torch.Generator | None) -> int:
@@ -79,19 +46,8 @@ def treegrpo_levels(s: TreeGRPOSettings, sigmas: torch.Tensor, timesteps: torch.
 
 
 @register_method
-class TreeGRPO(RolloutMethod):
-    name = "tree_grpo"
-    settings_class = TreeGRPOSettings
-
-    def check(self, num_steps: int, group_size: int, where: str) -> None:
-        s = self.settings
-        s.bounds(num_steps, where)
-        if s.window_start is not None:
-            lo = s.window_start
-            require(0 <= lo and lo + len(s.branch) <= num_steps - 1,
-                 f"{where}.window_start {lo} + {len(s.branch)} steps must end before the final step")
-        require(group_size is None or group_size == s.leaves(), f"rollout.group_size is {group_size} but {where} grows {s.leaves()} leaves per "
-             f"tree (branch {s.branch}); set rollout.group_size: {s.leaves()}")
+class TreeGRPO(TreeGRPOSpec, RolloutMethod):
+    """TreeGRPO (see the module docstring)."""
 
     def grow(self, adapter, cond, keys, group_size, sigmas, timesteps, generator, iteration, k, first_forward_id):
         x0 = adapter.prepare_latents(len(keys), cond, generator)

@@ -31,43 +31,17 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from shared_rl.errors import ConfigError
 
+from ..part_settings import MemorySettings  # torch-free: the config reads it (memory.MemorySettings as before)
+
 __all__ = ["MemorySettings", "apply_memory_settings", "enable_context_parallel", "text_encoder_offload"]
 
 _TEXT_OFFLOAD: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
-
-
-@dataclass
-class MemorySettings:
-    prompt_cache: bool = field(default=True, metadata={
-        "help": "cache text embeddings by prompt (exact; text encoders must be frozen)"})
-    prompt_cache_size: int = field(default=4096, metadata={"help": "prompts the embedding cache keeps (LRU)"})
-    offload_text_encoders: bool = field(default=False, metadata={
-        "help": "keep frozen text encoders on the CPU; they visit the device only for prompts not in the cache"})
-    offload_rewards: bool = field(default=False, metadata={
-        "help": "keep reward models on the CPU between reward calls"})
-    vae_slicing: bool = field(default=False, metadata={"help": "decode one sample per VAE call (equal to float "
-                                                                  "rounding)"})
-    vae_tiling: bool = field(default=False, metadata={
-        "help": "decode in spatial tiles (diffusers enable_tiling; approximate at tile seams)"})
-    vae_tile_size: int = field(default=0, metadata={
-        "help": "tile side in pixels for vae_tiling (stride 3/4 of it); 0: the VAE's default (Wan: 256)"})
-    decode_frame_chunk: int = field(default=0, metadata={
-        "help": "Wan: post-process this many latent frames at a time into a preallocated video (exact; 0: off)"})
-
-    def check(self, where: str) -> None:
-        if self.prompt_cache_size < 1:
-            raise ConfigError(f"{where}.prompt_cache_size must be >= 1, got {self.prompt_cache_size}")
-        if self.vae_tile_size < 0:
-            raise ConfigError(f"{where}.vae_tile_size must be >= 0 (0: the VAE's default), got {self.vae_tile_size}")
-        if self.decode_frame_chunk < 0:
-            raise ConfigError(f"{where}.decode_frame_chunk must be >= 0 (0: off), got {self.decode_frame_chunk}")
 
 
 def apply_memory_settings(pipe, adapter, settings: MemorySettings) -> dict[str, Any]:

@@ -23,21 +23,11 @@ from typing import Any
 
 import torch
 
+# the config-time check is torch-free (visgen.rewards.gold.check_gold_rewards as before)
+from ..part_settings import check_gold_rewards  # noqa: F401
+
 GOLD_PREFIX = "eval/gold/"
 SEM_PREFIX = "gold_sem/"
-
-
-def check_gold_rewards(cfg, where: str) -> None:
-    """Config-time checks: known names (RewardSpec.check), no gold reward that is also a training reward."""
-    from shared_rl.errors import ConfigError
-
-    for i, spec in enumerate(cfg.gold_rewards):
-        spec.check(f"{where}.gold_rewards[{i}]")
-    trained = {(s.name, repr(sorted(s.kwargs.items()))) for s in cfg.rewards}
-    for i, spec in enumerate(cfg.gold_rewards):
-        if (spec.name, repr(sorted(spec.kwargs.items()))) in trained:
-            raise ConfigError(f"{where}.gold_rewards[{i}] ({spec.name}) is also in {where}.rewards: a gold reward must "
-                              "never be trained on; remove it from one list")
 
 
 def gold_metrics(scores: dict[str, torch.Tensor]) -> dict[str, float]:

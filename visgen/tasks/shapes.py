@@ -27,7 +27,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Iterable, Sequence
 
 import numpy as np
-from scipy import ndimage
 
 from .base import ImageTask, register_task
 
@@ -353,6 +352,8 @@ def find_components(image: np.ndarray) -> list[Component]:
     (90th percentile), ramped from 0 at 25% to 1 at 75% of it (a soft 50% level set), over the component
     grown by two pixels, so blurred edges count the way they would on the sharp shape.
     """
+    from scipy import ndimage  # here, not at the top: the config check reads this task without the checker (issue 64)
+
     found = []
     structure = np.ones((3, 3), dtype=bool)
     value = image.max(axis=0)
