@@ -177,6 +177,103 @@ def _memory_rows(tmp: Path) -> list[dict]:
     return rows
 
 
+# ---- data parallel: grove's flat-buffer gradient sum vs torch DDP ------------------------------------------------
+SYNC_STEPS, SYNC_ROUNDS = 12, 5
+
+
+def _sync_model(seed: int = 0):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                                        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128))
+
+
+def _sync_worker(rank: int, world: int, port: int, out: str) -> None:
+    """Per-step time of forward + backward + gradient sum over the 2 processes, grove's way (``Dist.sum_gradients``:
+    backward, then one all-reduce of every gradient concatenated), torch's ``DistributedDataParallel`` (gloo, 25 MB
+    buckets all-reduced while backward runs, gradients as views of the buckets) and FSDP2 replicated over a
+    (world x 1) mesh (per-unit all-reduces during backward), alternating blocks of ``SYNC_STEPS`` steps over
+    ``SYNC_ROUNDS`` rounds; and the largest difference of the summed gradients."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from shared_rl.distributed import Dist, exit_distributed
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    d = Dist()
+    g = torch.Generator().manual_seed(rank)
+    ids = torch.randint(0, 512, (4, 64), generator=g)
+    flat_model = _sync_model()
+    ddp_model = DistributedDataParallel(_sync_model(), gradient_as_bucket_view=True)
+    params = list(flat_model.parameters())
+    # grove's own bucketed, overlapped data parallel: distributed.strategy fsdp2 with distributed.replicate = the
+    # process count, a (world x 1) mesh: every process holds whole parameters, FSDP2 all-reduces each unit's
+    # gradients (a decoder layer, then the root) as backward leaves it
+    from shared_rl.distributed import FSDPShards
+
+    hsdp_model = _sync_model()
+    FSDPShards([*hsdp_model.model.layers, hsdp_model], d, torch.device("cpu"), replicate=world)
+
+    def flat_step():
+        flat_model.zero_grad(set_to_none=True)
+        flat_model(input_ids=ids, labels=ids).loss.backward()
+        d.sum_gradients(params)
+
+    def ddp_step():
+        ddp_model.zero_grad(set_to_none=False)
+        ddp_model(input_ids=ids, labels=ids).loss.backward()  # DDP averages: x world below for the sum
+
+    def fsdp2_step():
+        hsdp_model.zero_grad(set_to_none=True)
+        hsdp_model(input_ids=ids, labels=ids).loss.backward()  # summed (divide factor 1), like grove's runs
+
+    times = {"flat": [], "ddp": [], "fsdp2": []}
+    for _ in range(SYNC_ROUNDS):
+        for name, step in (("flat", flat_step), ("ddp", ddp_step), ("fsdp2", fsdp2_step)):
+            step()  # warm-up (DDP builds its buckets on the first backward)
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(SYNC_STEPS):
+                step()
+            dist.barrier()
+            times[name].append((time.perf_counter() - t0) / SYNC_STEPS)
+    diff = max(float((p.grad - q.grad * world).abs().max())
+               for p, q in zip(params, ddp_model.module.parameters()))
+    diff_fsdp2 = max(float((p.grad - q.grad.full_tensor()).abs().max())
+                     for p, q in zip(params, hsdp_model.parameters()))
+    grad_bytes = sum(p.numel() * p.element_size() for p in params)
+    Path(f"{out}.{rank}").write_text(json.dumps({"flat_s": min(times["flat"]), "ddp_s": min(times["ddp"]),
+                                                 "fsdp2_s": min(times["fsdp2"]), "all": times,
+                                                 "grad_diff": max(diff, diff_fsdp2), "grad_bytes": grad_bytes,
+                                                 "parameters": sum(p.numel() for p in params)}))
+    exit_distributed(0)
+
+
+def _sync_rows(tmp: Path) -> list[dict]:
+    """One row: seconds per training step (forward + backward + gradient sum) of a 2.9M-parameter Llama on 2 gloo
+    processes: grove's flat buffer (``distributed.strategy: replicate``), torch DDP, and FSDP2 on a (2 x 1) mesh
+    (``fsdp2`` with ``distributed.replicate: 2``); best block of each, blocks alternating so that other load hits
+    all three; the summed gradients' largest difference from the flat buffer's."""
+    import multiprocessing
+
+    import torch.multiprocessing as mp
+
+    out = tmp / "sync.json"
+    multiprocessing.set_forkserver_preload(["torch", "transformers", "shared_rl.distributed"])
+    mp.start_processes(_sync_worker, args=(2, free_port(), str(out)), nprocs=2, join=True, start_method="forkserver")
+    ranks = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(2)]
+    flat, ddp, fsdp2 = (max(r[f"{k}_s"] for r in ranks) for k in ("flat", "ddp", "fsdp2"))
+    return [{"variant": "grad sync 2 proc: flat buffer vs DDP vs fsdp2 replicate", "parameters": ranks[0]["parameters"],
+             "flat_s_per_step": flat, "ddp_s_per_step": ddp, "fsdp2_replicate_s_per_step": fsdp2,
+             "ddp_over_flat": ddp / flat, "fsdp2_replicate_over_flat": fsdp2 / flat,
+             "flat_extra_bytes": ranks[0]["grad_bytes"], "max_grad_difference": max(r["grad_diff"] for r in ranks)}]
+
+
 # ---- per-GPU memory of large models under FSDP2, computed (not measured) -------------------------------------
 GPUS = (1, 8, 16)
 
@@ -248,6 +345,7 @@ def run(out_dir: Path, quick: bool = False) -> dict:
             rows.append(row)
         if not quick:
             rows += _memory_rows(tmp)
+            rows += _sync_rows(tmp)
     notes = ("samples/s = leaves / wall time of a whole iteration, median over the iterations after the first, from "
              "each run's metrics.jsonl; same config and global batch for 1 and 2 processes (gloo, CPU); runs "
              f"alternate 1, 2, 1, 2 ({1 if quick else REPEATS} rounds, best round per layout); load_avg = the 1-minute "
@@ -256,5 +354,7 @@ def run(out_dir: Path, quick: bool = False) -> dict:
              "weights + optimizer + state, written atomically with checksums; load = resume from it. memory rows: "
              "bytes of trained parameters, gradients and AdamW state held by the busiest process after one optimizer step "
              "of a tiny Llama (hidden 64, 4 layers, full fine-tuning) under distributed.strategy fsdp2 with 1, 2 "
-             "and 4 gloo processes (1 process: nothing sharded).")
+             "and 4 gloo processes (1 process: nothing sharded). grad sync row: seconds per forward + backward + "
+             "gradient sum of a 2.9M-parameter Llama on 2 gloo processes, grove's flat buffer (replicate) vs torch "
+             "DDP vs FSDP2 on a 2 x 1 mesh (fsdp2 with distributed.replicate 2), best of alternating blocks.")
     return write_results(out_dir, "scale", rows, notes, doc_path=None if quick else REPO_ROOT / "docs/bench/scale.md")
