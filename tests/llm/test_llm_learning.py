@@ -12,6 +12,8 @@ from shared_rl.trainer import Trainer
 ASSET = Path(__file__).resolve().parents[2] / "assets" / "llm-arith-tiny"
 
 
+# a learning check (~20 s on 2 cores): `pytest -m slow`; the LLM path's every-commit guard is tests/test_golden.py
+@pytest.mark.slow
 @pytest.mark.skipif(not (ASSET / "config.json").is_file(), reason="run: grove pretrain configs/llm/arith_sft.yaml")
 def test_grpo_improves_arith_accuracy(tmp_path):
     torch.set_num_threads(1)

@@ -40,6 +40,7 @@ def test_task_table_and_names():
             libero_tasks.canonical_task(bad)
 
 
+@pytest.mark.slow  # builds LeRobot's own robosuite LiberoEnv (~20 s): `pytest -m slow tests/robotics/test_libero.py`
 def test_matches_lerobot_processor_output(env, monkeypatch):
     """Same fixed init state, LeRobot's own LiberoEnv (hard reset, robosuite's renderer) + preprocess_observation +
     LiberoProcessorStep vs grove's env (soft reset) + LiberoRenderer: the same keys and shapes, the same 8-d state,

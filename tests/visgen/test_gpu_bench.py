@@ -14,6 +14,7 @@ def test_without_cuda_the_page_says_not_run(tmp_path, monkeypatch):
     assert "Not run" in (tmp_path / "results.md").read_text()
 
 
+@pytest.mark.slow  # the whole quick bench on the CPU (~15 s); the row writer itself is the test above
 def test_rows_on_the_cpu_write_after_each_row(tmp_path):
     gpu.run(tmp_path, quick=True, device="cpu", log=lambda *_: None, write_doc=False)
     rows = json.loads((tmp_path / "results.json").read_text())["rows"]
