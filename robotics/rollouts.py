@@ -30,8 +30,10 @@ import torch
 
 from shared_rl.domain import RunContext
 from shared_rl.errors import ConfigError
+from shared_rl.metrics import Progress
 from shared_rl.rollout import Rollout
 
+from . import evaluation
 from .branching import BranchConfig, run_branching_episodes, tree_rollout
 from .envs.metaworld_env import decode_key, make_key
 from .envs.vector import EnvConfig
@@ -81,8 +83,12 @@ class FlatRollout(RolloutStrategy):
         if self.cfg.group_start_noise == "shared":  # one start-noise stream per group (members share its key too)
             start_seeds = [int(s) for s in torch.randint(0, 2 ** 62, (len(keys),), generator=generator)
                            for _ in range(group_size)]
+        # an iteration's episodes can take half an hour on a CPU (LIBERO at 512 episodes): say how far they are, with
+        # an ETA, once every PROGRESS_EVERY seconds (a rollout shorter than that stays quiet)
+        progress = Progress(self.ctx.log, f"rollout ({len(env_keys)} episodes)", self.cfg.env.horizon, "env steps",
+                            every=evaluation.PROGRESS_EVERY)
         batch = run_episodes(self.policy, self.venv, env_keys, tasks, self.sampling, self.cfg.env.horizon, generator,
-                             device=self.device, episode_noise_seed=start_seeds)
+                             device=self.device, episode_noise_seed=start_seeds, on_chunk=progress.update)
         ro = flat_rollout(batch, keys, group_size, self.cfg.env.tasks, self.cfg.env.success_mode, self.cfg.dense_reward)
         if self.sampling.mode == "fpo":  # the flow-matching pairs of FPO's likelihood surrogate (fpo.py)
             attach_pairs(ro, self.cfg.fpo, self.policy.flow.sigmas, generator)

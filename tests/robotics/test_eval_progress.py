@@ -55,3 +55,16 @@ def test_an_evaluation_in_slices_counts_its_progress_across_them(monkeypatch):
     pattern = r"evaluation \(3 episodes\): (\d+)/24 env steps, .+ elapsed, (ETA .+|done)"
     steps = [int(re.fullmatch(pattern, s).group(1)) for s in lines if s.startswith("evaluation (3 episodes)")]
     assert steps == sorted(steps) and steps[-1] == 24 and any(s > 12 for s in steps), lines
+
+
+def test_a_long_rollout_reports_its_episodes_progress_and_a_short_one_stays_quiet(monkeypatch):
+    lines = []
+    dom = _domain(lines.append)
+    keys = dom.rollouts.train_keys()
+    dom.rollout(keys, 2, torch.Generator().manual_seed(0), 0)
+    assert not [s for s in lines if s.startswith("rollout (")], "well under PROGRESS_EVERY seconds: quiet"
+    monkeypatch.setattr(evaluation, "PROGRESS_EVERY", 0.0)
+    dom.rollout(keys, 2, torch.Generator().manual_seed(0), 0)
+    pattern = r"rollout \(4 episodes\): (\d+)/12 env steps, .+ elapsed, (ETA .+|done)"
+    steps = [int(re.fullmatch(pattern, s).group(1)) for s in lines if s.startswith("rollout (")]
+    assert steps and steps == sorted(steps) and steps[0] == 4, lines
