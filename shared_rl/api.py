@@ -51,19 +51,41 @@ def removed_if_refused(folder: str | Path | None) -> Iterator[None]:
         raise
 
 
+def _nested(overrides: Mapping[str, Any]) -> dict:
+    """``{"llm.model": x}`` as ``{"llm": {"model": x}}``: a dotted key, the CLI's spelling, names the same setting
+    (it used to be refused as an unknown top-level key)."""
+    out: dict = {}
+    for key, value in overrides.items():
+        *parents, leaf = str(key).split(".")
+        node = out
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = merge(node[leaf], value) if isinstance(value, Mapping) and isinstance(node.get(leaf), dict) \
+            else value
+    return out
+
+
 def load_config(config: str | Path | Mapping[str, Any] | TrainConfig,
-                overrides: Mapping[str, Any] | Sequence[str] = ()) -> TrainConfig:
+                overrides: Mapping[str, Any] | Sequence[str] = (), paths: bool = False) -> TrainConfig:
     """A validated ``TrainConfig`` from a YAML path, a mapping of sections or a ``TrainConfig``, with overrides:
-    a mapping of sections (``{"optim": {"lr": 1e-3}}``) or CLI-style strings (``["optim.lr=1e-3"]``)."""
+    a mapping of sections (``{"optim": {"lr": 1e-3}}``, or dotted keys as the CLI writes them, ``{"optim.lr": 1e-3}``)
+    or CLI-style strings (``["optim.lr=1e-3"]``). ``paths``:
+    first the CLI's path checks (``shared_rl.prechecks.precheck_paths``: a typo'd path or an uncached hub id with no
+    network is one line at once, not a minute of the loader's retries) — for a config whose paths name what loads,
+    not labels of objects the caller holds."""
     if isinstance(config, TrainConfig):
         if overrides:
             raise ValueError("overrides apply to a YAML path or a mapping; change the TrainConfig's fields instead")
         return config
     data = load_yaml(config) if isinstance(config, (str, Path)) else dict(config)
     if isinstance(overrides, Mapping):
-        data = merge(data, overrides)
+        data = merge(data, _nested(overrides))
     else:
         data = apply_overrides(data, list(overrides))
+    if paths:
+        from .prechecks import precheck_paths
+
+        precheck_paths(data)
     return load_train_config(data)
 
 
@@ -73,7 +95,9 @@ def train(config: str | Path | Mapping[str, Any] | TrainConfig, overrides: Mappi
     returns the ``Trainer`` (``.history`` the metric records, ``.domain`` the trained policy). With ``run_dir`` the
     run writes its metrics, checkpoints, plots and export there, as ``grove train --out`` does."""
     with removed_if_refused(run_dir):  # a config or input refused while the trainer is built leaves no run_dir
-        trainer = Trainer(load_config(config, overrides), Path(run_dir) if run_dir else None, log=log,
-                          objects=dict(objects or {}))
+        # without objects the config's paths are what loads: the CLI's path checks first (issue 64: an uncached hub
+        # id from Python was a minute of retries and a traceback)
+        trainer = Trainer(load_config(config, overrides, paths=not objects), Path(run_dir) if run_dir else None,
+                          log=log, objects=dict(objects or {}))
     trainer.fit()
     return trainer

@@ -13,8 +13,9 @@ live here, in a module that imports only the standard library and grove's torch-
   config, so the two cannot drift: one list of checks, one message each. (Two exceptions: a LeRobot
   ``policy.path`` is checked by ``robotics.policies.lerobot.load.read_policy_config``, which also parses the files;
   ``check_lerobot_policy`` is its stat-only part, line for line, and the test compares the two. And an LLM hub id
-  is looked up in the local cache by the CLI alone, ``check_llm_model``: the LLM domain's validation resolves the
-  location only, since the Python API also hands it the names of model objects it holds.)
+  is looked up in the local cache by the early pass alone, ``check_llm_model``: the LLM domain's validation
+  resolves the location only, since the Python API also hands it the names of model objects it holds. The early
+  pass runs in the CLI and in ``shared_rl.api.train`` of a config without held objects.)
 
 Which keys are paths is declared once, in ``PATH_KEYS``: per domain, the dotted key in its section, the function that
 checks it, and the other keys of the section the check reads (with their dataclass defaults, which

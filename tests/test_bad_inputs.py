@@ -32,6 +32,7 @@ from shared_rl.cli import main
 
 from .core.test_cli import BAD_CONFIGS, GOOD
 
+ROOT = Path(__file__).resolve().parents[1]
 HAS_CUDA = importlib.util.find_spec("torch") is not None and __import__("torch").cuda.is_available()
 
 
@@ -166,6 +167,9 @@ CASES = {
                                              "llm.model 'Qwen/Qwen2.5-0.5B-Instrct' is not in the local Hugging Face "
                                              "cache"),
     "llm unknown reward": (_llm(rewards=[{"name": "exact_matchh"}]), "exact_matchh"),
+    # peft's name for the rank: every LoRA section of grove says rank, and the old key names the new one
+    "llm lora r instead of rank": (_llm(lora={"enabled": True, "r": 16}),
+                                   "config key 'llm.lora.r' was replaced: use llm.lora.rank"),
     "llm reward guard bad policy": (_llm(reward_guard={"on_failure": "ignore"}), "on_failure"),
     "visgen reward guard negative retries": (_visgen(reward_guard={"retries": -1}), "reward_guard.retries"),
     "llm empty dataset": (_llm(dataset={"source": "jsonl", "path": "TMP/empty.jsonl"}), "empty.jsonl"),
@@ -486,6 +490,55 @@ def test_fewer_rollout_chunks_than_processes_is_refused_before_a_worker_loads(tm
               if strategy == "fsdp2" else
               "2 processes but 2 groups in calls of 2 make 1 rollout chunk(s): 1 process(es) would sample nothing")
     expect += "; set rollout.groups_per_call <= 1"
+    line = assert_one_line_error(["train", str(cfg), "--out", str(tmp / "run")], expect, tmp, capsys)
+    assert assert_one_line_error(["train", str(cfg), "--dry-run"], expect, tmp, capsys) == line
+
+
+@pytest.mark.parametrize("name", ["llm hub id not in the cache, offline", "llm model path with a typo",
+                                  "visgen model path with a typo", "robotics checkpoint with a typo"])
+def test_python_train_refuses_a_bad_path_with_the_cli_s_line(tmp, capsys, name):
+    """``shared_rl.api.train`` of a config runs the CLI's path checks first: the same line, at once (an uncached hub
+    id from Python used to spend a minute in the loader's retries and end in a traceback), nothing left behind."""
+    from shared_rl.api import train
+    from shared_rl.errors import ConfigError
+
+    if name.startswith("robotics"):
+        pytest.importorskip("mujoco")
+    data, expect = CASES[name]
+    cfg = tmp / "bad.yaml"
+    cfg.write_text(yaml.safe_dump(data))
+    line = assert_one_line_error(["train", str(cfg), "--dry-run"], expect, tmp, capsys)
+    with pytest.raises(ConfigError) as refused:
+        train(str(cfg), run_dir=tmp / "py-run", log=lambda *_: None)
+    assert f"grove: error: {refused.value}" == line
+    assert not (tmp / "py-run").exists()
+
+
+def test_python_overrides_take_the_cli_s_dotted_keys(tmp, capsys):
+    """``overrides={"llm.model": ...}`` names the setting ``llm.model=...`` names on the command line (it was refused
+    as an unknown top-level key, with a list of keys that does not hold the domain's section)."""
+    from shared_rl.api import train
+    from shared_rl.errors import ConfigError
+
+    line = assert_one_line_error(["train", str(ROOT / "configs/llm/arith_grpo.yaml"),
+                                  "llm.model=Qwen/Qwen2.5-0.5B-Instrct", "--dry-run"], "Qwen/Qwen2.5-0.5B-Instrct",
+                                 tmp, capsys)
+    with pytest.raises(ConfigError) as refused:
+        train(str(ROOT / "configs/llm/arith_grpo.yaml"), overrides={"llm.model": "Qwen/Qwen2.5-0.5B-Instrct"},
+              log=lambda *_: None)
+    assert f"grove: error: {refused.value}" == line
+
+
+def test_fsdp2_on_a_domain_with_nothing_to_shard_is_refused_by_both_modes(tmp, capsys, monkeypatch):
+    """A domain that lists no modules to shard refuses ``distributed.strategy: fsdp2`` in every layout, so
+    ``--dry-run`` before ``torchrun`` says it, in the real run's line (not after the launch, once per worker)."""
+    from shared_rl.domain import DomainBase
+    from shared_rl.toy import ToyDomain
+
+    monkeypatch.setattr(ToyDomain, "fsdp_modules", DomainBase.fsdp_modules)
+    cfg = tmp / "bad.yaml"
+    cfg.write_text(yaml.safe_dump(_toy(**{"distributed.strategy": "fsdp2"})))
+    expect = "distributed.strategy: fsdp2 is not supported by domain 'toy' (it lists no modules to shard)"
     line = assert_one_line_error(["train", str(cfg), "--out", str(tmp / "run")], expect, tmp, capsys)
     assert assert_one_line_error(["train", str(cfg), "--dry-run"], expect, tmp, capsys) == line
 
