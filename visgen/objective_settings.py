@@ -195,6 +195,14 @@ class DPOSettings:
         "help": "offline DPO: a .jsonl/.csv/.parquet of stored pairs (prompt, chosen, rejected image paths; or "
                 "Pick-a-Pic's caption, jpg_0, jpg_1, label_0) trained instead of the policy's own samples "
                 "(visgen.offline_dpo; rollout.group_size 2); null: online"})
+    reference: Literal["adapter_off", "ref_adapter"] = field(default="adapter_off", metadata={
+        "help": "the loss's reference and who samples: adapter_off (verl-omni: the live policy samples, the reference "
+                "is the adapter switched off) | ref_adapter (yifan123/flow_grpo train_sd3_dpo.py: a copy of the "
+                "trained weights samples and is the reference, refreshed every ref_update_step optimizer steps)"})
+    ref_update_step: int = field(default=40, metadata={
+        "help": "reference: ref_adapter: the copy becomes the trained weights before an iteration's rollout when the "
+                "optimizer steps so far are a positive multiple of this (flow_grpo config/dpo.py: 40 for online DPO "
+                "per its comment; its shipped 10000000 never refreshes)"})
 
     def loss_settings(self):
         from shared_rl.loss_settings import DPOSettings as DPOLossSettings
@@ -209,6 +217,11 @@ class DPOSettings:
             raise ConfigError(f"{where}.timesteps_per_sample must be >= 1 or null, got {self.timesteps_per_sample}")
         if not self.logit_std > 0 or not self.timestep_shift > 0 or self.num_train_timesteps < 1:
             raise ConfigError(f"{where}.logit_std and timestep_shift must be > 0 and num_train_timesteps >= 1")
+        if self.ref_update_step < 1:
+            raise ConfigError(f"{where}.ref_update_step must be >= 1, got {self.ref_update_step}")
+        if self.reference == "ref_adapter" and self.pairs:
+            raise ConfigError(f"{where}.reference: ref_adapter samples the rollouts with its copy; offline pairs "
+                              "sample nothing (use reference: adapter_off)")
 
 
 @dataclass
@@ -386,6 +399,20 @@ class TeacherSource:
         policy._enable_teacher(self.model)
 
 
+@dataclass(frozen=True)
+class RefreshEvery:
+    """The ``update`` of an old-policy schedule whose "old" copy is replaced by the trained weights before an
+    iteration's first rollout when the optimizer steps so far are a positive multiple of ``every``, and kept as it is
+    otherwise (yifan123/flow_grpo ``train_sd3_dpo.py``'s "ref" adapter: ``copy_learner_to_ref`` when ``global_step >
+    0 and global_step % ref_update_step == 0``, before sampling)."""
+
+    every: int
+
+    def enable(self, policy: "FlowPolicy", decay_max: float, decay_ramp, decay_flat: int) -> None:
+        policy.enable_old_policy(1.0, None, 0, "iteration")
+        policy._old_refresh_every = int(self.every)
+
+
 @dataclass
 class Snapshots:
     """The ``update`` of an old-policy schedule that keeps, beside the old copy (updated once per iteration on the
@@ -544,6 +571,18 @@ class DPOSpec(ObjectiveSpec):
     policy_loss = "dpo"
     whole_groups = True
     default_method = {"name": "flow_grpo"}  # the reference rolls out with its SDE sampler (pipeline_with_logprob)
+
+    @property
+    def samples_with_old(self) -> bool:
+        """``reference: ref_adapter``: flow_grpo's "ref" copy samples the rollouts."""
+        return self.settings.reference == "ref_adapter"
+
+    def old_policy(self) -> OldPolicySchedule | None:
+        """``reference: ref_adapter``: the "ref" copy (the shared old-policy copy, refreshed every
+        ``ref_update_step`` optimizer steps, ``RefreshEvery``); ``adapter_off``: none."""
+        if self.settings.reference != "ref_adapter":
+            return None
+        return OldPolicySchedule(1.0, None, 0, RefreshEvery(int(self.settings.ref_update_step)))
 
     def loss_choice(self):
         from shared_rl.config import PolicyLossChoice

@@ -458,8 +458,8 @@ class DGPOObjective(DGPOSpec, Objective):
 @register_objective
 class DPOObjective(DPOSpec, Objective):
     """Online Diffusion-DPO (yifan123/flow_grpo ``train_sd3_dpo.py``, verl-omni ``DPOLoss``): the live policy
-    samples (verl-omni; flow_grpo samples with a lagging "ref" adapter refreshed every ``ref_update_step``), the
-    reference is the adapter off; per group its best and worst sample (the ``dpo`` loss picks them by advantage) at
+    samples and the reference is the adapter off (verl-omni); ``reference: ref_adapter``: flow_grpo's lagging "ref"
+    copy, refreshed every ``ref_update_step`` optimizer steps, samples and is the reference; per group its best and worst sample (the ``dpo`` loss picks them by advantage) at
     ``K`` slots, each with one noise and one logit-normal timestep per group (so chosen and rejected share both)."""
 
     def slot_noise(self, n, k, shape, device, generator, groups):
@@ -499,8 +499,12 @@ class DPOObjective(DPOSpec, Objective):
 
     def terms(self, adapter, payload, mask, cond, reference, old, need_kl=False):
         """Per trained slot the velocity error ‖v − (ε − x0)‖² under the policy (with grad, ``objective_pos``) and the
-        reference (the adapter off, ``objective_neg``); without ``train_cfg`` the conditional branch alone."""
-        if reference is None:
+        reference (the adapter off, or ``reference: ref_adapter`` the "ref" copy's weights, ``objective_neg``); without
+        ``train_cfg`` the conditional branch alone."""
+        copy = self.settings.reference == "ref_adapter"
+        if copy and old is None:
+            raise RuntimeError("the dpo objective's ref adapter is not set up (old_policy() then enable_old_policy)")
+        if not copy and reference is None:
             raise RuntimeError("the dpo objective needs the reference policy (the adapter switched off)")
         if not self.settings.train_cfg and cond.do_cfg:
             cond = dataclasses.replace(cond, do_cfg=False)
@@ -509,10 +513,19 @@ class DPOObjective(DPOSpec, Objective):
         err, ref_err = torch.zeros(n, L, device=dev), torch.zeros(n, L, device=dev)
         kl = torch.zeros(n, L, device=dev) if need_kl else None
         per_forward, nfe = adapter.forwards_per_step(cond), 0
-        for k, rows, d, x0, eps, x_t, _sigma, t in self._live_slots(payload, mask):
+        slots = self._live_slots(payload, mask)
+        v_refs = [None] * len(slots)
+        if copy:  # the "ref" copy (flow_grpo: the same copy sampled the rollouts), all slots under ONE weight swap
+            # first: swapping weights in place between forwards that keep their graph would invalidate that graph
+            with torch.no_grad(), old():
+                v_refs = [adapter.velocity(x_t, t, cond[d]) for _k, _rows, d, _x0, _eps, x_t, _sigma, t in slots]
+        for (k, rows, d, x0, eps, x_t, _sigma, t), v_ref in zip(slots, v_refs):
             c = cond[d]
             v = adapter.velocity(x_t, t, c)
-            value, v_ref = _velocity_kl(adapter, x_t, t, c, v, reference)
+            if v_ref is None:
+                value, v_ref = _velocity_kl(adapter, x_t, t, c, v, reference)
+            else:
+                value = _mean_elements((v - v_ref) ** 2)
             cols = torch.full_like(d, k)
             err = err.index_put((d, cols), flow_matching_loss(x0, eps, v))
             ref_err = ref_err.index_put((d, cols), flow_matching_loss(x0, eps, v_ref))

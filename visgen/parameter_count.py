@@ -15,7 +15,8 @@ device from its ``config.json``, so no weight is read, and split as ``visgen.pol
   that is not readable here yet (a recipe names the run that makes it, an uncached hub id) is counted at the
   student transformer's size, and its group's name says so.
 
-Not counted: the old-policy and snapshot copies some objectives keep (DiffusionNFT, CRD) and the reward models. A
+Not counted: the old-policy and snapshot copies some objectives keep (DiffusionNFT, CRD, DPO's ``ref_adapter``) and
+the reward models. A
 hub id is counted from its local Hugging Face cache, or not at all (None) when it is not cached.
 """
 from __future__ import annotations

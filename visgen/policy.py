@@ -108,6 +108,7 @@ class FlowPolicy:
         # further lagging copies on schedules of their own (CRD's "old" model; add_snapshot), name -> (weights, schedule)
         self.snapshots: dict[str, tuple[dict[str, torch.Tensor], tuple]] = {}
         self._old_start = 0.0  # the old copy's decay before its flat steps (old_decay's start)
+        self._old_refresh_every = 0  # > 0: the old copy is replaced at these step multiples instead (RefreshEvery)
         self._old_steps = 0
         self._old_synced = 0
         self._ema_steps = 0
@@ -283,6 +284,8 @@ class FlowPolicy:
         return self.old is not None and self.teacher is None
 
     def old_decay(self, steps: int) -> float:
+        if self._old_refresh_every:  # flow_grpo DPO's "ref" adapter: a copy at positive multiples, else kept
+            return 0.0 if steps > 0 and steps % self._old_refresh_every == 0 else 1.0
         return old_decay(steps, *self._old_schedule[:3], start=self._old_start)
 
     def _lerp_old(self, decay: float) -> None:
