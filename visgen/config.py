@@ -355,7 +355,8 @@ class VisgenConfig(DomainConfig):
             if trained and not reward_differentiable(spec.name):
                 raise ConfigError(f"visgen.objective {objective} follows the reward's gradient, but reward "
                                   f"{spec.name!r} is not differentiable; train on a differentiable one (shapes_colour, "
-                                  f"pickscore) or give {spec.name!r}'s outputs weight 0 in advantage.weights")
+                                  f"pickscore, hps, clipscore, aesthetic, imagereward) or give {spec.name!r}'s outputs "
+                                  "weight 0 in advantage.weights")
         if method.structure != "flat":
             raise ConfigError(f"visgen.objective {objective} queries one state of each flat trajectory; visgen.method "
                               f"{method.name!r} grows trees (use dpm2, ode or a flat method)")
