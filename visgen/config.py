@@ -34,6 +34,11 @@ def _live(module: str, attr: str, specs: dict) -> dict:
     mod = sys.modules.get(module)
     return getattr(mod, attr) if mod is not None else specs
 
+# why an objective with ObjectiveSpec.whole_groups needs each group in one forward call (its one-line refusal)
+WHOLE_GROUPS_WHY = {"dpo": "pairs the best and the worst sample of each group",
+                    "dgpo": "weighs each sample by its whole group's preference",
+                    "crd": "centres each group's implicit rewards"}
+
 
 def reward_names_registered() -> list[str]:
     """``visgen.rewards.available_rewards()`` with the optional reward modules (``_import_optional_rewards``), sorted:
@@ -324,15 +329,12 @@ class VisgenConfig(DomainConfig):
             self._check_differentiable_rewards(cfg, objective.name, method)
         if objective.name == "dpo" and objective.settings.pairs:
             check_offline(objective, cfg.rollout.group_size)
-        if objective.name == "dpo" and (cfg.optim.minibatches_per_epoch != 1 or cfg.optim.micro_batch_size != 0):
-            raise ConfigError("visgen.objective dpo pairs the best and the worst sample of each group, so one forward "
-                              "call must hold whole groups: set optim.minibatches_per_epoch: 1 and "
-                              "optim.micro_batch_size: 0 (optim.backward_steps may split the timesteps)")
-        if objective.name == "dgpo" and (cfg.optim.minibatches_per_epoch != 1 or cfg.optim.micro_batch_size != 0):
-            raise ConfigError("visgen.objective dgpo weighs each sample by its whole group's preference, so one "
-                              "forward call must hold whole groups: set optim.minibatches_per_epoch: 1 and "
-                              "optim.micro_batch_size: 0 (the reference's layout; optim.backward_steps may split "
-                              "the timesteps)")
+        if objective.whole_groups and (cfg.optim.minibatches_per_epoch != 1 or cfg.optim.micro_batch_size != 0):
+            # before anything loads: the loss's own check (CRD's) would stop the run only after its first rollout
+            why = WHOLE_GROUPS_WHY.get(objective.name, "needs every member of a group in one forward call")
+            raise ConfigError(f"visgen.objective {objective.name} {why}, so one forward call must hold whole groups: "
+                              "set optim.minibatches_per_epoch: 1 and optim.micro_batch_size: 0 (optim.backward_steps "
+                              "may split the timesteps)")
         if cfg.loss.kl_coef > 0 and self.train_mode == "full" and not self.full_reference:
             raise ConfigError("loss.kl_coef > 0 with visgen.train_mode: full needs visgen.full_reference: true "
                               "(a frozen copy of the transformer is the KL reference)")

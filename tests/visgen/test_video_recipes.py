@@ -43,7 +43,7 @@ def test_recipe_builds_and_trains_on_a_tiny_pipeline_of_its_class(name, monkeypa
 
     import shared_rl.preflight
 
-    monkeypatch.setattr(domain_module, "load_pipeline", lambda model, dtype: (pipe, model, False))
+    monkeypatch.setattr(domain_module, "load_pipeline", lambda model, dtype, meta_transformers=False: (pipe, model, False))
     # the tiny pipeline stands in for the recipe's hub id, so the offline cache check has nothing to answer for
     monkeypatch.setattr(shared_rl.preflight, "check_hub_model", lambda *args, **kwargs: None)
     data.update(device="cpu", iterations=1, logging={"progress": False}, eval={"at_start": False})
