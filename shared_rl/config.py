@@ -200,6 +200,27 @@ TRL_KEYS = {
 }
 
 
+def _top_level_keys(fields: list[str], key: str, data: dict) -> tuple[list[str], str]:
+    """The top-level keys a user writes (the domain's own section by its name, e.g. ``visgen:``, never the
+    attribute ``domain_config``), and a hint when ``key`` is, or is close to, another domain's section name."""
+    from .registry import domain_names
+
+    domain = str(data.get("domain", "toy"))
+    known = [k for k in fields if k != "domain_config"] + [domain]
+    others = [d for d in domain_names() if d != domain]
+    close = difflib.get_close_matches(key, known, n=1) or difflib.get_close_matches(key, others, n=1)
+    section = close[0] if close else None
+    if key == "domain_config":
+        return known, f"; the domain's own settings go under its name: {domain}: (this config's domain)"
+    if section in others and key == section:
+        return known, (f"; this config's domain is {domain!r}, so its own settings go under {domain}: (a "
+                       f"{section}: section needs domain: {section})")
+    if section in others:
+        return known, (f"; did you mean {section!r}? (a {section!r} section needs domain: {section}; this "
+                       f"config's domain is {domain!r}, its settings go under {domain}:)")
+    return known, ""
+
+
 def from_dict(cls: type, data: dict | None, where: str = "") -> Any:
     """Build dataclass ``cls`` from ``data``, checking keys and types; nested dataclasses recurse."""
     data = {} if data is None else data
@@ -210,15 +231,21 @@ def from_dict(cls: type, data: dict | None, where: str = "") -> Any:
     kwargs = {}
     for key, value in data.items():
         path = f"{where}.{key}" if where else str(key)
-        if key not in fields:
+        top_level_attribute = not where and key == "domain_config" and cls.__name__ == "TrainConfig"
+        if key not in fields or top_level_attribute:
             moved = getattr(cls, "moved_keys", {}).get(key)  # a class may say what replaced a key of earlier configs
             if moved:
                 raise ConfigError(f"config key {path!r} was replaced: {moved}")
             if not where and key in TRL_KEYS and cls.__name__ == "TrainConfig":
                 raise ConfigError(f"unknown config key {path!r}: that is TRL's GRPOConfig name; grove's is "
                                   f"{TRL_KEYS[key]}")
-            close = difflib.get_close_matches(str(key), list(fields), n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else f"; known keys: {', '.join(sorted(fields))}"
+            known = list(fields)
+            if not where and cls.__name__ == "TrainConfig":
+                known, hint = _top_level_keys(known, str(key), data)
+                if hint:
+                    raise ConfigError(f"unknown config key {path!r}{hint}")
+            close = difflib.get_close_matches(str(key), known, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else f"; known keys: {', '.join(sorted(known))}"
             raise ConfigError(f"unknown config key {path!r}{hint}")
         kwargs[key] = _coerce(value, hints[key], path)
     try:

@@ -599,3 +599,22 @@ def test_files_and_dataset_folders_a_config_names_are_read_by_their_suffix(tmp):
         (tmp / name).write_bytes(b"\xff" * 64)
         with pytest.raises(ConfigError, match=rf"{name}' is not a valid {name.split('.')[1]} file"):
             check_named_files(Settings("x", str(tmp / name)))
+
+
+@pytest.mark.parametrize("override, expect", [
+    ("visgenn.x=1", "did you mean 'visgen'? (a 'visgen' section needs domain: visgen; this config's domain is "
+                    "'toy', its settings go under toy:)"),
+    ("visgen.x=1", "this config's domain is 'toy', so its own settings go under toy:"),
+    ("domain_config.x=1", "the domain's own settings go under its name: toy:"),
+    ("tooy.x=1", "did you mean 'toy'?"),
+    ("zzzz=1", "known keys: advantage, checkpoint, device, distributed, domain, eval, iterations, kind, logging, "
+               "loss, max_nonfinite_steps, optim, resume, rollout, seed, selection, toy"),
+])
+def test_an_unknown_top_level_key_names_the_domains_section(tmp, capsys, override, expect):
+    """The hint of an unknown top-level key lists the keys a user writes: the domain's own section by its name
+    (``toy:``), never the attribute ``domain_config`` (which is refused as a key, not silently dropped); another
+    domain's section name says which ``domain:`` it needs."""
+    for command in (["config", "show"], ["train"]):
+        argv = command + [str(ROOT / "configs/toy.yaml"), override] + (["--dry-run"] if command == ["train"] else [])
+        line = assert_one_line_error(argv, expect, tmp, capsys)
+        assert "domain_config" not in line.replace("'domain_config'", "")
