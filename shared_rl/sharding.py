@@ -133,9 +133,10 @@ def shard_from_rank0(modules: list[torch.nn.Module], d, device: torch.device, re
     ``set_model_state_dict(..., full_state_dict=True, broadcast_from_rank0=True)`` after sharding, each process
     keeping only its shards (``to_empty`` allocates them), and the buffers a state dict leaves out (rotary
     frequencies, ...) are broadcast from process 0 too, as is every tensor of ``roots`` (the domain's models:
-    ``DomainBase.fsdp_roots``) outside every unit — e.g. the tiny VLA flow head's noise levels, or the whole frozen
-    KL reference of ``llm.keep_reference``, which stays a full copy per process (parameters tied within a root stay
-    tied). When no process has a meta tensor this is plain ``FSDPShards`` (one all-reduce to agree)."""
+    ``DomainBase.fsdp_roots``) outside every unit — e.g. the tiny VLA flow head's noise levels (parameters tied
+    within a root stay tied). A frozen reference copy that a domain lists among its units (visgen, robotics, the
+    LLM's ``keep_reference``) is one more top unit: sharded and filled like the policy. When no process has a meta
+    tensor this is plain ``FSDPShards`` (one all-reduce to agree)."""
     from .distributed import FSDPShards
 
     in_units = {id(sub) for m in modules for sub in m.modules()}

@@ -270,7 +270,8 @@ class LLMConfig(DomainConfig):
     def parameter_groups(self, cfg: Any) -> list | None:
         """The model built from its ``config.json`` on the meta device (no weights read; a local model only — a hub
         id is counted once loaded): trained whole, or LoRA adapters (``rank x (in + out)`` per targeted linear
-        layer) over the frozen base, plus the frozen copy ``keep_reference`` makes (not sharded: copied before)."""
+        layer) over the frozen base, plus the frozen copy ``keep_reference`` makes (sharded like the model under
+        fsdp2: ``LLMDomain.fsdp_modules``)."""
         from ..memory_estimate import DTYPE_BYTES, ParameterGroup
         from ..prechecks import resolve_llm_model
 
@@ -290,7 +291,7 @@ class LLMConfig(DomainConfig):
                     ParameterGroup("frozen base (also the KL reference)", n, False, size)]
         groups = [ParameterGroup("model", n, True, size)]
         if self.keep_reference:
-            groups.append(ParameterGroup("reference copy", n, False, size, sharded=False))
+            groups.append(ParameterGroup("reference copy", n, False, size))
         return groups
 
     def rollout_structure(self, cfg: Any) -> str:

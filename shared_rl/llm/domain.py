@@ -60,10 +60,12 @@ class LLMDomain(DomainBase):
                                            cfg.lm_head_fp32)
         else:
             # under fsdp2 with several processes only process 0 reads the weights; the others build on the meta
-            # device and receive their shards (and the reference copy) from it in the trainer's setup_fsdp
+            # device and receive their shards from it in the trainer's setup_fsdp (the reference copy's too: a
+            # deepcopy of a meta model is a meta model, sharded as its own roots by fsdp_modules)
             self.model = load_causal_lm(cfg.model, cfg.dtype, self.device, cfg.lora, cfg.gradient_checkpointing,
                                         cfg.lm_head_fp32, meta=loads_on_meta(ctx))
         self.reference = None
+        self._reference_units: list[torch.nn.Module] = []  # FSDP2: the reference's units (fsdp_modules)
         if cfg.keep_reference and not cfg.lora.enabled:
             self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
         # EOS ids: the tokenizer's plus the model's generation config's (chat models end turns with their own)
@@ -250,6 +252,7 @@ class LLMDomain(DomainBase):
             module, context = reference_context(self.model, self.reference)
             with torch.no_grad(), context:
                 ref, _ = self._token_logp(module, p["prompt_ids"], p["completion_ids"], p["layout"])
+            self._reshard_reference()
             ref = _pad_steps(ref.float(), width)
             nfe += len(idx)
             if self.cfg.kl_ratio_correction != "off":
@@ -413,22 +416,42 @@ class LLMDomain(DomainBase):
     def fsdp_modules(self) -> list[torch.nn.Module]:
         """FSDP2 units (``distributed.strategy: fsdp2``): every decoder layer (the classes the transformers model
         lists in ``_no_split_modules``; with LoRA the adapters inside a layer are sharded with it), then the
-        transformers model itself as the root (embeddings, final norm, output layer)."""
+        transformers model itself as the root (embeddings, final norm, output layer). With full fine-tuning the
+        frozen KL reference copy (``llm.keep_reference``) is sharded the same way, as roots of its own on the same
+        mesh, so no process holds a whole second model: its forward (no grad, ``log_probs``) all-gathers each layer
+        and frees it after (``reshard`` after the forward whatever ``distributed.reshard_after_forward`` says)."""
         if self.cfg.share_prompt_forward:
             raise ConfigError("llm.share_prompt_forward runs a data-dependent number of forwards per micro-batch "
                               "(one when every prompt is one token), which FSDP2's per-forward collectives cannot "
                               "pair up across processes; set llm.share_prompt_forward: false with fsdp2")
         base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
-        names = set(getattr(base, "_no_split_modules", None) or [])
-        blocks = [m for m in base.modules() if type(m).__name__ in names]
-        if not blocks:
-            raise ConfigError(f"llm: cannot find the decoder layers of {self.cfg.model} for FSDP2 "
-                              f"(_no_split_modules={sorted(names)}); use distributed.strategy: replicate")
+        units = self._units(base, "")
+        if self.reference is not None:  # full fine-tuning's KL reference: sharded too, never whole per process
+            self._reference_units = self._units(self.reference, "the reference copy of ")
+            units += self._reference_units
         self._sharded = True
         if self._fast_train:  # FSDP2 gathers a unit's weights in its module's own forward, which fast_train bypasses
             self.ctx.log("llm: train_forward -> hf (distributed.strategy fsdp2 shards the modules)")
             self._fast_train = False
-        return blocks + [base]
+        return units
+
+    def _reshard_reference(self) -> None:
+        """FSDP2: free the reference copy's gathered layers after its forward (no backward reshards a frozen copy;
+        a no-op under ``reshard_after_forward: true``, which already did, and with one process: nothing sharded)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for unit in self._reference_units:
+            if isinstance(unit, FSDPModule):
+                unit.reshard()
+
+    def _units(self, model: torch.nn.Module, where: str) -> list[torch.nn.Module]:
+        """``model``'s decoder layers (its ``_no_split_modules`` classes), then ``model`` itself."""
+        names = set(getattr(model, "_no_split_modules", None) or [])
+        blocks = [m for m in model.modules() if type(m).__name__ in names]
+        if not blocks:
+            raise ConfigError(f"llm: cannot find the decoder layers of {where}{self.cfg.model} for FSDP2 "
+                              f"(_no_split_modules={sorted(names)}); use distributed.strategy: replicate")
+        return blocks + [model]
 
     # ---- parameters and export -------------------------------------------------------------------------------
     def parameters(self) -> list[torch.nn.Parameter]:

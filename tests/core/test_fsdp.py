@@ -16,7 +16,8 @@ from safetensors.torch import load_file
 
 from shared_rl.checkpoint import export_full_checkpoint
 from shared_rl.config import ConfigError, load_train_config
-from shared_rl.distributed import exit_distributed, free_port, full_optimizer_state, full_tensors, is_dtensor
+from shared_rl.distributed import (exit_distributed, free_port, full_optimizer_state, full_tensors, is_dtensor,
+                                   shards_gathered)
 from shared_rl.trainer import Trainer
 
 def even_token_fraction(completion_ids, **_):
@@ -65,6 +66,10 @@ VARIANTS["llm_full"] = {**VARIANTS["llm_lora"],
 VARIANTS["llm_lora_checkpointed"] = {**VARIANTS["llm_lora"],
                                      "llm": {**VARIANTS["llm_lora"]["llm"], "gradient_checkpointing": True}}
 ONE_PROCESS_LLM = {"llm_lora_checkpointed": {"gradient_checkpointing": False}}
+# the same with the gathered layers kept after each forward (distributed.reshard_after_forward: false): the policy's
+# are freed by its backward, the frozen reference's (no backward) by the domain after its forward
+VARIANTS["llm_full_kept_gathered"] = VARIANTS["llm_full"]
+TWO_PROCESS_DIST = {"llm_full_kept_gathered": {"reshard_after_forward": False}}
 METRICS = ("reward/mean", "groups/drawn", "groups/kept", "nfe/rollout", "nfe/train", "loss/policy", "loss/kl",
            "clip_frac", "ratio/mean", "grad_norm", "entropy", "eval/greedy_accuracy", "eval/expected_reward",
            "eval/accuracy", "eval/reward")
@@ -84,7 +89,7 @@ def tiny_llama(tmp_path_factory):
 
 def _config(name, strategy, model=None, **top):
     data = json.loads(json.dumps(VARIANTS[name]))
-    data["distributed"] = {"strategy": strategy}
+    data["distributed"] = {"strategy": strategy, **(TWO_PROCESS_DIST.get(name, {}) if strategy == "fsdp2" else {})}
     if strategy == "replicate" and name in ONE_PROCESS_LLM:
         data["llm"].update(ONE_PROCESS_LLM[name])
     if model:
@@ -122,17 +127,45 @@ def _fit_worker(rank, world, port, name, model, run_dir, out):
     if name.startswith("llm"):  # (transformers checkpoints a layer's forward, inside FSDP2's hooks on the layer)
         tr.fsdp.modules[0].mlp.register_forward_pre_hook(
             lambda *_: recomputed.__setitem__(0, recomputed[0] + (torch._C._current_graph_task_id() != -1)))
+    whole_reference = [0, 0]  # (training forwards of the policy, those that found the reference copy unsharded)
+    if name.startswith("llm_full"):
+        def check(*_):
+            if not shards_gathered():  # rollouts and evaluation gather every unit, the reference's too
+                whole_reference[0] += 1
+                whole_reference[1] += not all(is_dtensor(p) for p in tr.domain.reference.parameters())
+        tr.domain.model.register_forward_pre_hook(check)
     tr.fit()
     state = full_tensors(tr.domain.state_dict())
+    reference = {**_reference_layout(tr.domain), "seen": whole_reference} if name.startswith("llm_full") else None
     # the final checkpoint (gathered, one-process layout) loads back into fresh shards exactly
     again = Trainer(_config(name, "fsdp2", model), run_dir, log=lambda *_: None)
     assert again.resume() and again.start_iteration == tr.cfg.iterations
     assert all(torch.equal(v, state[k]) for k, v in full_tensors(again.domain.state_dict()).items())
     opt, opt_again = (full_optimizer_state(t.optimizer.state_dict()) for t in (tr, again))
     assert all(torch.equal(v, opt_again["state"][i][k]) for i, s in opt["state"].items() for k, v in s.items())
-    torch.save({"state": state, "padding_forwards": tr.padding_forwards, "recomputed": recomputed[0]},
-               f"{out}.{rank}")
+    if reference is not None:  # the resumed run rebuilds the reference from the starting weights, sharded again
+        reference["resumed"] = _reference_layout(again.domain)["full"]
+    if name == "llm_full_kept_gathered":  # stopped after step 1 and resumed: the uninterrupted weights (KL included)
+        mid = f"{run_dir}_mid"
+        Trainer(_config(name, "fsdp2", model, iterations=1), mid, log=lambda *_: None).fit()
+        resumed = Trainer(_config(name, "fsdp2", model), mid, log=lambda *_: None)
+        resumed.fit(resume=True)
+        assert resumed.start_iteration == 1
+        reference["resume_error"] = max(float((v - state[k]).abs().max())
+                                        for k, v in full_tensors(resumed.domain.state_dict()).items())
+    torch.save({"state": state, "padding_forwards": tr.padding_forwards, "recomputed": recomputed[0],
+                "reference": reference}, f"{out}.{rank}")
     exit_distributed(0)  # barrier + destroy + os._exit: gloo can SIGABRT at interpreter teardown
+
+
+def _reference_layout(domain):
+    """The LLM's frozen KL reference copy after training: whether every parameter is a DTensor (and resharded: an
+    unsharded FSDP2 module holds plain tensors), the elements this process holds of it, and its gathered weights."""
+    params = dict(domain.reference.named_parameters())  # tied weights once
+    return {"dtensors": all(is_dtensor(p) for p in params.values()),
+            "local": sum((p.to_local() if is_dtensor(p) else p).numel() for p in params.values()),
+            "numel": sum(p.numel() for p in params.values()),
+            "full": full_tensors({n: p.detach() for n, p in params.items()})}
 
 
 def _assert_same_records(one, two, where):
@@ -149,7 +182,8 @@ def _assert_same_records(one, two, where):
 
 
 @pytest.mark.parametrize("name", ["llm_lora", "llm_full", "llm_tree_fast_engine", "toy_tree",
-                                  pytest.param("llm_lora_checkpointed", marks=pytest.mark.slow)])
+                                  pytest.param("llm_lora_checkpointed", marks=pytest.mark.slow),
+                                  pytest.param("llm_full_kept_gathered", marks=pytest.mark.slow)])
 def test_fsdp2_two_processes_match_one(tmp_path, name, tiny_llama):
     model = tiny_llama if name.startswith("llm") else None
     torch.set_num_threads(1)
@@ -165,6 +199,20 @@ def test_fsdp2_two_processes_match_one(tmp_path, name, tiny_llama):
         assert torch.allclose(v, got[0]["state"][k], atol=1e-5, rtol=1e-4), k
     # 3 groups over 2 processes: the rank with fewer sequences padded its micro-batches with weight-0 forwards
     assert got[0]["padding_forwards"] + got[1]["padding_forwards"] > 0
+    if name.startswith("llm_full"):  # the KL reference: sharded (~half on each process), the starting weights
+        start = load_file(os.path.join(model, "model.safetensors"))
+        for r, g in enumerate(got):
+            ref = g["reference"]
+            assert ref["dtensors"], f"process {r}: the reference copy is not (or no longer) sharded"
+            # every training forward after a KL pass found the reference freed again (resharded after its forward)
+            assert ref["seen"][0] > 4 and ref["seen"][1] == 0, (r, ref["seen"])
+            assert abs(ref["local"] - ref["numel"] / 2) <= 0.05 * ref["numel"], (r, ref["local"], ref["numel"])
+            for full in (ref["full"], ref["resumed"]):
+                assert {k for k in full} >= set(start) - {"lm_head.weight"}
+                assert all(torch.equal(full[k], start[k]) for k in start if k in full)
+        assert got[0]["reference"]["local"] + got[1]["reference"]["local"] == got[0]["reference"]["numel"]
+        if "resume_error" in got[0]["reference"]:
+            assert got[0]["reference"]["resume_error"] <= 1e-5, got[0]["reference"]["resume_error"]
     # checkpointed layers re-run their forward in backward (and only then)
     assert (got[0]["recomputed"] > 0) == name.endswith("_checkpointed"), got[0]["recomputed"]
     _assert_same_records(_records(tmp_path / "one"), _records(tmp_path / "two"), name)
@@ -174,10 +222,10 @@ def test_fsdp2_two_processes_match_one(tmp_path, name, tiny_llama):
     w1, w2 = (load_file(str(p / "model.safetensors")) for p in (tmp_path / "one" / last, exported))
     assert w1.keys() == w2.keys() and all(torch.allclose(w1[k], w2[k], atol=1e-5, rtol=1e-4) for k in w1)
     if name.startswith("llm"):  # the exported adapter (full: the whole model) was gathered on rank 0
-        exported = "model.safetensors" if name == "llm_full" else "adapter_model.safetensors"
+        exported = "model.safetensors" if name.startswith("llm_full") else "adapter_model.safetensors"
         a1 = load_file(str(tmp_path / "one" / "final" / exported))
         a2 = load_file(str(tmp_path / "two" / "final" / exported))
-        if name == "llm_full":  # the gathered full state dict also names the tied output layer (the embeddings)
+        if name.startswith("llm_full"):  # the gathered full state dict also names the tied output (the embeddings)
             assert torch.equal(a2.pop("lm_head.weight"), a2["model.embed_tokens.weight"])
             from transformers import AutoModelForCausalLM
 
@@ -252,3 +300,19 @@ def test_fsdp2_config_errors(monkeypatch):
     monkeypatch.setattr(ToyDomain, "fsdp_modules", lambda self: [])
     with pytest.raises(ConfigError, match="fsdp2 is not supported by domain 'toy'"):
         Trainer(_config("toy_tree", "fsdp2"), None, log=lambda *_: None)
+
+
+def test_llm_estimate_shards_the_reference_copy():
+    """``--dry-run``'s memory estimate for full fine-tuning with ``llm.keep_reference``: under fsdp2 the frozen
+    reference copy is sharded like the model (``LLMDomain.fsdp_modules``), so 2 processes hold half of everything."""
+    from pathlib import Path
+
+    from shared_rl.config import apply_overrides, load_yaml
+    from shared_rl.memory_estimate import per_process_bytes
+
+    root = Path(__file__).resolve().parents[2]
+    cfg = load_train_config(apply_overrides(load_yaml(root / "configs/llm/arith_grpo.yaml"),
+                                            ["llm.keep_reference=true", "llm.lora.enabled=false"]))
+    groups = cfg.domain_config.parameter_groups(cfg)
+    assert [g.name for g in groups] == ["model", "reference copy"] and all(g.sharded for g in groups)
+    assert per_process_bytes(groups, "fsdp2", 2) * 2 == per_process_bytes(groups, "replicate", 1)
