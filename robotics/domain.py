@@ -394,6 +394,12 @@ class RoboticsDomain(DomainBase):
 
         return fsdp_units(self)
 
+    def fsdp_sampling_modules(self) -> list[torch.nn.Module]:
+        """The units rollouts and evaluation gather: the policy's, not its KL reference's (``robotics/fsdp.py``)."""
+        from .fsdp import sampling_modules
+
+        return sampling_modules(self)
+
     def close(self) -> None:
         self.venv.close()
 

@@ -25,7 +25,7 @@ frozen reference copy is sharded the same way.
 **Paired forwards.** One ``log_probs`` call runs each unit once on the batch of needed chunks (the encoder / VLM
 prefix) and once on the batch of trained steps (the head / action expert), whatever the data, and the KL reference
 the same when ``loss.kl_coef > 0``; the trainer equalises the number of calls per optimizer step. Rollouts and
-evaluation run with the shards gathered.
+evaluation run with the policy's shards gathered; the KL reference copy's stay sharded (``sampling_modules``).
 
 **Refused** (one-line ``ConfigError`` at trainer set-up): what runs forwards or changes weights outside that pattern
 or holds untested state per process — the value head (``robotics.critic.enabled``), BC replay
@@ -99,6 +99,12 @@ def fsdp_units(domain) -> list[torch.nn.Module]:
         ref = domain._ref if isinstance(domain._ref, torch.nn.Module) else None
         return lerobot_units(domain.policy) + (lerobot_units(ref) if ref is not None else [])
     return _units(domain.policy) + _units(domain._ref)
+
+
+def sampling_modules(domain) -> list[torch.nn.Module]:
+    """What rollouts and evaluation run (``DomainBase.fsdp_sampling_modules``): the policy. Not the KL reference
+    copy: it runs only in ``log_probs`` with KL (paired training forwards), so it stays sharded in ``gathered()``."""
+    return [domain.policy]
 
 
 # LeRobot classes (any class in a module's MRO: FSDP2 and gradient checkpointing subclass them) whose forward the

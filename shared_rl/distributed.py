@@ -115,7 +115,7 @@ def exit_distributed(code: int) -> None:
 # FSDP2 (``distributed.strategy: fsdp2``). grove's losses are normalised by *global* counts, so the per-rank
 # gradients must be summed, never averaged: every sharded module gets a gradient divide factor of 1 with plain SUM
 # reductions. Rollouts, evaluation and the deferred behaviour log-prob pass run inside ``FSDPShards.gathered()``
-# (every shard all-gathered once, no collective per forward), because their number of forwards differs per rank;
+# (the sampling units all-gathered once, no collective per forward), because their number of forwards differs per rank;
 # training forwards are collectives, and the trainer runs the same number of them on every rank.
 
 
@@ -158,16 +158,19 @@ class FSDPShards:
             m.set_gradient_divide_factor(1.0)  # sum over ranks: the loss already divides by global counts
             m.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM); dividing by 1 is exact
             self.modules.append(m)
+        # the units ``gathered`` all-gathers: all unless the domain names fewer (``sharding.gather_for_sampling``)
+        self.sampling = list(self.modules)
 
     @contextlib.contextmanager
     def gathered(self):
-        """All-gather every shard once (collective: call on every rank), run forwards locally, then free.
+        """All-gather the ``sampling`` units' shards once (collective: call on every rank), run forwards locally,
+        then free. The other units (a frozen KL reference copy) stay sharded, and must not run a forward inside.
 
         For work whose number of forwards differs per rank (rollouts, evaluation on rank 0): inside, forward hooks
         find the parameters already unsharded and do not reshard, so no forward issues a collective. Do not call
         ``Module.state_dict()`` of a sharded module inside (FSDP2's state-dict hook swaps the shards back in)."""
         global _GATHERED
-        for m in self.modules:
+        for m in self.sampling:
             m.set_reshard_after_forward(False, recurse=False)
             m.unshard()
         _GATHERED += 1
@@ -175,7 +178,7 @@ class FSDPShards:
             yield
         finally:
             _GATHERED -= 1
-            for m in self.modules:
+            for m in self.sampling:
                 m.reshard()
                 m.set_reshard_after_forward(self.reshard_after_forward, recurse=False)
 

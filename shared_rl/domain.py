@@ -206,9 +206,18 @@ class DomainBase:
         the data (each forward is a collective); (3) accept DTensor values in ``load_state_dict`` laid out like its
         own ``state_dict`` (the trainer shards checkpoints before handing them over); (4) under FSDP2,
         ``save_pretrained`` is called on *every* process (gather, then write on ``process_index == 0``).
-        Rollouts, evaluation and ``on_train_end`` run with the shards gathered, so they may use the modules freely
-        (but not ``Module.state_dict()``)."""
+        Rollouts, evaluation and ``on_train_end`` run with the shards of ``fsdp_sampling_modules()`` gathered, so
+        they may use those modules freely (but not ``Module.state_dict()``)."""
         return []
+
+    def fsdp_sampling_modules(self) -> list[torch.nn.Module] | None:
+        """Under FSDP2 the models rollouts, evaluation and ``on_train_end`` run forwards of (called after
+        ``fsdp_modules()``): ``FSDPShards.gathered()`` all-gathers only the ``fsdp_modules()`` units inside them (or
+        holding one), so a frozen copy only the training forwards use (a full-fine-tuning KL reference) stays
+        sharded and a rollout round holds one whole model per process, not two; a left-out unit's forward inside
+        raises. Name every copy the samplers or evaluation run (Wan 2.2's frozen second expert, an old / EMA copy a
+        sampler rolls out with). None (the default): every unit is gathered."""
+        return None
 
     def fsdp_roots(self) -> list[torch.nn.Module]:
         """The models the ``fsdp_modules()`` units belong to, with whatever lies outside every unit (buffers such

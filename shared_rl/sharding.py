@@ -1,9 +1,10 @@
 """The trainer's FSDP2 set-up (``distributed.strategy: fsdp2``): the settings checked against the process layout
 before any model loads, the domain's ``fsdp_modules()`` sharded with torch's ``fully_shard`` (on a 1-D mesh, or a
-2-D replicate x shard mesh for HSDP), FSDP2's ``MixedPrecisionPolicy`` / ``CPUOffloadPolicy`` from
-``distributed.mixed_precision`` / ``distributed.cpu_offload``, and the per-process memory line. The sharded modules
-themselves (gathering, state-dict helpers, the global gradient norm) are ``shared_rl.distributed.FSDPShards`` and
-its neighbours; docs/scaling.md describes the whole.
+2-D replicate x shard mesh for HSDP), the units rollouts and evaluation gather (``fsdp_sampling_modules()``),
+FSDP2's ``MixedPrecisionPolicy`` / ``CPUOffloadPolicy`` from ``distributed.mixed_precision`` /
+``distributed.cpu_offload``, and the per-process memory line. The sharded modules themselves (gathering,
+state-dict helpers, the global gradient norm) are ``shared_rl.distributed.FSDPShards`` and its neighbours;
+docs/scaling.md describes the whole.
 """
 from __future__ import annotations
 
@@ -83,6 +84,7 @@ def setup_fsdp(cfg, domain, d, device: torch.device, log):
     roots = list(domain.fsdp_roots())
     shards = shard_from_rank0(modules, d, device, dc.reshard_after_forward, replicate=dc.replicate, roots=roots,
                               **policies(cfg))
+    gather_for_sampling(shards, domain.fsdp_sampling_modules())
     local, full = shards.local_parameter_bytes()
     mesh = f"a {dc.replicate} x {d.world // dc.replicate} (replicate x shard) mesh" if dc.replicate > 1 else \
         f"{d.world} processes"
@@ -90,6 +92,33 @@ def setup_fsdp(cfg, domain, d, device: torch.device, log):
         f"parameter bytes" + ("; loaded by process 0 alone (the others built on the meta device and received "
                               "their shards)" if shards.from_rank0 else ""))
     return shards
+
+
+def gather_for_sampling(shards, sampling: list[torch.nn.Module] | None) -> None:
+    """Make ``shards.gathered()`` (rollouts, evaluation, ``on_train_end``) all-gather only the units sampling needs:
+    those inside one of ``sampling`` (the domain's ``fsdp_sampling_modules()``) or holding one; ``None``: every unit.
+    The others (a frozen KL reference copy, whose forwards are the paired training ones) stay sharded, so a rollout
+    round holds one whole model per process instead of two. A forward of such a unit inside ``gathered()`` would
+    all-gather on one process alone (and hang the others): it raises instead, naming the hook."""
+    if sampling is None:
+        return
+    inside = {id(sub) for m in sampling for sub in m.modules()}
+    chosen = {id(m) for m in sampling}
+    shards.sampling = [u for u in shards.modules
+                       if id(u) in inside or any(id(sub) in chosen for sub in u.modules())]
+    kept = {id(u) for u in shards.sampling}
+    for unit in shards.modules:
+        if id(unit) not in kept:
+            unit.register_forward_pre_hook(_not_gathered, prepend=True)  # before FSDP2's own (its all-gather)
+
+
+def _not_gathered(module: torch.nn.Module, _args) -> None:
+    from .distributed import shards_gathered
+
+    if shards_gathered():
+        raise RuntimeError(f"FSDP2: a forward of {type(module).__name__}, an FSDP2 unit the domain's "
+                           f"fsdp_sampling_modules() leaves out, ran inside FSDPShards.gathered() (a rollout or "
+                           f"evaluation), where it stays sharded; name its model in fsdp_sampling_modules()")
 
 
 @contextlib.contextmanager

@@ -276,6 +276,12 @@ class VisgenDomain(DomainBase):
 
         return fsdp_units(self)
 
+    def fsdp_sampling_modules(self) -> list[torch.nn.Module]:
+        """The units rollouts and evaluation gather: the transformers that sample (``visgen.fsdp.sampling_modules``)."""
+        from .fsdp import sampling_modules
+
+        return sampling_modules(self)
+
     def trained_outputs(self) -> list[str]:
         """The reward outputs this run trains on (``VisgenConfig.trained_outputs`` under the trainer's sections)."""
         return self.cfg.trained_outputs(self.ctx.train_cfg)

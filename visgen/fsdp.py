@@ -16,7 +16,8 @@ max-reduces that count over the processes once per call, and each pass pads itse
 (the LLM domain's ``gather.padding_forward``, one level down: per forward instead of per micro-batch). The trainer
 already equalises the number of ``log_probs`` calls per optimizer step. Inside ``FSDPShards.gathered()`` (the
 deferred behaviour log-prob pass, evaluation) forwards are local and ranks make different numbers of calls, so
-nothing is reduced there.
+nothing is reduced there; only the sampling transformers are gathered there (``sampling_modules``), the full-tuning
+reference copy stays sharded.
 
 **Refused** (one-line ``ConfigError`` at trainer set-up, naming the setting): what would keep a full copy of the
 trained weights on every process and swap it into sharded parameters (``visgen.ema.enabled``, the NFT / AWM / DGPO /
@@ -44,7 +45,8 @@ import torch
 
 from shared_rl.config import ConfigError
 
-__all__ = ["ForwardPadding", "fsdp_units", "is_sharded", "place_pipeline", "refuse_config", "save_sharded"]
+__all__ = ["ForwardPadding", "fsdp_units", "is_sharded", "place_pipeline", "refuse_config", "sampling_modules",
+           "save_sharded"]
 
 _HOW = "or use distributed.strategy: replicate"
 
@@ -109,6 +111,19 @@ def fsdp_units(domain) -> list[torch.nn.Module]:
     if second is not None and getattr(domain.pipe, "transformer", None) is not None:  # Wan 2.2's frozen second expert
         units += _units(second, "the second expert (transformer_2)")
     domain.rollouts.forward_pad = ForwardPadding()
+    return units
+
+
+def sampling_modules(domain) -> list[torch.nn.Module]:
+    """What rollouts, evaluation and the before/after grid run (``DomainBase.fsdp_sampling_modules``): the trained
+    transformer (with LoRA its adapter-off reference too) and Wan 2.2's frozen second expert, which samples the
+    low-noise steps. Not the full-tuning reference copy: its forwards are the KL's in ``log_probs`` (paired training
+    forwards), and the "before" grid of a full-tuning run is drawn at start-up, before sharding. The EMA and old
+    copies a sampler could roll out with are refused under FSDP2 (``refuse_config``)."""
+    units = [domain.policy.transformer]
+    second = getattr(domain.pipe, "transformer_2", None)
+    if second is not None and getattr(domain.pipe, "transformer", None) is not None:
+        units.append(second)
     return units
 
 

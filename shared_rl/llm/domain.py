@@ -435,6 +435,12 @@ class LLMDomain(DomainBase):
             self._fast_train = False
         return units
 
+    def fsdp_sampling_modules(self) -> list[torch.nn.Module]:
+        """The policy alone (with LoRA its adapter-off KL reference is the same modules): the rollout engine and
+        evaluation sample from ``self.model``; the full-fine-tuning reference copy runs only in ``log_probs`` with
+        KL (paired training forwards), so ``gathered()`` leaves it sharded."""
+        return [self.model]
+
     def _reshard_reference(self) -> None:
         """FSDP2: free the reference copy's gathered layers after its forward (no backward reshards a frozen copy;
         a no-op under ``reshard_after_forward: true``, which already did, and with one process: nothing sharded)."""

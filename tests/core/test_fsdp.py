@@ -128,15 +128,26 @@ def _fit_worker(rank, world, port, name, model, run_dir, out):
         tr.fsdp.modules[0].mlp.register_forward_pre_hook(
             lambda *_: recomputed.__setitem__(0, recomputed[0] + (torch._C._current_graph_task_id() != -1)))
     whole_reference = [0, 0]  # (training forwards of the policy, those that found the reference copy unsharded)
+    # (policy forwards inside gathered(): rollouts / evaluation, those with the policy not gathered, those that found
+    # a reference parameter gathered or its local shard the whole tensor)
+    sampling = [0, 0, 0]
     if name.startswith("llm_full"):
         def check(*_):
-            if not shards_gathered():  # rollouts and evaluation gather every unit, the reference's too
+            reference = list(tr.domain.reference.parameters())
+            if not shards_gathered():
                 whole_reference[0] += 1
-                whole_reference[1] += not all(is_dtensor(p) for p in tr.domain.reference.parameters())
+                whole_reference[1] += not all(is_dtensor(p) for p in reference)
+                return
+            # rollouts and evaluation gather the policy's units only (fsdp_sampling_modules): the frozen reference
+            # copy, which they never run, stays in its shards
+            sampling[0] += 1
+            sampling[1] += any(is_dtensor(p) for p in tr.domain.model.parameters())
+            sampling[2] += not all(is_dtensor(p) and p.to_local().numel() < p.numel() for p in reference)
         tr.domain.model.register_forward_pre_hook(check)
     tr.fit()
     state = full_tensors(tr.domain.state_dict())
-    reference = {**_reference_layout(tr.domain), "seen": whole_reference} if name.startswith("llm_full") else None
+    reference = ({**_reference_layout(tr.domain), "seen": whole_reference, "sampling": sampling}
+                 if name.startswith("llm_full") else None)
     # the final checkpoint (gathered, one-process layout) loads back into fresh shards exactly
     again = Trainer(_config(name, "fsdp2", model), run_dir, log=lambda *_: None)
     assert again.resume() and again.start_iteration == tr.cfg.iterations
@@ -206,6 +217,8 @@ def test_fsdp2_two_processes_match_one(tmp_path, name, tiny_llama):
             assert ref["dtensors"], f"process {r}: the reference copy is not (or no longer) sharded"
             # every training forward after a KL pass found the reference freed again (resharded after its forward)
             assert ref["seen"][0] > 4 and ref["seen"][1] == 0, (r, ref["seen"])
+            # rollouts (and rank 0's evaluation) ran the gathered policy with the reference still in its shards
+            assert ref["sampling"][0] > 2 and ref["sampling"][1:] == [0, 0], (r, ref["sampling"])
             assert abs(ref["local"] - ref["numel"] / 2) <= 0.05 * ref["numel"], (r, ref["local"], ref["numel"])
             for full in (ref["full"], ref["resumed"]):
                 assert {k for k in full} >= set(start) - {"lm_head.weight"}
