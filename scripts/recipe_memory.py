@@ -50,7 +50,8 @@ MEASURED = "# peak memory (measured): "
 MEASURE = ["configs/toy.yaml", "configs/visgen/shapes_grpo.yaml", "configs/llm/arith_grpo.yaml",
            "configs/robotics/metaworld_grpo.yaml",
            *(f"configs/llm/arith_{m}.yaml" for m in ("dapo", "drgrpo", "gspo", "mcgrpo", "rloo", "tree")),
-           "configs/robotics/metaworld_mt5_rl.yaml", "configs/visgen/shapes_fast.yaml"]
+           "configs/robotics/metaworld_mt5_rl.yaml", "configs/visgen/shapes_fast.yaml",
+           "configs/robotics/metaworld_grpo_door.yaml", "configs/robotics/metaworld_mt5_ppo.yaml"]
 # not measured: the supervised jobs (no iterations), GPU / uncached-hub recipes, and the LIBERO ones (~7-13 GB by
 # their headers' prose; measuring them needs a machine with that much free)
 # extra overrides per recipe beyond iterations=1, only where the recipe's evaluation alone would take most of an hour
@@ -58,6 +59,7 @@ MEASURE = ["configs/toy.yaml", "configs/visgen/shapes_grpo.yaml", "configs/llm/a
 # every env and the rollout's buffers
 MEASURE_OVERRIDES: dict[str, list[str]] = {
     "configs/robotics/metaworld_mt5_rl.yaml": ["eval.at_start=false", "robotics.eval_states_per_task=8"],
+    "configs/robotics/metaworld_mt5_ppo.yaml": ["eval.at_start=false", "robotics.eval_states_per_task=8"],
 }
 NOT_INCLUDED = "activations, rollout buffers and envs not included"
 # recipe -> (row of docs/scaling.md's computed table, "full" or "lora", GPUs sharing the shards)
