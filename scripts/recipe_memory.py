@@ -53,7 +53,8 @@ MEASURE = ["configs/toy.yaml", "configs/visgen/shapes_grpo.yaml", "configs/llm/a
            "configs/robotics/metaworld_mt5_rl.yaml", "configs/visgen/shapes_fast.yaml",
            "configs/robotics/metaworld_grpo_door.yaml", "configs/robotics/metaworld_mt5_ppo.yaml",
            "configs/visgen/words_ocr_grpo.yaml", "configs/visgen/video_shapes_grpo.yaml",
-           "configs/visgen/video_shapes_branch.yaml", "configs/visgen/video_shapes_tree.yaml"]
+           "configs/visgen/video_shapes_branch.yaml", "configs/visgen/video_shapes_tree.yaml",
+           "configs/visgen/shapes_dpo.yaml"]
 # not measured: the supervised jobs (no iterations), GPU / uncached-hub recipes, and the LIBERO ones (~7-13 GB by
 # their headers' prose; measuring them needs a machine with that much free)
 # extra overrides per recipe beyond iterations=1, only where the recipe's evaluation alone would take most of an hour
