@@ -88,7 +88,8 @@ RL_VARIANTS = {  # name -> overrides of RL_RECIPE (grove's defaults; each line s
     # authors' own batches are 512 (SimpleVLA-RL 64 x 8, RLinf 64 envs x 8)
     "ript-loop+batch256": ["advantage.estimator=rloo", "loss.clip_low=0.1", "loss.clip_high=0.1", "optim.lr=5e-5",
                            "optim.inner_epochs=8", "rollout.groups_per_iteration=32"],
-    # ... and at the authors' 512 episodes an update (64 groups of 8; 256 an optimizer step), ~27 min an iteration here
+    # ... and at the authors' 512 episodes an update (64 groups of 8; 256 an optimizer step): ~112k env steps an
+    # iteration with its refills, ~30 min on 2 idle cores (87 min measured on shared ones)
     "ript-loop+batch512": ["advantage.estimator=rloo", "loss.clip_low=0.1", "loss.clip_high=0.1", "optim.lr=5e-5",
                            "optim.inner_epochs=8", "rollout.groups_per_iteration=64"],
     # FPO (McAllister et al. 2025, akanazawa/fpo): LOOP's schedule with the SDE step's log-prob replaced by FPO's
