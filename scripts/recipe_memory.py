@@ -152,34 +152,31 @@ def memory_line(path: Path) -> str:
     return PREFIX + _no_estimate(cfg)
 
 
-def with_line(text: str, line: str) -> str:
-    """``text`` with its header's ``# memory:`` line replaced by ``line``, or ``line`` appended to the header."""
+def _with_header_line(text: str, prefix: str, line: str, insert_after: str | None = None) -> str:
+    """``text`` with its header's one ``prefix`` line replaced by ``line`` (extra copies dropped), or ``line`` put
+    right after the header's ``insert_after`` line when there is one, else at the header's end."""
     lines = text.split("\n")
     head = len(header(text))
-    found = [i for i in range(head) if lines[i].startswith(PREFIX)]
-    if found:
-        lines[found[0]] = line
-        for i in reversed(found[1:]):
-            del lines[i]
-    else:
-        lines.insert(head, line)
-    return "\n".join(lines)
-
-
-def with_measured(text: str, line: str) -> str:
-    """``text`` with its header's measured line replaced by ``line``, or ``line`` put right after the ``# memory:``
-    line (or at the header's end)."""
-    lines = text.split("\n")
-    head = len(header(text))
-    found = [i for i in range(head) if lines[i].startswith(MEASURED)]
+    found = [i for i in range(head) if lines[i].startswith(prefix)]
     if found:
         lines[found[0]] = line
         for i in reversed(found[1:]):
             del lines[i]
         return "\n".join(lines)
-    estimate = [i for i in range(head) if lines[i].startswith(PREFIX)]
-    lines.insert(estimate[0] + 1 if estimate else head, line)
+    after = [i for i in range(head) if insert_after and lines[i].startswith(insert_after)]
+    lines.insert(after[0] + 1 if after else head, line)
     return "\n".join(lines)
+
+
+def with_line(text: str, line: str) -> str:
+    """``text`` with its header's ``# memory:`` line replaced by ``line``, or ``line`` appended to the header."""
+    return _with_header_line(text, PREFIX, line)
+
+
+def with_measured(text: str, line: str) -> str:
+    """``text`` with its header's measured line replaced by ``line``, or ``line`` put right after the ``# memory:``
+    line (or at the header's end)."""
+    return _with_header_line(text, MEASURED, line, insert_after=PREFIX)
 
 
 def _tree_rss(pid: int) -> tuple[int, int]:
